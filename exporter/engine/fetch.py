@@ -1,0 +1,144 @@
+"""Read vLLM's /metrics: bounded in time and size, parsed off the event loop when large."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from exporter.engine.parse import EngineSnapshot, ParseError, parse
+from exporter.signals.engine import EngineState
+
+log = logging.getLogger(__name__)
+
+# Bodies above this are parsed in a worker thread so one big scrape cannot stall ingest.
+PARSE_INLINE_MAX_BYTES = 256 * 1024
+ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
+
+
+class FetchError(Exception):
+    """A target could not be read; ``reason`` is the bounded label value that counts it."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    snapshot: EngineSnapshot
+    body_bytes: int
+
+
+async def fetch_body(session: aiohttp.ClientSession, url: str, timeout: float,
+                     max_bytes: int) -> bytes:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout),
+                               headers={"Accept": ACCEPT}, allow_redirects=False) as response:
+            if response.status != 200:
+                raise FetchError("http_status", f"HTTP {response.status} from {url}")
+            if response.content_length is not None and response.content_length > max_bytes:
+                raise FetchError("body_too_large",
+                                 f"body of {response.content_length} bytes exceeds {max_bytes}")
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.content.iter_chunked(64 * 1024):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise FetchError("body_too_large", f"body exceeds {max_bytes} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except FetchError:
+        raise
+    except asyncio.TimeoutError:
+        raise FetchError("timeout", f"no complete answer from {url} within {timeout:g}s") from None
+    except aiohttp.ClientPayloadError as err:
+        raise FetchError("truncated", f"body from {url} ended early: {err}") from None
+    except aiohttp.ClientConnectorError as err:
+        raise FetchError("connect", f"cannot connect to {url}: {err.os_error or err}") from None
+    except aiohttp.ClientError as err:
+        raise FetchError("http_error", f"{type(err).__name__} reading {url}: {err}") from None
+
+
+async def decode_and_parse(body: bytes) -> EngineSnapshot:
+    def work() -> EngineSnapshot:
+        return parse(body.decode("utf-8"))
+
+    try:
+        if len(body) > PARSE_INLINE_MAX_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(None, work)
+        return work()
+    except UnicodeDecodeError:
+        raise FetchError("parse", "body is not UTF-8 text") from None
+    except ParseError as err:
+        raise FetchError("parse", f"not a Prometheus text exposition: {err}") from None
+
+
+class EnginePoller:
+    """Reads every target once per scrape, concurrently; concurrent scrapes share one read."""
+
+    def __init__(self, state: EngineState, session_factory: Callable[[], aiohttp.ClientSession],
+                 timeout: float, max_bytes: int,
+                 clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.state = state
+        self._session_factory = session_factory
+        self._session: aiohttp.ClientSession | None = None
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self._clock = clock
+        self._monotonic = monotonic
+        self._inflight: asyncio.Task[None] | None = None
+
+    async def close(self) -> None:
+        if self._inflight is not None:
+            await asyncio.gather(self._inflight, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    def effective_timeout(self, scrape_timeout_header: str | None) -> float:
+        """Our own timeout, shortened to fit inside Prometheus' scrape timeout."""
+        timeout = self.timeout
+        if scrape_timeout_header:
+            try:
+                budget = float(scrape_timeout_header)
+            except ValueError:
+                budget = 0.0
+            if budget > 0:
+                # Leave room to render and send our own answer.
+                timeout = min(timeout, max(budget * 0.9 - 0.1, 0.05))
+        return timeout
+
+    async def refresh(self, timeout: float | None = None) -> None:
+        if self._inflight is None or self._inflight.done():
+            self._inflight = asyncio.ensure_future(self._refresh_all(timeout or self.timeout))
+        await asyncio.shield(self._inflight)
+
+    async def _refresh_all(self, timeout: float) -> None:
+        if not self.state.targets:
+            return
+        if self._session is None:
+            self._session = self._session_factory()
+        await asyncio.gather(*(self._refresh_one(t, timeout) for t in self.state.targets))
+
+    async def _refresh_one(self, target: str, timeout: float) -> None:
+        assert self._session is not None
+        started = self._monotonic()
+        try:
+            body = await fetch_body(self._session, target, timeout, self.max_bytes)
+            snapshot = await decode_and_parse(body)
+        except FetchError as err:
+            duration = self._monotonic() - started
+            log.warning("vLLM target %s unreadable (%s): %s", target, err.reason, err)
+            self.state.record_failure(target, err.reason, str(err), duration)
+            return
+        except Exception as err:  # never let one target take the scrape down
+            duration = self._monotonic() - started
+            log.exception("unexpected error reading %s", target)
+            self.state.record_failure(target, "internal", repr(err), duration)
+            return
+        self.state.record_success(target, snapshot, self._monotonic() - started, self._clock())

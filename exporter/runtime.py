@@ -1,0 +1,65 @@
+"""Process lifecycle for ``run``: start the web app and the readers, stop them cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from exporter.config import Config
+from exporter.server import create_app
+from exporter.signals.state import SignalsState
+
+log = logging.getLogger(__name__)
+
+
+async def serve(config: Config, stop: asyncio.Event | None = None,
+                started: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set or SIGINT/SIGTERM arrives."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    state = SignalsState(config)
+    app = create_app(config, state)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    host, port = config.listen_host_port
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    background = await start_background(config, state, app)
+    log.info("listening on http://%s:%d/metrics, reading %d vLLM target(s)", host, port,
+             len(config.engine_targets))
+    if started is not None:
+        started.set()
+    try:
+        await stop.wait()
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await runner.cleanup()
+
+
+async def start_background(config: Config, state: SignalsState,
+                           app: web.Application) -> list[asyncio.Task[None]]:
+    """Long-running readers (file tail, tap proxy) that are not request handlers."""
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        from exporter.usage.tail import run_tailers
+    except ImportError:
+        run_tailers = None
+    if run_tailers is not None and config.usage_file:
+        tasks.append(asyncio.ensure_future(run_tailers(config, state)))
+    try:
+        from exporter.usage.tap import run_tap
+    except ImportError:
+        run_tap = None
+    if run_tap is not None and config.tap_listen_address:
+        tasks.append(asyncio.ensure_future(run_tap(config, state)))
+    return tasks

@@ -1,0 +1,126 @@
+"""Engine-side state: the last snapshot per target and restart-proof counters.
+
+Pure: callers hand in snapshots and the time; nothing here reads a clock or a socket.
+vLLM's counters fall to 0 when it restarts. Passing them through would let ``rate()`` see a
+reset only when the new value is lower than the old one; a restarted vLLM that already served
+more than before the scrape would read as a small increase and the lost history as nothing.
+So each counter is carried forward here: a drop, or a changed ``_created`` timestamp, is a
+restart, and the new value is added on top. The exported counters never go down while the
+exporter runs, and never jump by the old total.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from exporter.engine.parse import CacheConfig, EngineSnapshot
+
+
+@dataclass
+class CounterTrack:
+    last_raw: float
+    last_created: float | None
+    total: float
+
+    def update(self, raw: float, created: float | None) -> bool:
+        """Fold a new raw reading in; return True when it shows a restart."""
+        restarted = raw < self.last_raw or (
+            created is not None and self.last_created is not None
+            and created != self.last_created)
+        self.total += raw if restarted else raw - self.last_raw
+        self.last_raw = raw
+        self.last_created = created
+        return restarted
+
+
+@dataclass
+class EngineRow:
+    """What the exporter shows for one (target, model_name, engine)."""
+
+    model_name: str
+    engine: str
+    counters: dict[str, float]  # signal name -> carried-forward total
+    gauges: dict[str, float]  # signal name -> current value
+    cache_config: CacheConfig | None
+
+
+@dataclass
+class TargetState:
+    target: str
+    attempted: bool = False
+    up: bool = False
+    last_duration_seconds: float = 0.0
+    last_error: str = ""
+    last_success_time: float | None = None
+    present: dict[str, bool] = field(default_factory=dict)
+    rows: list[EngineRow] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)  # reason -> count
+    restarts: int = 0
+    invalid_samples: int = 0
+    tracks: dict[tuple[str, str, str], CounterTrack] = field(default_factory=dict)
+
+
+class EngineState:
+    def __init__(self, targets: tuple[str, ...]) -> None:
+        self.targets: dict[str, TargetState] = {t: TargetState(target=t) for t in targets}
+
+    @property
+    def ready(self) -> bool:
+        return all(t.attempted for t in self.targets.values())
+
+    def record_failure(self, target: str, reason: str, message: str, duration: float) -> None:
+        state = self.targets[target]
+        state.attempted = True
+        state.up = False
+        state.last_duration_seconds = duration
+        state.last_error = message
+        state.errors[reason] = state.errors.get(reason, 0) + 1
+        state.rows = []
+        state.present = {}
+
+    def record_success(self, target: str, snapshot: EngineSnapshot, duration: float,
+                       now: float) -> None:
+        state = self.targets[target]
+        state.attempted = True
+        state.up = True
+        state.last_duration_seconds = duration
+        state.last_error = ""
+        state.last_success_time = now
+        state.present = dict(snapshot.present)
+        state.invalid_samples += snapshot.invalid_samples
+        rows: list[EngineRow] = []
+        seen: set[tuple[str, str, str]] = set()
+        restarted = False
+        for (model_name, engine), values in sorted(snapshot.engines.items()):
+            counters: dict[str, float] = {}
+            gauges: dict[str, float] = {}
+            for signal_name, raw in values.values.items():
+                if signal_name not in COUNTER_SIGNALS:
+                    gauges[signal_name] = raw
+                    continue
+                key = (model_name, engine, signal_name)
+                seen.add(key)
+                created = values.created.get(signal_name)
+                track = state.tracks.get(key)
+                if track is None:
+                    state.tracks[key] = track = CounterTrack(raw, created, raw)
+                elif track.update(raw, created):
+                    restarted = True
+                counters[signal_name] = track.total
+            rows.append(EngineRow(model_name, engine, counters, gauges,
+                                  snapshot.cache_config_for(engine)))
+        # Engines with no model-labelled series still have a config (e.g. before traffic).
+        known_engines = {row.engine for row in rows}
+        for engine, config in sorted(snapshot.cache_configs.items()):
+            if engine not in known_engines:
+                rows.append(EngineRow("", engine, {}, {}, config))
+        if restarted:
+            state.restarts += 1
+        for key in [k for k in state.tracks if k not in seen]:
+            del state.tracks[key]
+        state.rows = rows
+
+
+COUNTER_SIGNALS = frozenset(
+    {"prefix_cache_queries", "prefix_cache_hits", "preemptions", "prompt_tokens",
+     "prompt_tokens_cached"})

@@ -1,0 +1,25 @@
+"""The one mutable object of the process: everything the metrics layer renders.
+
+Readers write into it (engine snapshots, usage events); collectors only read it. It holds no
+I/O handles and reads no clock: times are handed in.
+"""
+
+from __future__ import annotations
+
+from exporter.config import Config
+from exporter.signals.engine import EngineState
+
+
+class SignalsState:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.engine = EngineState(config.engine_targets)
+        self.usage = None  # set by the usage side (exporter.signals.usage.UsageState)
+        self._build_usage(config)
+
+    def _build_usage(self, config: Config) -> None:
+        try:
+            from exporter.signals.usage import UsageState
+        except ImportError:  # the usage side is optional at this layer
+            return
+        self.usage = UsageState(config, engine=self.engine)
