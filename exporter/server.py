@@ -7,6 +7,7 @@ I/O, as in client_python's own aiohttp handler.
 
 from __future__ import annotations
 
+import asyncio
 import html
 import logging
 from collections.abc import Awaitable, Callable
@@ -28,6 +29,7 @@ STATE_KEY = web.AppKey("state", SignalsState)
 POLLER_KEY = web.AppKey("poller", EnginePoller)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 CONFIG_KEY = web.AppKey("config", Config)
+FIRST_READ_KEY = web.AppKey("first_read", asyncio.Task)
 
 # Extra route installers (usage ingest, status page parts): each gets the app after the
 # core routes exist. Kept as a list so readers plug in without the server importing them.
@@ -65,12 +67,10 @@ def create_app(config: Config, state: SignalsState | None = None,
 
     async def start_first_read(app: web.Application) -> None:
         if initial_refresh and state.engine.targets:
-            import asyncio
-
-            app["first_read"] = asyncio.ensure_future(poller.refresh())
+            app[FIRST_READ_KEY] = asyncio.ensure_future(poller.refresh())
 
     async def close(app: web.Application) -> None:
-        task = app.get("first_read")
+        task = app.get(FIRST_READ_KEY)
         if task is not None:
             task.cancel()
         await poller.close()

@@ -1,0 +1,79 @@
+"""Who sent a request through the tap, without ever keeping the API key.
+
+Order: the configured caller header, else the OpenAI ``user`` field of the body, else a
+configured alias of the API key, else ``key-`` + a short SHA-256 of the key, else
+``anonymous``. Keys are matched by a prefix of their SHA-256 hex digest, so the operator's
+configuration holds no secret either; the raw key only lives in the forwarded header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ANONYMOUS = "anonymous"
+KEY_PREFIX = "key-"
+# 12 hex digits = 48 bits: distinct per key in practice, useless for recovering the key.
+SHORT_HASH_DIGITS = 12
+# A shorter alias prefix would match too many keys to name anyone.
+MIN_ALIAS_PREFIX_DIGITS = 8
+_HEX = frozenset("0123456789abcdef")
+
+
+class KeyAliases:
+    """``(sha256-hex-prefix, alias)`` pairs; the longest matching prefix wins."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
+        usable: list[tuple[str, str]] = []
+        for prefix, alias in pairs:
+            normalized = prefix.strip().lower()
+            if len(normalized) < MIN_ALIAS_PREFIX_DIGITS or not set(normalized) <= _HEX:
+                # The prefix is a hash, not a secret, so naming it in the log is safe.
+                log.warning("tap: ignoring key alias %r for %r: expected at least %d hex digits "
+                            "of the key's SHA-256", prefix, alias, MIN_ALIAS_PREFIX_DIGITS)
+                continue
+            usable.append((normalized, alias))
+        self._pairs = sorted(usable, key=lambda pair: len(pair[0]), reverse=True)
+
+    def __bool__(self) -> bool:
+        return bool(self._pairs)
+
+    def lookup(self, digest: str) -> str | None:
+        for prefix, alias in self._pairs:
+            if digest.startswith(prefix):
+                return alias
+        return None
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header (a bare key is accepted too)."""
+    if not authorization:
+        return None
+    scheme, _, rest = authorization.strip().partition(" ")
+    key = rest.strip() if scheme.lower() == "bearer" else authorization.strip()
+    return key or None
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def resolve_caller(headers: Mapping[str, str], body: Any, caller_header: str,
+                   aliases: KeyAliases) -> str:
+    """The caller name for one request (never the key itself)."""
+    named = headers.get(caller_header, "").strip() if caller_header else ""
+    if named:
+        return named
+    if isinstance(body, dict):
+        user = body.get("user")
+        if isinstance(user, str) and user.strip():
+            return user.strip()
+    key = bearer_key(headers.get("Authorization"))
+    if key is None:
+        return ANONYMOUS
+    digest = key_digest(key)
+    return aliases.lookup(digest) or KEY_PREFIX + digest[:SHORT_HASH_DIGITS]
