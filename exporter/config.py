@@ -450,3 +450,19 @@ def _cross_checks(config: Config) -> Config:
         if not config.usage_mapping_file:
             raise ConfigError("--usage.mapping.file", "the 'mapping' format needs a mapping file")
     return config
+
+
+def flags_markdown() -> str:
+    """The README's configuration reference, generated so it cannot drift from FLAGS."""
+    lines = ["| Flag | Environment | Default | Meaning |", "|---|---|---|---|"]
+    current = None
+    for flag in FLAGS:
+        if flag.group != current:
+            current = flag.group
+            lines.append(f"| **{current}** | | | |")
+        default = _show(flag) if flag.default not in (None, "", ()) else ""
+        option = flag.option + ("" if flag.kind == "bool" else f" {flag.metavar or 'VALUE'}")
+        meaning = flag.help.replace("|", "\\|")
+        lines.append(f"| `{option}` | `{flag.env}` | {f'`{default}`' if default else ''} "
+                     f"| {meaning} |")
+    return "\n".join(lines) + "\n"
