@@ -13,7 +13,7 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 def test_flag_reference_is_current():
     block = README.split("<!-- flags:begin", 1)[1].split("-->", 1)[1].split("<!-- flags:end")[0]
-    assert block.strip() == flags_markdown().strip(), "regenerate with exporter.config.flags_markdown()"
+    assert block.strip() == flags_markdown().strip(), "regenerate: config.flags_markdown()"
 
 
 def test_ci_runs_exactly_the_readme_test_command():

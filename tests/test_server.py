@@ -7,8 +7,7 @@ import asyncio
 from exporter import __version__
 from exporter.config import Config
 from exporter.server import FIRST_READ_KEY, create_app
-
-from .engine.conftest import scrape, value
+from tests.helpers import scrape, value
 
 
 async def test_landing_page_links_and_version(aiohttp_client):

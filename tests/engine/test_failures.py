@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .conftest import fixture_text, scrape, value
+from tests.helpers import fixture_text, scrape, value
 
 ROW = {"model_name": "tiny-llama", "engine": "0"}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import FIXTURES, fixture_text, scrape, value
+from tests.helpers import FIXTURES, fixture_text, scrape, value
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 STABLE_TARGET = "http://vllm:8000/metrics"

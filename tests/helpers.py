@@ -1,19 +1,14 @@
-"""A scriptable stand-in for vLLM's /metrics endpoint, and the exporter pointed at it."""
+"""Shared test helpers: a scriptable stand-in for vLLM's /metrics, exposition readers."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from exporter.config import Config
-from exporter.server import create_app
-
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def fixture_text(name: str) -> str:
@@ -29,6 +24,7 @@ class FakeVllm:
         self.hang = False
         self.requests = 0
         self.release = asyncio.Event()
+        self.url = ""
 
     async def handle(self, _request: web.Request) -> web.Response:
         self.requests += 1
@@ -36,31 +32,6 @@ class FakeVllm:
             await self.release.wait()
         return web.Response(status=self.status, text=self.body,
                             content_type="text/plain", charset="utf-8")
-
-
-@pytest.fixture
-async def fake_vllm(aiohttp_server: Callable[..., Awaitable[TestServer]]):
-    fake = FakeVllm()
-    app = web.Application()
-    app.router.add_get("/metrics", fake.handle)
-    server = await aiohttp_server(app)
-    fake.url = str(server.make_url("/metrics"))  # type: ignore[attr-defined]
-    yield fake
-    fake.release.set()
-
-
-ExporterFactory = Callable[..., Awaitable[TestClient]]
-
-
-@pytest.fixture
-def exporter_for(aiohttp_client: Callable[..., Awaitable[TestClient]]) -> ExporterFactory:
-    """Start the exporter's app for the given vLLM URLs (no background first read)."""
-
-    async def start(*urls: str, **overrides: object) -> TestClient:
-        config = Config(vllm_url=tuple(urls), **overrides)  # type: ignore[arg-type]
-        return await aiohttp_client(create_app(config, initial_refresh=False))
-
-    return start
 
 
 async def scrape(client: TestClient, headers: dict[str, str] | None = None) -> str:

@@ -1,0 +1,28 @@
+"""docs/metrics.md is the contract users read: every series we serve must be in it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from exporter.config import Config
+from exporter.server import create_app
+from tests.helpers import scrape
+
+DOC = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text("utf-8")
+
+
+async def test_every_served_family_is_documented(fake_vllm, aiohttp_client):
+    client = await aiohttp_client(create_app(Config(vllm_url=(fake_vllm.url,)),
+                                             initial_refresh=False))
+    text = await scrape(client)
+    families = set(re.findall(r"^# TYPE (\S+) (\S+)", text, flags=re.M))
+    assert families, "nothing served"
+    missing = []
+    for name, kind in sorted(families):
+        documented = {name, f"{name}_total", re.sub(r"_(bucket|sum|count)$", "", name)}
+        if kind == "counter":
+            documented.add(f"{name}_total")
+        if not any(f"`{candidate}`" in DOC for candidate in documented):
+            missing.append(name)
+    assert missing == [], f"series missing from docs/metrics.md: {missing}"
