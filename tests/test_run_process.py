@@ -1,0 +1,46 @@
+"""The `run` command as a user starts it: a real process, a real port, SIGTERM to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+
+import aiohttp
+
+from tests.helpers import value
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_run_serves_engine_signals_and_stops_on_sigterm(fake_vllm):
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "exporter", "--vllm.url", fake_vllm.url,
+        "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "warning",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        async with aiohttp.ClientSession() as session:
+            deadline = asyncio.get_running_loop().time() + 30
+            while True:  # no event to await across processes: poll readiness with a deadline
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/-/ready") as response:
+                        if response.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                assert asyncio.get_running_loop().time() < deadline, "exporter never ready"
+                await asyncio.sleep(0.1)
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+                text = await response.text()
+        assert value(text, "vllm_cache_engine_prefix_cache_hits_tokens_total",
+                     target=fake_vllm.url, model_name="tiny-llama", engine="0") == 6784
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _out, err = await asyncio.wait_for(process.communicate(), timeout=20)
+    assert process.returncode == 0, err.decode()
