@@ -71,6 +71,11 @@ class EngineCollector:
             "vllm_cache_engine_prefix_caching_enabled",
             "1 if vLLM runs with prefix caching on (vllm:cache_config_info "
             "enable_prefix_caching), else 0.", labels=ROW_LABELS)
+        info = GaugeMetricFamily(
+            "vllm_cache_engine_cache_config_info",
+            "vLLM's cache configuration (allow-listed labels of vllm:cache_config_info; "
+            "'None' where vLLM reports none, absent keys empty). Always 1.",
+            labels=ROW_LABELS + list(names.CACHE_CONFIG_KEYS))
         block = GaugeMetricFamily(
             "vllm_cache_engine_block_size_tokens",
             "vLLM's KV-cache block size in tokens (vllm:cache_config_info block_size).",
@@ -114,6 +119,8 @@ class EngineCollector:
                 config = row.cache_config
                 pool_tokens = config.pool_tokens if config else None
                 if config is not None:
+                    info.add_metric(labels + [config.fields.get(key, "")
+                                              for key in names.CACHE_CONFIG_KEYS], 1.0)
                     if config.enable_prefix_caching is not None:
                         enabled.add_metric(labels, 1.0 if config.enable_prefix_caching else 0.0)
                     if config.block_size:
@@ -139,6 +146,7 @@ class EngineCollector:
         yield invalid
         yield present
         yield enabled
+        yield info
         yield block
         yield pool
         yield usage
