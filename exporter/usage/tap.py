@@ -1,0 +1,516 @@
+"""The tap: a transparent reverse proxy in front of vLLM that records one UsageEvent per call.
+
+For deployments without a proxy that logs ``cached_tokens`` per caller. The tap forwards
+every request to ``--tap.upstream`` unchanged except for what it must do to read usage:
+
+- chat, completions and responses calls (POST) are recorded: caller, model, prompt, cached
+  and completion tokens, TTFT (first event that carries content) and the HTTP status the
+  client saw (499 when the client went away, 504 on upstream timeout, 502 when upstream was
+  unreachable or broke mid-answer or answered above ``--tap.max-response-bytes``);
+- a streaming chat/completion call that did not ask for usage gets
+  ``stream_options.include_usage`` upstream, and the usage-only chunk this adds is removed
+  from what the client receives; every other byte reaches the client as upstream sent it,
+  chunk by chunk as it arrives;
+- every other path is proxied untouched and not recorded.
+
+Nothing is ever retried: a request that failed upstream may have run there. The API key is
+forwarded and otherwise only hashed (see ``tap_identity``); it never reaches a log line, an
+event or a label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from exporter.config import Config
+from exporter.signals.state import SignalsState
+from exporter.usage.tap_identity import KeyAliases, resolve_caller
+from exporter.usage.tap_sse import StreamReader
+from exporter.usage.tap_usage import (
+    ENDPOINTS,
+    USAGE_OPT_IN,
+    BadUsage,
+    Endpoint,
+    usage_of,
+)
+
+log = logging.getLogger(__name__)
+
+READER = "tap"
+STATUS_CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection first"
+
+# RFC 9110 7.6.1 connection-specific fields, never forwarded by a proxy.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+})
+# Recomputed by the HTTP client / already handled by the tap (the body was read in full).
+REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+# Client headers aiohttp would otherwise add on its own: the tap forwards the client's or none.
+SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
+# Non-streamed bodies above this are decoded in a worker thread.
+PARSE_INLINE_MAX_BYTES = 256 * 1024
+READ_CHUNK = 64 * 1024
+
+TAP_CONFIG_KEY = web.AppKey("tap_config", Config)
+TAP_KEY = web.AppKey("tap", object)
+
+
+@dataclass
+class Exchange:
+    """What one recorded call taught the tap; turned into a UsageEvent at the end."""
+
+    endpoint: Endpoint
+    caller: str
+    model: str | None
+    status: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_seconds: float | None = None
+
+
+def json_error(status: int, message: str, kind: str) -> web.Response:
+    """An OpenAI-shaped error body, so clients show the tap's reason as they show vLLM's."""
+    body = {"error": {"message": message, "type": kind, "code": status}, "object": "error"}
+    return web.json_response(body, status=status)
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
+    tokens = set()
+    for value in headers.getall("Connection", ()):
+        tokens.update(token.strip().lower() for token in value.split(",") if token.strip())
+    return tokens
+
+
+def forward_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    listed = _connection_tokens(headers)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in drop or lower in listed:
+            continue
+        out.add(name, value)
+    return out
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_bounded(stream: aiohttp.StreamReader, declared: int | None,
+                       limit: int) -> bytes:
+    if declared is not None and declared > limit:
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await stream.read(READ_CHUNK)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+
+
+def inject_include_usage(body: bytes, request_json: dict[str, Any]) -> bytes:
+    """Ask upstream for the usage chunk. Without stream_options the other bytes stay put."""
+    options = request_json.get("stream_options")
+    if options is None and "stream_options" not in request_json:
+        start = body.index(b"{") + 1
+        return body[:start] + b'"stream_options":{"include_usage":true},' + body[start:]
+    merged = dict(options) if isinstance(options, dict) else {}
+    merged["include_usage"] = True
+    # continuous_usage_stats would put usage on every chunk the client never asked usage for.
+    merged.pop("continuous_usage_stats", None)
+    rewritten = dict(request_json, stream_options=merged)
+    return json.dumps(rewritten, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def wants_usage(request_json: dict[str, Any]) -> bool:
+    options = request_json.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+class Tap:
+    """The proxy handler and the recording of its calls. One per tap listener."""
+
+    def __init__(self, config: Config, state: SignalsState,
+                 session: aiohttp.ClientSession | None,
+                 clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.state = state
+        self.session = session
+        self.upstream = URL(config.tap_upstream.rstrip("/"))
+        self.aliases = KeyAliases(config.tap_key_alias)
+        self.timeout = aiohttp.ClientTimeout(total=config.tap_timeout)
+        self.clock = clock
+        self.monotonic = monotonic
+
+    # -- recording ---------------------------------------------------------------------
+
+    def reject(self, reason: str) -> None:
+        usage = self.state.usage
+        if usage is not None:
+            usage.reject(READER, reason)
+        log.debug("tap: %s", reason)
+
+    def record(self, exchange: Exchange) -> None:
+        """Hand the call to the usage signals through the same validation as every reader."""
+        usage = self.state.usage
+        if usage is None:
+            return
+        failed = exchange.status >= 400 or exchange.status == 0
+        if exchange.prompt_tokens is None and not failed:
+            return  # already counted as a rejection (no_usage, response_not_json, ...)
+        from exporter.usage.event import InvalidEvent, validate
+
+        try:
+            event = validate({
+                "caller": exchange.caller,
+                "model": exchange.model,
+                "prompt_tokens": exchange.prompt_tokens,
+                "cached_tokens": exchange.cached_tokens,
+                "completion_tokens": exchange.completion_tokens,
+                "ttft_seconds": exchange.ttft_seconds,
+                "time": self.clock(),
+                "status": exchange.status or 502,
+            })
+        except InvalidEvent as err:
+            # The call itself went through; only its record is refused, and counted.
+            usage.reject(READER, err.reason)
+            log.debug("tap: event refused (%s): %s", err.reason, err)
+            return
+        usage.record(event, reader=READER)
+
+    # -- proxying ----------------------------------------------------------------------
+
+    def upstream_url(self, request: web.Request) -> URL:
+        return URL(str(self.upstream) + request.raw_path, encoded=True)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        started = self.monotonic()
+        endpoint = ENDPOINTS.get(request.path.rstrip("/")) if request.method == "POST" else None
+        try:
+            body = await read_bounded(request.content, request.content_length,
+                                      self.config.tap_max_request_bytes)
+        except BodyTooLarge:
+            self.reject("request_too_large")
+            return json_error(413, "request body exceeds --tap.max-request-bytes "
+                              f"({self.config.tap_max_request_bytes} bytes)",
+                              "request_too_large")
+        headers = forward_headers(request.headers, REQUEST_DROP)
+        if endpoint is None:
+            return await self.forward(request, body, headers, None, started)
+
+        request_json: Any = None
+        try:
+            request_json = json.loads(body) if body else None
+        except ValueError:
+            pass  # vLLM answers it (400) and the tap records that answer
+        if not isinstance(request_json, dict):
+            request_json = None
+        model = request_json.get("model") if request_json else None
+        exchange = Exchange(
+            endpoint=endpoint,
+            caller=resolve_caller(request.headers, request_json,
+                                  self.config.tap_caller_header, self.aliases),
+            model=model if isinstance(model, str) else None)
+        strip = False
+        if (request_json is not None and endpoint in USAGE_OPT_IN
+                and request_json.get("stream") is True and not wants_usage(request_json)):
+            body = inject_include_usage(body, request_json)
+            strip = True
+        # Usage is read from the bytes: ask for them uncompressed.
+        headers.popall("Accept-Encoding", None)
+        try:
+            return await self.forward(request, body, headers, exchange, started, strip)
+        finally:
+            self.record(exchange)
+
+    async def forward(self, request: web.Request, body: bytes, headers: CIMultiDict[str],
+                      exchange: Exchange | None, started: float,
+                      strip: bool = False) -> web.StreamResponse:
+        assert self.session is not None, "the tap's client session is not started"
+        try:
+            async with self.session.request(
+                    request.method, self.upstream_url(request), data=body or None,
+                    headers=headers, skip_auto_headers=SKIP_AUTO_HEADERS,
+                    allow_redirects=False, timeout=self.timeout,
+                    auto_decompress=False) as upstream:
+                try:
+                    return await self.answer(request, upstream, exchange, started, strip)
+                except BaseException:
+                    upstream.close()  # never leave vLLM generating for nobody
+                    raise
+        except asyncio.CancelledError:
+            if exchange is not None:
+                exchange.status = STATUS_CLIENT_CLOSED
+            raise
+        except _ClientGone:
+            if exchange is not None:
+                exchange.status = STATUS_CLIENT_CLOSED
+            return _dropped()
+        except _StreamBroken as broken:
+            if exchange is not None:
+                exchange.status = broken.status
+            log.warning("tap: %s %s: %s", request.method, request.path, broken.message)
+            assert broken.response is not None
+            return broken.response
+        except asyncio.TimeoutError:
+            if exchange is not None:
+                exchange.status = 504
+            log.warning("tap: %s %s: no answer from upstream within %gs", request.method,
+                        request.path, self.config.tap_timeout)
+            return json_error(504, f"upstream {self.upstream} did not answer within "
+                              f"{self.config.tap_timeout:g}s", "upstream_timeout")
+        except aiohttp.ClientError as err:
+            if exchange is not None:
+                exchange.status = 502
+            reason = type(err).__name__
+            if isinstance(err, aiohttp.ClientConnectorError):
+                reason = f"cannot connect ({err.os_error or err})"
+            log.warning("tap: %s %s: upstream failed: %s", request.method, request.path,
+                        reason)
+            return json_error(502, f"upstream {self.upstream} failed: {reason}",
+                              "upstream_error")
+
+    async def answer(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                     exchange: Exchange | None, started: float,
+                     strip: bool) -> web.StreamResponse:
+        headers = forward_headers(upstream.headers, RESPONSE_DROP)
+        if exchange is not None:
+            exchange.status = upstream.status
+            if upstream.content_type == "text/event-stream":
+                return await self.relay_events(request, upstream, headers, exchange, started,
+                                               strip)
+            return await self.relay_body(upstream, headers, exchange)
+        return await self.relay_raw(request, upstream, headers)
+
+    async def relay_raw(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                        headers: CIMultiDict[str]) -> web.StreamResponse:
+        """Any other path: bytes through as they come, nothing read."""
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                      headers=headers)
+        if upstream.content_length is not None and not _has_body_encoding(upstream):
+            response.content_length = upstream.content_length
+        await _prepare(response, request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await _write(response, chunk)
+        except (asyncio.TimeoutError, aiohttp.ClientError) as err:
+            raise _StreamBroken(request, response, 504 if isinstance(
+                err, asyncio.TimeoutError) else 502, f"upstream broke mid-answer: {err!r}"
+                                ) from None
+        await _write_eof(response)
+        return response
+
+    async def relay_body(self, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str],
+                         exchange: Exchange) -> web.Response:
+        """A whole (non-streamed) answer: read it within the limit, pass it byte for byte."""
+        limit = self.config.tap_max_response_bytes
+        try:
+            body = await read_bounded(upstream.content, upstream.content_length, limit)
+        except BodyTooLarge:
+            exchange.status = 502
+            self.reject("response_too_large")
+            return json_error(502, f"upstream answer exceeds --tap.max-response-bytes "
+                              f"({limit} bytes)", "response_too_large")
+        response = web.Response(status=upstream.status, reason=upstream.reason, body=body,
+                                headers=headers)
+        await self.read_body_usage(body, upstream, exchange)
+        return response
+
+    async def read_body_usage(self, body: bytes, upstream: aiohttp.ClientResponse,
+                              exchange: Exchange) -> None:
+        if upstream.status >= 400 or upstream.content_type != "application/json":
+            if upstream.status < 400:
+                self.reject("response_not_json")
+            return
+        try:
+            if len(body) > PARSE_INLINE_MAX_BYTES:
+                obj = await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
+            else:
+                obj = json.loads(body)
+            usage, model = usage_of(obj)
+        except BadUsage as err:
+            self.reject(err.reason)
+            return
+        except ValueError:
+            self.reject("response_not_json")
+            return
+        if model:
+            exchange.model = model
+        if usage is None:
+            self.reject("no_usage")
+            return
+        exchange.prompt_tokens = usage.prompt_tokens
+        exchange.cached_tokens = usage.cached_tokens
+        exchange.completion_tokens = usage.completion_tokens
+
+    async def relay_events(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                           headers: CIMultiDict[str], exchange: Exchange, started: float,
+                           strip: bool) -> web.StreamResponse:
+        """A stream: each chunk to the client as it arrives, usage read on the way."""
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                      headers=headers)
+        await _prepare(response, request)
+        reader = StreamReader(strip, started,
+                              max_event_bytes=min(self.config.tap_max_response_bytes,
+                                                  8 * 1024 * 1024))
+        broken: _StreamBroken | None = None
+        try:
+            async for chunk in upstream.content.iter_any():
+                out = reader.feed(chunk, self.monotonic())
+                if out:
+                    await _write(response, out)
+        except (asyncio.TimeoutError, aiohttp.ClientError) as err:
+            timed_out = isinstance(err, asyncio.TimeoutError)
+            broken = _StreamBroken(request, response, 504 if timed_out else 502,
+                                   "upstream stream " + ("timed out" if timed_out
+                                                         else f"broke: {err!r}"))
+        tail = reader.finish()
+        if tail:
+            await _write(response, tail)
+        self.take_stream(reader, exchange)
+        if broken is not None:
+            raise broken
+        await _write_eof(response)
+        return response
+
+    def take_stream(self, reader: StreamReader, exchange: Exchange) -> None:
+        for problem in reader.problems:
+            self.reject(problem)
+        exchange.ttft_seconds = reader.ttft_seconds
+        if reader.model:
+            exchange.model = reader.model
+        if reader.error_status is not None:
+            exchange.status = reader.error_status
+        if reader.usage is None:
+            if exchange.status < 400:
+                self.reject("no_usage")
+            return
+        exchange.prompt_tokens = reader.usage.prompt_tokens
+        exchange.cached_tokens = reader.usage.cached_tokens
+        exchange.completion_tokens = reader.usage.completion_tokens
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the tap was answering."""
+
+
+class _StreamBroken(Exception):
+    """Upstream failed after the client already got the status line: cut the client off."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, status: int,
+                 message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.response = response
+        # Closing without the final chunk tells the client the answer is incomplete, as a
+        # direct connection to the failed upstream would have.
+        if request.transport is not None:
+            request.transport.close()
+
+
+def _has_body_encoding(upstream: aiohttp.ClientResponse) -> bool:
+    return "Transfer-Encoding" in upstream.headers
+
+
+async def _prepare(response: web.StreamResponse, request: web.Request) -> None:
+    try:
+        await response.prepare(request)
+    except ConnectionError:
+        raise _ClientGone from None
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionError:
+        raise _ClientGone from None
+
+
+async def _write_eof(response: web.StreamResponse) -> None:
+    try:
+        await response.write_eof()
+    except ConnectionError:
+        raise _ClientGone from None
+
+
+def _dropped() -> web.Response:
+    """Returned to aiohttp when nobody is listening any more; never seen by a client."""
+    return web.Response(status=STATUS_CLIENT_CLOSED)
+
+
+def new_session() -> aiohttp.ClientSession:
+    """No connection cap (each client call needs its own upstream call), no decompression."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
+def create_tap_app(config: Config, state: SignalsState,
+                   session: aiohttp.ClientSession | None = None,
+                   clock: Callable[[], float] = time.time,
+                   monotonic: Callable[[], float] = time.monotonic) -> web.Application:
+    """The tap as an aiohttp app (tests and benchmarks mount it themselves).
+
+    Without a session the app opens its own on startup and closes it on cleanup.
+    """
+    tap = Tap(config, state, session, clock=clock, monotonic=monotonic)
+    app = web.Application(client_max_size=config.tap_max_request_bytes)
+    app[TAP_CONFIG_KEY] = config
+    app[TAP_KEY] = tap
+    app.router.add_route("*", "/{tail:.*}", tap.handle)
+    if session is None:
+        async def open_session(_app: web.Application) -> None:
+            tap.session = new_session()
+
+        async def close_session(_app: web.Application) -> None:
+            if tap.session is not None:
+                await tap.session.close()
+
+        app.on_startup.append(open_session)
+        app.on_cleanup.append(close_session)
+    return app
+
+
+async def run_tap(config: Config, state: SignalsState) -> None:
+    """Serve the tap on --tap.listen-address until cancelled."""
+    app = create_tap_app(config, state)
+    # handler_cancellation: a client that hangs up cancels its upstream call at once.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                           handler_cancellation=True, shutdown_timeout=2.0)
+    await runner.setup()
+    host, _, port = config.tap_listen_address.rpartition(":")
+    try:
+        site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port),
+                           reuse_address=True)
+        try:
+            await site.start()
+        except OSError as err:
+            log.error("tap: cannot listen on %s: %s", config.tap_listen_address, err.strerror)
+            raise
+        log.info("tap listening on http://%s, forwarding to %s", config.tap_listen_address,
+                 config.tap_upstream)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
