@@ -8,18 +8,15 @@ from __future__ import annotations
 
 from exporter.config import Config
 from exporter.signals.engine import EngineState
+from exporter.signals.usage import UsageState
 
 
 class SignalsState:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.engine = EngineState(config.engine_targets)
-        self.usage = None  # set by the usage side (exporter.signals.usage.UsageState)
+        self.usage: UsageState | None = None
         self._build_usage(config)
 
     def _build_usage(self, config: Config) -> None:
-        try:
-            from exporter.signals.usage import UsageState
-        except ImportError:  # the usage side is optional at this layer
-            return
         self.usage = UsageState(config, engine=self.engine)

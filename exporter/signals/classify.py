@@ -1,0 +1,59 @@
+"""Warm / partial / cold / short per request, aware of the cache's block boundaries.
+
+A flat "hit ratio above 90%" bar misjudges real traffic: vLLM caches whole granules (blocks
+of 16-32 tokens on dense models, 2,048 or ~800 on hybrid models where the recurrent state is
+only checkpointed at block boundaries), never caches the last prompt token, and a warm turn
+of a conversation re-reads its new tokens plus the tail granule of the previous turn. So the
+bar is set per request, from what that request *could* have reused:
+
+    n = prompt_tokens, c = cached_tokens, G = granularity, K = warm tail granules
+    R = floor((n - 1) / G) * G                      (whole granules, last token excluded)
+    if the previous turn p of the same conversation is known and p < n:
+        R = min(R, floor((p - 1) / G) * G)         (only the previous turn can be cached)
+    R = max(R, c)                                   (never below what was actually cached)
+    R < G           -> short   (nothing reusable; never a cache failure)
+    c unknown       -> unknown
+    c == 0          -> cold
+    c >= R - K * G  -> warm
+    otherwise       -> partial
+
+See docs/metrics.md for the worked cases and why K defaults to 2.
+"""
+
+from __future__ import annotations
+
+WARM = "warm"
+PARTIAL = "partial"
+COLD = "cold"
+SHORT = "short"
+UNKNOWN = "unknown"
+ERROR = "error"
+# Every value of the ``state`` label, in exposition order.
+STATES = (WARM, PARTIAL, COLD, SHORT, UNKNOWN, ERROR)
+
+
+def reusable_bound(prompt_tokens: int, granularity: int,
+                   previous_prompt_tokens: int | None = None) -> int:
+    """The most prompt tokens this request could have been served from the cache."""
+    bound = (prompt_tokens - 1) // granularity * granularity
+    if previous_prompt_tokens is not None and previous_prompt_tokens < prompt_tokens:
+        bound = min(bound, (previous_prompt_tokens - 1) // granularity * granularity)
+    return bound
+
+
+def classify(prompt_tokens: int, cached_tokens: int | None, granularity: int,
+             previous_prompt_tokens: int | None = None, warm_tail_granules: float = 2.0) -> str:
+    """The state of one successful request (see the module docstring for the rule)."""
+    granularity = max(1, granularity)
+    bound = reusable_bound(prompt_tokens, granularity, previous_prompt_tokens)
+    if cached_tokens is not None and cached_tokens > bound:
+        bound = cached_tokens
+    if bound < granularity:
+        return SHORT
+    if cached_tokens is None:
+        return UNKNOWN
+    if cached_tokens == 0:
+        return COLD
+    if cached_tokens >= bound - warm_tail_granules * granularity:
+        return WARM
+    return PARTIAL

@@ -1,0 +1,76 @@
+"""Learn a model's cache granularity from the cached counts its responses report.
+
+vLLM only ever reports whole granules as cached (every count a hybrid Qwen3.8 returned was a
+multiple of 2,048; the CPU build's are multiples of 32), so the greatest common divisor of
+the non-zero counts converges on the granule, usually within a handful of requests. A
+sliding window (the last 64 to 128 samples) lets it follow a reconfigured engine, and the
+value is only adopted once the gcd has held for ``min_agreeing`` samples and is at least
+``min_granularity`` tokens: a couple of coincidental multiples (4,096 and 8,192) must not
+pass for the granule, and a gcd that collapses to a few tokens means the counts are not
+block-aligned at all (another engine, or a proxy that rewrites usage), in which case the
+configured or block-size value is better.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+DEFAULT_WINDOW = 64
+DEFAULT_MIN_AGREEING = 8
+DEFAULT_MIN_GRANULARITY = 16
+
+
+@dataclass
+class _ModelSamples:
+    window: deque[int]
+    gcd: int = 0
+    agreeing: int = 0  # consecutive samples over which ``gcd`` did not change
+    since_full_gcd: int = 0  # samples since the gcd was last computed over the whole window
+
+
+class GranularityLearner:
+    def __init__(self, window: int = DEFAULT_WINDOW, min_agreeing: int = DEFAULT_MIN_AGREEING,
+                 min_granularity: int = DEFAULT_MIN_GRANULARITY) -> None:
+        self.window = window
+        self.min_agreeing = min_agreeing
+        self.min_granularity = min_granularity
+        self._models: dict[str, _ModelSamples] = {}
+        # Read directly by UsageState.record on the hot path.
+        self.learned_by_model: dict[str, int] = {}
+
+    def observe(self, model: str, cached_tokens: int) -> None:
+        """Fold in one reported cached count (zeros carry no information and are skipped)."""
+        if cached_tokens <= 0:
+            return
+        samples = self._models.get(model)
+        if samples is None:
+            samples = self._models[model] = _ModelSamples(deque(maxlen=self.window))
+        window = samples.window
+        window.append(cached_tokens)
+        samples.since_full_gcd += 1
+        # A new sample can only lower the gcd, so it is folded in cheaply; samples leaving the
+        # window can raise it, so once the window has turned over the gcd is recomputed over
+        # it. The learned value thus reflects the last ``window`` to ``2 * window`` samples.
+        if samples.since_full_gcd >= self.window:
+            gcd = math.gcd(*window)
+            samples.since_full_gcd = 0
+        else:
+            gcd = math.gcd(samples.gcd, cached_tokens)
+        if gcd == samples.gcd:
+            samples.agreeing += 1
+        else:
+            samples.gcd = gcd
+            samples.agreeing = 1
+        if samples.agreeing >= self.min_agreeing and gcd >= self.min_granularity:
+            self.learned_by_model[model] = gcd
+        else:
+            self.learned_by_model.pop(model, None)
+
+    def learned(self, model: str) -> int | None:
+        """The adopted granularity for ``model``, or None while there is no agreement."""
+        return self.learned_by_model.get(model)
+
+    def models(self) -> list[str]:
+        return list(self._models)

@@ -1,0 +1,271 @@
+"""Per-caller usage state: the counters and histograms behind the per-caller series.
+
+Readers hand in validated ``UsageEvent``s (``record``) or report what they could not use
+(``reject``); the collector in ``exporter.metrics.usage`` renders what is here. Nothing here
+does I/O; the only clock read is the injected ``clock``, for the "last event" gauge.
+
+Memory is bounded whatever the senders do: caller and model label values are capped
+(``LabelCap``), the conversation histories the classifier consults are an LRU of
+``HISTORY_MAX`` entries, and rejection reasons are a closed set per reader.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+
+from exporter.config import Config
+from exporter.signals.callers import LabelCap
+from exporter.signals.classify import ERROR, STATES, classify
+from exporter.signals.engine import EngineState
+from exporter.signals.granularity import GranularityLearner
+from exporter.usage.event import UsageEvent, status_is_error
+
+# Engine-side time to first token: 50 ms (a warm short turn) to 10 min (a cold 180k prompt
+# on one consumer card read at ~300 tokens/s).
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+                600.0)
+# Admission wait at the proxy: mostly zero, minutes when a long request holds the card.
+QUEUE_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                 300.0, 600.0)
+# Distinct model label values; models are named by the operator, so this is only a guard.
+MAX_MODELS = 32
+# Conversation histories kept for the "previous turn" bound (an LRU; ~100 bytes each).
+HISTORY_MAX = 10_000
+# Raw (caller, model) pairs memoized to their series (cleared when full).
+PAIR_MEMO_MAX = 10_000
+# Distinct (reader, reason) pairs counted; reasons come from code, this guards the tap's.
+MAX_REJECT_KEYS = 256
+# Readers whose event counter exists (at 0) before their first event, so an alert can tell
+# "never sent anything" from "not configured".
+READERS = ("http", "file", "tap")
+
+SOURCE_CONFIGURED = "configured"
+SOURCE_LEARNED = "learned"
+SOURCE_BLOCK_SIZE = "block_size"
+SOURCE_NONE = "none"
+
+
+class Histogram:
+    """Per-bucket (non-cumulative) counts plus the sum; the collector accumulates."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # last slot: above the largest bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[int]:
+        out = []
+        running = 0
+        for count in self.counts:
+            running += count
+            out.append(running)
+        return out
+
+
+class Series:
+    """Everything counted for one (caller, model) label pair."""
+
+    __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
+                 "ttft", "queue", "reported_cached")
+
+    def __init__(self) -> None:
+        self.requests = dict.fromkeys(STATES, 0)
+        self.prompt_tokens = 0  # only events that reported cached tokens
+        self.cached_tokens = 0
+        self.unreported_prompt_tokens = 0
+        self.ttft: dict[str, Histogram] = {}  # by state, created on first observation
+        self.queue: Histogram | None = None
+        self.reported_cached = False  # has an event of this pair ever carried cached_tokens
+
+
+class UsageState:
+    def __init__(self, config: Config, engine: EngineState | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.engine = engine
+        self._clock = clock
+        self.callers = LabelCap(config.callers_max, config.callers_allow,
+                                dict(config.callers_alias))
+        self.models = LabelCap(MAX_MODELS)
+        self.learner = GranularityLearner()
+        self.configured_granularity = config.signals_granularity
+        self.warm_tail_granules = config.signals_warm_tail_granules
+        self.missing_cached_as_zero = config.signals_missing_cached_as_zero
+        self.series: dict[tuple[str, str], Series] = {}
+        self.events: dict[str, int] = {}
+        self.last_event_time: dict[str, float] = {}
+        self.rejected: dict[tuple[str, str], int] = {}
+        self.ingest_requests_rejected: dict[str, int] = {}
+        self._model_names: dict[str, str] = {}  # model label -> a raw name, for block size
+        self._history: dict[tuple[str, str, str | None], int] = {}
+        self._pairs: dict[tuple[str, str], tuple[Series, str, bool]] = {}
+        for reader in self._configured_readers(config):
+            self.events[reader] = 0
+
+    @staticmethod
+    def _configured_readers(config: Config) -> list[str]:
+        readers = ["http"]
+        if config.usage_file:
+            readers.append("file")
+        if config.tap_listen_address:
+            readers.append("tap")
+        return readers
+
+    # ---- readers' side ----------------------------------------------------------------
+
+    def record(self, event: UsageEvent, reader: str) -> str:
+        """Count one accepted event; return the state it was classified as.
+
+        Runs once per event at 50,000+ events/s, hence the local names and the memo of
+        (caller, model) -> series, which skips both label caps for pairs seen before.
+        """
+        events = self.events
+        events[reader] = events.get(reader, 0) + 1
+        self.last_event_time[reader] = self._clock()
+        caller, model_name = event.caller, event.model
+        pair = self._pairs.get((caller, model_name))
+        if pair is None:
+            pair = self._pair(caller, model_name)
+        series, model, overflowed = pair
+        if overflowed:
+            self.callers.overflowed += 1
+        status = event.status
+        if status is not None and status_is_error(status):
+            series.requests[ERROR] += 1
+            return ERROR
+
+        prompt_tokens = event.prompt_tokens
+        cached = event.cached_tokens
+        if cached is None:
+            if self.missing_cached_as_zero and series.reported_cached:
+                cached = 0
+        else:
+            series.reported_cached = True
+            if cached:
+                self.learner.observe(model, cached)
+
+        history = self._history
+        history_key = (caller, model_name, event.session)
+        previous = history.pop(history_key, None)
+        history[history_key] = prompt_tokens
+        if len(history) > HISTORY_MAX:
+            del history[next(iter(history))]
+
+        granularity = (self.configured_granularity
+                       or self.learner.learned_by_model.get(model)
+                       or self.granularity(model)[0])
+        state = classify(prompt_tokens, cached, granularity, previous, self.warm_tail_granules)
+        series.requests[state] += 1
+        if cached is None:
+            series.unreported_prompt_tokens += prompt_tokens
+        else:
+            series.prompt_tokens += prompt_tokens
+            series.cached_tokens += cached
+        ttft = event.ttft_seconds
+        queue = event.queue_seconds
+        if ttft is not None:
+            if queue is not None:
+                # Proxy clocks can disagree by a few ms; a wait longer than the TTFT means
+                # the engine part was too short to measure, not negative.
+                ttft = ttft - queue if ttft > queue else 0.0
+            hist = series.ttft.get(state)
+            if hist is None:
+                hist = series.ttft[state] = Histogram(TTFT_BUCKETS)
+            hist.observe(ttft)
+        if queue is not None:
+            if series.queue is None:
+                series.queue = Histogram(QUEUE_BUCKETS)
+            series.queue.observe(queue)
+        return state
+
+    def _pair(self, caller: str, model_name: str) -> tuple[Series, str, bool]:
+        """Resolve a raw (caller, model) to its series through the label caps, and memoize.
+
+        The memo is bounded like the caps' own; an overflowed caller is memoized as such so
+        that each of its events is still counted in ``callers_overflowed``.
+        """
+        before = self.callers.overflowed
+        caller_label = self.callers.label(caller)
+        overflowed = self.callers.overflowed != before
+        self.callers.overflowed = before  # record() counts it, for memo hits and misses alike
+        model = self.models.label(model_name)
+        key = (caller_label, model)
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = Series()
+            self._model_names.setdefault(model, model_name)
+        if len(self._pairs) >= PAIR_MEMO_MAX:
+            self._pairs.clear()
+        pair = self._pairs[(caller, model_name)] = (series, model, overflowed)
+        return pair
+
+    def reject(self, reader: str, reason: str) -> None:
+        """Count one event a reader could not use, by a short machine reason."""
+        key = (reader, reason)
+        if key not in self.rejected and len(self.rejected) >= MAX_REJECT_KEYS:
+            key = (reader, "other")
+        self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    def reject_request(self, reason: str) -> None:
+        """Count one POST /v1/usage refused as a whole (unauthorized, too large, ...)."""
+        self.ingest_requests_rejected[reason] = self.ingest_requests_rejected.get(reason, 0) + 1
+
+    # ---- granularity ------------------------------------------------------------------
+
+    def granularity(self, model_label: str) -> tuple[int, str]:
+        """(G, source) for a model: configured, else learned, else vLLM's block size, else 1."""
+        if self.configured_granularity:
+            return self.configured_granularity, SOURCE_CONFIGURED
+        learned = self.learner.learned(model_label)
+        if learned:
+            return learned, SOURCE_LEARNED
+        block = self._engine_block_size(self._model_names.get(model_label, model_label))
+        if block:
+            return block, SOURCE_BLOCK_SIZE
+        return 1, SOURCE_NONE
+
+    def _engine_block_size(self, model: str) -> int | None:
+        """The engine's prefix match unit (else block size) for ``model``.
+
+        Matched on vLLM's model_name; when the engines serve a single model, it is used
+        whatever the proxy calls it (a LiteLLM alias, say).
+        """
+        if self.engine is None:
+            return None
+        fallback: int | None = None
+        served: set[str] = set()
+        for target in self.engine.targets.values():
+            for row in target.rows:
+                config = row.cache_config
+                if config is None:
+                    continue
+                unit = config.prefix_match_unit or config.block_size
+                if not unit or unit <= 0:
+                    continue
+                if row.model_name == model:
+                    return unit
+                if row.model_name:
+                    served.add(row.model_name)
+                fallback = unit
+        return fallback if len(served) <= 1 else None
+
+    def granularities(self) -> list[tuple[str, int, str]]:
+        """(model label, G, source) for every model seen, where G is known."""
+        out = []
+        for model in sorted({model for _, model in self.series}):
+            value, source = self.granularity(model)
+            if source != SOURCE_NONE:
+                out.append((model, value, source))
+        return out
+
+    @property
+    def callers_overflowed(self) -> int:
+        return self.callers.overflowed

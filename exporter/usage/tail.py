@@ -1,0 +1,286 @@
+"""Follow JSONL usage files (``--usage.file``, globs allowed), like ``tail -F`` that counts.
+
+Files are polled, not watched: it works the same on every filesystem (NFS, overlayfs, a
+Kubernetes emptyDir) and costs one ``stat`` per file per ``--usage.file.poll-interval``.
+
+What must hold, and how:
+
+- No event counted twice, none lost across rotation. Files are followed by identity
+  (device, inode), not by name: a rotated file keeps its read position under its new name
+  (even when the glob also matches the new name), and is drained to its end before it is let
+  go; the newly created file is new, so it is read from its start.
+- Truncation (``copytruncate``, ``: > file``) is noticed when the file shrinks below the read
+  position, and also when it was truncated and refilled past that position between two polls:
+  the bytes just before the read position are remembered and compared on each poll.
+- A line is an event only once its newline has been written; a partial last line waits. A
+  line that never ends (over ``MAX_LINE_BYTES``) is rejected and skipped up to its newline.
+- Files present at start are read from their end (``--usage.file.from-start`` replays them);
+  files that appear later are read from their start, since everything in them is new.
+- One bad line is rejected and counted; the rest go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import logging
+import os
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from exporter.config import Config
+from exporter.signals.state import SignalsState
+from exporter.usage.event import InvalidEvent, UsageEvent
+from exporter.usage.formats import Converter, build_converters
+
+log = logging.getLogger(__name__)
+
+READER = "file"
+MAX_LINE_BYTES = 1024 * 1024
+READ_CHUNK_BYTES = 1024 * 1024
+# Bytes per poll() call before yielding to the event loop (a replayed 1 GB file must not
+# stall /metrics).
+POLL_BUDGET_BYTES = 8 * 1024 * 1024
+# Bytes remembered just before the read position, to notice truncate-and-refill.
+FINGERPRINT_BYTES = 64
+# Polls a file that no longer matches the globs (renamed away, deleted) is still drained,
+# for writers that finish their last line into the old file after the new one exists.
+GONE_GRACE_POLLS = 2
+
+
+@dataclass
+class _Followed:
+    identity: tuple[int, int]
+    path: str
+    handle: int  # file descriptor
+    offset: int  # bytes consumed (whole lines) plus the partial line held in ``pending``
+    pending: bytes = b""
+    skip_to_newline: bool = False  # inside a line we must not read (started mid-line/too long)
+    fingerprint: bytes = b""  # the bytes just before ``offset``
+    gone_polls: int = 0
+
+
+class FileFollower:
+    """Follows every file matching ``patterns``; ``poll()`` reads what was appended since.
+
+    Synchronous and clock-free so tests drive it step by step; ``run_tailers`` is the loop.
+    """
+
+    def __init__(self, patterns: Sequence[str], convert: Converter,
+                 sink: Callable[[UsageEvent], object], reject: Callable[[str], None],
+                 from_start: bool = False) -> None:
+        self.patterns = list(patterns)
+        self.convert = convert
+        self.sink = sink
+        self.reject = reject
+        self.from_start = from_start
+        self.files: dict[tuple[int, int], _Followed] = {}
+        self._first_scan = True
+        self._warned: set[tuple[str, str]] = set()
+        self.truncations = 0
+        self.rotations = 0
+
+    # ---- discovery -----------------------------------------------------------------
+
+    def _matches(self) -> list[str]:
+        paths: list[str] = []
+        seen: set[str] = set()
+        for pattern in self.patterns:
+            magic = any(char in pattern for char in "*?[")
+            found = sorted(glob.glob(pattern)) if magic else [pattern]
+            for path in found:
+                if path not in seen:
+                    seen.add(path)
+                    paths.append(path)
+        return paths
+
+    def _warn_once(self, path: str, problem: str) -> None:
+        if (path, problem) not in self._warned:
+            self._warned.add((path, problem))
+            log.warning("usage file %s: %s", path, problem)
+
+    def poll(self, budget: int = POLL_BUDGET_BYTES) -> bool:
+        """Read every followed file once; True when a file still has unread bytes."""
+        first_scan, self._first_scan = self._first_scan, False
+        seen: set[tuple[int, int]] = set()
+        more = False
+        for path in self._matches():
+            try:
+                info = os.stat(path)
+            except OSError:
+                continue  # not there (yet), or rotated away between glob and stat
+            if not stat.S_ISREG(info.st_mode):
+                continue
+            identity = (info.st_dev, info.st_ino)
+            if identity in seen:
+                continue
+            followed = self.files.get(identity)
+            if followed is None:
+                followed = self._open(path, identity, info.st_size, at_end=first_scan
+                                      and not self.from_start)
+                if followed is None:
+                    continue
+            elif followed.path != path:
+                self.rotations += 1
+                log.info("usage file %s is now %s; following it to its end", followed.path,
+                         path)
+                followed.path = path
+            seen.add(identity)
+            followed.gone_polls = 0
+            more |= self._read(followed, budget)
+        for identity, followed in list(self.files.items()):
+            if identity in seen:
+                continue
+            # Renamed out of the globs or deleted: our descriptor still reads it.
+            more |= self._read(followed, budget)
+            followed.gone_polls += 1
+            if followed.gone_polls > GONE_GRACE_POLLS:
+                self._finish(followed)
+        return more
+
+    def _open(self, path: str, identity: tuple[int, int], size: int,
+              at_end: bool) -> _Followed | None:
+        try:
+            handle = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as err:
+            self._warn_once(path, f"cannot open: {err.strerror}")
+            return None
+        info = os.fstat(handle)
+        if (info.st_dev, info.st_ino) != identity:  # replaced between stat and open
+            os.close(handle)
+            return None
+        followed = _Followed(identity, path, handle, 0)
+        if at_end and size:
+            followed.offset = size
+            followed.fingerprint = self._pread(handle, max(0, size - FINGERPRINT_BYTES), size)
+            # Starting mid-line would read the tail of a line as an event.
+            followed.skip_to_newline = not followed.fingerprint.endswith(b"\n")
+        self.files[identity] = followed
+        log.info("following usage file %s from its %s", path, "end" if at_end else "start")
+        return followed
+
+    @staticmethod
+    def _pread(handle: int, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        return os.pread(handle, end - start, start)
+
+    # ---- reading -------------------------------------------------------------------
+
+    def _truncated(self, followed: _Followed, size: int) -> bool:
+        if size < followed.offset:
+            return True
+        if not followed.fingerprint:
+            return False
+        start = followed.offset - len(followed.fingerprint)
+        return self._pread(followed.handle, start, followed.offset) != followed.fingerprint
+
+    def _read(self, followed: _Followed, budget: int) -> bool:
+        try:
+            size = os.fstat(followed.handle).st_size
+            if self._truncated(followed, size):
+                self.truncations += 1
+                log.info("usage file %s was truncated; reading it again from its start",
+                         followed.path)
+                followed.offset = 0
+                followed.pending = b""
+                followed.fingerprint = b""
+                followed.skip_to_newline = False
+            while followed.offset < size and budget > 0:
+                want = min(READ_CHUNK_BYTES, size - followed.offset, budget)
+                chunk = os.pread(followed.handle, want, followed.offset)
+                if not chunk:
+                    break
+                followed.offset += len(chunk)
+                budget -= len(chunk)
+                self._lines(followed, chunk)
+                followed.fingerprint = self._pread(
+                    followed.handle, max(0, followed.offset - FINGERPRINT_BYTES),
+                    followed.offset)
+        except OSError as err:
+            # Keep the position: re-reading from 0 later would count events twice.
+            self._warn_once(followed.path, f"read failed: {err.strerror}")
+            return False
+        return followed.offset < size
+
+    def _lines(self, followed: _Followed, chunk: bytes) -> None:
+        data = followed.pending + chunk if followed.pending else chunk
+        lines = data.split(b"\n")
+        followed.pending = lines.pop()  # after the last newline: incomplete, wait for it
+        if followed.skip_to_newline and lines:
+            followed.skip_to_newline = False
+            lines = lines[1:]
+        for line in lines:
+            self._line(line)
+        if len(followed.pending) > MAX_LINE_BYTES:
+            if not followed.skip_to_newline:
+                self.reject("line_too_long")
+            followed.pending = b""
+            followed.skip_to_newline = True
+        elif followed.skip_to_newline:
+            followed.pending = b""
+
+    def _line(self, line: bytes) -> None:
+        line = line.strip()
+        if not line:
+            return
+        try:
+            value = json.loads(line)
+        except ValueError:
+            self.reject("malformed_json")
+            return
+        try:
+            event = self.convert(value)
+        except InvalidEvent as err:
+            self.reject(err.reason)
+            return
+        except Exception:  # a converter bug must not stop the file
+            log.warning("a usage line could not be converted", exc_info=True)
+            self.reject("unprocessable")
+            return
+        self.sink(event)
+
+    def _finish(self, followed: _Followed) -> None:
+        """Let go of a file that is gone for good: its last line is as complete as it gets."""
+        if followed.pending and not followed.skip_to_newline:
+            self._line(followed.pending)
+        followed.pending = b""
+        self.files.pop(followed.identity, None)
+        try:
+            os.close(followed.handle)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for followed in list(self.files.values()):
+            self.files.pop(followed.identity, None)
+            try:
+                os.close(followed.handle)
+            except OSError:
+                pass
+
+
+def follower_for(config: Config, state: SignalsState) -> FileFollower:
+    usage = state.usage
+    if usage is None:
+        raise RuntimeError("usage signals are not enabled")
+    converters = build_converters(config)
+    return FileFollower(
+        config.usage_file, converters[config.usage_file_format],
+        sink=lambda event: usage.record(event, READER),
+        reject=lambda reason: usage.reject(READER, reason),
+        from_start=config.usage_file_from_start)
+
+
+async def run_tailers(config: Config, state: SignalsState) -> None:
+    """Follow ``--usage.file`` until cancelled (started by ``exporter.runtime``)."""
+    follower = follower_for(config, state)
+    try:
+        while True:
+            while follower.poll():
+                await asyncio.sleep(0)  # a backlog: let scrapes in between slices
+            await asyncio.sleep(config.usage_file_poll_interval)
+    finally:
+        follower.close()
