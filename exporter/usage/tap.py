@@ -80,6 +80,7 @@ class Exchange:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     ttft_seconds: float | None = None
+    recorded: bool = False
 
 
 def json_error(status: int, message: str, kind: str) -> web.Response:
@@ -170,7 +171,14 @@ class Tap:
         log.debug("tap: %s", reason)
 
     def record(self, exchange: Exchange) -> None:
-        """Hand the call to the usage signals through the same validation as every reader."""
+        """Hand the call to the usage signals through the same validation as every reader.
+
+        Once per call. A stream is recorded before its last byte goes out, so a client that
+        has read the whole answer can count on its event being counted.
+        """
+        if exchange.recorded:
+            return
+        exchange.recorded = True
         usage = self.state.usage
         if usage is None:
             return
@@ -269,7 +277,7 @@ class Tap:
             if exchange is not None:
                 exchange.status = broken.status
             log.warning("tap: %s %s: %s", request.method, request.path, broken.message)
-            assert broken.response is not None
+            broken.cut_client_off()
             return broken.response
         except asyncio.TimeoutError:
             if exchange is not None:
@@ -383,12 +391,15 @@ class Tap:
             broken = _StreamBroken(request, response, 504 if timed_out else 502,
                                    "upstream stream " + ("timed out" if timed_out
                                                          else f"broke: {err!r}"))
+        self.take_stream(reader, exchange)
         tail = reader.finish()
         if tail:
             await _write(response, tail)
-        self.take_stream(reader, exchange)
         if broken is not None:
+            exchange.status = broken.status
+            self.record(exchange)
             raise broken
+        self.record(exchange)
         await _write_eof(response)
         return response
 
@@ -422,10 +433,13 @@ class _StreamBroken(Exception):
         self.status = status
         self.message = message
         self.response = response
+        self.request = request
+
+    def cut_client_off(self) -> None:
         # Closing without the final chunk tells the client the answer is incomplete, as a
         # direct connection to the failed upstream would have.
-        if request.transport is not None:
-            request.transport.close()
+        if self.request.transport is not None:
+            self.request.transport.close()
 
 
 def _has_body_encoding(upstream: aiohttp.ClientResponse) -> bool:

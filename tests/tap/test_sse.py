@@ -1,0 +1,92 @@
+"""The stream reader alone: whatever the chunk boundaries, the client gets every byte but the
+injected usage chunk, and the usage is read from it."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporter.usage.tap_sse import StreamReader, event_data
+
+from .conftest import fixture_bytes, without_usage_chunk
+
+CHAT = fixture_bytes("03_chat_stream_warm.sse.txt")
+COMPLETION = fixture_bytes("06_completion_stream.sse.txt")
+RESPONSES = fixture_bytes("09_responses_stream_warm.sse.txt")
+
+
+def run(raw: bytes, cuts: list[int], strip: bool) -> tuple[bytes, StreamReader]:
+    reader = StreamReader(strip_usage_chunk=strip, started=0.0)
+    out = b""
+    points = sorted({cut % (len(raw) + 1) for cut in cuts} | {0, len(raw)})
+    for now, (start, end) in enumerate(zip(points, points[1:], strict=False)):
+        out += reader.feed(raw[start:end], float(now))
+    return out + reader.finish(), reader
+
+
+cuts = st.lists(st.integers(min_value=0, max_value=10_000), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=cuts, raw=st.sampled_from([CHAT, COMPLETION]))
+def test_strip_mode_removes_only_the_usage_chunk(cuts, raw):
+    out, reader = run(raw, cuts, strip=True)
+    assert out == without_usage_chunk(raw)
+    assert reader.usage is not None and reader.usage.cached_tokens in (1376, 1344)
+    assert reader.ttft_seconds is not None
+    assert reader.problems == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=cuts, raw=st.sampled_from([CHAT, COMPLETION, RESPONSES]))
+def test_pass_through_mode_forwards_everything(cuts, raw):
+    out, reader = run(raw, cuts, strip=False)
+    assert out == raw
+    assert reader.usage is not None and reader.usage.cached_tokens in (1376, 1344, 256)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=cuts)
+def test_crlf_line_endings(cuts):
+    raw = CHAT.replace(b"\n", b"\r\n")
+    out, reader = run(raw, cuts, strip=True)
+    assert b'"usage"' not in out
+    assert out == b"".join(part + b"\r\n\r\n" for part in raw.split(b"\r\n\r\n")
+                           if part and b'"choices":[]' not in part)
+    assert reader.usage is not None and reader.usage.cached_tokens == 1376
+
+
+def test_ttft_is_the_time_of_the_first_content_chunk():
+    reader = StreamReader(strip_usage_chunk=False, started=10.0)
+    events = [part + b"\n\n" for part in CHAT.split(b"\n\n") if part]
+    reader.feed(events[0], 11.0)  # role only, empty content
+    assert reader.ttft_seconds is None
+    reader.feed(events[1], 12.5)
+    reader.feed(events[2], 13.0)
+    assert reader.ttft_seconds == 2.5
+
+
+def test_an_oversized_event_is_forwarded_unread_and_the_stream_resyncs():
+    big = b"data: " + b"x" * 5000 + b"\n\n"
+    raw = big + CHAT
+    reader = StreamReader(strip_usage_chunk=True, started=0.0, max_event_bytes=1024)
+    out = b"".join(reader.feed(raw[i:i + 100], 0.0) for i in range(0, len(raw), 100))
+    out += reader.finish()
+    assert out == big + without_usage_chunk(CHAT)
+    assert reader.problems == ["stream_event_too_large"]
+    assert reader.usage is not None and reader.usage.cached_tokens == 1376
+
+
+def test_garbage_events_are_counted_and_forwarded():
+    raw = b"data: {not json\n\n: a comment\n\nevent: ping\n\n" + CHAT
+    out, reader = run(raw, [3, 50, 51], strip=True)
+    assert out == raw.replace(
+        [e for e in CHAT.split(b"\n\n") if b'"choices":[]' in e][0] + b"\n\n", b"")
+    assert reader.problems == ["stream_event_not_json"]
+    assert reader.usage is not None
+
+
+def test_event_data_joins_multi_line_data():
+    assert event_data(b"event: x\ndata: {\"a\":\ndata:1}\n\n") == b'{"a":\n1}'
+    assert event_data(b": comment only\n\n") is None
+    assert event_data(b"data: [DONE]\n\n") == b"[DONE]"
