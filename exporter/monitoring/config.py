@@ -1,0 +1,261 @@
+"""Every knob of the generated alerts, recording rules and dashboards, in one frozen block.
+
+The generators read nothing else, so a YAML file with a few of these keys (``generate
+--config``) is all an operator needs to adapt the shipped rules: another job selector, a
+cluster label, a quieter traffic floor, a pager-free severity. Values are validated here, up
+front, with one line naming the key, because a typo in a window or a severity would otherwise
+only show up as a Prometheus that refuses the rule file, or as an alert that never routes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import yaml
+
+SEVERITIES = ("critical", "warning", "info")
+# The engine signals a rule or panel reads (see exporter/engine/names.py). prompt_tokens_cached
+# is left out on purpose: vLLM only has it since 0.16, and no rule depends on it.
+DEFAULT_REQUIRED_SIGNALS = (
+    "prefix_cache_queries", "prefix_cache_hits", "preemptions", "kv_cache_usage",
+    "requests_running", "requests_waiting", "cache_config_info",
+)
+
+_DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
+_DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800,
+                 "y": 31536000}
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*')
+_UID = re.compile(r"^[a-zA-Z0-9_-]{1,40}$")
+
+
+class MonitoringConfigError(ValueError):
+    """A knob is unusable; ``str()`` is the one line shown to the user."""
+
+
+@dataclass(frozen=True)
+class MonitoringConfig:
+    # --- what to look at --------------------------------------------------------------------
+    # Label matchers every expression carries. The labels they name are also kept by every
+    # aggregation, so recorded series can be selected with the same matchers.
+    selector: str = 'job="vllm-cache-exporter"'
+    # More labels every aggregation keeps (e.g. cluster, namespace) for a multi-cluster Prometheus.
+    extra_group_labels: tuple[str, ...] = ()
+    short_window: str = "5m"
+    long_window: str = "1h"
+    # Evaluation interval of the generated groups; empty: Prometheus' global one.
+    rule_interval: str = ""
+    # --- links ------------------------------------------------------------------------------
+    runbook_url: str = (
+        "https://github.com/vllm-cache-exporter/vllm-cache-exporter/blob/main/docs/runbook.md")
+    dashboard_url: str = "http://localhost:3000"
+    overview_uid: str = "vllm-cache-overview"
+    caller_uid: str = "vllm-cache-caller"
+    # --- VllmCachePrefixCollapse ------------------------------------------------------------
+    collapse_drop_factor: float = 0.5  # short-window ratio below this x its long-window baseline
+    collapse_min_baseline: float = 0.3  # ...and the baseline above this: there was a cache to lose
+    collapse_engine_min_tokens_per_second: float = 100.0  # traffic floor, per vLLM target
+    collapse_caller_min_tokens_per_second: float = 100.0  # traffic floor, per caller
+    collapse_for: str = "5m"
+    collapse_severity: str = "critical"
+    # --- VllmCacheWarmTTFTCollapse ----------------------------------------------------------
+    warm_ttft_seconds: float = 60.0  # median TTFT of turns that should be warm, above this
+    warm_ttft_min_warm_share: float = 0.5  # "should be warm": long-window warm share above this
+    warm_ttft_min_requests_per_second: float = 0.005  # ~2 turns per 5m before a median counts
+    warm_ttft_for: str = "5m"
+    warm_ttft_severity: str = "warning"
+    # --- VllmCachePrefixCachingDisabled -----------------------------------------------------
+    prefix_caching_disabled_for: str = "5m"
+    prefix_caching_disabled_severity: str = "warning"
+    # --- VllmCacheCachedTokensNotReported ---------------------------------------------------
+    not_reported_for: str = "15m"
+    not_reported_severity: str = "warning"
+    # --- VllmCachePreemptions ---------------------------------------------------------------
+    preemptions_per_minute: float = 1.0
+    preemptions_for: str = "10m"
+    preemptions_severity: str = "warning"
+    # --- VllmCacheKVPoolNearFull ------------------------------------------------------------
+    kv_pool_full_ratio: float = 0.95
+    kv_pool_full_for: str = "15m"
+    kv_pool_full_severity: str = "warning"
+    # --- VllmCacheEngineDown / VllmCacheExporterDown ----------------------------------------
+    engine_down_for: str = "5m"
+    engine_down_severity: str = "warning"
+    exporter_down_for: str = "5m"
+    exporter_down_severity: str = "warning"
+    # --- VllmCacheEngineMetricAbsent --------------------------------------------------------
+    required_signals: tuple[str, ...] = DEFAULT_REQUIRED_SIGNALS
+    metric_absent_for: str = "10m"
+    metric_absent_severity: str = "warning"
+    # --- prometheus-operator output ---------------------------------------------------------
+    prometheus_rule_name: str = "vllm-cache-exporter"
+    prometheus_rule_namespace: str = ""
+    prometheus_rule_labels: tuple[tuple[str, str], ...] = (
+        ("app.kubernetes.io/name", "vllm-cache-exporter"), ("role", "alert-rules"))
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # --- derived ------------------------------------------------------------------------------
+    @property
+    def selector_labels(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(name for name, _op, _value in parse_selector(self.selector)))
+
+    @property
+    def group_labels(self) -> tuple[str, ...]:
+        """Labels every aggregation keeps: the selector's, then the extra ones."""
+        return tuple(dict.fromkeys((*self.selector_labels, *self.extra_group_labels)))
+
+    @property
+    def short_seconds(self) -> float:
+        return duration_seconds(self.short_window)
+
+    @property
+    def long_seconds(self) -> float:
+        return duration_seconds(self.long_window)
+
+
+def parse_selector(selector: str) -> list[tuple[str, str, str]]:
+    """``job="x", env=~"a|b"`` -> [(name, op, value)]; raises ValueError on anything else."""
+    text = selector.strip()
+    if not text:
+        return []
+    matchers = []
+    position = 0
+    while position < len(text):
+        match = _MATCHER.match(text, position)
+        if match is None:
+            raise ValueError(f"expected label matchers like job=\"x\", got {selector!r}")
+        matchers.append((match.group(1), match.group(2), match.group(3)))
+        position = match.end()
+        if position < len(text):
+            if text[position] != ",":
+                raise ValueError(f"expected a comma between matchers in {selector!r}")
+            position += 1
+    return matchers
+
+
+def duration_seconds(text: str) -> float:
+    if not _DURATION.match(text):
+        raise ValueError(f"expected a Prometheus duration like 5m or 1h30m, got {text!r}")
+    return sum(int(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
+
+
+def _validate(config: MonitoringConfig) -> None:
+    def fail(name: str, problem: str) -> None:
+        raise MonitoringConfigError(f"{name}: {problem}")
+
+    try:
+        parse_selector(config.selector)
+    except ValueError as err:
+        fail("selector", str(err))
+    for label in config.extra_group_labels:
+        if not _LABEL.match(label):
+            fail("extra_group_labels", f"{label!r} is not a label name")
+    for item in fields(config):
+        value = getattr(config, item.name)
+        if item.name.endswith(("_for", "_window")) or item.name == "rule_interval":
+            if item.name == "rule_interval" and value == "":
+                continue
+            try:
+                seconds = duration_seconds(value)
+            except ValueError as err:
+                fail(item.name, str(err))
+            if item.name.endswith("_window") and seconds <= 0:
+                fail(item.name, "must be longer than 0")
+        elif item.name.endswith("_severity"):
+            if value not in SEVERITIES:
+                fail(item.name, f"must be one of {', '.join(SEVERITIES)}, got {value!r}")
+        elif isinstance(value, float) and value < 0:
+            fail(item.name, f"must not be negative, got {value}")
+    if config.short_seconds >= config.long_seconds:
+        fail("short_window", f"must be shorter than long_window ({config.long_window})")
+    for name in ("collapse_drop_factor", "collapse_min_baseline", "warm_ttft_min_warm_share",
+                 "kv_pool_full_ratio"):
+        if not 0 < getattr(config, name) <= 1:
+            fail(name, f"must be in (0, 1], got {getattr(config, name)}")
+    for name in ("overview_uid", "caller_uid"):
+        if not _UID.match(getattr(config, name)):
+            fail(name, "must be 1-40 letters, digits, '-' or '_' (a Grafana uid)")
+    if config.overview_uid == config.caller_uid:
+        fail("caller_uid", "must differ from overview_uid")
+    if not config.required_signals:
+        fail("required_signals", "must name at least one signal")
+    for signal in config.required_signals:
+        if not _LABEL.match(signal):
+            fail("required_signals", f"{signal!r} is not a signal name")
+    for name in ("runbook_url", "dashboard_url"):
+        if not getattr(config, name).startswith(("http://", "https://")):
+            fail(name, "must be an http(s) URL")
+
+
+# --- YAML override ------------------------------------------------------------------------
+
+
+def _coerce(name: str, default: Any, raw: Any) -> Any:
+    if isinstance(default, bool):  # none today; keep bool from being read as a number
+        if not isinstance(raw, bool):
+            raise MonitoringConfigError(f"{name}: expected true or false, got {raw!r}")
+        return raw
+    if isinstance(default, float):
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise MonitoringConfigError(f"{name}: expected a number, got {raw!r}")
+        return float(raw)
+    if isinstance(default, str):
+        if not isinstance(raw, str):
+            raise MonitoringConfigError(f"{name}: expected a string, got {raw!r}")
+        return raw
+    if name == "prometheus_rule_labels":
+        if not isinstance(raw, Mapping):
+            raise MonitoringConfigError(f"{name}: expected a mapping of label: value")
+        return tuple(sorted((str(k), str(v)) for k, v in raw.items()))
+    if isinstance(default, tuple):
+        if isinstance(raw, str):
+            raw = [part.strip() for part in raw.split(",") if part.strip()]
+        if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
+            raise MonitoringConfigError(f"{name}: expected a list of strings, got {raw!r}")
+        return tuple(raw)
+    raise MonitoringConfigError(f"{name}: unsupported setting")  # pragma: no cover
+
+
+def config_from_mapping(data: Mapping[str, Any], source: str = "config") -> MonitoringConfig:
+    """Defaults overridden by ``data``; unknown keys and wrong types are errors, not ignored."""
+    defaults = MonitoringConfig()
+    known = {item.name: item for item in fields(MonitoringConfig)}
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise MonitoringConfigError(f"{source}: {key}: unknown setting")
+        try:
+            values[name] = _coerce(name, getattr(defaults, name), raw)
+        except MonitoringConfigError as err:
+            raise MonitoringConfigError(f"{source}: {err}") from None
+    try:
+        return dataclasses.replace(defaults, **values)
+    except MonitoringConfigError as err:
+        raise MonitoringConfigError(f"{source}: {err}") from None
+
+
+def load_config(path: str | None) -> MonitoringConfig:
+    if not path:
+        return MonitoringConfig()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as err:
+        raise MonitoringConfigError(f"{path}: cannot read: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise MonitoringConfigError(f"{path}: not valid YAML{where}") from None
+    if data is None:
+        return MonitoringConfig()
+    if not isinstance(data, Mapping):
+        raise MonitoringConfigError(f"{path}: must hold a mapping of settings")
+    return config_from_mapping(data, source=path)

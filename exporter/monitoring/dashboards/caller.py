@@ -1,0 +1,169 @@
+"""Per-caller drill-down: one agent's cache, turns and waits, and the collapse alert's view.
+
+The hit-ratio panel draws exactly what VllmCachePrefixCollapse compares (the recorded short
+and long window ratios and the line the short one must stay under), so an operator who is
+paged lands on the reason. The token panel splits the caller's prompt into cached, recomputed
+and unreported, which answers "is it the cache, or is vLLM not telling us".
+"""
+
+from __future__ import annotations
+
+from grafanalib import core as g
+
+from exporter.monitoring.config import MonitoringConfig
+from exporter.monitoring.dashboards.panels import (
+    RATE,
+    TOKENS_PER_SECOND,
+    Filters,
+    Layout,
+    dashboard,
+    query_variable,
+    stat,
+    target,
+    timeseries,
+)
+from exporter.monitoring.promql import CLASSIFIED_STATES, number
+from exporter.monitoring.rules import Names
+
+FILENAME = "vllm-cache-caller.json"
+TITLE = "vLLM prefix cache: caller"
+
+CLASSIFIED = 'state=~"' + "|".join(CLASSIFIED_STATES) + '"'
+WARM = 'state="warm"'
+COLD = 'state="cold"'
+
+
+def variables(config: MonitoringConfig) -> list[g.Template]:
+    f = Filters(config)
+    return [
+        query_variable("job", "Job",
+                       f"label_values(vllm_cache_exporter_build_info{f.q.sel()}, job)"),
+        query_variable("model", "Model",
+                       f"label_values(vllm_cache_requests_total{f.job()}, model)"),
+        query_variable("caller", "Caller",
+                       f"label_values(vllm_cache_requests_total{f.model()}, caller)"),
+    ]
+
+
+def build(config: MonitoringConfig) -> g.Dashboard:
+    f = Filters(config)
+    n = Names(config)
+    c = f.caller()
+    layout = Layout()
+
+    def ttft_median(state: str) -> str:
+        return (f"histogram_quantile(0.5, sum by (le) (rate(vllm_cache_ttft_seconds_bucket"
+                f"{f.caller(state)}[{RATE}])))")
+
+    layout.row("Now")
+    layout.add(stat(
+        "Hit ratio",
+        "Share of the selected callers' prompt tokens served from the prefix cache (only "
+        "responses that report cached tokens count).",
+        "percentunit",
+        [target(f"sum(rate(vllm_cache_cached_tokens_total{c}[{RATE}]))\n/\n"
+                f"(sum(rate(vllm_cache_prompt_tokens_total{c}[{RATE}])) > 0)")],
+        thresholds=[("red", None), ("orange", 0.3), ("green", 0.6)]), 4, 5)
+    layout.add(stat(
+        "Warm turns",
+        "Share of warm turns among warm, partial and cold ones.",
+        "percentunit",
+        [target(f"(sum(rate(vllm_cache_requests_total{f.caller(WARM)}[{RATE}])) or vector(0))"
+                f"\n/\n(sum(rate(vllm_cache_requests_total{f.caller(CLASSIFIED)}[{RATE}])) > 0)")],
+        thresholds=[("red", None), ("orange", 0.5), ("green", 0.8)]), 4, 5)
+    layout.add(stat(
+        "Turns per second",
+        "Requests per second from the selected callers, all states.",
+        "reqps",
+        [target(f"sum(rate(vllm_cache_requests_total{c}[{RATE}]))")]), 4, 5)
+    layout.add(stat(
+        "Median TTFT, warm turns",
+        "Engine-side median time to first token of warm turns: seconds when the cache holds.",
+        "s", [target(ttft_median(WARM))]), 4, 5)
+    layout.add(stat(
+        "Median TTFT, cold turns",
+        "Engine-side median time to first token of cold turns: what every turn costs once "
+        "the cache is lost.",
+        "s", [target(ttft_median(COLD))]), 4, 5)
+    layout.add(stat(
+        "Unreported prompt tokens",
+        "Share of prompt tokens whose response did not say how many were cached. Near 100% "
+        "means vLLM runs without --enable-prompt-tokens-details.",
+        "percentunit",
+        [target(f"(sum(rate(vllm_cache_unreported_prompt_tokens_total{c}[{RATE}])) "
+                f"or vector(0))\n/\n((sum(rate(vllm_cache_unreported_prompt_tokens_total{c}"
+                f"[{RATE}])) or vector(0)) + sum(rate(vllm_cache_prompt_tokens_total{c}"
+                f"[{RATE}])) > 0)")],
+        thresholds=[("green", None), ("orange", 0.1), ("red", 0.5)]), 4, 5)
+
+    layout.row("Cache")
+    layout.add(timeseries(
+        "Hit ratio against its baseline",
+        f"What VllmCachePrefixCollapse compares: the recorded {config.short_window} hit ratio "
+        f"must stay under {number(config.collapse_drop_factor)} x the {config.long_window} "
+        f"baseline (the 'alert below' line) for {config.collapse_for}, with the baseline above "
+        f"{number(config.collapse_min_baseline)} and the caller still sending prompt tokens. "
+        "The thin line is the ratio at the dashboard's own resolution.",
+        "percentunit",
+        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))"
+                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{c}"
+                f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
+         target(f"{n.caller_hit_ratio[n.short]}{c}",
+                f"{{{{caller}}}} {{{{model}}}} {config.short_window}"),
+         target(f"{n.caller_hit_ratio[n.long]}{c}",
+                f"{{{{caller}}}} {{{{model}}}} {config.long_window}"),
+         target(f"{number(config.collapse_drop_factor)} * {n.caller_hit_ratio[n.long]}{c}",
+                "{{caller}} {{model}} alert below")],
+        min_value=0, max_value=1), 24, 9)
+    layout.add(timeseries(
+        "Prompt tokens: cached, recomputed, unreported",
+        "The caller's prompt tokens per second: served from the cache, recomputed, and those "
+        "whose response did not report a cached count (then the hit ratio cannot be known).",
+        TOKENS_PER_SECOND,
+        [target(f"sum by (caller) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))",
+                "{{caller}} cached"),
+         target(f"sum by (caller) (rate(vllm_cache_prompt_tokens_total{c}[{RATE}]))\n-\n"
+                f"sum by (caller) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))",
+                "{{caller}} recomputed"),
+         target(f"sum by (caller) (rate(vllm_cache_unreported_prompt_tokens_total{c}"
+                f"[{RATE}]))\nor\nsum by (caller) (rate(vllm_cache_requests_total{c}"
+                f"[{RATE}])) * 0", "{{caller}} unreported")],
+        stacked=True), 12, 8)
+    layout.add(timeseries(
+        "Turns by state",
+        "Requests per second by cache outcome: warm, partial, cold, short (too short for one "
+        "granule), unknown (cached tokens not reported), error.",
+        "reqps",
+        [target(f"sum by (caller, state) (rate(vllm_cache_requests_total{c}[{RATE}]))",
+                "{{caller}} {{state}}")],
+        stacked=True, bars=True), 12, 8)
+
+    layout.row("Waiting")
+    layout.add(timeseries(
+        "Time to first token by state",
+        "Engine-side time to first token (proxy TTFT minus admission wait), median and 95th "
+        "percentile, per cache outcome. Seconds means the cache held; a minute means it was "
+        "evicted (VllmCacheWarmTTFTCollapse watches the median of turns that should be warm).",
+        "s",
+        [target(f"histogram_quantile({quantile}, sum by (caller, state, le) (rate("
+                f"vllm_cache_ttft_seconds_bucket{f.caller(CLASSIFIED)}[{RATE}])))",
+                f"{{{{caller}}}} {{{{state}}}} {label}")
+         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
+    layout.add(timeseries(
+        "Admission queue wait",
+        "Time requests waited in the proxy's admission queue before reaching vLLM, median and "
+        "95th percentile. Long waits with fast engine TTFT mean the gate, not the cache, is "
+        "the bottleneck.",
+        "s",
+        [target(f"histogram_quantile({quantile}, sum by (caller, le) (rate("
+                f"vllm_cache_queue_wait_seconds_bucket{c}[{RATE}])))",
+                f"{{{{caller}}}} {label}")
+         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
+
+    return dashboard(
+        config, TITLE, config.caller_uid,
+        "One caller's prefix-cache hit ratio against the collapse alert's baseline, its turns "
+        "by cache outcome, time to first token and admission wait, from vllm-cache-exporter.",
+        variables(config), layout,
+        links=[g.DashboardLink(type="dashboards", tags=["vllm-cache-exporter"],
+                               includeVars=True, keepTime=True, title="vllm-cache-exporter")])

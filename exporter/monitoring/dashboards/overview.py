@@ -1,0 +1,291 @@
+"""The overview: is the prefix cache doing its job, for whom, and is the engine the limit.
+
+Read top to bottom it follows the questions of the field reports: what share of prompt
+tokens comes from the cache (engine-wide and per caller, against the baseline the collapse
+alert compares to); are turns warm and how long do warm vs cold turns wait for their first
+token; do the conversations fit the KV pool (tokens used vs pool, preemptions, queue); and
+can the numbers be trusted (prefix caching on, vLLM metrics present, usage flowing).
+"""
+
+from __future__ import annotations
+
+from grafanalib import core as g
+
+from exporter.monitoring.config import MonitoringConfig
+from exporter.monitoring.dashboards.panels import (
+    JOB,
+    RATE,
+    TOKENS,
+    TOKENS_PER_SECOND,
+    Filters,
+    Layout,
+    bargauge,
+    dashboard,
+    query_variable,
+    stat,
+    table,
+    target,
+    timeseries,
+    value_mapping,
+)
+from exporter.monitoring.promql import CLASSIFIED_STATES, PromQL, number
+from exporter.monitoring.rules import Names
+
+FILENAME = "vllm-cache-overview.json"
+TITLE = "vLLM prefix cache: overview"
+
+HITS = "vllm_cache_engine_prefix_cache_hits_tokens_total"
+QUERIES = "vllm_cache_engine_prefix_cache_queries_tokens_total"
+CLASSIFIED = 'state=~"' + "|".join(CLASSIFIED_STATES) + '"'
+WARM = 'state="warm"'
+WARM_COLD = 'state=~"warm|cold"'
+
+
+def variables(config: MonitoringConfig) -> list[g.Template]:
+    q = PromQL(config)
+    f = Filters(config)
+    # One model dropdown for both label spellings: vLLM's model_name on engine series and the
+    # requested model on per-caller series (the regex takes whichever the row has).
+    series = '__name__=~"vllm_cache_requests_total|vllm_cache_engine_kv_pool_tokens"'
+    models = f"query_result(count by (model, model_name) ({q.sel(series, JOB)}))"
+    return [
+        query_variable("job", "Job", f"label_values(vllm_cache_exporter_build_info{q.sel()}, job)"),
+        query_variable("target", "vLLM", f"label_values(vllm_cache_engine_up{f.job()}, target)"),
+        query_variable("model", "Model", models, regex='/model(?:_name)?="([^"]+)"/'),
+        query_variable("caller", "Caller",
+                       f"label_values(vllm_cache_requests_total{f.model()}, caller)"),
+    ]
+
+
+def build(config: MonitoringConfig) -> g.Dashboard:
+    f = Filters(config)
+    n = Names(config)
+    e, c, t, j = f.engine(), f.caller(), f.target(), f.job()
+    layout = Layout()
+
+    layout.row("Prefix cache")
+    layout.add(stat(
+        "Engine hit ratio",
+        "Share of the prompt tokens vLLM looked up that it found in its prefix cache, over "
+        "the selected engines (ratio of summed rates). On a hybrid model about 94% is a full "
+        "hit; 0% for a whole boot means the cache never works.",
+        "percentunit",
+        [target(f"sum(rate({HITS}{e}[{RATE}]))\n/\n(sum(rate({QUERIES}{e}[{RATE}])) > 0)")],
+        thresholds=[("red", None), ("orange", 0.3), ("green", 0.6)]), 4, 5)
+    layout.add(stat(
+        "Caller hit ratio",
+        "Share of the selected callers' prompt tokens served from the prefix cache, from the "
+        "usage each response reports (only responses that report cached tokens count).",
+        "percentunit",
+        [target(f"sum(rate(vllm_cache_cached_tokens_total{c}[{RATE}]))\n/\n"
+                f"(sum(rate(vllm_cache_prompt_tokens_total{c}[{RATE}])) > 0)")],
+        thresholds=[("red", None), ("orange", 0.3), ("green", 0.6)]), 4, 5)
+    layout.add(stat(
+        "Warm turns",
+        "Share of the selected callers' turns that reused all the cache they could (warm), "
+        "among warm, partial and cold turns. Short and unknown turns say nothing about the "
+        "cache and are left out.",
+        "percentunit",
+        [target(f"(sum(rate(vllm_cache_requests_total{f.caller(WARM)}[{RATE}])) or vector(0))"
+                f"\n/\n(sum(rate(vllm_cache_requests_total{f.caller(CLASSIFIED)}[{RATE}])) > 0)")],
+        thresholds=[("red", None), ("orange", 0.5), ("green", 0.8)]), 4, 5)
+    layout.add(stat(
+        "Prefix caching",
+        "Whether each vLLM runs with enable_prefix_caching. Hybrid models default to off: "
+        "then every turn re-reads its whole prompt (VllmCachePrefixCachingDisabled).",
+        "none",
+        [target(f"max by (target, model_name) (vllm_cache_engine_prefix_caching_enabled{e})",
+                "{{target}} {{model_name}}")],
+        mappings=value_mapping(("0", "Off", "red"), ("1", "On", "green"))), 6, 5)
+    layout.add(stat(
+        "Cache granularity",
+        "Tokens per cache granule per model: cached counts come in whole granules (the block "
+        "size, 2,048 or ~800 on hybrid models), and where it came from (configured, learned "
+        "from cached counts, or vLLM's block size).",
+        TOKENS,
+        [target(f"max by (model, source) (vllm_cache_granularity_tokens{f.model()})",
+                "{{model}} ({{source}})")]), 6, 5)
+    layout.add(timeseries(
+        "Hit ratio per vLLM engine",
+        f"Prefix-cache hit ratio of each vLLM (summed over its engines), and its "
+        f"{config.long_window} baseline as recorded by the rules. VllmCachePrefixCollapse fires "
+        f"when the {config.short_window} ratio stays below {number(config.collapse_drop_factor)}"
+        f" x the baseline while traffic continues.",
+        "percentunit",
+        [target(f"sum by (target, model_name) (rate({HITS}{e}[{RATE}]))\n/\n"
+                f"(sum by (target, model_name) (rate({QUERIES}{e}[{RATE}])) > 0)",
+                "{{target}} {{model_name}}"),
+         target(f"{n.target_hit_ratio[n.long]}{f.engine()}",
+                f"{{{{target}}}} {{{{model_name}}}} baseline {config.long_window}")],
+        min_value=0, max_value=1), 12, 8)
+    layout.add(timeseries(
+        "Hit ratio per caller",
+        f"Share of each caller's prompt tokens served from the prefix cache, and its "
+        f"{config.long_window} baseline. Two conversations that no longer fit the KV pool "
+        "evict each other: both lines fall to ~0 together.",
+        "percentunit",
+        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))"
+                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{c}"
+                f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
+         target(f"{n.caller_hit_ratio[n.long]}{c}",
+                f"{{{{caller}}}} {{{{model}}}} baseline {config.long_window}")],
+        min_value=0, max_value=1), 12, 8)
+
+    layout.row("Turns and time to first token")
+    layout.add(timeseries(
+        "Turns per caller by state",
+        "Requests per second per caller and cache outcome: warm (reused all it could), "
+        "partial, cold, short (too short to hold one granule), unknown (cached tokens not "
+        "reported), error.",
+        "reqps",
+        [target(f"sum by (caller, state) (rate(vllm_cache_requests_total{c}[{RATE}]))",
+                "{{caller}} {{state}}")],
+        stacked=True, bars=True), 12, 8)
+    layout.add(timeseries(
+        "Warm vs cold time to first token",
+        "Engine-side time to first token (proxy TTFT minus admission wait) of warm and cold "
+        "turns, median and 95th percentile. Seconds means the cache held; a minute or more "
+        "means it was evicted.",
+        "s",
+        [target(f"histogram_quantile({quantile}, sum by (state, le) (rate("
+                f"vllm_cache_ttft_seconds_bucket{f.caller(WARM_COLD)}[{RATE}])))",
+                f"{label} {{{{state}}}}")
+         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
+    layout.add(table(
+        "Callers",
+        "One row per caller and model, now: hit ratio, warm share, turns per second, median "
+        "time to first token of classified turns, and prompt tokens per second whose cached "
+        "count vLLM did not report. Click a caller for its drill-down.",
+        "percentunit",
+        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))"
+                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{c}"
+                f"[{RATE}])) > 0)", instant=True),
+         target(f"(sum by (caller, model) (rate(vllm_cache_requests_total{f.caller(WARM)}"
+                f"[{RATE}]))\n or\n sum by (caller, model) (rate(vllm_cache_requests_total"
+                f"{f.caller(CLASSIFIED)}[{RATE}])) * 0)\n/\n(sum by (caller, model) (rate("
+                f"vllm_cache_requests_total{f.caller(CLASSIFIED)}[{RATE}])) > 0)",
+                instant=True),
+         target(f"sum by (caller, model) (rate(vllm_cache_requests_total{c}[{RATE}]))",
+                instant=True),
+         target(f"histogram_quantile(0.5, sum by (caller, model, le) (rate("
+                f"vllm_cache_ttft_seconds_bucket{f.caller(CLASSIFIED)}[{RATE}])))",
+                instant=True),
+         target(f"sum by (caller, model) (rate(vllm_cache_unreported_prompt_tokens_total{c}"
+                f"[{RATE}]))\nor\nsum by (caller, model) (rate(vllm_cache_requests_total{c}"
+                f"[{RATE}])) * 0", instant=True)],
+        renames={"caller": "Caller", "model": "Model", "Value #A": "Hit ratio",
+                 "Value #B": "Warm turns", "Value #C": "Turns/s", "Value #D": "Median TTFT",
+                 "Value #E": "Unreported tokens/s"},
+        overrides=[
+            _unit_override("Value #C", "reqps"), _unit_override("Value #D", "s"),
+            _unit_override("Value #E", TOKENS_PER_SECOND),
+            {"matcher": {"id": "byName", "options": "caller"},
+             "properties": [{"id": "links", "value": [{
+                 "title": "Caller drill-down",
+                 "url": f"/d/{config.caller_uid}?var-caller=${{__value.raw}}"
+                        "&${job:queryparam}&${model:queryparam}&${datasource:queryparam}"
+                        "&${__url_time_range}"}]}]},
+        ]), 24, 8)
+
+    layout.row("KV cache and scheduler")
+    layout.add(timeseries(
+        "KV cache: tokens used vs pool",
+        "Tokens of conversation the KV pool holds now (usage x pool) against the pool size "
+        "(vLLM's startup log: \"GPU KV cache size: N tokens\"). Conversations fit while their "
+        "summed context stays a few thousand tokens under the pool.",
+        TOKENS,
+        [target(f"sum by (target, model_name) (vllm_cache_engine_kv_used_tokens{e})",
+                "{{target}} {{model_name}} used"),
+         target(f"sum by (target, model_name) (vllm_cache_engine_kv_pool_tokens{e})",
+                "{{target}} {{model_name}} pool")]), 12, 8)
+    layout.add(bargauge(
+        "KV pool in use",
+        "Fraction of each vLLM's KV pool in use (summed used tokens over summed pool tokens "
+        "of its engines). VllmCacheKVPoolNearFull fires above "
+        f"{number(config.kv_pool_full_ratio * 100)}% for {config.kv_pool_full_for}.",
+        "percentunit",
+        [target(f"sum by (target, model_name) (vllm_cache_engine_kv_used_tokens{e})\n/\n"
+                f"(sum by (target, model_name) (vllm_cache_engine_kv_pool_tokens{e}) > 0)",
+                "{{target}} {{model_name}}")],
+        thresholds=[("green", None), ("orange", 0.8), ("red", config.kv_pool_full_ratio)]),
+        12, 8)
+    layout.add(timeseries(
+        "Prompt tokens: from cache vs recomputed",
+        "Prompt tokens per second vLLM served from its prefix cache and those it had to "
+        "recompute. When two conversations evict each other the cached share drops to 0 "
+        "while the recomputed one jumps.",
+        TOKENS_PER_SECOND,
+        [target(f"sum by (target, model_name) (rate({HITS}{e}[{RATE}]))",
+                "{{target}} {{model_name}} from cache"),
+         target(f"sum by (target, model_name) (rate({QUERIES}{e}[{RATE}]))\n-\n"
+                f"sum by (target, model_name) (rate({HITS}{e}[{RATE}]))",
+                "{{target}} {{model_name}} recomputed")],
+        stacked=True), 8, 8)
+    layout.add(timeseries(
+        "Preemptions",
+        "Requests vLLM preempted per second: the running ones did not fit the KV pool, and a "
+        "preempted request loses its blocks and is recomputed later.",
+        "suffix: preemptions/s",
+        [target(f"sum by (target, model_name) (rate(vllm_cache_engine_preemptions_total{e}"
+                f"[{RATE}]))", "{{target}} {{model_name}}")]), 8, 8)
+    layout.add(timeseries(
+        "Running and waiting requests",
+        "Requests in vLLM's running batch and waiting in its queue. Waiting requests with a "
+        "full KV pool mean the pool, not the scheduler, is the concurrency limit.",
+        "short",
+        [target(f"sum by (target, model_name) (vllm_cache_engine_requests_running{e})",
+                "{{target}} {{model_name}} running"),
+         target(f"sum by (target, model_name) (vllm_cache_engine_requests_waiting{e})",
+                "{{target}} {{model_name}} waiting")]), 8, 8)
+
+    layout.row("Can the numbers be trusted")
+    layout.add(stat(
+        "vLLM reachable",
+        "Whether the exporter's last read of each vLLM /metrics succeeded "
+        "(VllmCacheEngineDown).",
+        "none",
+        [target(f"max by (target) (vllm_cache_engine_up{t})", "{{target}}")],
+        mappings=value_mapping(("0", "Down", "red"), ("1", "Up", "green"))), 6, 6)
+    layout.add(table(
+        "vLLM metrics present",
+        "For each signal the exporter reads, whether vLLM exposes it under any known name. "
+        "Absent means renamed or dropped by a vLLM upgrade: its panels show nothing, never "
+        "a reassuring 0 (VllmCacheEngineMetricAbsent).",
+        "none",
+        [target(f"min by (target, signal) (vllm_cache_engine_metric_present{t})",
+                instant=True)],
+        renames={"target": "vLLM", "signal": "Signal", "Value": "Present"},
+        mappings=value_mapping(("0", "ABSENT", "red"), ("1", "present", "green"))), 6, 6)
+    layout.add(timeseries(
+        "vLLM read errors",
+        "Failed reads of each vLLM /metrics per second, by reason (connect, timeout, "
+        "http_status, parse, ...); 0 when none.",
+        "suffix: errors/s",
+        [target(f"sum by (target, reason) (rate(vllm_cache_engine_scrape_errors_total{t}"
+                f"[{RATE}]))\nor\nsum by (target) (vllm_cache_engine_up{t}) * 0",
+                "{{target}} {{reason}}")]), 6, 6)
+    layout.add(timeseries(
+        "Usage events",
+        "Per-request usage records accepted per second by each reader, those rejected (by "
+        "reason; 0 when none), and those counted under the caller cap's overflow bucket.",
+        "suffix: events/s",
+        [target(f"sum by (reader) (rate(vllm_cache_usage_events_total{j}[{RATE}]))",
+                "{{reader}} accepted"),
+         target(f"sum by (reader, reason) (rate(vllm_cache_usage_events_rejected_total{j}"
+                f"[{RATE}]))\nor\nsum by (reader) (rate(vllm_cache_usage_events_total{j}"
+                f"[{RATE}])) * 0", "{{reader}} rejected {{reason}}"),
+         target(f"sum(rate(vllm_cache_callers_overflowed_total{j}[{RATE}]))",
+                "over the caller cap")]), 6, 6)
+
+    return dashboard(
+        config, TITLE, config.overview_uid,
+        "Prefix-cache hit ratio per engine and per caller, warm vs cold time to first token, "
+        "KV occupancy in tokens and preemptions, from vllm-cache-exporter.",
+        variables(config), layout,
+        links=[g.DashboardLink(type="dashboards", tags=["vllm-cache-exporter"],
+                               includeVars=True, keepTime=True, title="vllm-cache-exporter")])
+
+
+def _unit_override(field: str, unit: str) -> dict[str, object]:
+    return {"matcher": {"id": "byName", "options": field},
+            "properties": [{"id": "unit", "value": unit}]}
