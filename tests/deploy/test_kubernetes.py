@@ -1,0 +1,307 @@
+"""deploy/kubernetes/, offline: every object validates against the Kubernetes schemas (core
+kinds) or the Prometheus Operator's CRD schemas (tests/deploy/schemas/), the generated
+objects match their generators, and the objects fit together the way a cluster would wire
+them: ServiceMonitor -> Service -> pod port -> sidecar flags -> the job the rules select.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from exporter import __version__
+from exporter.cli import _with_default_command, build_parser
+from exporter.config import build_config
+from exporter.monitoring.config import MonitoringConfig, parse_selector
+from tests.deploy.helpers import K8S_DIR, ROOT, flag_value, raw_compose
+
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.yaml",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring-v1.yaml",
+}
+# The oldest Kubernetes we claim (1.29: still in the major clouds' extended support) and the
+# newest schema kubernetes-validate bundles.
+OLDEST_KUBERNETES = "1.29.0"
+# kubectl apply keeps the whole object in this annotation, which Kubernetes caps at 256 KiB.
+LAST_APPLIED_LIMIT = 262_144
+
+
+def kubernetes_validate() -> Any:
+    try:
+        import kubernetes_validate as module
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("kubernetes-validate is in the test extra: pip install -e '.[test]'")
+        pytest.skip("kubernetes-validate not installed")
+    return module
+
+
+def manifest_files() -> list[Path]:
+    return sorted(path for path in K8S_DIR.glob("*.yaml") if path.name != "kustomization.yaml")
+
+
+@cache
+def documents() -> tuple[tuple[str, dict[str, Any]], ...]:
+    out = []
+    for path in manifest_files():
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+            if doc is not None:
+                out.append((path.name, doc))
+    return tuple(out)
+
+
+def objects(kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    found = [doc for _file, doc in documents() if doc["kind"] == kind
+             and (name is None or doc["metadata"]["name"] == name)]
+    assert found, f"no {kind} {name or ''} in deploy/kubernetes"
+    return found
+
+
+def one(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = objects(kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec() -> dict[str, Any]:
+    return one("Deployment", "vllm")["spec"]["template"]["spec"]
+
+
+def container(name: str) -> dict[str, Any]:
+    return next(item for item in pod_spec()["containers"] if item["name"] == name)
+
+
+def container_port(name: str) -> int:
+    for item in pod_spec()["containers"]:
+        for port in item.get("ports", []):
+            if port["name"] == name:
+                return port["containerPort"]
+    raise AssertionError(f"no container port named {name!r}")
+
+
+def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def crd_validator(doc: Mapping[str, Any]) -> Any:
+    """A Draft 2020-12 validator for a custom resource, resolving ObjectMeta/LabelSelector
+    from the Kubernetes definitions kubernetes-validate bundles (offline)."""
+    import jsonschema
+    from referencing import Registry, Resource
+
+    utils = kubernetes_validate().utils
+    key = (doc["apiVersion"], doc["kind"])
+    assert key in CRD_SCHEMAS, f"no schema for {key}: add one to tests/deploy/schemas/"
+    schema = yaml.safe_load((SCHEMAS / CRD_SCHEMAS[key]).read_text(encoding="utf-8"))
+    version = utils.latest_version()
+    definitions = utils.schema_contents(
+        f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", version)
+    registry = Registry().with_resource("https://kubernetes.io/api/_definitions.json",
+                                        Resource.from_contents(definitions))
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def validate(doc: Mapping[str, Any], version: str) -> None:
+    """Raise if the object is not valid: core kinds strictly, custom resources by schema."""
+    if (doc["apiVersion"], doc["kind"]) in CRD_SCHEMAS:
+        crd_validator(doc).validate(doc)
+    else:
+        kubernetes_validate().validate(dict(doc), version, strict=True)
+
+
+def bundled_versions() -> Iterator[str]:
+    yield OLDEST_KUBERNETES
+    try:
+        import kubernetes_validate as module
+    except ImportError:
+        return
+    yield module.utils.latest_version()
+
+
+# --- structure ----------------------------------------------------------------------------
+
+
+def test_kustomization_lists_every_manifest_and_pins_the_exporter_image():
+    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text(encoding="utf-8"))
+    assert sorted(kustomization["resources"]) == [path.name for path in manifest_files()]
+    images = {image["name"]: image for image in kustomization["images"]}
+    assert images["vllm-cache-exporter"]["newTag"] == __version__
+    assert container("vllm-cache-exporter")["image"] == f"vllm-cache-exporter:{__version__}"
+
+
+@pytest.mark.parametrize("version", list(bundled_versions()))
+def test_every_object_validates_offline(version):
+    validated = []
+    for filename, doc in documents():
+        try:
+            validate(doc, version)
+        except Exception as err:  # show which object, then the validator's own message
+            pytest.fail(f"{filename}: {doc['kind']} {doc['metadata'].get('name')}: {err}")
+        validated.append(doc["kind"])
+    assert {"Deployment", "Service", "ServiceMonitor", "PrometheusRule",
+            "ConfigMap"} <= set(validated)
+
+
+def broken(kind: str, change: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(objects(kind)[0])
+    change(doc)
+    return doc
+
+
+@pytest.mark.parametrize("case", [
+    ("Deployment", lambda d: d["spec"]["template"]["spec"]["containers"][1]["ports"][0]
+     .update(containerPort="10123")),
+    ("Deployment", lambda d: d["spec"]["template"]["spec"]["containers"][1]
+     .update(livenesProbe={})),
+    ("Service", lambda d: d["spec"].update(selecter={})),
+    ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].update(scrapeTimout="10s")),
+    ("ServiceMonitor", lambda d: d["spec"].pop("selector")),
+    ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].update(interval="15 seconds")),
+    ("ServiceMonitor", lambda d: d["metadata"].update(labels={"a": 1})),
+    ("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].update(alert="X")),
+    ("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].pop("expr")),
+    ("PrometheusRule", lambda d: d["spec"]["groups"][0].pop("name")),
+], ids=["port-as-string", "typo-in-container", "typo-in-service", "typo-in-endpoint",
+        "no-selector", "bad-duration", "label-not-string", "record-and-alert", "no-expr",
+        "group-without-name"])
+def test_validation_rejects_broken_objects(case):
+    kind, change = case
+    with pytest.raises(Exception) as caught:
+        validate(broken(kind, change), OLDEST_KUBERNETES)
+    assert "ValidationError" in type(caught.value).__name__
+
+
+# --- generated objects --------------------------------------------------------------------
+
+
+def rule_file_groups() -> list[dict[str, Any]]:
+    groups = []
+    for path in sorted((ROOT / "alerts").glob("*.yaml")):
+        groups.extend(yaml.safe_load(path.read_text(encoding="utf-8"))["groups"])
+    return groups
+
+
+def test_prometheusrule_groups_equal_the_generated_rule_files():
+    manifest_groups = one("PrometheusRule")["spec"]["groups"]
+    files_groups = rule_file_groups()
+    assert files_groups, "no rule files in alerts/"
+    by_name = {group["name"]: group for group in files_groups}
+    assert len(by_name) == len(files_groups), "duplicate group names in alerts/*.yaml"
+    assert sorted(group["name"] for group in manifest_groups) == sorted(by_name)
+    for group in manifest_groups:
+        assert group == by_name[group["name"]], f"group {group['name']} differs from alerts/"
+
+
+def test_prometheusrule_is_exactly_what_generate_writes():
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", "generate", "--format", "prometheus-operator",
+         "--output", "deploy/kubernetes/prometheusrule.yaml", "--check"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def load_render() -> Any:
+    spec = importlib.util.spec_from_file_location("k8s_render", K8S_DIR / "render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_manifests_are_up_to_date():
+    render = load_render()
+    for path, content in render.expected_files().items():
+        assert path.read_text(encoding="utf-8") == content, (
+            f"{path.name} is stale: run 'python deploy/kubernetes/render.py'")
+
+
+def test_dashboards_configmaps_carry_every_committed_dashboard_for_the_sidecar():
+    committed = {path.name: path.read_text(encoding="utf-8")
+                 for path in sorted((ROOT / "dashboards").glob("*.json"))}
+    assert len(committed) >= 2, "the overview and per-caller dashboards"
+    shipped: dict[str, str] = {}
+    for configmap in objects("ConfigMap"):
+        assert configmap["metadata"]["labels"].get("grafana_dashboard") == "1"
+        shipped.update(configmap["data"])
+        # kubectl apply stores the object in an annotation capped at 256 KiB.
+        assert len(json.dumps(configmap)) < LAST_APPLIED_LIMIT, configmap["metadata"]["name"]
+    assert shipped == committed
+    for text in shipped.values():
+        assert json.loads(text)["uid"]
+
+
+# --- how the objects fit together ---------------------------------------------------------
+
+
+def sidecar_config() -> Any:
+    sidecar = container("vllm-cache-exporter")
+    parser = build_parser()
+    args = parser.parse_args(_with_default_command(list(sidecar["args"]), parser))
+    assert args.command == "run"
+    env = {item["name"]: item["value"] for item in sidecar.get("env", []) if "value" in item}
+    return build_config(args, environ=env)
+
+
+def test_sidecar_reads_vllm_on_localhost_and_serves_on_its_named_ports():
+    config = sidecar_config()  # the real flag parser: a renamed flag fails here
+    vllm_port = container_port("http")
+    assert config.vllm_url == (f"http://127.0.0.1:{vllm_port}",)
+    assert config.tap_upstream == f"http://127.0.0.1:{vllm_port}"
+    assert config.listen_host_port == ("0.0.0.0", container_port("metrics"))
+    assert config.tap_listen_address == f"0.0.0.0:{container_port('tap')}"
+    sidecar = container("vllm-cache-exporter")
+    for probe, path in (("livenessProbe", "/-/healthy"), ("readinessProbe", "/-/ready")):
+        assert sidecar[probe]["httpGet"] == {"path": path, "port": "metrics"}
+    assert sidecar["securityContext"]["runAsNonRoot"] is True
+
+
+def test_vllm_container_reports_cached_tokens_and_matches_the_compose_pin():
+    vllm = container("vllm")
+    assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(vllm["args"])
+    assert flag_value(vllm["args"], "--port") == str(container_port("http"))
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert vllm["image"] == raw_compose()["services"]["vllm"]["image"]
+    assert not vllm["image"].endswith(":latest") and ":" in vllm["image"]
+
+
+def test_servicemonitor_scrapes_every_sidecar_as_the_job_the_rules_select():
+    monitor = one("ServiceMonitor")
+    services = [service for service in objects("Service")
+                if selects(monitor["spec"]["selector"]["matchLabels"],
+                           service["metadata"].get("labels", {}))]
+    assert len(services) == 1, "the ServiceMonitor must select exactly the metrics Service"
+    service = services[0]
+    assert service["spec"].get("clusterIP") == "None", "headless: one target per pod"
+    template_labels = one("Deployment", "vllm")["spec"]["template"]["metadata"]["labels"]
+    assert selects(service["spec"]["selector"], template_labels)
+    ports = {port["name"]: port for port in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        target = ports[endpoint["port"]]["targetPort"]
+        assert target == "metrics" and container_port(target) == sidecar_config(
+            ).listen_host_port[1]
+        assert endpoint.get("path", "/metrics") == "/metrics"
+    # The operator names the job after the Service unless spec.jobLabel says otherwise.
+    job = (service["metadata"]["labels"].get(monitor["spec"]["jobLabel"])
+           if "jobLabel" in monitor["spec"] else service["metadata"]["name"])
+    wanted = [value for name, op, value in parse_selector(MonitoringConfig().selector)
+              if name == "job" and op == "="]
+    assert wanted == [job]
+
+
+def test_clients_reach_vllm_through_the_tap():
+    service = one("Service", "vllm")
+    assert selects(service["spec"]["selector"],
+                   one("Deployment", "vllm")["spec"]["template"]["metadata"]["labels"])
+    assert [port["targetPort"] for port in service["spec"]["ports"]] == ["tap"]
