@@ -449,6 +449,10 @@ def _cross_checks(config: Config) -> Config:
     if config.usage_file_format == "mapping" or config.usage_ingest_format == "mapping":
         if not config.usage_mapping_file:
             raise ConfigError("--usage.mapping.file", "the 'mapping' format needs a mapping file")
+    if config.usage_mapping_file:  # read now so that a bad mapping is a configuration error
+        from exporter.usage.formats import load_mapping
+
+        load_mapping(config.usage_mapping_file)
     return config
 
 

@@ -92,16 +92,12 @@ def split_body(body: bytes) -> Batch:
     stripped = text.strip()
     if not stripped:
         raise BodyError("bad_body", "the body is empty")
-    if stripped[0] == "[":
-        try:
-            whole = json.loads(stripped)
-        except ValueError:
-            raise BodyError("bad_body", "the body is not a valid JSON array") from None
-        return Batch(whole if isinstance(whole, list) else [whole])
-    try:  # one object, perhaps pretty-printed; NDJSON fails fast after its first line
-        return Batch([json.loads(stripped)])
+    try:  # one object or array, perhaps pretty-printed; NDJSON fails after its first line
+        whole = json.loads(stripped)
     except ValueError:
         pass
+    else:
+        return Batch(whole if isinstance(whole, list) else [whole])
     batch = _split_lines(stripped)
     if len(batch.values) == 1 and batch.bad:
         raise BodyError("bad_body", "the body is not JSON, a JSON array, or NDJSON")

@@ -1,0 +1,107 @@
+"""UsageEvent validation: what is accepted, and the reason for everything that is not."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from exporter.usage.event import REASONS, InvalidEvent, UsageEvent, status_is_error, validate
+
+GOOD = {"caller": "agent-1", "model": "qwen", "prompt_tokens": 1396, "cached_tokens": 1376,
+        "completion_tokens": 8, "ttft_seconds": 0.5, "queue_seconds": 0.1, "session": "s1",
+        "time": 1_795_992_177.0, "status": 200}
+
+
+def test_native_form_round_trips_every_field():
+    event = validate(GOOD)
+    assert event == UsageEvent(**GOOD)
+    assert [f.name for f in dataclasses.fields(UsageEvent)] == list(GOOD)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.caller = "someone else"  # type: ignore[misc]
+
+
+def test_only_caller_and_prompt_tokens_are_required():
+    event = validate({"caller": "a", "prompt_tokens": 10})
+    assert event == UsageEvent("a", "", 10, None, None, None, None, None, None, None)
+    assert event.cached_tokens is None  # not reported is not zero
+
+
+def test_accepted_variants():
+    event = validate({"caller": "a", "prompt_tokens": 10.0, "cached_tokens": 0,
+                      "ttft_seconds": 2, "time": 5, "session": 42, "status": "200",
+                      "unknown_future_field": [1, 2]})
+    assert (event.prompt_tokens, event.cached_tokens, event.ttft_seconds, event.time,
+            event.session, event.status) == (10, 0, 2.0, 5.0, "42", 200)
+    assert type(event.ttft_seconds) is float
+    # A failed request has no usage: prompt_tokens may be left out.
+    assert validate({"caller": "a", "status": 503}).prompt_tokens == 0
+    assert validate({"caller": "a", "status": "failure"}).is_error
+
+
+BAD = [
+    ([], "not_an_object"),
+    ("caller=a", "not_an_object"),
+    ({"prompt_tokens": 10}, "missing_caller"),
+    ({"caller": "", "prompt_tokens": 10}, "missing_caller"),
+    ({"caller": 7, "prompt_tokens": 10}, "bad_caller"),
+    ({"caller": "a\nb", "prompt_tokens": 10}, "bad_caller"),
+    ({"caller": "a\x1b[31m", "prompt_tokens": 10}, "bad_caller"),
+    ({"caller": "a\u200bb", "prompt_tokens": 10}, "bad_caller"),  # zero-width space
+    ({"caller": "x" * 10_000, "prompt_tokens": 10}, "caller_too_long"),
+    ({"caller": "a"}, "missing_prompt_tokens"),
+    ({"caller": "a", "prompt_tokens": None}, "missing_prompt_tokens"),
+    ({"caller": "a", "prompt_tokens": "1396"}, "not_a_number"),
+    ({"caller": "a", "prompt_tokens": True}, "not_a_number"),
+    ({"caller": "a", "prompt_tokens": 10.5}, "not_a_number"),
+    ({"caller": "a", "prompt_tokens": -1}, "negative"),
+    ({"caller": "a", "prompt_tokens": 10, "cached_tokens": -2}, "negative"),
+    ({"caller": "a", "prompt_tokens": 10, "ttft_seconds": -0.1}, "negative"),
+    ({"caller": "a", "prompt_tokens": 10_000_001}, "too_large"),
+    ({"caller": "a", "prompt_tokens": 10**30}, "too_large"),
+    ({"caller": "a", "prompt_tokens": 10, "completion_tokens": 10**9}, "too_large"),
+    ({"caller": "a", "prompt_tokens": 10, "ttft_seconds": 1e9}, "too_large"),
+    ({"caller": "a", "prompt_tokens": float("nan")}, "not_finite"),
+    ({"caller": "a", "prompt_tokens": float("inf")}, "not_finite"),
+    ({"caller": "a", "prompt_tokens": 10, "ttft_seconds": float("nan")}, "not_finite"),
+    ({"caller": "a", "prompt_tokens": 10, "time": float("inf")}, "not_finite"),
+    ({"caller": "a", "prompt_tokens": 10, "cached_tokens": 11}, "cached_exceeds_prompt"),
+    ({"caller": "a", "prompt_tokens": 10, "status": 999}, "bad_status"),
+    ({"caller": "a", "prompt_tokens": 10, "status": "x" * 100}, "bad_status"),
+    ({"caller": "a", "prompt_tokens": 10, "status": 2.5}, "bad_status"),
+    ({"caller": "a", "prompt_tokens": 10, "model": {"name": "m"}}, "bad_model"),
+    ({"caller": "a", "prompt_tokens": 10, "model": "m\x00"}, "bad_model"),
+    ({"caller": "a", "prompt_tokens": 10, "session": ["s"]}, "bad_session"),
+    ({"caller": "a", "prompt_tokens": 10, "session": "s" * 1000}, "bad_session"),
+]
+
+
+@pytest.mark.parametrize("obj,reason", BAD, ids=[reason + str(i) for i, (_, reason) in
+                                                  enumerate(BAD)])
+def test_rejections_carry_a_bounded_reason(obj, reason):
+    with pytest.raises(InvalidEvent) as caught:
+        validate(obj)
+    assert caught.value.reason == reason
+    assert reason in REASONS
+    assert str(caught.value)  # a human message too
+
+
+def test_rejection_messages_never_echo_the_value():
+    secret = "sk-live-" + "A1b2C3d4" * 4
+    for obj in ({"caller": secret + "\n", "prompt_tokens": 1},
+                {"caller": secret * 100, "prompt_tokens": 1},
+                {"caller": "a", "prompt_tokens": secret}):
+        with pytest.raises(InvalidEvent) as caught:
+            validate(obj)
+        assert secret not in str(caught.value)
+
+
+def test_status_words():
+    assert not status_is_error(None)
+    assert not status_is_error(204)
+    assert not status_is_error("success")
+    assert not status_is_error("OK")
+    assert status_is_error(429)
+    assert status_is_error("500")
+    assert status_is_error("failure")
+    assert status_is_error("timeout")

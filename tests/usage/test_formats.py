@@ -1,0 +1,264 @@
+"""Each format, from real (vLLM 0.32) or type-faithful (LiteLLM) bodies, through the app."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from exporter.config import ConfigError
+from exporter.metrics import build_registry
+from exporter.usage.event import InvalidEvent, UsageEvent
+from exporter.usage.formats import LiteLLMFormat, MappingFormat, OpenAIFormat, load_mapping
+from tests.helpers import FIXTURES, fixture_text
+from tests.usage.conftest import value
+
+VLLM = "vllm-0.32.0-cpu/"
+LITELLM_FIELDS = ("metadata.user_api_key_alias", "metadata.user_api_key_team_alias",
+                  "end_user")
+
+
+def litellm_payloads() -> list[dict]:
+    return json.loads((FIXTURES / "litellm" / "standard_logging_payloads.json").read_text())
+
+
+def vllm_json(name: str) -> dict:
+    return json.loads(fixture_text(VLLM + name))
+
+
+# ---- LiteLLM ---------------------------------------------------------------------------
+
+
+def test_litellm_payloads_convert():
+    convert = LiteLLMFormat(LITELLM_FIELDS)
+    streamed, not_streamed, unreported, failed = (convert(p) for p in litellm_payloads())
+    assert streamed == UsageEvent("agent-research", "tiny-llama", 1396, 1376, 8, 0.5, None,
+                                  None, 1795992176.25, "success")
+    # completionStartTime == endTime when not streamed: that is not a TTFT.
+    assert not_streamed.caller == "platform"
+    assert (not_streamed.prompt_tokens, not_streamed.cached_tokens) == (1395, 0)
+    assert not_streamed.ttft_seconds is None
+    assert unreported.caller == "customer-42" and unreported.cached_tokens is None
+    assert failed.is_error
+
+
+def test_litellm_caller_order_is_configurable():
+    payload = litellm_payloads()[0]
+    assert LiteLLMFormat(["end_user", "metadata.user_api_key_team_alias"])(payload).caller == (
+        "platform")
+    with pytest.raises(InvalidEvent) as caught:
+        LiteLLMFormat(["end_user"])(payload)
+    assert caught.value.reason == "missing_caller"
+
+
+def test_litellm_usage_falls_back_to_the_response_usage():
+    payload = litellm_payloads()[0]
+    payload["metadata"]["usage_object"] = None
+    assert LiteLLMFormat(LITELLM_FIELDS)(payload).cached_tokens == 1376
+
+
+@pytest.mark.parametrize("log_format", ["json_array", "ndjson", "single"])
+async def test_litellm_generic_api_log_formats(usage_client, log_format):
+    client, state = await usage_client(signals_granularity=32, usage_ingest_format="litellm",
+                                       usage_ingest_token="tok")
+    payloads = litellm_payloads()
+    if log_format == "json_array":
+        bodies = [json.dumps(payloads)]
+    elif log_format == "ndjson":
+        bodies = ["\n".join(json.dumps(p) for p in payloads)]
+    else:
+        bodies = [json.dumps(p) for p in payloads]
+    total = 0
+    for body in bodies:
+        response = await client.post("/v1/usage", data=body,
+                                     headers={"Authorization": "Bearer tok",
+                                              "Content-Type": "application/json"})
+        assert response.status == 200, await response.text()
+        total += (await response.json())["accepted"]
+    assert total == 4
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_requests_total", caller="agent-research",
+                 model="tiny-llama", state="warm") == 1
+    assert value(registry, "vllm_cache_requests_total", caller="platform",
+                 model="tiny-llama", state="cold") == 1
+    assert value(registry, "vllm_cache_requests_total", caller="customer-42",
+                 model="tiny-llama", state="unknown") == 1
+    assert value(registry, "vllm_cache_ttft_seconds_sum", caller="agent-research",
+                 model="tiny-llama", state="warm") == 0.5
+
+
+# ---- OpenAI response records -----------------------------------------------------------
+
+
+def record(response: object, **extra: object) -> dict:
+    return {"caller": "agent-1", "response": response, **extra}
+
+
+def test_openai_chat_response_object():
+    event = OpenAIFormat()(record(vllm_json("02_chat_warm.json"), ttft_seconds=0.3,
+                                  queue_seconds=0.1, session="s"))
+    assert event == UsageEvent("agent-1", "tiny-llama", 1396, 1376, 8, 0.3, 0.1, "s")
+
+
+def test_openai_streamed_chat_as_sse_text_and_as_final_chunk():
+    sse = fixture_text(VLLM + "03_chat_stream_warm.sse.txt")
+    from_text = OpenAIFormat()(record(sse))
+    assert (from_text.model, from_text.prompt_tokens, from_text.cached_tokens) == (
+        "tiny-llama", 1396, 1376)
+    final = [line[6:] for line in sse.splitlines() if line.startswith("data: {")][-1]
+    chunk = json.loads(final)
+    assert chunk["choices"] == []
+    assert OpenAIFormat()(record(chunk)) == from_text
+    assert OpenAIFormat()(record(json.dumps(vllm_json("02_chat_warm.json")))).cached_tokens == (
+        1376)
+
+
+def test_openai_completions_and_cold_responses():
+    assert OpenAIFormat()(record(vllm_json("05_completion_repeat.json"))).cached_tokens == 1344
+    streamed = OpenAIFormat()(record(fixture_text(VLLM + "06_completion_stream.sse.txt")))
+    assert (streamed.prompt_tokens, streamed.cached_tokens) == (1373, 1344)
+    cold = OpenAIFormat()(record(vllm_json("01_chat_cold.json")))
+    assert (cold.prompt_tokens, cold.cached_tokens) == (1395, 0)
+
+
+def test_openai_responses_api_object_and_stream():
+    obj = OpenAIFormat()(record(vllm_json("10_responses_warm.json")))
+    streamed = OpenAIFormat()(record(fixture_text(VLLM + "09_responses_stream_warm.sse.txt")))
+    for event in (obj, streamed):
+        assert event.cached_tokens is not None and 0 < event.cached_tokens <= event.prompt_tokens
+    assert (streamed.prompt_tokens, streamed.cached_tokens) == (268, 256)
+
+
+def test_openai_flag_off_means_not_reported():
+    body = vllm_json("02_chat_warm.json")
+    body["usage"]["prompt_tokens_details"] = None  # vLLM without the flag
+    assert OpenAIFormat()(record(body)).cached_tokens is None
+
+
+def test_openai_error_response_counts_as_an_error():
+    event = OpenAIFormat()(record(vllm_json("11_chat_error_400.json"), status=400))
+    assert event.is_error and event.prompt_tokens == 0
+    with pytest.raises(InvalidEvent) as caught:
+        OpenAIFormat()(record(vllm_json("11_chat_error_400.json")))
+    assert caught.value.reason == "missing_usage"
+    with pytest.raises(InvalidEvent) as caught:
+        OpenAIFormat()(record("data: {\"choices\": []}\n\ndata: [DONE]\n"))
+    assert caught.value.reason == "missing_usage"
+    with pytest.raises(InvalidEvent) as caught:
+        OpenAIFormat()(record("<html>bad gateway</html>"))
+    assert caught.value.reason == "malformed_response"
+
+
+def test_openai_per_request_metrics_give_the_ttft():
+    body = vllm_json("02_chat_warm.json")
+    body["metrics"] = {"time_to_first_token_ms": 250.0, "queue_time_ms": 5.0}
+    assert OpenAIFormat()(record(body)).ttft_seconds == 0.25
+
+
+async def test_openai_format_through_the_app(usage_client):
+    client, state = await usage_client(signals_granularity=32)
+    body = "\n".join(json.dumps(record(vllm_json(name), ttft_seconds=ttft)) for name, ttft in
+                     (("01_chat_cold.json", 3.0), ("02_chat_warm.json", 0.2)))
+    response = await client.post("/v1/usage?format=openai", data=body)
+    assert (await response.json())["accepted"] == 2
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_cached_tokens_total", caller="agent-1",
+                 model="tiny-llama") == 1376
+    assert value(registry, "vllm_cache_prompt_tokens_total", caller="agent-1",
+                 model="tiny-llama") == 1395 + 1396
+
+
+# ---- user mapping ----------------------------------------------------------------------
+
+MAPPING = """
+caller: [request.headers.x-caller, request.user]
+model: response.model
+prompt_tokens: response.usage.prompt_tokens
+cached_tokens: response.usage.prompt_tokens_details.cached_tokens
+completion_tokens: response.usage.completion_tokens
+ttft_seconds: {path: timing.first_byte_ms, scale: 0.001}
+queue_seconds: {path: timing.admitted_at, minus: timing.received_at}
+session: request.body.messages.0.content
+status: response_status
+"""
+
+
+def write_mapping(tmp_path: Path, text: str = MAPPING) -> str:
+    path = tmp_path / "mapping.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def gateway_log() -> dict:
+    return {"request": {"headers": {"x-caller": "gw-agent"}, "user": "fallback",
+                        "body": {"messages": [{"content": "conv-7"}]}},
+            "response": vllm_json("02_chat_warm.json"), "response_status": 200,
+            "timing": {"first_byte_ms": 450, "received_at": 100.0, "admitted_at": 100.25}}
+
+
+def test_mapping_reads_dotted_paths(tmp_path):
+    convert = load_mapping(write_mapping(tmp_path))
+    assert convert(gateway_log()) == UsageEvent("gw-agent", "tiny-llama", 1396, 1376, 8, 0.45,
+                                                0.25, "conv-7", None, 200)
+    log = gateway_log()
+    del log["request"]["headers"]["x-caller"]
+    assert convert(log).caller == "fallback"  # the second path of the list
+    log["response"]["usage"]["prompt_tokens"] = "lots"
+    with pytest.raises(InvalidEvent) as caught:
+        convert(log)
+    assert caught.value.reason == "not_a_number"
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("caller: a\n", "prompt_tokens"),
+    ("caller: a\nprompt_tokens: b\nwho_knows: c\n", "unknown field"),
+    ("caller: a\nprompt_tokens: {scale: 2}\n", "path"),
+    ("caller: a\nprompt_tokens: {path: b, scale: lots}\n", "number"),
+    ("caller: a\nprompt_tokens: [1, 2]\n", "dotted path"),
+    ("- just\n- a list\n", "must map"),
+    ("caller: [unclosed\n", "not valid YAML"),
+])
+def test_bad_mappings_are_configuration_errors(tmp_path, text, problem):
+    with pytest.raises(ConfigError) as caught:
+        load_mapping(write_mapping(tmp_path, text))
+    assert problem in str(caught.value)
+
+
+def test_missing_mapping_file_is_a_configuration_error(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        load_mapping(str(tmp_path / "nope.yaml"))
+    assert "cannot read" in str(caught.value)
+
+
+async def test_mapping_format_through_the_app(usage_client, tmp_path):
+    client, state = await usage_client(usage_mapping_file=write_mapping(tmp_path),
+                                       signals_granularity=32)
+    response = await client.post("/v1/usage?format=mapping", json=[gateway_log()] * 3)
+    assert (await response.json())["accepted"] == 3
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_requests_total", caller="gw-agent", model="tiny-llama",
+                 state="warm") == 3
+    assert value(registry, "vllm_cache_queue_wait_seconds_count", caller="gw-agent",
+                 model="tiny-llama") == 3
+
+
+def test_mapping_spec_in_code():
+    convert = MappingFormat({"caller": "who", "prompt_tokens": "n"})
+    assert convert({"who": "a", "n": 5}) == UsageEvent("a", "", 5)
+
+
+def test_a_bad_mapping_file_fails_configuration_up_front(tmp_path):
+    """Exit 2 with one line (and --check-config says so), not a traceback at startup."""
+    import argparse
+
+    from exporter.config import add_flags, build_config
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    args = parser.parse_args(["--usage.mapping.file", write_mapping(tmp_path, "caller: a\n")])
+    with pytest.raises(ConfigError) as caught:
+        build_config(args, environ={})
+    assert "prompt_tokens" in str(caught.value)
+    args = parser.parse_args(["--usage.mapping.file", write_mapping(tmp_path)])
+    assert build_config(args, environ={}).usage_mapping_file

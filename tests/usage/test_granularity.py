@@ -1,0 +1,119 @@
+"""Where G comes from: configured, learned from cached counts, vLLM's block size, else 1."""
+
+from __future__ import annotations
+
+from exporter.engine.parse import parse
+from exporter.metrics import build_registry
+from exporter.signals.classify import PARTIAL, WARM
+from exporter.signals.granularity import GranularityLearner
+from exporter.usage.event import UsageEvent
+from tests.helpers import fixture_text
+from tests.usage.conftest import make_state, value
+
+TARGET = "http://vllm:8000/metrics"
+
+
+def test_learns_the_gcd_once_enough_samples_agree():
+    learner = GranularityLearner()
+    counts = [4096, 8192, 2048 * 7, 2048 * 3, 2048 * 40, 2048 * 11, 2048 * 5, 2048 * 2,
+              2048 * 9, 2048 * 13]
+    learned = []
+    for count in counts:
+        learner.observe("m", count)
+        learned.append(learner.learned("m"))
+    # gcd: 4096, 4096, then 2048 from the third sample on; adopted when it has held for 8.
+    assert learned[:9] == [None] * 9
+    assert learned[9] == 2048
+    assert learner.learned("other-model") is None
+
+
+def test_zero_counts_carry_no_information():
+    learner = GranularityLearner(min_agreeing=2)
+    for count in (0, 0, 32, 0, 64):
+        learner.observe("m", count)
+    assert learner.learned("m") == 32
+
+
+def test_a_tiny_gcd_is_not_adopted():
+    """Counts that are not block-aligned (gcd 1 or 8) are not a granularity."""
+    learner = GranularityLearner()
+    for count in [1000 + i for i in range(20)]:
+        learner.observe("m", count)
+    assert learner.learned("m") is None
+    learner = GranularityLearner()
+    for count in [8 * (i + 3) for i in range(20)]:
+        learner.observe("m", count)
+    assert learner.learned("m") is None
+
+
+def test_follows_a_reconfigured_engine_through_the_sliding_window():
+    learner = GranularityLearner(window=16, min_agreeing=4)
+    for index in range(16):
+        learner.observe("m", 16 * (2 * index + 1))  # odd multiples of 16: G = 16
+    assert learner.learned("m") == 16
+    for index in range(40):  # the engine now caches in granules of 2,048
+        learner.observe("m", 2048 * (index + 1))
+    assert learner.learned("m") == 2048
+
+
+def test_learned_granularity_classifies_and_is_exported_with_its_source():
+    state = make_state()
+    usage = state.usage
+    # Before anything is known, G = 1: 94.4% of the prompt is "partial", and no G is exported.
+    assert usage.record(UsageEvent("a", "qwen", 91_070, 86_016), "http") == PARTIAL
+    assert usage.granularities() == []
+    for turn in range(10):
+        usage.record(UsageEvent("a", "qwen", 30_000 + turn * 4_000, 2048 * (10 + turn)), "http")
+    assert usage.granularity("qwen") == (2048, "learned")
+    assert usage.record(UsageEvent("b", "qwen", 91_070, 86_016), "http") == WARM
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_granularity_tokens", model="qwen",
+                 source="learned") == 2048
+
+
+def test_configured_granularity_wins():
+    state = make_state(signals_granularity=32)
+    for turn in range(10):
+        state.usage.record(UsageEvent("a", "qwen", 30_000 + turn, 2048 * (10 + turn)), "http")
+    assert state.usage.granularity("qwen") == (32, "configured")
+    assert value(build_registry(state), "vllm_cache_granularity_tokens", model="qwen",
+                 source="configured") == 32
+
+
+def test_block_size_from_the_engine_until_learned():
+    """The real vLLM 0.32 capture says block_size 32 (and prefix_match_unit None)."""
+    state = make_state(vllm_url=(TARGET,))
+    state.engine.record_success(TARGET, parse(fixture_text("vllm-0.32.0-cpu/metrics_after.prom")),
+                                0.01, 1.0)
+    usage = state.usage
+    # 02_chat_warm.json: 1,396 prompt tokens, 1,376 cached.
+    assert usage.record(UsageEvent("a", "tiny-llama", 1_396, 1_376), "http") == WARM
+    assert usage.granularity("tiny-llama") == (32, "block_size")
+    # One model served: its block size applies whatever the proxy calls the model.
+    assert usage.granularity("litellm-alias") == (32, "block_size")
+    assert value(build_registry(state), "vllm_cache_granularity_tokens", model="tiny-llama",
+                 source="block_size") == 32
+
+
+def test_prefix_match_unit_is_preferred_to_block_size():
+    text = fixture_text("vllm-0.32.0-cpu/metrics_after.prom").replace(
+        'prefix_match_unit="None"', 'prefix_match_unit="2048"')
+    state = make_state(vllm_url=(TARGET,))
+    state.engine.record_success(TARGET, parse(text), 0.01, 1.0)
+    state.usage.record(UsageEvent("a", "tiny-llama", 91_070, 86_016), "http")
+    assert state.usage.granularity("tiny-llama") == (2048, "block_size")
+
+
+def test_several_models_served_match_on_name_only():
+    text = fixture_text("vllm-0.32.0-cpu/metrics_after.prom")
+    other = text.replace('model_name="tiny-llama"', 'model_name="other"').replace(
+        'engine="0"', 'engine="1"').replace('block_size="32"', 'block_size="16"')
+    state = make_state(vllm_url=(TARGET, "http://vllm2:8000/metrics"))
+    state.engine.record_success(TARGET, parse(text), 0.01, 1.0)
+    state.engine.record_success("http://vllm2:8000/metrics", parse(other), 0.01, 1.0)
+    usage = state.usage
+    for model in ("tiny-llama", "other", "unknown-model"):
+        usage.record(UsageEvent("a", model, 100, 0), "http")
+    assert usage.granularity("tiny-llama") == (32, "block_size")
+    assert usage.granularity("other") == (16, "block_size")
+    assert usage.granularity("unknown-model") == (1, "none")

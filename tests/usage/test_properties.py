@@ -1,0 +1,151 @@
+"""Property: whatever valid (and invalid) events arrive, the counters are their exact sums."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from exporter.metrics import build_registry
+from exporter.signals.callers import OTHER
+from exporter.signals.classify import STATES
+from exporter.usage.event import InvalidEvent, status_is_error, validate
+from exporter.usage.ingest import split_body
+from tests.usage.conftest import make_state, value
+
+CALLERS = ["alpha", "beta", "gamma", "delta", "epsilon"]
+MODELS = ["qwen", "llama"]
+
+
+@st.composite
+def events(draw: st.DrawFn) -> dict:
+    prompt = draw(st.integers(min_value=0, max_value=200_000))
+    event: dict = {"caller": draw(st.sampled_from(CALLERS)), "prompt_tokens": prompt}
+    if draw(st.booleans()):
+        event["model"] = draw(st.sampled_from(MODELS))
+    cached = draw(st.one_of(st.none(), st.integers(min_value=0, max_value=prompt),
+                            st.integers(min_value=0, max_value=prompt // 2048).map(
+                                lambda k: k * 2048)))
+    if cached is not None:
+        event["cached_tokens"] = cached
+    for key in ("ttft_seconds", "queue_seconds"):
+        if draw(st.booleans()):
+            event[key] = draw(st.floats(min_value=0, max_value=900, allow_nan=False))
+    if draw(st.booleans()):
+        event["session"] = draw(st.sampled_from(["s1", "s2", "s3"]))
+    status = draw(st.sampled_from([None, None, None, 200, 500, 429, "failure", "success"]))
+    if status is not None:
+        event["status"] = status
+    return event
+
+
+invalid = st.sampled_from([
+    {"caller": "alpha", "prompt_tokens": -3},
+    {"caller": "alpha", "prompt_tokens": 10, "cached_tokens": 11},
+    {"prompt_tokens": 10},
+    {"caller": "alpha\x00", "prompt_tokens": 10},
+    {"caller": "alpha", "prompt_tokens": "ten"},
+    ["not", "an", "object"],
+])
+
+stream = st.lists(st.one_of(events(), events(), events(), invalid), max_size=60)
+
+
+def expected_sums(objs: list, callers_max: int, missing_as_zero: bool) -> dict:
+    """The counters, computed the slow and obvious way from the accepted events."""
+    out: dict = defaultdict(Counter)
+    admitted: list[str] = []
+    reported: set[tuple[str, str]] = set()
+    for obj in objs:
+        try:
+            event = validate(obj)
+        except InvalidEvent:
+            out["rejected"]["all"] += 1
+            continue
+        caller = event.caller
+        if caller not in admitted and len(admitted) < callers_max:
+            admitted.append(caller)
+        if caller not in admitted:
+            caller = OTHER
+            out["overflowed"]["all"] += 1
+        pair = (caller, event.model)
+        out["requests"][pair] += 1
+        if status_is_error(event.status):
+            out["errors"][pair] += 1
+            continue
+        cached = event.cached_tokens
+        if cached is None and missing_as_zero and pair in reported:
+            cached = 0
+        if event.cached_tokens is not None:
+            reported.add(pair)
+        if cached is None:
+            out["unreported"][pair] += event.prompt_tokens
+        else:
+            out["prompt"][pair] += event.prompt_tokens
+            out["cached"][pair] += cached
+        if event.ttft_seconds is not None:
+            out["ttft_count"][pair] += 1
+        if event.queue_seconds is not None:
+            out["queue_count"][pair] += 1
+            out["queue_sum"][pair] += event.queue_seconds
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(objs=stream, callers_max=st.integers(min_value=1, max_value=6),
+       missing_as_zero=st.booleans(), granularity=st.sampled_from([0, 16, 2048]))
+def test_counters_equal_the_sums_of_accepted_events(objs, callers_max, missing_as_zero,
+                                                     granularity):
+    state = make_state(callers_max=callers_max, signals_missing_cached_as_zero=missing_as_zero,
+                       signals_granularity=granularity)
+    usage = state.usage
+    for obj in objs:
+        try:
+            event = validate(obj)
+        except InvalidEvent as err:
+            usage.reject("http", err.reason)
+            continue
+        assert usage.record(event, "http") in STATES
+
+    expected = expected_sums(objs, callers_max, missing_as_zero)
+    registry = build_registry(state)
+    pairs = set(expected["requests"])
+    assert set(usage.series) == pairs
+    for caller, model in pairs:
+        labels = {"caller": caller, "model": model}
+        by_state = {s: value(registry, "vllm_cache_requests_total", state=s, **labels)
+                    for s in STATES}
+        assert sum(by_state.values()) == expected["requests"][(caller, model)]
+        assert by_state["error"] == expected["errors"][(caller, model)]
+        for name, key in (("vllm_cache_prompt_tokens_total", "prompt"),
+                          ("vllm_cache_cached_tokens_total", "cached"),
+                          ("vllm_cache_unreported_prompt_tokens_total", "unreported")):
+            assert value(registry, name, **labels) == expected[key][(caller, model)], name
+        ttft_count = sum(value(registry, "vllm_cache_ttft_seconds_count", state=s, **labels)
+                         for s in STATES)
+        assert ttft_count == expected["ttft_count"][(caller, model)]
+        assert value(registry, "vllm_cache_queue_wait_seconds_count", **labels) == (
+            expected["queue_count"][(caller, model)])
+        assert abs(value(registry, "vllm_cache_queue_wait_seconds_sum", **labels)
+                   - expected["queue_sum"][(caller, model)]) < 1e-6
+    accepted = sum(expected["requests"].values())
+    assert value(registry, "vllm_cache_usage_events_total", reader="http") == accepted
+    rejected = sum(v for (reader, _), v in usage.rejected.items())
+    assert rejected == expected["rejected"]["all"]
+    assert value(registry, "vllm_cache_callers_overflowed_total") == (
+        expected["overflowed"]["all"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(objs=st.lists(st.one_of(events(), invalid), max_size=30))
+def test_ndjson_splitting_keeps_every_line_in_order(objs):
+    """The fast NDJSON splitter yields exactly what per-line json.loads would."""
+    lines = [json.dumps(obj) for obj in objs]
+    body = "\n".join(lines).encode()
+    if len(objs) < 2:
+        return  # a single value is a JSON body, not NDJSON
+    batch = split_body(body)
+    assert batch.values == [json.loads(text) for text in lines]
+    assert batch.bad == {}

@@ -1,0 +1,126 @@
+"""What the per-caller series say, from recorded events: tokens, TTFT, queue, readers."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from exporter.metrics import build_registry
+from exporter.signals.classify import COLD, UNKNOWN, WARM
+from exporter.usage.event import UsageEvent
+from tests.usage.conftest import FakeClock, make_state, value
+
+
+def test_hit_ratio_counts_only_events_that_reported_cached_tokens():
+    state = make_state(signals_granularity=32, signals_missing_cached_as_zero=False)
+    usage = state.usage
+    usage.record(UsageEvent("a", "m", 1_395, 0), "http")
+    usage.record(UsageEvent("a", "m", 1_396, 1_376), "http")
+    usage.record(UsageEvent("a", "m", 5_000, None), "http")
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_prompt_tokens_total", caller="a", model="m") == 2_791
+    assert value(registry, "vllm_cache_cached_tokens_total", caller="a", model="m") == 1_376
+    assert value(registry, "vllm_cache_unreported_prompt_tokens_total", caller="a",
+                 model="m") == 5_000
+    assert value(registry, "vllm_cache_requests_total", caller="a", model="m",
+                 state=UNKNOWN) == 1
+
+
+def test_a_caller_that_never_reports_cached_tokens_is_unknown():
+    """vLLM started without --enable-prompt-tokens-details: never a 0% hit ratio."""
+    state = make_state(signals_granularity=32)
+    for _ in range(3):
+        assert state.usage.record(UsageEvent("a", "m", 5_000, None), "http") == UNKNOWN
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_prompt_tokens_total", caller="a", model="m") == 0
+    assert value(registry, "vllm_cache_unreported_prompt_tokens_total", caller="a",
+                 model="m") == 15_000
+
+
+def test_once_a_caller_reported_cached_tokens_a_missing_field_is_zero():
+    """vLLM before 0.24 left the field out when it was 0."""
+    state = make_state(signals_granularity=32)
+    usage = state.usage
+    assert usage.record(UsageEvent("a", "m", 1_396, 1_376), "http") == WARM
+    assert usage.record(UsageEvent("a", "m", 5_000, None), "http") == COLD
+    assert usage.record(UsageEvent("b", "m", 5_000, None), "http") == UNKNOWN  # per caller
+    series = usage.series[("a", "m")]
+    assert (series.prompt_tokens, series.cached_tokens, series.unreported_prompt_tokens) == (
+        6_396, 1_376, 0)
+
+
+def test_missing_as_zero_can_be_turned_off():
+    state = make_state(signals_granularity=32, signals_missing_cached_as_zero=False)
+    state.usage.record(UsageEvent("a", "m", 1_396, 1_376), "http")
+    assert state.usage.record(UsageEvent("a", "m", 5_000, None), "http") == UNKNOWN
+
+
+def test_ttft_is_engine_side_by_state_and_queue_wait_is_its_own_histogram():
+    state = make_state(signals_granularity=32)
+    usage = state.usage
+    usage.record(UsageEvent("a", "m", 1_395, 0, ttft_seconds=40.0, queue_seconds=35.0), "http")
+    usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.3), "http")
+    usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.2, queue_seconds=0.4),
+                 "http")  # queue longer than TTFT (clock skew): engine part 0
+    registry = build_registry(state)
+    cold = {"caller": "a", "model": "m", "state": COLD}
+    warm = {"caller": "a", "model": "m", "state": WARM}
+    assert value(registry, "vllm_cache_ttft_seconds_count", **cold) == 1
+    assert value(registry, "vllm_cache_ttft_seconds_sum", **cold) == 5.0  # 40 - 35
+    assert value(registry, "vllm_cache_ttft_seconds_bucket", le="2.5", **cold) == 0
+    assert value(registry, "vllm_cache_ttft_seconds_bucket", le="5.0", **cold) == 1
+    assert value(registry, "vllm_cache_ttft_seconds_bucket", le="0.05", **warm) == 1
+    assert value(registry, "vllm_cache_ttft_seconds_bucket", le="0.5", **warm) == 2
+    assert value(registry, "vllm_cache_ttft_seconds_bucket", le="600.0", **warm) == 2
+    assert value(registry, "vllm_cache_ttft_seconds_bucket", le="+Inf", **warm) == 2
+    assert value(registry, "vllm_cache_queue_wait_seconds_count", caller="a", model="m") == 2
+    assert value(registry, "vllm_cache_queue_wait_seconds_sum", caller="a", model="m") == 35.4
+    # No timed event in state "partial": no histogram series for it.
+    assert registry.get_sample_value("vllm_cache_ttft_seconds_count",
+                                     {"caller": "a", "model": "m", "state": "partial"}) is None
+
+
+def test_every_state_of_a_pair_exists_from_its_first_event():
+    state = make_state()
+    state.usage.record(UsageEvent("a", "m", 10, 0), "http")
+    text = generate_latest(build_registry(state)).decode()
+    for name in ("warm", "partial", "cold", "short", "unknown", "error"):
+        assert f'vllm_cache_requests_total{{caller="a",model="m",state="{name}"}}' in text
+
+
+def test_reader_counters_and_last_event_time():
+    clock = FakeClock(1_800_000_000.0)
+    state = make_state(clock, usage_file=("/var/log/usage.jsonl",))
+    usage = state.usage
+    registry = build_registry(state)
+    # Configured readers exist at 0 before their first event.
+    assert registry.get_sample_value("vllm_cache_usage_events_total", {"reader": "http"}) == 0
+    assert registry.get_sample_value("vllm_cache_usage_events_total", {"reader": "file"}) == 0
+    assert registry.get_sample_value("vllm_cache_usage_events_total", {"reader": "tap"}) is None
+    usage.record(UsageEvent("a", "m", 10, 0), "file")
+    clock.now += 30
+    usage.record(UsageEvent("a", "m", 10, 0), "http")
+    usage.reject("http", "negative")
+    usage.reject("http", "negative")
+    usage.reject_request("unauthorized")
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_usage_events_total", reader="file") == 1
+    assert value(registry, "vllm_cache_usage_events_total", reader="http") == 1
+    assert value(registry, "vllm_cache_usage_last_event_timestamp_seconds",
+                 reader="file") == 1_800_000_000.0
+    assert value(registry, "vllm_cache_usage_last_event_timestamp_seconds",
+                 reader="http") == 1_800_000_030.0
+    assert value(registry, "vllm_cache_usage_events_rejected_total", reader="http",
+                 reason="negative") == 2
+    assert value(registry, "vllm_cache_usage_ingest_requests_rejected_total",
+                 reason="unauthorized") == 1
+
+
+def test_rejection_reasons_are_bounded(monkeypatch):
+    import exporter.signals.usage as usage_module
+
+    monkeypatch.setattr(usage_module, "MAX_REJECT_KEYS", 3)
+    state = make_state()
+    for index in range(10):
+        state.usage.reject("tap", f"reason-{index}")
+    assert len(state.usage.rejected) == 4
+    assert state.usage.rejected[("tap", "other")] == 7
