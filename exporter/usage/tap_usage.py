@@ -41,11 +41,16 @@ class Usage:
     cached_tokens: int | None  # None: the server did not report it
 
 
-def _count(value: Any, name: str, required: bool) -> int | None:
-    if value is None and not required:
+def _count(value: Any, required: bool) -> int | None:
+    """A token count; failures use the reasons of ``exporter.usage.event`` where they exist."""
+    if value is None:
+        if required:
+            raise BadUsage("missing_prompt_tokens")
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise BadUsage(f"bad_{name}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadUsage("not_a_number")
+    if value < 0:
+        raise BadUsage("negative")
     return value
 
 
@@ -59,15 +64,15 @@ def parse_usage(usage: Any) -> Usage | None:
     else:
         prompt_key, completion_key, details_key = (
             "prompt_tokens", "completion_tokens", "prompt_tokens_details")
-    prompt = _count(usage.get(prompt_key), "prompt_tokens", required=True)
-    completion = _count(usage.get(completion_key), "completion_tokens", required=False)
+    prompt = _count(usage.get(prompt_key), required=True)
+    completion = _count(usage.get(completion_key), required=False)
     details = usage.get(details_key)
     cached = None
     if isinstance(details, dict):
-        cached = _count(details.get("cached_tokens"), "cached_tokens", required=False)
+        cached = _count(details.get("cached_tokens"), required=False)
     assert prompt is not None
     if cached is not None and cached > prompt:
-        raise BadUsage("cached_above_prompt")
+        raise BadUsage("cached_exceeds_prompt")
     return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
 
 

@@ -203,7 +203,7 @@ async def test_unusable_usage_is_counted_and_the_answer_still_delivered(upstream
     assert (status, body) == (200, raw)
     status, _, body = await tap.post("/v1/completions", {"prompt": "x"})
     assert (status, body) == (200, b"<html>not json</html>")
-    assert ("tap", "cached_above_prompt") in tap.usage.rejected
+    assert ("tap", "cached_exceeds_prompt") in tap.usage.rejected
     assert ("tap", "response_not_json") in tap.usage.rejected
     assert tap.usage.events == []
 

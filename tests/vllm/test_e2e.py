@@ -1,0 +1,162 @@
+"""End to end against a real vLLM 0.32.0 (CPU build): what the exporter says about the prefix
+cache must be what vLLM did.
+
+Three boots of the tiny model, each with the exporter reading vLLM's /metrics and the tap in
+front of vLLM's API:
+
+1. ``--enable-prompt-tokens-details``: two callers hold six-turn conversations (whole
+   answers, streams without and with usage). The tap's cached tokens per request are the
+   ones vLLM returned, their sum is the increase of ``vllm:prefix_cache_hits_total``, first
+   turns are cold and later ones warm, the granularity learned is 32, the engine signals
+   (1 GiB pool = 1,048,576 tokens, prefix caching on) are right.
+2. Without the flag: vLLM still hits its cache but says nothing per request, so the
+   requests are ``unknown`` and the tokens land in the not-reported counter, not in a 0% hit
+   ratio.
+3. A pool of 48 blocks and four concurrent 600-token prompts that decode past it: vLLM
+   preempts, and the exporter counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import pytest
+
+from tests.vllm.harness import conversation, metric, start_exporter, vllm_counter
+from tests.vllm.server import MODEL_NAME
+
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+
+ALICE_MODES = ["whole", "stream", "stream_usage", "whole", "stream", "stream_usage"]
+BOB_MODES = ["stream", "whole", "stream_usage", "stream", "whole", "stream_usage"]
+
+
+async def vllm_metrics(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/metrics") as response:
+        assert response.status == 200
+        return await response.text()
+
+
+async def test_per_caller_cache_signals_match_vllm(start_vllm):
+    vllm = start_vllm("details", "--max-model-len", "4096", "--enable-prompt-tokens-details")
+    exporter = await start_exporter(vllm.url)
+    try:
+        async with aiohttp.ClientSession() as session:
+            hits_before = vllm_counter(await vllm_metrics(session, vllm.url),
+                                       "vllm:prefix_cache_hits_total")
+            before = await exporter.scrape(session)
+            alice, bob = await asyncio.gather(
+                conversation(session, exporter.tap_url, "alice", 1, ALICE_MODES),
+                conversation(session, exporter.tap_url, "bob", 2, BOB_MODES))
+            hits_after = vllm_counter(await vllm_metrics(session, vllm.url),
+                                      "vllm:prefix_cache_hits_total")
+            text = await exporter.scrape(session)
+    finally:
+        await exporter.close()
+
+    recorded = {caller: [e for e in exporter.recorded if e.caller == caller]
+                for caller in ("alice", "bob")}
+    for caller, turns in (("alice", alice), ("bob", bob)):
+        events = recorded[caller]
+        assert len(events) == len(turns) == 6
+        # Concurrent callers, but each caller's turns are sequential: events in turn order.
+        for turn, event in zip(turns, events, strict=True):
+            assert event.status == 200 and event.model == MODEL_NAME
+            assert event.cached_tokens is not None
+            if turn.saw_usage:
+                assert (event.prompt_tokens, event.cached_tokens) == (
+                    turn.prompt_tokens, turn.cached_tokens)
+            else:
+                assert turn.mode == "stream"  # the tap asked for usage and kept it
+            if turn.mode != "whole":
+                assert event.ttft_seconds is not None and event.ttft_seconds > 0
+        assert events[0].cached_tokens == 0
+        assert all(event.cached_tokens > 0 for event in events[1:])
+
+    tap_cached = sum(e.cached_tokens or 0 for e in exporter.recorded)
+    assert tap_cached == hits_after - hits_before > 0
+
+    for caller in ("alice", "bob"):
+        labels = {"caller": caller, "model": MODEL_NAME}
+        assert metric(text, "vllm_cache_requests_total", state="cold", **labels) == 1
+        assert metric(text, "vllm_cache_requests_total", state="warm", **labels) == 5
+        for state in ("partial", "unknown", "error", "short"):
+            assert metric(text, "vllm_cache_requests_total", state=state, **labels) == 0
+        assert metric(text, "vllm_cache_cached_tokens_total", **labels) == sum(
+            e.cached_tokens or 0 for e in recorded[caller])
+        assert metric(text, "vllm_cache_prompt_tokens_total", **labels) == sum(
+            e.prompt_tokens for e in recorded[caller])
+        assert metric(text, "vllm_cache_ttft_seconds_count", state="warm", **labels) >= 3
+    engine_hits = "vllm_cache_engine_prefix_cache_hits_tokens_total"
+    assert (metric(text, engine_hits, model_name=MODEL_NAME)
+            - metric(before, engine_hits, model_name=MODEL_NAME)) == tap_cached
+    assert metric(text, "vllm_cache_granularity_tokens", model=MODEL_NAME,
+                  source="learned") == 32
+    assert metric(text, "vllm_cache_engine_kv_pool_tokens", model_name=MODEL_NAME) == 1_048_576
+    assert metric(text, "vllm_cache_engine_prefix_caching_enabled", model_name=MODEL_NAME) == 1
+    assert metric(text, "vllm_cache_engine_up", target=vllm.url + "/metrics") == 1
+
+
+async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm):
+    vllm = start_vllm("no-details", "--max-model-len", "4096")
+    exporter = await start_exporter(vllm.url)
+    try:
+        async with aiohttp.ClientSession() as session:
+            hits_before = vllm_counter(await vllm_metrics(session, vllm.url),
+                                       "vllm:prefix_cache_hits_total")
+            await asyncio.gather(
+                conversation(session, exporter.tap_url, "alice", 3, ["whole", "stream",
+                                                                     "stream_usage"]),
+                conversation(session, exporter.tap_url, "bob", 4, ["stream", "whole"]))
+            hits_after = vllm_counter(await vllm_metrics(session, vllm.url),
+                                      "vllm:prefix_cache_hits_total")
+            text = await exporter.scrape(session)
+    finally:
+        await exporter.close()
+
+    assert hits_after > hits_before  # vLLM did reuse its cache...
+    assert all(e.cached_tokens is None for e in exporter.recorded)  # ...and did not say so
+    for caller, requests in (("alice", 3), ("bob", 2)):
+        labels = {"caller": caller, "model": MODEL_NAME}
+        assert metric(text, "vllm_cache_requests_total", state="unknown", **labels) == requests
+        for state in ("warm", "partial", "cold"):
+            assert metric(text, "vllm_cache_requests_total", state=state, **labels) == 0
+        assert metric(text, "vllm_cache_unreported_prompt_tokens_total", **labels) == sum(
+            e.prompt_tokens for e in exporter.recorded if e.caller == caller) > 0
+        assert metric(text, "vllm_cache_cached_tokens_total", **labels) == 0
+        assert metric(text, "vllm_cache_prompt_tokens_total", **labels) == 0
+
+
+async def test_preemptions_are_counted(start_vllm):
+    vllm = start_vllm("tiny-pool", "--max-model-len", "1024", "--num-gpu-blocks-override", "48",
+                      "--enable-prompt-tokens-details")
+    exporter = await start_exporter(vllm.url)
+    rng = random.Random(5)
+    try:
+        async with aiohttp.ClientSession() as session:
+            before = await exporter.scrape(session)
+
+            async def long_decode(index: int) -> int:
+                # 600 distinct token ids (no shared prefix), then decode well past the pool.
+                prompt = [rng.randrange(3, 4096) for _ in range(600)]
+                async with session.post(exporter.tap_url + "/v1/completions", json={
+                        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 400,
+                        "ignore_eos": True, "temperature": 0.0},
+                        headers={"X-Caller": f"batch-{index}"}) as response:
+                    answer = await response.json()
+                    assert response.status == 200, answer
+                    return answer["usage"]["completion_tokens"]
+
+            completions = await asyncio.gather(*(long_decode(i) for i in range(4)))
+            text = await exporter.scrape(session)
+    finally:
+        await exporter.close()
+
+    assert completions == [400] * 4  # 4 x 1,000 tokens through a 1,536-token pool
+    preemptions = "vllm_cache_engine_preemptions_total"
+    assert metric(before, preemptions, model_name=MODEL_NAME) == 0
+    assert metric(text, preemptions, model_name=MODEL_NAME) > 0
+    assert metric(text, "vllm_cache_engine_kv_pool_tokens", model_name=MODEL_NAME) == 48 * 32
+    assert sorted(e.caller for e in exporter.recorded) == [f"batch-{i}" for i in range(4)]
