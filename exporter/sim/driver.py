@@ -1,0 +1,234 @@
+"""``vllm-cache-exporter drive``: play a scenario's traffic against an OpenAI-compatible server.
+
+Each agent of the scenario is a caller: conversations that grow turn by turn (the agent
+resends its whole history, as agents do), or fan-outs of concurrent one-shot requests. Every
+request carries the caller's identity (``user`` and ``X-Caller``), and its usage and measured
+TTFT are reported to the exporter's ``POST /v1/usage`` as a proxy would. The texts are made of
+one-token words unique to each conversation and loop, so what is cached is decided by the
+scenario's structure alone. Works against the simulator or a real vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from exporter.sim import scenario as scenarios
+from exporter.sim.client import Client, Completion, HttpClient
+from exporter.sim.clock import SimClock
+from exporter.sim.report import HttpReporter, LineReporter, Reporter, usage_event
+from exporter.sim.scenario import FANOUT, SHARED_FIRST, AgentSpec, Scenario, ScenarioError
+from exporter.sim.tokenizer import base36, chat_overhead, words
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "VLLM_CACHE_EXPORTER_USAGE_INGEST_TOKEN"
+_TAG_SPACE = 36**4
+
+
+@dataclass
+class DriverStats:
+    requests: int = 0
+    errors: int = 0
+    unreported: int = 0  # successes whose response carried no usage
+    iterations: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+
+
+class Driver:
+    """Plays a scenario through a client; one iteration, or again and again with ``loop``."""
+
+    def __init__(self, scenario: Scenario, client: Client, reporter: Reporter, clock: SimClock,
+                 model: str, loop: bool = False, seed: int = 0,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.scenario = scenario
+        self.client = client
+        self.reporter = reporter
+        self.clock = clock
+        self.model = model
+        self.loop = loop
+        self.wall_clock = wall_clock
+        self.stats = DriverStats()
+        self._tags = itertools.count(seed % _TAG_SPACE)
+
+    def _tag(self) -> str:
+        """A short prefix no other text of this run uses (so texts share nothing by chance)."""
+        return base36(next(self._tags) % _TAG_SPACE)
+
+    async def run(self, iterations: int | None = None) -> DriverStats:
+        """Play the scenario ``iterations`` times (default: once, or for ever with loop)."""
+        if iterations is None:
+            iterations = 0 if self.loop else 1
+        iteration = 0
+        while not iterations or iteration < iterations:
+            await asyncio.gather(*(self._agent(agent, iteration)
+                                   for agent in self.scenario.agents))
+            self.stats.iterations += 1
+            iteration += 1
+        return self.stats
+
+    async def _agent(self, agent: AgentSpec, iteration: int) -> None:
+        await self.clock.sleep(agent.start)
+        if agent.kind == FANOUT:
+            await self._fanout(agent, iteration)
+        else:
+            await asyncio.gather(*(self._conversation(agent, iteration, index)
+                                   for index in range(agent.count)))
+
+    async def _send(self, kind: str, body: dict[str, Any], caller: str,
+                    session: str) -> Completion:
+        completion = await self.client.send(kind, body, caller)
+        stats = self.stats
+        stats.requests += 1
+        key = str(completion.status)
+        stats.by_status[key] = stats.by_status.get(key, 0) + 1
+        if not completion.ok:
+            stats.errors += 1
+            log.warning("%s: %s %s", caller, completion.status, completion.error or "")
+        event = usage_event(caller, session, completion, self.wall_clock())
+        if event is None:
+            stats.unreported += 1
+        else:
+            self.reporter.report(event)
+        return completion
+
+    def _body(self, agent: AgentSpec, messages: list[dict[str, str]]) -> tuple[str, dict[str,
+                                                                                       Any]]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": agent.output_tokens,
+                                "stream": agent.stream}
+        if agent.stream:
+            body["stream_options"] = {"include_usage": True}
+        if agent.endpoint == "chat":
+            body["messages"] = messages
+            return "chat", body
+        body["prompt"] = "\n".join(message["content"] for message in messages)
+        return "completion", body
+
+    async def _conversation(self, agent: AgentSpec, iteration: int, index: int) -> None:
+        session = f"{agent.caller}/{iteration}" + (f"/{index}" if agent.count > 1 else "")
+        context = max(0, agent.context_tokens - chat_overhead(2))
+        messages = [{"role": "system", "content": words(context, self._tag())}]
+        user_tag = self._tag()
+        for turn in range(agent.turns):
+            messages.append({"role": "user", "content": words(
+                agent.input_tokens, user_tag, start=turn * agent.input_tokens)})
+            kind, body = self._body(agent, messages)
+            completion = await self._send(kind, body, agent.caller, session)
+            if completion.ok:
+                messages.append({"role": "assistant", "content": completion.text})
+            else:
+                messages.pop()
+            if turn + 1 < agent.turns:
+                await self.clock.sleep(agent.think_seconds)
+
+    async def _fanout(self, agent: AgentSpec, iteration: int) -> None:
+        for round_index in range(agent.rounds):
+            started = self.clock.now()
+            shared = words(agent.shared_tokens, self._tag())
+            requests = []
+            for member in range(agent.width):
+                task = words(agent.task_tokens, self._tag())
+                text = f"{shared} {task}" if agent.order == SHARED_FIRST else f"{task} {shared}"
+                kind, body = self._body(agent, [{"role": "user", "content": text}])
+                session = f"{agent.caller}/{iteration}/{round_index}/{member}"
+                requests.append(self._send(kind, body, agent.caller, session))
+            await asyncio.gather(*requests)
+            if round_index + 1 < agent.rounds:
+                await self.clock.sleep(agent.every_seconds - (self.clock.now() - started))
+
+
+# ---- command line ----------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", default=scenarios.DEFAULT_SCENARIO, metavar="NAME",
+                        help="Scenario name (" + ", ".join(scenarios.available()) + ") or a "
+                             "YAML file (default: %(default)s).")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL",
+                        help="OpenAI-compatible server: the simulator or a real vLLM "
+                             "(default: %(default)s).")
+    parser.add_argument("--model", default="", metavar="NAME",
+                        help="Model to ask for (default: the first one /v1/models lists).")
+    parser.add_argument("--exporter-url", default="", metavar="URL",
+                        help="Exporter to report usage to (POST URL/v1/usage); without it "
+                             "the usage events are printed to stdout as JSON lines.")
+    parser.add_argument("--usage-token", default=os.environ.get(TOKEN_ENV, ""),
+                        metavar="TOKEN", help=f"Bearer token for /v1/usage [env {TOKEN_ENV}].")
+    parser.add_argument("--speed", type=float, default=1.0, metavar="X",
+                        help="Play the scenario's timeline X times faster (default: 1).")
+    parser.add_argument("--loop", action="store_true",
+                        help="Start the scenario again, with new conversations, when it ends.")
+    parser.add_argument("--duration", type=float, default=0.0, metavar="SECONDS",
+                        help="Stop after this many seconds (0: when the scenario ends).")
+    parser.add_argument("--seed", type=int, default=None, metavar="N",
+                        help="Seed for the conversation texts (default: from the clock, so a "
+                             "restarted driver does not find its old texts cached).")
+    parser.add_argument("--log-level", default="info",
+                        choices=("debug", "info", "warning", "error"))
+
+
+async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
+    client = HttpClient(args.base_url)
+    reporter: Reporter = (HttpReporter(args.exporter_url, args.usage_token)
+                          if args.exporter_url else LineReporter())
+    try:
+        model = args.model
+        if not model:
+            try:
+                listed = await client.models()
+            except Exception as err:  # the server may not be up yet; the scenario names one
+                log.warning("cannot list models at %s (%s)", args.base_url, err)
+                listed = []
+            model = listed[0] if listed else scenario.engine.get("served_model_name",
+                                                                  "sim-llama")
+        seed = args.seed if args.seed is not None else int(time.time())
+        driver = Driver(scenario, client, reporter, SimClock(args.speed), model,
+                        loop=args.loop, seed=seed)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in ("SIGINT", "SIGTERM"):
+            with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
+                import signal
+
+                loop.add_signal_handler(getattr(signal, sig), stop.set)
+        run = asyncio.ensure_future(driver.run())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((run, stopper), timeout=args.duration or None,
+                           return_when=asyncio.FIRST_COMPLETED)
+        for task in (run, stopper):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
+        stats = driver.stats
+        log.info("drove %d request(s) (%d failed) over %d full iteration(s)", stats.requests,
+                 stats.errors, stats.iterations)
+        return 0
+    finally:
+        await client.close()
+        await reporter.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.speed <= 0 or args.duration < 0:
+        print("drive: --speed must be positive and --duration not negative", file=sys.stderr)
+        return 2
+    try:
+        scenario = scenarios.load(args.scenario)
+    except ScenarioError as err:
+        print(f"drive: {err}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(drive(args, scenario))
+    except KeyboardInterrupt:
+        return 0
