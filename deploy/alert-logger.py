@@ -30,14 +30,17 @@ def alert_lines(receiver: str, notification: Any) -> list[str]:
     for alert in notification["alerts"]:
         if not isinstance(alert, dict):
             raise ValueError("an alert is not an object")
-        labels = alert.get("labels") or {}
-        annotations = alert.get("annotations") or {}
+        labels = alert.get("labels", {})
+        annotations = alert.get("annotations", {})
+        if not isinstance(labels, dict) or not isinstance(annotations, dict):
+            raise ValueError("an alert's labels or annotations are not objects")
         name = labels.get("alertname", "?")
         others = ",".join(f"{key}={value}" for key, value in sorted(labels.items())
                           if key != "alertname")
         text = annotations.get("description") or annotations.get("summary") or ""
-        lines.append(f"{receiver} {str(alert.get('status', '?')).upper()} {name} "
-                     f"{{{others}}} {text}".rstrip())
+        line = f"{receiver} {str(alert.get('status', '?')).upper()} {name} {{{others}}} {text}"
+        # One alert, one line: a newline in a label or a description cannot forge another.
+        lines.append(" ".join(line.split()))
     return lines
 
 

@@ -10,6 +10,7 @@ import copy
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -305,3 +306,46 @@ def test_clients_reach_vllm_through_the_tap():
     assert selects(service["spec"]["selector"],
                    one("Deployment", "vllm")["spec"]["template"]["metadata"]["labels"])
     assert [port["targetPort"] for port in service["spec"]["ports"]] == ["tap"]
+
+
+def relabel(rules: list[dict[str, Any]], labels: dict[str, str]) -> dict[str, str]:
+    """Prometheus' `replace` relabeling (the only action we ship), as metric_relabel_configs
+    applies it: source values joined by the separator, the regex anchored at both ends."""
+    out = dict(labels)
+    for rule in rules:
+        assert rule.get("action", "replace").lower() == "replace", rule
+        joined = rule.get("separator", ";").join(out.get(name, "")
+                                                 for name in rule["sourceLabels"])
+        match = re.fullmatch(rule.get("regex", "(.*)"), joined)
+        if match is None:
+            continue
+        groups = (match.group(0), *match.groups(default=""))
+        value = re.sub(r"\$\{?(\d+)\}?", lambda ref, groups=groups: groups[int(ref.group(1))],
+                       rule.get("replacement", "$1"))
+        if value:
+            out[rule["targetLabel"]] = value
+        else:
+            out.pop(rule["targetLabel"], None)
+    return out
+
+
+def test_each_replicas_engine_keeps_its_own_identity_through_the_rules():
+    """Every sidecar reads vLLM at the same localhost URL; the rules keep engines apart by
+    `target`, so the ServiceMonitor must make it unique per pod, and leave callers alone."""
+    rules = one("ServiceMonitor")["spec"]["endpoints"][0]["metricRelabelings"]
+    target = sidecar_config().engine_targets[0]
+    assert target.startswith("http://127.0.0.1:")
+    scraped = {"job": "vllm-cache-exporter", "namespace": "llm", "target": target,
+               "model_name": "qwen3.8-27b"}
+    engines = {relabel(rules, {**scraped, "pod": pod, "instance": f"{ip}:10123"})["target"]
+               for pod, ip in (("vllm-7c9d-a", "10.1.0.4"), ("vllm-7c9d-b", "10.1.0.5"))}
+    assert engines == {"vllm-7c9d-a", "vllm-7c9d-b"}
+    caller = {"job": "vllm-cache-exporter", "pod": "vllm-7c9d-a", "caller": "agent-a",
+              "model": "qwen3.8-27b"}
+    assert relabel(rules, caller) == caller, "per-caller series must sum across pods as they are"
+    remote = {**scraped, "pod": "vllm-7c9d-a", "target": "http://vllm-0.vllm:8000/metrics"}
+    assert relabel(rules, remote) == remote, "an exporter reading a remote vLLM keeps its URL"
+    # The engine rules really do aggregate by target, which is why this matters.
+    engine_rules = [rule["expr"] for group in rule_file_groups() for rule in group["rules"]
+                    if "vllm_cache_engine_" in rule["expr"] and "record" in rule]
+    assert any("by (job, target, model_name)" in expr for expr in engine_rules)
