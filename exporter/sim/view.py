@@ -1,0 +1,314 @@
+"""The demo's live view, computed from the exporter's own /metrics.
+
+It parses exactly what Prometheus would scrape (prometheus_client's parser), so the numbers
+on screen are the exporter's numbers, not the simulator's. Hit ratios are computed over a
+sliding window of scrapes (a ratio of counter increases, as PromQL would), with the ratio
+since start beside it; TTFT p50 is interpolated from the exporter's histogram buckets the way
+``histogram_quantile`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+from rich import box
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+STATES = ("warm", "partial", "cold", "short", "unknown", "error")
+
+
+@dataclass
+class CallerStats:
+    requests: dict[str, float] = field(default_factory=dict)  # by state
+    prompt_tokens: float = 0.0
+    cached_tokens: float = 0.0
+    unreported_tokens: float = 0.0
+    ttft_buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # state -> le
+
+    @property
+    def total(self) -> float:
+        return sum(self.requests.values())
+
+
+@dataclass
+class Snapshot:
+    """One scrape of the exporter, reduced to what the view shows."""
+
+    time: float
+    callers: dict[str, CallerStats] = field(default_factory=dict)
+    engine_up: bool | None = None
+    prefix_caching: bool | None = None
+    kv_used_tokens: float | None = None
+    kv_pool_tokens: float | None = None
+    preemptions: float = 0.0
+    running: float | None = None
+    waiting: float | None = None
+    engine_queries: float = 0.0
+    engine_hits: float = 0.0
+
+
+def parse_snapshot(text: str, time: float) -> Snapshot:
+    snap = Snapshot(time)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            caller = labels.get("caller")
+            if caller is not None:
+                stats = snap.callers.setdefault(caller, CallerStats())
+                if name == "vllm_cache_requests_total":
+                    state = labels.get("state", "")
+                    stats.requests[state] = stats.requests.get(state, 0.0) + value
+                elif name == "vllm_cache_prompt_tokens_total":
+                    stats.prompt_tokens += value
+                elif name == "vllm_cache_cached_tokens_total":
+                    stats.cached_tokens += value
+                elif name == "vllm_cache_unreported_prompt_tokens_total":
+                    stats.unreported_tokens += value
+                elif name == "vllm_cache_ttft_seconds_bucket":
+                    buckets = stats.ttft_buckets.setdefault(labels.get("state", ""), {})
+                    bound = float(labels["le"])
+                    buckets[bound] = buckets.get(bound, 0.0) + value
+                continue
+            if name == "vllm_cache_engine_up":
+                snap.engine_up = bool(value) if snap.engine_up is None else \
+                    snap.engine_up and bool(value)
+            elif name == "vllm_cache_engine_prefix_caching_enabled":
+                snap.prefix_caching = bool(value) if snap.prefix_caching is None else \
+                    snap.prefix_caching and bool(value)
+            elif name == "vllm_cache_engine_kv_used_tokens":
+                snap.kv_used_tokens = (snap.kv_used_tokens or 0.0) + value
+            elif name == "vllm_cache_engine_kv_pool_tokens":
+                snap.kv_pool_tokens = (snap.kv_pool_tokens or 0.0) + value
+            elif name == "vllm_cache_engine_preemptions_total":
+                snap.preemptions += value
+            elif name == "vllm_cache_engine_requests_running":
+                snap.running = (snap.running or 0.0) + value
+            elif name == "vllm_cache_engine_requests_waiting":
+                snap.waiting = (snap.waiting or 0.0) + value
+            elif name == "vllm_cache_engine_prefix_cache_queries_tokens_total":
+                snap.engine_queries += value
+            elif name == "vllm_cache_engine_prefix_cache_hits_tokens_total":
+                snap.engine_hits += value
+    return snap
+
+
+def quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """``histogram_quantile`` over cumulative buckets {le: count}."""
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    previous_bound, previous_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return previous_bound
+            if count == previous_count:
+                return bound
+            return previous_bound + (bound - previous_bound) * (rank - previous_count) / (
+                count - previous_count)
+        previous_bound, previous_count = bound, count
+    return previous_bound
+
+
+def ratio(cached: float, prompt: float) -> float | None:
+    return cached / prompt if prompt > 0 else None
+
+
+@dataclass(frozen=True)
+class CallerRow:
+    caller: str
+    requests: int
+    ratio_window: float | None
+    ratio_total: float | None
+    warm: int
+    partial: int
+    cold: int
+    other: int  # unknown (cached tokens not reported), short, error
+    ttft_warm_p50: float | None
+    ttft_cold_p50: float | None
+
+
+@dataclass(frozen=True)
+class Summary:
+    rows: list[CallerRow]
+    engine_up: bool | None
+    prefix_caching: bool | None
+    kv_used_tokens: float | None
+    kv_pool_tokens: float | None
+    preemptions: int
+    preemptions_window: int
+    running: float | None
+    waiting: float | None
+    engine_ratio_window: float | None
+    warnings: list[str]
+
+
+class DemoView:
+    """Keeps a window of snapshots and turns them into a Summary, a rich view or plain text."""
+
+    def __init__(self, title: str, metrics_url: str, window_seconds: float = 30.0) -> None:
+        self.title = title
+        self.metrics_url = metrics_url
+        self.window_seconds = window_seconds
+        self.history: deque[Snapshot] = deque()
+        self.scenario_seconds = 0.0
+        self.error: str | None = None
+
+    def update(self, text: str, time: float, scenario_seconds: float = 0.0) -> Summary:
+        self.history.append(parse_snapshot(text, time))
+        while len(self.history) > 2 and self.history[1].time <= time - self.window_seconds:
+            self.history.popleft()
+        self.scenario_seconds = scenario_seconds
+        self.error = None
+        return self.summary()
+
+    def summary(self) -> Summary:
+        if not self.history:
+            return Summary([], None, None, None, None, 0, 0, None, None, None,
+                           ["waiting for the first scrape of the exporter"])
+        now, first = self.history[-1], self.history[0]
+        rows = []
+        for caller in sorted(now.callers):
+            stats = now.callers[caller]
+            before = first.callers.get(caller, CallerStats())
+            window = ratio(stats.cached_tokens - before.cached_tokens,
+                           stats.prompt_tokens - before.prompt_tokens)
+            requests = stats.requests
+            other = sum(requests.get(state, 0.0) for state in ("short", "unknown", "error"))
+            rows.append(CallerRow(
+                caller, int(stats.total), window, ratio(stats.cached_tokens, stats.prompt_tokens),
+                int(requests.get("warm", 0)), int(requests.get("partial", 0)),
+                int(requests.get("cold", 0)), int(other),
+                quantile(0.5, stats.ttft_buckets.get("warm", {})),
+                quantile(0.5, stats.ttft_buckets.get("cold", {}))))
+        return Summary(rows, now.engine_up, now.prefix_caching, now.kv_used_tokens,
+                       now.kv_pool_tokens, int(now.preemptions),
+                       int(now.preemptions - first.preemptions), now.running, now.waiting,
+                       ratio(now.engine_hits - first.engine_hits,
+                             now.engine_queries - first.engine_queries),
+                       self._warnings(now))
+
+    def _warnings(self, now: Snapshot) -> list[str]:
+        warnings = []
+        if self.error:
+            warnings.append(self.error)
+        if now.engine_up is False:
+            warnings.append("vLLM's /metrics cannot be read: engine series are missing")
+        if now.prefix_caching is False:
+            warnings.append("prefix caching is off: every prompt is read again from the first "
+                            "token (start vLLM with --enable-prefix-caching; hybrid models "
+                            "default to off)")
+        if any(stats.unreported_tokens > 0 for stats in now.callers.values()):
+            warnings.append("cached_tokens not reported: start vLLM with "
+                            "--enable-prompt-tokens-details (those requests show as unknown)")
+        first = self.history[0]
+        if now.preemptions > first.preemptions:
+            warnings.append("vLLM is preempting requests: more concurrent context than the KV "
+                            "pool holds; preempted requests are recomputed")
+        return warnings
+
+    # ---- rendering ---------------------------------------------------------------------
+
+    def render_plain(self, summary: Summary | None = None) -> str:
+        summary = summary or self.summary()
+        lines = [f"[{_clock(self.scenario_seconds)} scenario time] {self.title}"]
+        for row in summary.rows:
+            lines.append(
+                f"  {row.caller}: {row.requests} req, hit ratio {_pct(row.ratio_window)} "
+                f"(since start {_pct(row.ratio_total)}), warm/partial/cold "
+                f"{row.warm}/{row.partial}/{row.cold}, TTFT p50 warm {_secs(row.ttft_warm_p50)}"
+                f" cold {_secs(row.ttft_cold_p50)}")
+        lines.append(
+            f"  engine: KV {_tokens(summary.kv_used_tokens)}/{_tokens(summary.kv_pool_tokens)}"
+            f" tokens, preemptions {summary.preemptions}, prefix caching "
+            f"{_onoff(summary.prefix_caching)}, running {_num(summary.running)}, waiting "
+            f"{_num(summary.waiting)}")
+        lines.extend(f"  warning: {warning}" for warning in summary.warnings)
+        return "\n".join(lines)
+
+    def render(self, summary: Summary | None = None) -> RenderableType:
+        summary = summary or self.summary()
+        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1),
+                      title="Per caller, from the exporter's /metrics (hit: last "
+                            f"{self.window_seconds:g} s; TTFT p50 in scenario seconds)",
+                      title_justify="left")
+        table.add_column("caller", no_wrap=True, overflow="ellipsis", min_width=8)
+        for column, width in (("req", 4), ("hit", 6), ("hit all", 7), ("warm", 4),
+                              ("part", 4), ("cold", 4), ("unk", 4), ("TTFT warm", 9),
+                              ("TTFT cold", 9)):
+            table.add_column(column, justify="right", no_wrap=True, min_width=width)
+        for row in summary.rows:
+            table.add_row(row.caller, str(row.requests), _ratio_text(row.ratio_window),
+                          _pct(row.ratio_total), Text(str(row.warm), style="green"),
+                          Text(str(row.partial), style="yellow"),
+                          Text(str(row.cold), style="red"), str(row.other),
+                          _secs(row.ttft_warm_p50), _secs(row.ttft_cold_p50))
+        if not summary.rows:
+            table.add_row("(no requests yet)", "", "", "", "", "", "", "", "", "")
+        engine = Text()
+        engine.append("KV used/pool ")
+        engine.append(f"{_tokens(summary.kv_used_tokens)} / {_tokens(summary.kv_pool_tokens)}"
+                      " tokens", style="bold")
+        engine.append("   preemptions ")
+        engine.append(str(summary.preemptions),
+                      style="bold red" if summary.preemptions_window else "bold")
+        engine.append("   prefix caching ")
+        engine.append(_onoff(summary.prefix_caching),
+                      style="bold green" if summary.prefix_caching else "bold red")
+        engine.append(f"\nrunning {_num(summary.running)}, waiting {_num(summary.waiting)}"
+                      "   engine hit ratio (window) ")
+        engine.append_text(_ratio_text(summary.engine_ratio_window))
+        parts: list[RenderableType] = [
+            Text(f"{self.title}    scenario time {_clock(self.scenario_seconds)}",
+                 style="bold"),
+            Text(f"Prometheus metrics: {self.metrics_url}", style="cyan"),
+            table, Panel(engine, title="vLLM engine", title_align="left")]
+        for warning in summary.warnings:
+            parts.append(Text(f"! {warning}", style="bold yellow"))
+        parts.append(Text("Ctrl-C to stop", style="dim"))
+        return Group(*parts)
+
+
+def _ratio_text(value: float | None) -> Text:
+    if value is None:
+        return Text("-")
+    style = "green" if value >= 0.8 else ("yellow" if value >= 0.3 else "red")
+    return Text(_pct(value), style=style)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _secs(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}s" if value < 100 else f"{value:.0f}s"
+
+
+def _tokens(value: float | None) -> str:
+    return "-" if value is None else f"{int(value):,}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{int(value)}"
+
+
+def _onoff(value: bool | None) -> str:
+    return "unknown" if value is None else ("on" if value else "off")
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes:d}:{secs:02d}"
