@@ -184,7 +184,7 @@ class Tap:
             return
         failed = exchange.status >= 400 or exchange.status == 0
         if exchange.prompt_tokens is None and not failed:
-            return  # already counted as a rejection (no_usage, response_not_json, ...)
+            return  # already counted as a rejection (missing_usage, malformed_response, ...)
         from exporter.usage.event import InvalidEvent, validate
 
         try:
@@ -347,7 +347,7 @@ class Tap:
                               exchange: Exchange) -> None:
         if upstream.status >= 400 or upstream.content_type != "application/json":
             if upstream.status < 400:
-                self.reject("response_not_json")
+                self.reject("malformed_response")
             return
         try:
             if len(body) > PARSE_INLINE_MAX_BYTES:
@@ -359,12 +359,12 @@ class Tap:
             self.reject(err.reason)
             return
         except ValueError:
-            self.reject("response_not_json")
+            self.reject("malformed_response")
             return
         if model:
             exchange.model = model
         if usage is None:
-            self.reject("no_usage")
+            self.reject("missing_usage")
             return
         exchange.prompt_tokens = usage.prompt_tokens
         exchange.cached_tokens = usage.cached_tokens
@@ -413,7 +413,7 @@ class Tap:
             exchange.status = reader.error_status
         if reader.usage is None:
             if exchange.status < 400:
-                self.reject("no_usage")
+                self.reject("missing_usage")
             return
         exchange.prompt_tokens = reader.usage.prompt_tokens
         exchange.cached_tokens = reader.usage.cached_tokens

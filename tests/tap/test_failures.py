@@ -204,7 +204,7 @@ async def test_unusable_usage_is_counted_and_the_answer_still_delivered(upstream
     status, _, body = await tap.post("/v1/completions", {"prompt": "x"})
     assert (status, body) == (200, b"<html>not json</html>")
     assert ("tap", "cached_exceeds_prompt") in tap.usage.rejected
-    assert ("tap", "response_not_json") in tap.usage.rejected
+    assert ("tap", "malformed_response") in tap.usage.rejected
     assert tap.usage.events == []
 
 
@@ -214,5 +214,5 @@ async def test_success_without_usage_is_counted_not_invented(upstream, start_tap
     tap = await start_tap()
     status, _, body = await tap.post("/v1/chat/completions", CHAT_STREAM)
     assert (status, body) == (200, stream)
-    assert tap.usage.rejected == [("tap", "no_usage")]
+    assert tap.usage.rejected == [("tap", "missing_usage")]
     assert tap.usage.events == []

@@ -70,7 +70,7 @@ async def test_rejections_are_exported_by_reason(upstream, aiohttp_client):
     assert (await tap.post("/v1/chat/completions", data=b"x" * 200)).status == 413
     text = await (await exporter.get("/metrics")).text()
     assert value(text, "vllm_cache_usage_events_rejected_total", reader="tap",
-                 reason="response_not_json") == 1
+                 reason="malformed_response") == 1
     assert value(text, "vllm_cache_usage_events_rejected_total", reader="tap",
                  reason="request_too_large") == 1
 

@@ -1,0 +1,376 @@
+"""The tap's cost: direct connection vs nginx vs the tap, in front of one mock vLLM, same run.
+
+    python bench/bench_tap.py [--rounds 3] [--requests 1000] [--quick]
+
+Four processes: a mock vLLM (aiohttp, replays the real vLLM 0.32.0 captures), nginx 1.22
+(Debian package, plain reverse proxy: keepalive upstream, proxy_buffering off so streams are
+not held), the exporter itself (``python -m exporter run --tap.listen-address ...``, i.e.
+the tap as deployed) and this load generator, which speaks HTTP/1.1 over raw asyncio
+streams so its own cost stays small. Each round measures every target in turn, in this
+order: direct, nginx, tap. Reported: the median over rounds of each figure, and the tap's
+CPU time per request (its process's user+system time over the phase / requests).
+
+Phases (each after a warm-up):
+- whole answers (chat, 02_chat_warm.json) at concurrency 1 and 32: latency p50/p99,
+  throughput at 32;
+- streams (chat, 03_chat_stream_warm.sse.txt, the client does not ask for usage, so the tap
+  injects include_usage and strips the usage chunk) at concurrency 1: time to first chunk
+  and to the last byte;
+- a long prompt (a 400 KB body, about a 100k-token agent turn) at concurrency 1, because
+  the tap reads the request body to name the caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures" / "vllm-0.32.0-cpu"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ---- the mock vLLM (runs in its own process: python bench_tap.py --serve-upstream PORT) ---
+
+def serve_upstream(port: int) -> None:
+    from aiohttp import web
+
+    whole = (FIXTURES / "02_chat_warm.json").read_bytes()
+    events = [part + b"\n\n" for part in
+              (FIXTURES / "03_chat_stream_warm.sse.txt").read_bytes().split(b"\n\n") if part]
+    usage_events = [e for e in events if b'"choices":[],"usage"' in e]
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        if not body.get("stream"):
+            return web.Response(body=whole, content_type="application/json")
+        with_usage = (body.get("stream_options") or {}).get("include_usage")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:  # one write per event, as vLLM does
+            if with_usage or event not in usage_events:
+                await response.write(event)
+        await response.write_eof()
+        return response
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/chat/completions", chat)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+# ---- a minimal HTTP/1.1 keep-alive client ----------------------------------------------
+
+class Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, port: int) -> Connection:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2 ** 22)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer)
+
+    async def request(self, raw: bytes) -> tuple[float, float, bytes]:
+        """(seconds to the first body byte, seconds to the last, body)."""
+        started = time.perf_counter()
+        self.writer.write(raw)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {head!r}")
+        headers = {line.split(b":", 1)[0].strip().lower(): line.split(b":", 1)[1].strip()
+                   for line in head.split(b"\r\n")[1:] if b":" in line}
+        first = None
+        if b"content-length" in headers:
+            body = await self.reader.readexactly(int(headers[b"content-length"]))
+            first = time.perf_counter()
+        else:
+            parts = []
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                if size == 0:
+                    await self.reader.readuntil(b"\r\n")
+                    break
+                parts.append((await self.reader.readexactly(size + 2))[:-2])
+                if first is None:
+                    first = time.perf_counter()
+            body = b"".join(parts)
+        return first - started, time.perf_counter() - started, body
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def http_request(path: str, payload: dict, port: int) -> bytes:
+    body = json.dumps(payload).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            "Content-Type: application/json\r\nAuthorization: Bearer sk-bench-key\r\n"
+            f"X-Caller: bench\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def chat_payload(stream: bool, prompt_chars: int) -> dict:
+    words = ("kalo miren tasvu pedor silny quabex torela fingru " * (prompt_chars // 48 + 1))
+    return {"model": "tiny-llama", "max_tokens": 8, "stream": stream,
+            "messages": [{"role": "system", "content": words[:prompt_chars]},
+                         {"role": "user", "content": "next step please"}]}
+
+
+@dataclass
+class Phase:
+    name: str
+    first: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    cpu: float | None = None  # proxy process CPU seconds over the phase
+
+    def p(self, values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run_phase(port: int, raw: bytes, requests: int, concurrency: int,
+                    check: bytes | None = None) -> Phase:
+    connections = [await Connection.open(port) for _ in range(concurrency)]
+    phase = Phase("")
+    per_worker = requests // concurrency
+
+    async def worker(connection: Connection) -> None:
+        for _ in range(per_worker):
+            first, total, body = await connection.request(raw)
+            if check is not None and check in body:
+                raise RuntimeError("the stream still carries the injected usage chunk")
+            phase.first.append(first)
+            phase.total.append(total)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in connections))
+    phase.wall = time.perf_counter() - started
+    for connection in connections:
+        connection.close()
+    return phase
+
+
+# ---- processes ------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_port(port: int, process: subprocess.Popen, what: str, deadline: float = 30) -> None:
+    started = time.monotonic()
+    while time.monotonic() - started < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)  # no readiness event from another process: poll with a deadline
+    raise RuntimeError(f"{what} did not listen on {port} within {deadline}s")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / CLK_TCK
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+NGINX_CONF = """
+{user}worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body;
+  proxy_temp_path {tmp}/proxy;
+  fastcgi_temp_path {tmp}/fastcgi;
+  uwsgi_temp_path {tmp}/uwsgi;
+  scgi_temp_path {tmp}/scgi;
+  client_max_body_size 64m;
+  upstream vllm {{ server 127.0.0.1:{upstream}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://vllm;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+@dataclass
+class Target:
+    name: str
+    port: int
+    pids: list[int]
+
+
+def start_processes(tmp: Path, stack: list[subprocess.Popen]) -> dict[str, Target]:
+    upstream_port, nginx_port, tap_port, web_port = (free_port() for _ in range(4))
+    upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream",
+                                 str(upstream_port)], start_new_session=True)
+    stack.append(upstream)
+    wait_port(upstream_port, upstream, "mock upstream")
+
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    conf = tmp / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(user="user root;\n" if os.geteuid() == 0 else "",
+                                      tmp=tmp, upstream=upstream_port, port=nginx_port))
+    nginx_process = subprocess.Popen([nginx, "-c", str(conf), "-p", str(tmp)],
+                                     start_new_session=True)
+    stack.append(nginx_process)
+    wait_port(nginx_port, nginx_process, "nginx")
+
+    tap = subprocess.Popen(
+        [sys.executable, "-m", "exporter", "run", "--web.listen-address",
+         f"127.0.0.1:{web_port}", "--tap.listen-address", f"127.0.0.1:{tap_port}",
+         "--tap.upstream", f"http://127.0.0.1:{upstream_port}", "--log.level", "warning"],
+        cwd=ROOT, start_new_session=True)
+    stack.append(tap)
+    wait_port(tap_port, tap, "exporter with the tap")
+    return {"direct": Target("direct", upstream_port, []),
+            "nginx": Target("nginx", nginx_port, children(nginx_process.pid)
+                            + [nginx_process.pid]),
+            "tap": Target("tap", tap_port, [tap.pid]),
+            "_web": Target("exporter web", web_port, [])}
+
+
+def tap_events(web_port: int) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{web_port}/metrics").read().decode()
+    for line in text.splitlines():
+        if line.startswith('vllm_cache_usage_events_total{reader="tap"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# ---- the measurement ------------------------------------------------------------------
+
+PHASES = (
+    # name, stream, prompt chars, concurrency, request share
+    ("whole c=1", False, 4_000, 1, 1.0),
+    ("whole c=32", False, 4_000, 32, 3.2),
+    ("stream c=1", True, 4_000, 1, 1.0),
+    ("long prompt c=1", False, 400_000, 1, 0.3),
+)
+
+
+async def measure(targets: dict[str, Target], rounds: int, requests: int
+                  ) -> dict[tuple[str, str], list[Phase]]:
+    results: dict[tuple[str, str], list[Phase]] = {}
+    usage_marker = b'"choices":[],"usage"'
+    for _ in range(rounds):
+        for phase_name, stream, chars, concurrency, share in PHASES:
+            count = max(concurrency, int(requests * share) // concurrency * concurrency)
+            for target in ("direct", "nginx", "tap"):
+                port = targets[target].port
+                raw = http_request("/v1/chat/completions", chat_payload(stream, chars), port)
+                await run_phase(port, raw, max(concurrency * 4, count // 10), concurrency)
+                before = cpu_seconds(targets[target].pids) if targets[target].pids else None
+                phase = await run_phase(port, raw, count, concurrency,
+                                        usage_marker if stream and target == "tap" else None)
+                if before is not None:
+                    phase.cpu = cpu_seconds(targets[target].pids) - before
+                phase.name = phase_name
+                results.setdefault((phase_name, target), []).append(phase)
+    return results
+
+
+def report(results: dict[tuple[str, str], list[Phase]]) -> None:
+    def med(values: list[float]) -> float:
+        return statistics.median(values)
+
+    print(f"{'phase':18} {'target':7} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
+          f"{'first p50':>10} {'req/s':>8} {'CPU ms/req':>11}")
+    for phase_name, *_ in PHASES:
+        base = med([p.p(p.total, 0.5) for p in results[(phase_name, "direct")]])
+        for target in ("direct", "nginx", "tap"):
+            runs = results[(phase_name, target)]
+            p50 = med([p.p(p.total, 0.5) for p in runs])
+            p99 = med([p.p(p.total, 0.99) for p in runs])
+            first = med([p.p(p.first, 0.5) for p in runs])
+            rate = med([len(p.total) / p.wall for p in runs])
+            cpu = (f"{med([p.cpu / len(p.total) for p in runs]) * 1e3:11.3f}"
+                   if runs[0].cpu is not None else f"{'-':>11}")
+            added = f"{(p50 - base) * 1e3:+10.3f}" if target != "direct" else f"{'':>10}"
+            print(f"{phase_name:18} {target:7} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {added} "
+                  f"{first * 1e3:10.3f} {rate:8.0f} {cpu}")
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    return (f"{os.cpu_count()} CPUs ({model}), Python {sys.version.split()[0]}, "
+            f"{subprocess.run(['nginx', '-v'], capture_output=True, text=True).stderr.strip()}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--quick", action="store_true", help="1 round of 200 requests")
+    parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_upstream:
+        serve_upstream(args.serve_upstream)
+        return 0
+    if args.quick:
+        args.rounds, args.requests = 1, 200
+    stack: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="bench-tap-") as tmp_name:
+        tmp = Path(tmp_name)
+        os.chmod(tmp, 0o755)
+        try:
+            targets = start_processes(tmp, stack)
+            events_before = tap_events(targets["_web"].port)
+            results = asyncio.run(measure(targets, args.rounds, args.requests))
+            recorded = tap_events(targets["_web"].port) - events_before
+        finally:
+            for process in reversed(stack):
+                try:
+                    os.killpg(process.pid, signal.SIGTERM)
+                    process.wait(timeout=10)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    os.killpg(process.pid, signal.SIGKILL)
+    print(f"machine: {machine()}")
+    print(f"rounds: {args.rounds}, medians over rounds; the tap recorded {recorded:.0f} "
+          "events (every request it proxied, warm-ups included)")
+    report(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
