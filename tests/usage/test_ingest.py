@@ -216,3 +216,43 @@ async def test_large_batches_are_processed_in_slices(usage_client, monkeypatch):
     assert reply["accepted"] == 100
     assert sum(s.requests["warm"] + s.requests["partial"] for s in state.usage.series.values()
                ) == 100
+
+
+async def test_hostile_callers_through_the_app(usage_client):
+    """Keys become short hashes, control characters and 10 kB names are refused: none of
+    them ever reaches /metrics as it was sent."""
+    client, state = await usage_client()
+    key = "sk-proj-" + "Qw3rTy9UiOp2AsDf5GhJk8Lz"
+    body = ndjson({**GOOD, "caller": key}, {**GOOD, "caller": "a\tb"},
+                  {**GOOD, "caller": "z" * 10_240}, {**GOOD, "caller": "x\u202eevil"})
+    reply = await (await client.post("/v1/usage", data=body)).json()
+    assert reply["accepted"] == 1
+    assert [e["reason"] for e in reply["errors"]] == ["bad_caller", "caller_too_long",
+                                                      "bad_caller"]
+    assert key not in json.dumps(reply)
+    text = await scrape(client)
+    assert key not in text and "Qw3rTy9U" not in text and "z" * 257 not in text
+    assert 'caller="key-' in text
+
+
+async def test_usage_exposition_passes_promtool(usage_client, tmp_path):
+    import os
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI"):
+            pytest.fail("promtool is required in CI (.ci/run installs Debian's prometheus)")
+        pytest.skip("promtool not installed")
+    client, state = await usage_client(signals_granularity=32, usage_file=("/x/*.jsonl",))
+    body = ndjson(GOOD, {**GOOD, "cached_tokens": 0, "queue_seconds": 0.1},
+                  {**GOOD, "cached_tokens": None, "caller": "b"}, {**GOOD, "status": 500},
+                  {"caller": "c", "prompt_tokens": -1})
+    await client.post("/v1/usage", data=body)
+    await client.post("/v1/usage", data="{", headers={})
+    text = await scrape(client)
+    assert "vllm_cache_ttft_seconds_bucket" in text
+    result = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
+                            capture_output=True, timeout=30)
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
