@@ -247,25 +247,33 @@ class SimService:
         return usage
 
     def response(self, running: Running, outcome: Outcome) -> dict[str, Any]:
+        """The non-streamed body, with every key vLLM 0.32.0 sends (nulls included)."""
         text = running.reply.text(0, outcome.completion_tokens)
         choice: dict[str, Any]
+        body: dict[str, Any] = {"id": outcome.request_id, "created": outcome.created,
+                                "model": self.model}
         if outcome.kind == CHAT:
+            body["object"] = "chat.completion"
             choice = {"index": 0,
                       "message": {"role": "assistant", "content": text, "refusal": None,
                                   "annotations": None, "audio": None, "function_call": None,
-                                  "tool_calls": [], "reasoning": None},
+                                  "reasoning": None},
                       "logprobs": None, "finish_reason": outcome.finish_reason,
-                      "stop_reason": None, "token_ids": None}
-            obj = "chat.completion"
+                      "stop_reason": None, "token_ids": None, "routed_experts": None}
         else:
+            body["object"] = "text_completion"
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": outcome.finish_reason, "stop_reason": None,
-                      "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
-            obj = "text_completion"
-        return {"id": outcome.request_id, "object": obj, "created": outcome.created,
-                "model": self.model, "choices": [choice], "service_tier": None,
-                "system_fingerprint": FINGERPRINT, "usage": self.usage(outcome, stream=False),
-                "prompt_logprobs": None, "kv_transfer_params": None}
+                      "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                      "routed_experts": None}
+        body.update({"choices": [choice], "service_tier": None,
+                     "system_fingerprint": FINGERPRINT,
+                     "usage": self.usage(outcome, stream=False)})
+        if outcome.kind == CHAT:
+            body.update({"prompt_logprobs": None, "prompt_token_ids": None,
+                         "prompt_text": None})
+        body.update({"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
+        return body
 
     def chunk(self, running: Running, text: str | None, finish_reason: str | None = None,
               role: bool = False) -> dict[str, Any]:

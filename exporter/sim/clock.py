@@ -14,6 +14,7 @@ CPU time its events cost, deterministically, with the same code that serves real
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import selectors
 from typing import Any
 
@@ -92,7 +93,20 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 def run_virtual(coroutine: Any) -> Any:
-    """Run ``coroutine`` to completion on a fresh VirtualTimeLoop and close the loop."""
+    """Run ``coroutine`` to completion on a fresh VirtualTimeLoop and close the loop.
+
+    Called from a thread whose loop is running (an async caller), it runs in a worker thread
+    of its own: one thread holds one running loop.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _run_virtual_here(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_run_virtual_here, coroutine).result()
+
+
+def _run_virtual_here(coroutine: Any) -> Any:
     loop = VirtualTimeLoop()
     try:
         return loop.run_until_complete(coroutine)

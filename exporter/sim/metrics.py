@@ -242,6 +242,13 @@ class SimMetrics:
             self.cached_by_source.labels(model, ENGINE, source)
         for reason in ("stop", "length", "abort", "error", "repetition"):
             self.success.labels(model, ENGINE, reason)
+        for histogram_metric in (
+                self.request_prompt_tokens, self.request_generation_tokens,
+                self.max_generation_tokens, self.params_n, self.params_max_tokens, self.ttft,
+                self.itl, self.tpot, self.e2e, self.queue_time, self.inference_time,
+                self.prefill_time, self.decode_time, self.request_preemptions,
+                self.kv_computed):
+            histogram_metric.labels(model, ENGINE)
         for reason in ("capacity", "deferred"):
             self.waiting_by_reason.labels(model, ENGINE, reason).set(0)
         for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):

