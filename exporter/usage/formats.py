@@ -93,7 +93,8 @@ class LiteLLMFormat:
 
     - caller: the first non-empty of ``caller_fields`` (default: the virtual key's alias,
       the team alias, ``end_user``); never the key hash, which is not a name.
-    - model: ``model`` (what LiteLLM sent to vLLM), else ``model_group``.
+    - model: ``model`` (what LiteLLM sent to vLLM, without a ``custom_llm_provider/``
+      prefix), else ``model_group``.
     - cached tokens: the provider's usage object (``metadata.usage_object``, else
       ``hidden_params.usage_object``, else ``response.usage``),
       ``prompt_tokens_details.cached_tokens``.
@@ -118,9 +119,13 @@ class LiteLLMFormat:
                         or get_path(payload, ("hidden_params", "usage_object"))
                         or get_path(payload, ("response", "usage")))
         numbers = usage_numbers(usage_object)
+        model = payload.get("model") or payload.get("model_group")
+        provider = payload.get("custom_llm_provider")
+        if type(model) is str and type(provider) is str and model.startswith(provider + "/"):
+            model = model[len(provider) + 1:]  # "hosted_vllm/qwen" is vLLM's "qwen"
         native_form: dict[str, Any] = {
             "caller": caller,
-            "model": payload.get("model") or payload.get("model_group"),
+            "model": model,
             "prompt_tokens": payload.get("prompt_tokens", numbers.get("prompt_tokens")),
             "cached_tokens": numbers.get("cached_tokens"),
             "completion_tokens": payload.get("completion_tokens",

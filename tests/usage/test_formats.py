@@ -262,3 +262,20 @@ def test_a_bad_mapping_file_fails_configuration_up_front(tmp_path):
     assert "prompt_tokens" in str(caught.value)
     args = parser.parse_args(["--usage.mapping.file", write_mapping(tmp_path)])
     assert build_config(args, environ={}).usage_mapping_file
+
+
+def test_litellm_provider_prefix_is_not_part_of_the_model():
+    payload = litellm_payloads()[0]
+    payload["model"] = "hosted_vllm/tiny-llama"
+    assert LiteLLMFormat(LITELLM_FIELDS)(payload).model == "tiny-llama"
+    payload["model"] = "Qwen/Qwen3-8B"  # a Hugging Face name keeps its slash
+    assert LiteLLMFormat(LITELLM_FIELDS)(payload).model == "Qwen/Qwen3-8B"
+
+
+def test_anthropic_shaped_usage_counts_both_cache_fields_in_the_prompt():
+    """vLLM's /v1/messages: input_tokens excludes cache reads and cache writes."""
+    body = {"model": "tiny-llama", "usage": {"input_tokens": 20, "cache_read_input_tokens": 1376,
+                                             "cache_creation_input_tokens": 0,
+                                             "output_tokens": 8}}
+    event = OpenAIFormat()(record(body))
+    assert (event.prompt_tokens, event.cached_tokens, event.completion_tokens) == (1396, 1376, 8)
