@@ -103,33 +103,42 @@ async def _show(view: DemoView, session: aiohttp.ClientSession, url: str, clock:
     from rich.console import Console
     from rich.live import Live
 
-    async def tick() -> bool:
-        """Update the view; False when it is time to stop."""
-        if drive.done() and drive.exception() is not None:
+    async def refresh_view() -> None:
+        if drive.done() and not drive.cancelled() and drive.exception() is not None:
             raise drive.exception()  # type: ignore[misc]
         try:
             view.update(await fetch_metrics(session, url), time.monotonic(), clock.now())
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             view.error = f"cannot read the exporter's /metrics: {err}"
+
+    async def tick() -> bool:
+        """Wait for the next refresh; False when it is time to stop."""
         wait = refresh if deadline is None else max(0.0, min(refresh,
                                                              deadline - time.monotonic()))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), wait)
         return not stop.is_set() and (deadline is None or time.monotonic() < deadline)
 
+    # The last update comes after the stop, so what stays on screen is the final state.
     if live:
         console = Console(file=out)
         with Live(view.render(), console=console, refresh_per_second=4,
                   transient=False) as screen:
             running = True
             while running:
-                running = await tick()
+                await refresh_view()
                 screen.update(view.render())
+                running = await tick()
+            await refresh_view()
+            screen.update(view.render())
         return
     running = True
     while running:
-        running = await tick()
+        await refresh_view()
         print(view.render_plain(), file=out, flush=True)
+        running = await tick()
+    await refresh_view()
+    print(view.render_plain(), file=out, flush=True)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -105,11 +105,15 @@ class HttpReporter:
     beyond it the oldest are dropped and counted) and go out as JSON arrays.
     """
 
-    def __init__(self, exporter_url: str, token: str = "", timeout: float = 10.0) -> None:
+    def __init__(self, exporter_url: str, token: str = "", timeout: float = 10.0,
+                 retry_seconds: tuple[float, ...] = RETRY_SECONDS,
+                 max_pending: int = MAX_PENDING) -> None:
         base = exporter_url.rstrip("/")
         self.url = base if base.endswith("/v1/usage") else base + "/v1/usage"
         self.token = token
         self.timeout = timeout
+        self.retry_seconds = retry_seconds
+        self.max_pending = max_pending
         self.pending: deque[dict[str, Any]] = deque()
         self.sent = 0
         self.dropped = 0
@@ -120,7 +124,7 @@ class HttpReporter:
         self._closing = False
 
     def report(self, event: dict[str, Any]) -> None:
-        if len(self.pending) >= MAX_PENDING:
+        if len(self.pending) >= self.max_pending:
             self.pending.popleft()
             self.dropped += 1
         self.pending.append(event)
@@ -160,10 +164,9 @@ class HttpReporter:
                 self.sent += len(batch)
                 attempt = 0
                 continue
-            self.failures += 1
-            if self._closing:
-                return
-            await asyncio.sleep(RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)])
+            self.failures += 1  # retried until delivered, or until close() gives up
+            delays = self.retry_seconds
+            await asyncio.sleep(delays[min(attempt, len(delays) - 1)])
             attempt += 1
 
     async def _post(self, batch: list[dict[str, Any]]) -> bool:

@@ -130,8 +130,9 @@ async def read_bounded(stream: aiohttp.StreamReader, declared: int | None,
 def inject_include_usage(body: bytes, request_json: dict[str, Any]) -> bytes:
     """Ask upstream for the usage chunk. Without stream_options the other bytes stay put."""
     options = request_json.get("stream_options")
-    if options is None and "stream_options" not in request_json:
-        start = body.index(b"{") + 1
+    stripped = body.lstrip()
+    if "stream_options" not in request_json and stripped[:1] == b"{":
+        start = len(body) - len(stripped) + 1
         return body[:start] + b'"stream_options":{"include_usage":true},' + body[start:]
     merged = dict(options) if isinstance(options, dict) else {}
     merged["include_usage"] = True
@@ -157,6 +158,8 @@ class Tap:
         self.state = state
         self.session = session
         self.upstream = URL(config.tap_upstream.rstrip("/"))
+        # What error messages name: never the credentials an upstream URL may carry.
+        self.upstream_shown = str(self.upstream.with_user(None))
         self.aliases = KeyAliases(config.tap_key_alias)
         self.timeout = aiohttp.ClientTimeout(total=config.tap_timeout)
         self.clock = clock
@@ -284,7 +287,7 @@ class Tap:
                 exchange.status = 504
             log.warning("tap: %s %s: no answer from upstream within %gs", request.method,
                         request.path, self.config.tap_timeout)
-            return json_error(504, f"upstream {self.upstream} did not answer within "
+            return json_error(504, f"upstream {self.upstream_shown} did not answer within "
                               f"{self.config.tap_timeout:g}s", "upstream_timeout")
         except aiohttp.ClientError as err:
             if exchange is not None:
@@ -294,7 +297,7 @@ class Tap:
                 reason = f"cannot connect ({err.os_error or err})"
             log.warning("tap: %s %s: upstream failed: %s", request.method, request.path,
                         reason)
-            return json_error(502, f"upstream {self.upstream} failed: {reason}",
+            return json_error(502, f"upstream {self.upstream_shown} failed: {reason}",
                               "upstream_error")
 
     async def answer(self, request: web.Request, upstream: aiohttp.ClientResponse,

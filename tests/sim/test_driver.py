@@ -1,0 +1,190 @@
+"""The traffic driver reports what a proxy would: usage from the response (from the final
+chunk of a stream), cached_tokens null when vLLM did not report it, TTFT measured at the
+client, the caller's identity on every request, and delivery that survives an exporter that
+is down for a while."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from exporter.sim.client import Completion, HttpClient, StreamReader
+from exporter.sim.clock import SimClock, run_virtual
+from exporter.sim.driver import Driver
+from exporter.sim.report import HttpReporter, ListReporter, usage_event
+from exporter.sim.scenario import parse_scenario
+from exporter.sim.server import SPEED_HEADER
+from exporter.usage.event import validate
+from tests.helpers import fixture_text
+
+CAPTURE = "vllm-0.32.0-cpu"
+
+
+def test_event_from_a_response_with_details():
+    usage = json.loads(fixture_text(f"{CAPTURE}/02_chat_warm.json"))["usage"]
+    event = usage_event("agent-a", "s1", Completion(200, "tiny-llama", usage, 1.25), 1000.0)
+    assert event == {"caller": "agent-a", "session": "s1", "model": "tiny-llama",
+                     "prompt_tokens": 1396, "cached_tokens": 1376, "completion_tokens": 8,
+                     "ttft_seconds": 1.25, "status": 200, "time": 1000.0}
+    assert validate(event).cached_tokens == 1376
+
+
+def test_cached_tokens_is_null_never_zero_when_vllm_did_not_report_it():
+    usage = {"prompt_tokens": 500, "completion_tokens": 3, "total_tokens": 503,
+             "prompt_tokens_details": None}
+    event = usage_event("a", None, Completion(200, "m", usage, None), 1.0)
+    assert "cached_tokens" in event and event["cached_tokens"] is None
+    assert "ttft_seconds" not in event  # a non-streamed response has no measurable TTFT
+    assert validate(event).cached_tokens is None
+
+
+def test_errors_are_reported_with_their_status_and_a_missing_usage_is_not_invented():
+    error = usage_event("a", "s", Completion(503, error="busy"), 1.0)
+    assert error["status"] == 503 and "prompt_tokens" not in error
+    assert validate(error).is_error
+    assert validate(usage_event("a", "s", Completion("connect_error"), 1.0)).is_error
+    # a stream without include_usage: nothing to report, so nothing is made up
+    assert usage_event("a", "s", Completion(200, "m", None, 0.5, "text"), 1.0) is None
+
+
+@pytest.mark.parametrize("name, text", [("03_chat_stream_warm.sse.txt", " informationvent"),
+                                        ("06_completion_stream.sse.txt", " algorith")])
+def test_stream_reader_takes_usage_from_the_final_chunk(name, text):
+    reader = StreamReader()
+    firsts = []
+    for line in fixture_text(f"{CAPTURE}/{name}").splitlines():
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            firsts.append(reader.feed(json.loads(line[5:])))
+    assert firsts[0] is True and not any(firsts[1:])  # TTFT: the first chunk with a choice
+    assert reader.usage["prompt_tokens_details"]["cached_tokens"] in (1376, 1344)
+    assert reader.text == text and reader.model == "tiny-llama"
+
+
+async def stub_vllm(aiohttp_server, handler) -> str:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    app.router.add_post("/v1/completions", handler)
+    server = await aiohttp_server(app)
+    return str(server.make_url("")).rstrip("/")
+
+
+async def test_http_client_sends_the_caller_and_reads_a_real_stream(aiohttp_server):
+    seen: list[tuple[str | None, Any]] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seen.append((request.headers.get("X-Caller"), (await request.json()).get("user")))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               SPEED_HEADER: "1000"})
+        await response.prepare(request)
+        await response.write(fixture_text(f"{CAPTURE}/03_chat_stream_warm.sse.txt").encode())
+        return response
+
+    client = HttpClient(await stub_vllm(aiohttp_server, handler) + "/v1")
+    try:
+        completion = await client.send("chat", {"messages": [], "stream": True}, "agent-a")
+    finally:
+        await client.close()
+    assert seen == [("agent-a", "agent-a")]
+    assert completion.ok and completion.usage["prompt_tokens"] == 1396
+    assert completion.ttft_seconds is not None and completion.ttft_seconds > 0
+
+
+async def test_http_client_errors_become_statuses(aiohttp_server, unused_tcp_port):
+    async def handler(_request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "engine dead", "code": 500}},
+                                 status=500)
+
+    client = HttpClient(await stub_vllm(aiohttp_server, handler))
+    down = HttpClient(f"http://127.0.0.1:{unused_tcp_port}")
+    try:
+        failed = await client.send("completion", {"prompt": "x"}, "a")
+        refused = await down.send("completion", {"prompt": "x"}, "a")
+    finally:
+        await client.close()
+        await down.close()
+    assert failed.status == 500 and failed.error == "engine dead"
+    assert refused.status == "connect_error" and not refused.ok
+
+
+async def test_reporter_retries_until_the_exporter_is_back(aiohttp_server):
+    received: list[dict[str, Any]] = []
+    outages = {"left": 2}
+
+    async def usage(request: web.Request) -> web.Response:
+        assert request.headers["Authorization"] == "Bearer s3cret"
+        if outages["left"]:
+            outages["left"] -= 1
+            return web.Response(status=503)
+        received.extend(await request.json())
+        return web.json_response({"accepted": 1})
+
+    app = web.Application()
+    app.router.add_post("/v1/usage", usage)
+    server = await aiohttp_server(app)
+    reporter = HttpReporter(str(server.make_url("/")), token="s3cret", retry_seconds=(0.01,))
+    for index in range(5):
+        reporter.report({"caller": "a", "prompt_tokens": index})
+    await reporter.close()
+    assert [event["prompt_tokens"] for event in received] == [0, 1, 2, 3, 4]
+    assert reporter.failures == 2 and reporter.sent == 5 and not reporter.pending
+
+
+async def test_reporter_drops_what_the_exporter_refuses_and_bounds_its_queue(aiohttp_server):
+    async def usage(_request: web.Request) -> web.Response:
+        return web.json_response({"error": "unauthorized"}, status=401)
+
+    app = web.Application()
+    app.router.add_post("/v1/usage", usage)
+    server = await aiohttp_server(app)
+    reporter = HttpReporter(str(server.make_url("/v1/usage")), retry_seconds=(0.01,),
+                            max_pending=3)
+    for index in range(5):
+        reporter.report({"caller": "a", "prompt_tokens": index})
+    assert len(reporter.pending) == 3 and reporter.dropped == 2
+    await reporter.close()
+    assert reporter.sent == 0 and reporter.dropped == 5 and not reporter.pending
+
+
+class EchoClient:
+    """Answers every request at once with a fixed reply; records what was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any], str]] = []
+
+    async def send(self, kind: str, body: dict[str, Any], caller: str) -> Completion:
+        self.sent.append((kind, json.loads(json.dumps(body)), caller))
+        usage = {"prompt_tokens": 10, "completion_tokens": 2,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+        return Completion(200, "m", usage, 0.1, f" reply{len(self.sent)}")
+
+    async def close(self) -> None:
+        return None
+
+
+def test_conversations_resend_their_history_with_each_reply():
+    scenario = parse_scenario({"name": "t", "agents": [
+        {"caller": "solo", "context_tokens": 30, "input_tokens": 5, "output_tokens": 2,
+         "turns": 3, "think_seconds": 60}]}, "test")
+    client = EchoClient()
+
+    async def main() -> tuple[ListReporter, float]:
+        clock = SimClock()
+        reporter = ListReporter(clock.now)
+        await Driver(scenario, client, reporter, clock, "m").run()
+        return reporter, clock.now()
+
+    reporter, elapsed = run_virtual(main())
+    assert elapsed == 120  # two think times, in virtual time
+    messages = [body["messages"] for _, body, _ in client.sent]
+    assert [len(m) for m in messages] == [2, 4, 6]
+    assert messages[1][2] == {"role": "assistant", "content": " reply1"}
+    assert messages[2][:4] == messages[1]  # the history is resent unchanged
+    assert messages[0][1]["content"] != messages[1][3]["content"]
+    assert {caller for _, _, caller in client.sent} == {"solo"}
+    assert all(body["stream"] and body["stream_options"] == {"include_usage": True}
+               for _, body, _ in client.sent)
+    sessions = {event["session"] for _, event in reporter.events}
+    assert sessions == {"solo/0"} and len(reporter.events) == 3

@@ -1,0 +1,149 @@
+"""End to end on loopback: the simulator's real HTTP front, the driver over HTTP and the
+exporter, first in one process, then as the separate processes compose runs."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from exporter.config import Config
+from exporter.server import create_app
+from exporter.sim.client import HttpClient
+from exporter.sim.clock import SimClock
+from exporter.sim.driver import Driver
+from exporter.sim.report import HttpReporter
+from exporter.sim.scenario import parse_scenario
+from exporter.sim.server import build_simulator, create_sim_app, start_site
+from tests.helpers import value
+
+HOST = "127.0.0.1"
+FANOUT = {
+    "name": "fanout-once", "report": "test", "reproduces": "one round of each order",
+    "engine": {"served_model_name": "qwen3.8-27b", "hybrid": True,
+               "enable_prefix_caching": True, "enable_prompt_tokens_details": True,
+               "kv_pool_tokens": 567464, "block_size": 800, "prefill_rate": 1000.0,
+               "decode_rate": 60.0},
+    "agents": [
+        {"caller": "shared-first", "kind": "fanout", "rounds": 1, "shared_tokens": 2400,
+         "task_tokens": 457, "order": "shared-first", "output_tokens": 16},
+        {"caller": "task-first", "kind": "fanout", "start": 20, "rounds": 1,
+         "shared_tokens": 2400, "task_tokens": 457, "order": "task-first",
+         "output_tokens": 16},
+    ],
+}
+
+
+async def get_text(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        assert response.status == 200
+        return await response.text()
+
+
+async def test_driver_over_http_into_the_exporter():
+    speed = 20.0
+    scenario = parse_scenario(FANOUT, "test")
+    sim = build_simulator(scenario.engine_config(), SimClock(speed))
+    sim_site, sim_port = await start_site(create_sim_app(sim), HOST, 0)
+    exporter_site, exporter_port = await start_site(
+        create_app(Config(vllm_url=(f"http://{HOST}:{sim_port}",))), HOST, 0)
+    client = HttpClient(f"http://{HOST}:{sim_port}")
+    reporter = HttpReporter(f"http://{HOST}:{exporter_port}")
+    try:
+        stats = await Driver(scenario, client, reporter, SimClock(speed), "qwen3.8-27b").run()
+        await reporter.close()
+        text = await get_text(f"http://{HOST}:{exporter_port}/metrics")
+    finally:
+        await client.close()
+        await exporter_site.cleanup()
+        await sim_site.cleanup()
+    assert stats.requests == 8 and stats.errors == 0 and reporter.sent == 8
+    assert value(text, "vllm_cache_prompt_tokens_total", caller="shared-first") == 4 * 2862
+    assert value(text, "vllm_cache_cached_tokens_total", caller="shared-first") == 3 * 2400
+    assert value(text, "vllm_cache_cached_tokens_total", caller="task-first") == 0
+    assert value(text, "vllm_cache_engine_prefix_cache_hits_tokens_total") == 3 * 2400
+    # TTFT measured at the client, converted to scenario seconds with the simulator's speed:
+    # the four requests read 2,862 + 3 x 462 tokens one after the other at 1,000 tokens/s,
+    # so their TTFTs add up to at least 2.862 + 3.324 + 3.786 + 4.248 s (plus HTTP time)
+    ttft_sum = sum(value(text, "vllm_cache_ttft_seconds_sum", caller="shared-first",
+                         state=state) or 0 for state in ("warm", "cold"))
+    assert 14.2 <= ttft_sum < 30
+
+
+SMALL = {
+    "name": "small", "report": "test", "reproduces": "two short conversations",
+    "engine": {"served_model_name": "sim-8b", "enable_prefix_caching": True,
+               "enable_prompt_tokens_details": True, "block_size": 16,
+               "kv_pool_tokens": 65536, "prefill_rate": 20000.0, "decode_rate": 100.0},
+    "agents": [
+        {"caller": "alice", "context_tokens": 2000, "input_tokens": 100, "output_tokens": 20,
+         "turns": 3, "think_seconds": 2},
+        {"caller": "bob", "start": 1, "context_tokens": 1000, "input_tokens": 100,
+         "output_tokens": 20, "turns": 3, "think_seconds": 2},
+    ],
+}
+
+
+async def read_line(stream: asyncio.StreamReader, pattern: str) -> re.Match[str]:
+    while True:
+        line = (await asyncio.wait_for(stream.readline(), 30)).decode()
+        assert line, f"process ended before printing {pattern!r}"
+        match = re.search(pattern, line)
+        if match:
+            return match
+
+
+async def test_simulate_and_drive_as_separate_processes(tmp_path: Path):
+    scenario_file = tmp_path / "small.yaml"
+    scenario_file.write_text(yaml.safe_dump(SMALL))
+    python = [sys.executable, "-m", "exporter"]
+    simulate = await asyncio.create_subprocess_exec(
+        *python, "simulate", "--listen-address", f"{HOST}:0", "--scenario",
+        str(scenario_file), "--speed", "20", stderr=asyncio.subprocess.PIPE)
+    exporter_site = None
+    try:
+        port = int((await read_line(simulate.stderr, rf"http://{HOST}:(\d+)")).group(1))
+        sim_url = f"http://{HOST}:{port}"
+        config = Config(vllm_url=(sim_url,), usage_ingest_token="tok")
+        exporter_site, exporter_port = await start_site(create_app(config), HOST, 0)
+        drive = await asyncio.create_subprocess_exec(
+            *python, "drive", "--scenario", str(scenario_file), "--base-url", sim_url,
+            "--exporter-url", f"http://{HOST}:{exporter_port}", "--usage-token", "tok",
+            "--speed", "20", stderr=asyncio.subprocess.PIPE)
+        _, errors = await asyncio.wait_for(drive.communicate(), 60)
+        assert drive.returncode == 0, errors.decode()
+        text = await get_text(f"http://{HOST}:{exporter_port}/metrics")
+    finally:
+        if exporter_site is not None:
+            await exporter_site.cleanup()
+        if simulate.returncode is None:
+            simulate.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(simulate.wait(), 30) == 0
+    for caller in ("alice", "bob"):
+        assert value(text, "vllm_cache_requests_total", caller=caller, state="cold") == 1
+        assert value(text, "vllm_cache_requests_total", caller=caller, state="warm") == 2
+    assert value(text, "vllm_cache_engine_up") == 1
+    assert value(text, "vllm_cache_engine_prefix_caching_enabled", model_name="sim-8b") == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--scenario", "nope"], "unknown scenario"),
+    (["simulate", "--block-size", "0"], "block_size"),
+    (["simulate", "--listen-address", "nowhere"], "HOST:PORT"),
+    (["drive", "--scenario", "nope"], "unknown scenario"),
+    (["drive", "--speed", "0"], "--speed"),
+    (["demo", "--scenario", "nope"], "unknown scenario"),
+    (["demo", "--speed", "-1"], "--speed"),
+])
+async def test_bad_flags_exit_2_with_a_clear_message(argv, message):
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "exporter", *argv, stderr=asyncio.subprocess.PIPE)
+    _, errors = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 2
+    assert message in errors.decode()

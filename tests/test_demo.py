@@ -1,0 +1,80 @@
+"""`vllm-cache-exporter demo` as a user runs it: one process, a metrics URL printed, per-caller
+series on that URL, and a clean exit when --duration is up or on Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+
+import aiohttp
+
+from tests.helpers import value
+
+URL = re.compile(r"http://127\.0\.0\.1:\d+/metrics")
+
+
+async def start_demo(*flags: str) -> tuple[asyncio.subprocess.Process, str, list[str]]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "exporter", "demo", *flags, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    lines: list[str] = []
+    while True:
+        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+        assert line, "demo ended before printing its metrics URL: " + "".join(lines)
+        lines.append(line)
+        match = URL.search(line)
+        if match:
+            return process, match.group(0), lines
+
+
+async def wait_for_callers(url: str, callers: set[str], timeout: float = 30.0) -> str:
+    """Poll the exporter (there is no event to await from outside the process)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(url) as response:
+                assert response.status == 200
+                text = await response.text()
+            seen = {caller for caller in callers
+                    if value(text, "vllm_cache_requests_total", caller=caller) is not None}
+            if seen == callers:
+                return text
+            assert loop.time() < deadline, f"only {seen} appeared in {timeout:g}s"
+            await asyncio.sleep(0.2)
+
+
+async def test_demo_serves_per_caller_metrics_and_ends_by_itself():
+    process, url, _ = await start_demo("--duration", "8", "--speed", "100", "--refresh", "1")
+    try:
+        text = await wait_for_callers(url, {"agent-a", "agent-b"})
+        assert value(text, "vllm_cache_engine_up") == 1
+        assert value(text, "vllm_cache_engine_kv_pool_tokens") > 200_000
+        out, errors = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, errors.decode()
+    output = out.decode()
+    assert "agent-a:" in output and "hit ratio" in output  # the plain summaries (no TTY)
+    assert "demo stopped" in output
+
+
+async def test_demo_stops_cleanly_on_ctrl_c():
+    process, url, _ = await start_demo("--scenario", "details-off", "--speed", "50",
+                                       "--refresh", "1")
+    try:
+        await wait_for_callers(url, {"coder"})
+        process.send_signal(signal.SIGINT)
+        out, errors = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, errors.decode()
+    output = out.decode()
+    assert "cached_tokens not reported: start vLLM with --enable-prompt-tokens-details" in output
+    assert "Traceback" not in errors.decode()
