@@ -164,7 +164,10 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         values = {key: _typed(value, _AGENT_FIELDS[key].default, f"{where}.{key}")
                   if key != "caller" else str(value) for key, value in raw.items()}
         agent = AgentSpec(**values)
-        agent.check()
+        try:
+            agent.check()
+        except ScenarioError as err:
+            raise ScenarioError(f"{source}: {err}") from None
         agents.append(agent)
     demo = data.get("demo") or {}
     if not isinstance(demo, dict) or set(demo) - {"speed"}:
@@ -175,7 +178,10 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     scenario = Scenario(str(data["name"]), str(data.get("title", "")),
                         str(data.get("report", "")), str(data.get("reproduces", "")).strip(),
                         engine, tuple(agents), speed)
-    scenario.engine_config()  # fail now on an impossible engine
+    try:
+        scenario.engine_config()  # fail now on an impossible engine
+    except ScenarioError as err:
+        raise ScenarioError(f"{source}: {err}") from None
     return scenario
 
 
