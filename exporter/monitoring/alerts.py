@@ -150,7 +150,7 @@ and sum {q.by(*CALLER)} ({n.caller_state_requests}{q.sel(q.states_matcher())})
             "vLLM runs with prefix caching off.",
             """vLLM {{ $labels.target }} serves {{ $labels.model_name }} with
             enable_prefix_caching=False, so every turn re-reads its whole prompt. Hybrid
-            models default to off; start vLLM with --enable-prefix-caching.""",
+            models often default to off; start vLLM with --enable-prefix-caching.""",
             self.dashboard_link(c.overview_uid, TARGET))
 
     def cached_tokens_not_reported(self) -> dict[str, Any]:

@@ -1,0 +1,90 @@
+"""The proof that the rules work: promtool on the committed files and on fresh output.
+
+``promtool test rules`` runs alerts/tests/*.yaml: every alert silent before its ``for:``,
+then firing with exact labels and annotations, and the healthy series that must stay silent.
+Running them on freshly generated files as well means a generator change that breaks an
+alert fails here even before anyone regenerates the committed files.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from exporter.monitoring.config import MonitoringConfig
+from exporter.monitoring.render import prometheus_files
+from tests.monitoring.common import (
+    ALERTS_DIR,
+    ALERTS_FILE,
+    PROMTOOL_TESTS,
+    ROOT,
+    RULES_FILE,
+    require_tool,
+)
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_every_alert_file_has_promtool_tests() -> None:
+    assert len(PROMTOOL_TESTS) >= 6, PROMTOOL_TESTS
+
+
+def test_committed_rules_pass_promtool_check() -> None:
+    promtool = require_tool("promtool")
+    result = run(promtool, "check", "rules", str(RULES_FILE), str(ALERTS_FILE))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_committed_rules_pass_promtool_tests() -> None:
+    promtool = require_tool("promtool")
+    result = run(promtool, "test", "rules", *map(str, PROMTOOL_TESTS), cwd=ALERTS_DIR)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SUCCESS") == len(PROMTOOL_TESTS), result.stdout
+
+
+def test_freshly_generated_rules_pass_promtool(tmp_path: Path) -> None:
+    promtool = require_tool("promtool")
+    for relative, content in prometheus_files(MonitoringConfig()).items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content, encoding="utf-8")
+    shutil.copytree(ALERTS_DIR / "tests", tmp_path / "alerts" / "tests")
+    generated = tmp_path / "alerts"
+    check = run(promtool, "check", "rules", str(generated / RULES_FILE.name),
+                str(generated / ALERTS_FILE.name))
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = sorted(str(p) for p in (generated / "tests").glob("*.yaml"))
+    result = run(promtool, "test", "rules", *tests, cwd=generated)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_tests_catch_a_broken_alert(tmp_path: Path) -> None:
+    """The tests are not vacuous: an alert that can never fire fails them."""
+    promtool = require_tool("promtool")
+    shutil.copytree(ALERTS_DIR, tmp_path / "alerts")
+    alerts = tmp_path / "alerts" / ALERTS_FILE.name
+    text = alerts.read_text(encoding="utf-8")
+    broken = text.replace("> 0.3\n", "> 1.5\n")  # no baseline is ever above 150%
+    assert broken != text
+    alerts.write_text(broken, encoding="utf-8")
+    result = run(promtool, "test", "rules", "tests/prefix_collapse.yaml",
+                 cwd=tmp_path / "alerts")
+    assert result.returncode != 0
+    assert "VllmCachePrefixCollapse" in result.stdout + result.stderr
+
+
+def test_deploy_configs_are_valid(tmp_path: Path) -> None:
+    """deploy/prometheus.yml beside the rule files, as compose mounts them; and the
+    Alertmanager config."""
+    promtool = require_tool("promtool")
+    shutil.copy(ROOT / "deploy" / "prometheus.yml", tmp_path / "prometheus.yml")
+    shutil.copytree(ALERTS_DIR, tmp_path / "alerts")
+    result = run(promtool, "check", "config", str(tmp_path / "prometheus.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 rule files found" in result.stdout + result.stderr
+    amtool = require_tool("amtool")
+    result = run(amtool, "check-config", str(ROOT / "deploy" / "alertmanager.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
