@@ -157,6 +157,8 @@ class Tap:
         self.config = config
         self.state = state
         self.session = session
+        if session is not None:
+            no_retries(session)
         self.upstream = URL(config.tap_upstream.rstrip("/"))
         # What error messages name: never the credentials an upstream URL may carry.
         self.upstream_shown = str(self.upstream.with_user(None))
@@ -475,13 +477,22 @@ def _dropped() -> web.Response:
     return web.Response(status=STATUS_CLIENT_CLOSED)
 
 
+def no_retries(session: aiohttp.ClientSession) -> None:
+    """aiohttp re-sends a GET/PUT/DELETE once when a kept-alive connection turns out closed
+    (RFC 9112 9.3.1 allows it). The tap never re-sends anything: the first attempt may have
+    reached vLLM. There is no public switch; aiohttp's own test client sets the same flag."""
+    session._retry_connection = False
+
+
 def new_session() -> aiohttp.ClientSession:
     """No connection cap (each client call needs its own upstream call), no decompression."""
-    return aiohttp.ClientSession(
+    session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
     )
+    no_retries(session)
+    return session
 
 
 def create_tap_app(config: Config, state: SignalsState,

@@ -216,3 +216,41 @@ async def test_success_without_usage_is_counted_not_invented(upstream, start_tap
     assert (status, body) == (200, stream)
     assert tap.usage.rejected == [("tap", "missing_usage")]
     assert tap.usage.events == []
+
+
+class DropsSecondRequest:
+    """Answers the first request with keep-alive, then hangs up on the next one unanswered:
+    what a restarting vLLM does to a pooled connection."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def __call__(self, reader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                self.requests += 1
+                if self.requests == 2:
+                    break
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+async def test_idempotent_calls_are_not_retried_either(start_tap, method):
+    upstream = DropsSecondRequest()
+    server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        tap = await start_tap(upstream_url=f"http://127.0.0.1:{port}")
+        async with tap.session.request(method, tap.url + "/v1/models") as response:
+            assert (response.status, await response.read()) == (200, b"ok")
+        async with tap.session.request(method, tap.url + "/v1/models") as response:
+            assert response.status == 502
+    finally:
+        server.close()
+    assert upstream.requests == 2  # aiohttp alone would have sent the second one again
