@@ -485,9 +485,14 @@ def no_retries(session: aiohttp.ClientSession) -> None:
 
 
 def new_session() -> aiohttp.ClientSession:
-    """No connection cap (each client call needs its own upstream call), no decompression."""
+    """No connection cap (each client call needs its own upstream call), no decompression.
+
+    Idle connections are dropped after 4 s, before vLLM's uvicorn drops them (5 s,
+    VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a call sent on a connection the server is closing fails,
+    and the tap does not re-send it.
+    """
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
     )
