@@ -108,7 +108,6 @@ def run(config: Config) -> int:
     except KeyboardInterrupt:
         pass
     except OSError as err:
-        print(f"{PROG}: cannot listen on {config.web_listen_address}: {err.strerror}",
-              file=sys.stderr)
+        print(f"{PROG}: {err}", file=sys.stderr)
         return 1
     return 0

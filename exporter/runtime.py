@@ -31,18 +31,30 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     await runner.setup()
     host, port = config.listen_host_port
     site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
     background = await start_background(config, state, app)
     log.info("listening on http://%s:%d/metrics, reading %d vLLM target(s)", host, port,
              len(config.engine_targets))
     if started is not None:
         started.set()
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await stop.wait()
+        # A background reader that dies (the tap cannot bind its port, say) ends the process
+        # with its error instead of leaving a half-working exporter behind.
+        await asyncio.wait([stopping, *background], return_when=asyncio.FIRST_COMPLETED)
+        failed = [task for task in background
+                  if task.done() and not task.cancelled() and task.exception() is not None]
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
     finally:
+        stopping.cancel()
         for task in background:
             task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
+        await asyncio.gather(stopping, *background, return_exceptions=True)
         await runner.cleanup()
 
 

@@ -44,3 +44,21 @@ async def test_run_serves_engine_signals_and_stops_on_sigterm(fake_vllm):
         process.send_signal(signal.SIGTERM)
         _out, err = await asyncio.wait_for(process.communicate(), timeout=20)
     assert process.returncode == 0, err.decode()
+
+
+async def test_busy_ports_fail_fast_with_a_clear_error(fake_vllm):
+    """A tap that cannot bind must not leave a half-working exporter running."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        busy_port = busy.getsockname()[1]
+        for flags in (["--web.listen-address", f"127.0.0.1:{busy_port}"],
+                      ["--web.listen-address", f"127.0.0.1:{free_port()}",
+                       "--tap.listen-address", f"127.0.0.1:{busy_port}",
+                       "--tap.upstream", "http://127.0.0.1:9"]):
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "exporter", "--vllm.url", fake_vllm.url, *flags,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            _out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+            assert process.returncode == 1, err.decode()
+            assert str(busy_port) in err.decode().strip().splitlines()[-1]
