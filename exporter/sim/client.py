@@ -193,11 +193,18 @@ async def _json_or_none(response: aiohttp.ClientResponse) -> Any:
 
 
 async def _sse_data(response: aiohttp.ClientResponse) -> Any:
-    """The ``data:`` payloads of a server-sent event stream."""
-    async for raw_line in response.content:
-        line = raw_line.decode("utf-8", "replace").strip()
-        if line.startswith("data:"):
-            yield line[5:].strip()
+    """The ``data:`` payloads of a server-sent event stream (lines of any length)."""
+    pending = b""
+    async for chunk in response.content.iter_any():
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for raw_line in lines:
+            line = raw_line.decode("utf-8", "replace").strip()
+            if line.startswith("data:"):
+                yield line[5:].strip()
+    line = pending.decode("utf-8", "replace").strip()
+    if line.startswith("data:"):
+        yield line[5:].strip()
 
 
 class InProcessClient:

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -195,11 +196,9 @@ async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
                         loop=args.loop, seed=seed)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in ("SIGINT", "SIGTERM"):
-            with contextlib.suppress(NotImplementedError, RuntimeError, AttributeError):
-                import signal
-
-                loop.add_signal_handler(getattr(signal, sig), stop.set)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
         run = asyncio.ensure_future(driver.run())
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait((run, stopper), timeout=args.duration or None,

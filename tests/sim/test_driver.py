@@ -188,3 +188,24 @@ def test_conversations_resend_their_history_with_each_reply():
                for _, body, _ in client.sent)
     sessions = {event["session"] for _, event in reporter.events}
     assert sessions == {"solo/0"} and len(reporter.events) == 3
+
+
+async def test_http_client_reads_stream_lines_of_any_length(aiohttp_server):
+    big = {"choices": [{"index": 0, "delta": {"content": "x" * 200_000}}], "model": "m"}
+    last = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in (big, last):
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]")  # no final newline
+        return response
+
+    client = HttpClient(await stub_vllm(aiohttp_server, handler))
+    try:
+        completion = await client.send("chat", {"messages": [], "stream": True}, "a")
+    finally:
+        await client.close()
+    assert len(completion.text) == 200_000 and completion.usage["prompt_tokens"] == 5
