@@ -21,7 +21,6 @@ from exporter.sim.engine import (
     Finished,
     FirstToken,
     Preempted,
-    Rejected,
 )
 
 ENGINE = "0"
@@ -276,8 +275,8 @@ class SimMetrics:
             self.preemptions.labels(model, ENGINE).inc()
         elif isinstance(event, Finished):
             self._finished(event)
-        elif isinstance(event, Rejected):
-            self.success.labels(model, ENGINE, "error").inc()
+        # A Rejected request never reached vLLM's engine (its API server answers 400 before
+        # scheduling), so vLLM counts it nowhere; neither do we.
 
     def _finished(self, event: Finished) -> None:
         seq = event.seq

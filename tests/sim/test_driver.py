@@ -209,3 +209,17 @@ async def test_http_client_reads_stream_lines_of_any_length(aiohttp_server):
     finally:
         await client.close()
     assert len(completion.text) == 200_000 and completion.usage["prompt_tokens"] == 5
+
+
+def test_loop_starts_again_with_new_conversations():
+    from exporter.sim.virtual import play
+
+    scenario = parse_scenario({"name": "t", "engine": {
+        "enable_prompt_tokens_details": True, "block_size": 16, "prefill_rate": 5000.0},
+        "agents": [{"caller": "x", "context_tokens": 500, "input_tokens": 50, "turns": 2,
+                    "output_tokens": 10}]}, "test")
+    run = play(scenario, iterations=2)
+    events = [event for _, event in run.events]
+    assert [event["session"] for event in events] == ["x/0", "x/0", "x/1", "x/1"]
+    # each iteration is a fresh conversation: its first turn finds nothing cached
+    assert [event["cached_tokens"] > 0 for event in events] == [False, True, False, True]
