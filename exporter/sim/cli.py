@@ -68,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("debug", "info", "warning", "error"))
     engine = parser.add_argument_group("Engine (as vLLM's flags, or the hardware's rates)")
     for flag, dest, kind, help_text in ENGINE_FLAGS:
-        engine.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
+        metavar = {int: "N", float: "X", str: "NAME"}[kind]
+        engine.add_argument(flag, dest=dest, type=kind, default=None, metavar=metavar,
+                            help=help_text)
     for flag, dest, help_text in BOOL_FLAGS:
         engine.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
                             default=None, help=help_text)
