@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 TOKEN_ENV = "VLLM_CACHE_EXPORTER_USAGE_INGEST_TOKEN"
 _TAG_SPACE = 36**4
+# Real seconds to wait after a request got no answer, so a down server is not hammered.
+TRANSPORT_BACKOFF_SECONDS = 1.0
 
 
 @dataclass
@@ -95,6 +97,8 @@ class Driver:
         if not completion.ok:
             stats.errors += 1
             log.warning("%s: %s %s", caller, completion.status, completion.error or "")
+            if isinstance(completion.status, str):  # no answer at all: the server is down
+                await self.clock.sleep(self.clock.speed * TRANSPORT_BACKOFF_SECONDS)
         event = usage_event(caller, session, completion, self.wall_clock())
         if event is None:
             stats.unreported += 1
