@@ -97,13 +97,13 @@ class Driver:
         if not completion.ok:
             stats.errors += 1
             log.warning("%s: %s %s", caller, completion.status, completion.error or "")
-            if isinstance(completion.status, str):  # no answer at all: the server is down
-                await self.clock.sleep(self.clock.speed * TRANSPORT_BACKOFF_SECONDS)
         event = usage_event(caller, session, completion, self.wall_clock())
         if event is None:
             stats.unreported += 1
         else:
             self.reporter.report(event)
+        if isinstance(completion.status, str):  # no answer at all: the server is down
+            await self.clock.sleep(self.clock.speed * TRANSPORT_BACKOFF_SECONDS)
         return completion
 
     def _body(self, agent: AgentSpec, messages: list[dict[str, str]]) -> tuple[str, dict[str,
