@@ -1,0 +1,408 @@
+"""End to end with the real thing: Prometheus and Alertmanager (Debian's packages) on the
+committed deploy/prometheus.yml and deploy/alertmanager.yml, the generated rules, and two
+exporters fed by the simulator playing the field reports' scenarios.
+
+- two-agents-collapse (agent A warm alone, then B arrives and both fall to ~0 cached) must
+  page: VllmCachePrefixCollapse is delivered by Alertmanager to the test's webhook, on the
+  route for critical alerts.
+- two-agents-fit (two 90k conversations, 92-95% cached) must deliver no page.
+- Every dashboard target's PromQL, variables filled in, returns data from that Prometheus.
+
+The scenarios run 10-20x faster than real time, so the rules are generated with the same
+generator and short windows (``generate --config``), Prometheus scrapes and evaluates every
+second, and Alertmanager's waits are shortened in the test's copy of its config. Nothing else
+in the two config files changes: only addresses and intervals. Both scenarios share one
+Prometheus (their callers have the same names), so the test's rule config also keeps
+``instance`` in every aggregation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+
+from exporter.monitoring.config import config_from_mapping
+from exporter.monitoring.render import prometheus_files
+from tests.monitoring.common import DASHBOARD_DIR, ROOT, require_tool
+
+pytestmark = pytest.mark.e2e
+
+# Windows in real seconds for scenarios played 10-20x faster (the defaults are 5m / 1h).
+E2E_RULES = {
+    "short_window": "15s",
+    "long_window": "2m",
+    "collapse_for": "10s",
+    "warm_ttft_for": "10s",
+    "extra_group_labels": ["instance"],
+}
+COLLAPSE, FIT = "two-agents-collapse", "two-agents-fit"
+SPEED = {COLLAPSE: 20, FIT: 10}  # each scenario's own demo speed
+RATE_INTERVAL = "1m"
+PAGE_DEADLINE = 120.0  # seconds from the drivers' start
+JOB = "vllm-cache-exporter"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+@dataclass
+class Processes:
+    workdir: Path
+    started: list[tuple[str, subprocess.Popen[bytes], Path]] = field(default_factory=list)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as handle:
+            process = subprocess.Popen(list(args), stdout=handle, stderr=subprocess.STDOUT,
+                                       cwd=self.workdir, start_new_session=True)
+        self.started.append((name, process, log))
+        return process
+
+    def stop_all(self) -> None:
+        for _name, process, _log in reversed(self.started):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for _name, process, _log in reversed(self.started):
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+
+    def logs(self) -> str:
+        parts = []
+        for name, _process, log in self.started:
+            lines = log.read_text(errors="replace").splitlines()[-15:]
+            parts.append(f"--- {name} (last lines) ---\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def assert_alive(self) -> None:
+        for name, process, _log in self.started:
+            if process.poll() is not None and not name.startswith("driver"):
+                raise AssertionError(f"{name} exited with {process.returncode}\n{self.logs()}")
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+def exporter_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "exporter", *args]
+
+
+# --- the webhook receiver -------------------------------------------------------------------
+
+
+@dataclass
+class Receiver:
+    notifications: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.notifications.append((request.path, await request.json()))
+        self.arrived.set()
+        return web.Response(text="ok")
+
+    def alerts(self, path: str | None = None) -> list[dict[str, Any]]:
+        return [alert for where, body in self.notifications if path in (None, where)
+                for alert in body["alerts"]]
+
+    async def wait_for(self, predicate, deadline: float) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+        loop = asyncio.get_running_loop()
+        while True:
+            for alert in self.alerts():
+                if predicate(alert):
+                    return alert
+            self.arrived.clear()
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError
+            try:
+                await asyncio.wait_for(self.arrived.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+
+
+@pytest.fixture
+async def receiver(aiohttp_server) -> AsyncIterator[tuple[Receiver, str]]:  # type: ignore[no-untyped-def]
+    hook = Receiver()
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", hook.handle)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    yield hook, f"127.0.0.1:{server.port}"
+
+
+# --- configs: the committed files, addresses and intervals rewritten -------------------------
+
+
+def prometheus_config(exporters: list[str], alertmanager: str) -> dict[str, Any]:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text("utf-8"))
+    config["global"]["scrape_interval"] = "1s"
+    config["global"]["evaluation_interval"] = "1s"
+    jobs = [job for job in config["scrape_configs"] if job["job_name"] == JOB]
+    assert len(jobs) == 1, "deploy/prometheus.yml must scrape the exporter as job " + JOB
+    jobs[0]["static_configs"] = [{"targets": exporters}]
+    config["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [alertmanager]}]
+    return config
+
+
+def alertmanager_config(receiver: str) -> dict[str, Any]:
+    config = yaml.safe_load((ROOT / "deploy" / "alertmanager.yml").read_text("utf-8"))
+    config["route"].update(group_wait="1s", group_interval="1s", repeat_interval="1h")
+    rewritten = 0
+    for item in config["receivers"]:
+        for hook in item.get("webhook_configs", []):
+            parts = urlsplit(hook["url"])
+            hook["url"] = urlunsplit(("http", receiver, parts.path, "", ""))
+            rewritten += 1
+    assert rewritten >= 2
+    return config
+
+
+def write_rules_and_dashboards(workdir: Path) -> dict[str, str]:
+    files = prometheus_files(config_from_mapping(E2E_RULES, source="e2e"))
+    for relative, content in files.items():
+        path = workdir / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content, encoding="utf-8")
+    return files
+
+
+# --- HTTP helpers ---------------------------------------------------------------------------
+
+
+async def wait_http_ok(session: aiohttp.ClientSession, url: str, processes: Processes,
+                       timeout: float = 60.0) -> None:
+    """No event crosses a process boundary: poll readiness with a deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            async with session.get(url) as response:
+                if response.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        processes.assert_alive()
+        if loop.time() > deadline:
+            raise AssertionError(f"{url} not ready after {timeout}s\n{processes.logs()}")
+        await asyncio.sleep(0.2)
+
+
+async def instant_query(session: aiohttp.ClientSession, prometheus: str,
+                        expr: str) -> list[dict[str, Any]]:
+    async with session.post(f"http://{prometheus}/api/v1/query", data={"query": expr}) as resp:
+        body = await resp.json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def substitute(expr: str) -> str:
+    """What Grafana sends for the dashboards' variables with "All" selected."""
+    expr = expr.replace("$__rate_interval", RATE_INTERVAL)
+    assert "${datasource}" not in expr
+    expr = re.sub(r"\$\{?(job|target|model|caller)\}?", ".*", expr)
+    assert "$" not in expr, expr
+    return expr
+
+
+def finite(results: list[dict[str, Any]]) -> bool:
+    return any(math.isfinite(float(item["value"][1])) for item in results)
+
+
+# --- the test -------------------------------------------------------------------------------
+
+
+async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
+        tmp_path: Path, processes: Processes, receiver: tuple[Receiver, str]) -> None:
+    prometheus_bin = require_tool("prometheus")
+    alertmanager_bin = require_tool("prometheus-alertmanager", "alertmanager")
+    hook, hook_address = receiver
+    ports = {name: free_port() for name in (
+        "prometheus", "alertmanager", "sim-collapse", "sim-fit", "exp-collapse", "exp-fit")}
+    addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+
+    files = write_rules_and_dashboards(tmp_path)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(
+        [addr["exp-collapse"], addr["exp-fit"]], addr["alertmanager"])), "utf-8")
+    (tmp_path / "alertmanager.yml").write_text(
+        yaml.safe_dump(alertmanager_config(hook_address)), "utf-8")
+
+    processes.start("alertmanager", alertmanager_bin,
+                    f"--config.file={tmp_path / 'alertmanager.yml'}",
+                    f"--storage.path={tmp_path / 'am-data'}",
+                    f"--web.listen-address={addr['alertmanager']}",
+                    "--cluster.listen-address=")  # no gossip port: a single instance
+    processes.start("prometheus", prometheus_bin,
+                    f"--config.file={tmp_path / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+                    f"--web.listen-address={addr['prometheus']}")
+    for scenario, key in ((COLLAPSE, "collapse"), (FIT, "fit")):
+        processes.start(f"simulator-{key}", *exporter_command(
+            "simulate", "--scenario", scenario, "--listen-address", addr[f"sim-{key}"],
+            "--speed", str(SPEED[scenario]), "--log-level", "warning"))
+        processes.start(f"exporter-{key}", *exporter_command(
+            "run", "--vllm.url", f"http://{addr[f'sim-{key}']}",
+            "--web.listen-address", addr[f"exp-{key}"], "--log.level", "warning"))
+
+    target = {key: f"http://{addr[f'sim-{key}']}/metrics" for key in ("collapse", "fit")}
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        await wait_http_ok(session, f"http://{addr['alertmanager']}/-/ready", processes)
+        await wait_http_ok(session, f"http://{addr['prometheus']}/-/ready", processes)
+        for key in ("collapse", "fit"):
+            await wait_http_ok(session, f"http://{addr[f'exp-{key}']}/-/ready", processes)
+        # The rules loaded, and both exporters are scraped before any traffic starts.
+        deadline = loop.time() + 30
+        while len(await instant_query(session, addr["prometheus"],
+                                      f'up{{job="{JOB}"}} == 1')) < 2:
+            processes.assert_alive()
+            assert loop.time() < deadline, processes.logs()
+            await asyncio.sleep(0.5)
+
+        drivers = {}
+        for scenario, key in ((COLLAPSE, "collapse"), (FIT, "fit")):
+            drivers[key] = processes.start(f"driver-{key}", *exporter_command(
+                "drive", "--scenario", scenario, "--base-url", f"http://{addr[f'sim-{key}']}",
+                "--exporter-url", f"http://{addr[f'exp-{key}']}",
+                "--speed", str(SPEED[scenario]), "--seed", "5", "--log-level", "warning"))
+        started = loop.time()
+        await post_gated_turn(session, addr["exp-collapse"])
+
+        # 1. The collapse pages: delivered by Alertmanager on the critical route.
+        def collapse_page(alert: dict[str, Any]) -> bool:
+            labels = alert["labels"]
+            return (alert["status"] == "firing"
+                    and labels["alertname"] == "VllmCachePrefixCollapse"
+                    and labels.get("scope") == "engine" and labels["target"] == target["collapse"])
+        try:
+            page = await hook.wait_for(collapse_page, started + PAGE_DEADLINE)
+        except TimeoutError:
+            raise AssertionError(
+                f"no VllmCachePrefixCollapse page within {PAGE_DEADLINE}s; received "
+                f"{json.dumps(hook.notifications)[:2000]}\n{processes.logs()}") from None
+        paged_after = loop.time() - started
+        # ...and per caller: agent-a, whose warm baseline was lost. agent-b arrived into the
+        # collapse and never had a cache to lose, so it never pages.
+        def caller_page(alert: dict[str, Any]) -> bool:
+            labels = alert["labels"]
+            return (alert["status"] == "firing" and labels.get("scope") == "caller"
+                    and labels["alertname"] == "VllmCachePrefixCollapse"
+                    and labels["instance"] == addr["exp-collapse"])
+        try:
+            caller = await hook.wait_for(caller_page, started + PAGE_DEADLINE)
+        except TimeoutError:
+            raise AssertionError(f"no per-caller page: {hook.notifications}") from None
+        assert caller["labels"]["caller"] == "agent-a", caller
+        assert caller in hook.alerts("/page")
+        assert page["labels"]["severity"] == "critical"
+        assert page["labels"]["model_name"] == "qwen3.8-27b"
+        assert page in hook.alerts("/page"), "critical alert not routed to the page receiver"
+        description = page["annotations"]["description"]
+        assert description.startswith(f"vLLM {target['collapse']} (qwen3.8-27b) served ")
+        assert " over the last 15s, against " in description, description
+        assert page["annotations"]["runbook_url"].endswith("#vllmcacheprefixcollapse")
+
+        # 2. Every dashboard query returns data from this Prometheus, while traffic flows.
+        # A gated caller's records carry an admission queue wait (the drivers talk to the
+        # simulator directly and have none), so the queue-wait panel has something to show:
+        # one record before the page, one now, so that rate() sees the counter move.
+        await post_gated_turn(session, addr["exp-collapse"])
+        await asyncio.sleep(2.5)  # two scrapes: no event tells us Prometheus has it
+        await check_dashboards(session, addr["prometheus"], files)
+
+        # 3. The healthy scenario ran its course without a page.
+        while drivers["fit"].poll() is None:
+            processes.assert_alive()
+            assert loop.time() - started < PAGE_DEADLINE + 60, processes.logs()
+            await asyncio.sleep(0.5)
+        assert drivers["fit"].returncode == 0, processes.logs()
+        await asyncio.sleep(12)  # longer than collapse_for + group_wait: a late page would show
+        fit_pages = [a for a in hook.alerts() if a["labels"].get("severity") == "critical"
+                     and (a["labels"].get("target") == target["fit"]
+                          or a["labels"].get("instance") == addr["exp-fit"])]
+        assert fit_pages == [], fit_pages
+        assert [a for a in hook.alerts() if a["labels"].get("caller") == "agent-b"
+                and a["labels"].get("severity") == "critical"] == []
+        # Not even pending in Prometheus at any point.
+        fit_alerts = await instant_query(session, addr["prometheus"],
+                                         f'max_over_time(ALERTS{{severity="critical", '
+                                         f'instance="{addr["exp-fit"]}"}}[5m]) or max_over_time('
+                                         f'ALERTS{{severity="critical", target="{target["fit"]}"}}'
+                                         f'[5m])')
+        assert fit_alerts == [], fit_alerts
+        # The fit scenario really was healthy and really was seen: warm, high hit ratio.
+        fit_ratio = await instant_query(session, addr["prometheus"], (
+            f'max_over_time(target_model:vllm_cache_engine_hit_ratio:rate2m{{'
+            f'target="{target["fit"]}"}}[5m])'))
+        assert fit_ratio and float(fit_ratio[0]["value"][1]) > 0.6, fit_ratio
+    print(f"collapse paged {paged_after:.1f}s after the drivers started")
+
+
+async def post_gated_turn(session: aiohttp.ClientSession, exporter: str) -> None:
+    """One usage record as an admission-gating proxy would POST it."""
+    async with session.post(f"http://{exporter}/v1/usage", json={
+            "caller": "gated-agent", "model": "qwen3.8-27b", "prompt_tokens": 4096,
+            "cached_tokens": 2048, "ttft_seconds": 3.5, "queue_seconds": 1.2}) as response:
+        assert response.status < 300, await response.text()
+
+
+async def check_dashboards(session: aiohttp.ClientSession, prometheus: str,
+                           files: dict[str, str]) -> None:
+    default_files = prometheus_files(config_from_mapping({}))
+    checked = 0
+    for relative, content in files.items():
+        if not relative.startswith("dashboards/"):
+            continue
+        dashboard = json.loads(content)
+        # The same dashboards as committed, but for the recorded rules' window names.
+        committed = json.loads((DASHBOARD_DIR / Path(relative).name).read_text("utf-8"))
+        assert committed == json.loads(default_files[relative])
+        assert [len(p.get("targets", [])) for p in dashboard["panels"]] == \
+            [len(p.get("targets", [])) for p in committed["panels"]]
+        empty = []
+        for panel in dashboard["panels"]:
+            for target in panel.get("targets", []):
+                expr = substitute(target["expr"])
+                results = await instant_query(session, prometheus, expr)
+                checked += 1
+                if not finite(results):
+                    empty.append(f"{dashboard['title']} / {panel['title']}: {expr}")
+        for variable in dashboard["templating"]["list"]:
+            if variable["type"] != "query":
+                continue
+            match = re.fullmatch(r"label_values\((.*), *(\w+)\)", variable["query"])
+            expr = (f"group by ({match.group(2)}) ({match.group(1)})" if match
+                    else re.fullmatch(r"query_result\((.*)\)", variable["query"]).group(1))
+            if not await instant_query(session, prometheus, substitute(expr)):
+                empty.append(f"{dashboard['title']} / variable {variable['name']}: {expr}")
+        assert empty == [], "dashboard queries without data:\n" + "\n".join(empty)
+    assert checked > 40
+
