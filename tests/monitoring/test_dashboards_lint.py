@@ -174,3 +174,19 @@ def test_overview_and_caller_cover_the_issue() -> None:
         assert series in overview, series
     caller = load(DASHBOARD_DIR / "vllm-cache-caller.json")
     assert {v["name"] for v in caller["templating"]["list"]} >= {"datasource", "caller"}
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_table_overrides_name_columns_that_exist_after_renaming(path: Path) -> None:
+    """Grafana applies field overrides after transformations: an override naming a column
+    by its pre-rename name ("Value #C") silently does nothing."""
+    for panel in data_panels(load(path)):
+        renames: dict[str, str] = {}
+        for step in panel.get("transformations", []):
+            if step["id"] == "organize":
+                renames.update(step["options"].get("renameByName", {}))
+        for override in panel["fieldConfig"].get("overrides", []):
+            if override["matcher"]["id"] == "byName" and renames:
+                name = override["matcher"]["options"]
+                assert name not in renames, f"{panel['title']}: override on renamed {name!r}"
+                assert name in renames.values(), f"{panel['title']}: no column {name!r}"

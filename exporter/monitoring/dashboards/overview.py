@@ -39,6 +39,9 @@ QUERIES = "vllm_cache_engine_prefix_cache_queries_tokens_total"
 CLASSIFIED = 'state=~"' + "|".join(CLASSIFIED_STATES) + '"'
 WARM = 'state="warm"'
 WARM_COLD = 'state=~"warm|cold"'
+CALLER_TABLE_COLUMNS = {"caller": "Caller", "model": "Model", "Value #A": "Hit ratio",
+                        "Value #B": "Warm turns", "Value #C": "Turns/s",
+                        "Value #D": "Median TTFT", "Value #E": "Unreported tokens/s"}
 
 
 def variables(config: MonitoringConfig) -> list[g.Template]:
@@ -173,13 +176,12 @@ def build(config: MonitoringConfig) -> g.Dashboard:
          target(f"sum by (caller, model) (rate(vllm_cache_unreported_prompt_tokens_total{c}"
                 f"[{RATE}]))\nor\nsum by (caller, model) (rate(vllm_cache_requests_total{c}"
                 f"[{RATE}])) * 0", instant=True)],
-        renames={"caller": "Caller", "model": "Model", "Value #A": "Hit ratio",
-                 "Value #B": "Warm turns", "Value #C": "Turns/s", "Value #D": "Median TTFT",
-                 "Value #E": "Unreported tokens/s"},
+        renames=CALLER_TABLE_COLUMNS,
+        # Overrides apply after the rename, so they name the renamed columns.
         overrides=[
-            _unit_override("Value #C", "reqps"), _unit_override("Value #D", "s"),
-            _unit_override("Value #E", TOKENS_PER_SECOND),
-            {"matcher": {"id": "byName", "options": "caller"},
+            _unit_override("Turns/s", "reqps"), _unit_override("Median TTFT", "s"),
+            _unit_override("Unreported tokens/s", TOKENS_PER_SECOND),
+            {"matcher": {"id": "byName", "options": "Caller"},
              "properties": [{"id": "links", "value": [{
                  "title": "Caller drill-down",
                  "url": f"/d/{config.caller_uid}?var-caller=${{__value.raw}}"

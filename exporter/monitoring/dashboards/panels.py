@@ -161,7 +161,9 @@ def table(title: str, description: str, unit: str, targets: list[g.Target],
             {"id": "organize", "options": {"excludeByName": {"Time": True},
                                            "renameByName": renames}},
         ],
-        extraJson={"fieldConfig": {"defaults": {"mappings": mappings or []}}})
+        extraJson={"fieldConfig": {"defaults": {
+            "mappings": mappings or [],
+            "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]}}}})
 
 
 def bargauge(title: str, description: str, unit: str, targets: list[g.Target],
