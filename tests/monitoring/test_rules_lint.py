@@ -124,3 +124,18 @@ def test_generated_yaml_round_trips() -> None:
     for relative in ("alerts/vllm-cache-rules.yaml", "alerts/vllm-cache-alerts.yaml"):
         data = yaml.safe_load(files[relative])
         assert data == load_yaml(RULES_FILE if "rules" in relative else ALERTS_FILE)
+
+
+def test_runbook_appendix_lists_every_recorded_series() -> None:
+    text = RUNBOOK.read_text(encoding="utf-8").split("## Appendix: recorded series", 1)[1]
+    listed: set[str] = set()
+    for cell in re.findall(r"^\| (.+?) \| [^|]+ \|$", text, flags=re.M):
+        names = re.findall(r"`([^`]+)`", cell)
+        base = ""
+        for name in names:
+            if name.startswith(":"):  # `x:y:rate5m`, `:rate1h` shorthand
+                name = base.rsplit(":", 1)[0] + name
+            base = name
+            listed.add(name)
+    recorded = {rule["record"] for rule in rules(RULES_FILE)}
+    assert recorded == listed, (recorded - listed, listed - recorded)
