@@ -224,6 +224,17 @@ async def instant_query(session: aiohttp.ClientSession, prometheus: str,
     return body["data"]["result"]
 
 
+async def poll_until(session: aiohttp.ClientSession, prometheus: str, processes: Processes,
+                     expr: str, present: bool = True, timeout: float = 60.0) -> None:
+    """Wait until ``expr`` has (or no longer has) a result: Prometheus offers no event."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while bool(await instant_query(session, prometheus, expr)) != present:
+        processes.assert_alive()
+        assert loop.time() < deadline, f"timed out waiting for {expr}\n{processes.logs()}"
+        await asyncio.sleep(0.5)
+
+
 def substitute(expr: str) -> str:
     """What Grafana sends for the dashboards' variables with "All" selected."""
     expr = expr.replace("$__rate_interval", RATE_INTERVAL)
@@ -279,13 +290,11 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         await wait_http_ok(session, f"http://{addr['prometheus']}/-/ready", processes)
         for key in ("collapse", "fit"):
             await wait_http_ok(session, f"http://{addr[f'exp-{key}']}/-/ready", processes)
-        # The rules loaded, and both exporters are scraped before any traffic starts.
-        deadline = loop.time() + 30
-        while len(await instant_query(session, addr["prometheus"],
-                                      f'up{{job="{JOB}"}} == 1')) < 2:
-            processes.assert_alive()
-            assert loop.time() < deadline, processes.logs()
-            await asyncio.sleep(0.5)
+        # Both exporters are scraped, and the rules evaluated, before any traffic starts.
+        await poll_until(session, addr["prometheus"], processes,
+                         f'count(up{{job="{JOB}"}} == 1) == 2')
+        await poll_until(session, addr["prometheus"], processes,
+                         'count(target_model:vllm_cache_engine_kv_used:ratio) == 2')
 
         drivers = {}
         for scenario, key in ((COLLAPSE, "collapse"), (FIT, "fit")):
@@ -335,7 +344,8 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         # simulator directly and have none), so the queue-wait panel has something to show:
         # one record before the page, one now, so that rate() sees the counter move.
         await post_gated_turn(session, addr["exp-collapse"])
-        await asyncio.sleep(2.5)  # two scrapes: no event tells us Prometheus has it
+        await poll_until(session, addr["prometheus"], processes, (
+            'sum(rate(vllm_cache_queue_wait_seconds_count{caller="gated-agent"}[1m])) > 0'))
         await check_dashboards(session, addr["prometheus"], files)
 
         # 3. The healthy scenario ran its course without a page.
@@ -344,7 +354,11 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
             assert loop.time() - started < PAGE_DEADLINE + 60, processes.logs()
             await asyncio.sleep(0.5)
         assert drivers["fit"].returncode == 0, processes.logs()
-        await asyncio.sleep(12)  # longer than collapse_for + group_wait: a late page would show
+        # Once the fit's traffic has left the short window nothing more can fire for it:
+        # Prometheus' ALERTS history (pending included) then covers its whole run.
+        await poll_until(session, addr["prometheus"], processes, (
+            f'target_model:vllm_cache_engine_prefix_cache_queries_tokens:rate15s{{'
+            f'target="{target["fit"]}"}} > 0'), present=False)
         fit_pages = [a for a in hook.alerts() if a["labels"].get("severity") == "critical"
                      and (a["labels"].get("target") == target["fit"]
                           or a["labels"].get("instance") == addr["exp-fit"])]
