@@ -45,12 +45,16 @@ def main(args: argparse.Namespace) -> int:
     except MonitoringConfigError as err:
         print(f"vllm-cache-exporter generate: configuration error: {err}", file=sys.stderr)
         return 2
+    if args.output and args.format != "prometheus-operator":
+        print("vllm-cache-exporter generate: --output goes with --format prometheus-operator "
+              "(rule files and dashboards go under --output-dir)", file=sys.stderr)
+        return 2
     if args.format == "prometheus-operator":
         manifest = prometheus_rule_manifest(config)
         if not args.output:
             if args.check:
-                print("generate: --check with prometheus-operator needs --output FILE",
-                      file=sys.stderr)
+                print("vllm-cache-exporter generate: --check with prometheus-operator needs "
+                      "--output FILE", file=sys.stderr)
                 return 2
             sys.stdout.write(manifest)
             return 0

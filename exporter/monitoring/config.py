@@ -198,10 +198,6 @@ def _validate(config: MonitoringConfig) -> None:
 
 
 def _coerce(name: str, default: Any, raw: Any) -> Any:
-    if isinstance(default, bool):  # none today; keep bool from being read as a number
-        if not isinstance(raw, bool):
-            raise MonitoringConfigError(f"{name}: expected true or false, got {raw!r}")
-        return raw
     if isinstance(default, float):
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
             raise MonitoringConfigError(f"{name}: expected a number, got {raw!r}")
@@ -220,7 +216,7 @@ def _coerce(name: str, default: Any, raw: Any) -> Any:
         if not isinstance(raw, list) or not all(isinstance(item, str) for item in raw):
             raise MonitoringConfigError(f"{name}: expected a list of strings, got {raw!r}")
         return tuple(raw)
-    raise MonitoringConfigError(f"{name}: unsupported setting")  # pragma: no cover
+    raise MonitoringConfigError(f"{name}: unsupported setting")
 
 
 def config_from_mapping(data: Mapping[str, Any], source: str = "config") -> MonitoringConfig:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from exporter.monitoring.config import MonitoringConfig
-from exporter.monitoring.promql import CLASSIFIED_STATES, PromQL
+from exporter.monitoring.promql import PromQL
 
 CALLER = ("caller", "model")
 CALLER_STATE = ("caller", "model", "state")
@@ -187,5 +187,3 @@ def recording_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
 def recorded_names(config: MonitoringConfig) -> list[str]:
     return [rule["record"] for group in recording_rule_groups(config) for rule in group["rules"]]
 
-
-__all__ = ["CLASSIFIED_STATES", "Names", "recording_rule_groups", "recorded_names"]

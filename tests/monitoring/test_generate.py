@@ -151,6 +151,14 @@ def test_bad_config_is_one_clear_line_and_exit_2(tmp_path: Path, capsys, data: o
     assert not (tmp_path / "alerts").exists()
 
 
+def test_flags_that_do_not_go_together(tmp_path: Path, capsys) -> None:
+    assert main(["generate", "--output", str(tmp_path / "x.yaml")]) == 2
+    assert "--output goes with --format prometheus-operator" in capsys.readouterr().err
+    assert main(["generate", "--format", "prometheus-operator", "--check"]) == 2
+    assert "needs --output FILE" in capsys.readouterr().err
+    assert not (tmp_path / "x.yaml").exists()
+
+
 def test_missing_config_file(tmp_path: Path, capsys) -> None:
     assert main(["generate", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
