@@ -273,6 +273,9 @@ def test_prometheus_scrapes_and_alerts_running_services(mode):
                 jobs[job["job_name"]] = resolve(target, mode)
     selector_job = re.search(r'job="([^"]+)"', MonitoringConfig().selector)
     assert selector_job and jobs[selector_job.group(1)][0] == "exporter"
+    # ...and the vLLM itself: the simulator in the demo, the real one in the gpu profile.
+    upstream = "simulator" if mode == "demo" else "vllm"
+    assert upstream in {service_name for service_name, _port in jobs.values()}
     for alerting in config["alerting"]["alertmanagers"]:
         for static in alerting["static_configs"]:
             for target in static["targets"]:
