@@ -290,8 +290,8 @@ def test_servicemonitor_scrapes_every_sidecar_as_the_job_the_rules_select():
     ports = {port["name"]: port for port in service["spec"]["ports"]}
     for endpoint in monitor["spec"]["endpoints"]:
         target = ports[endpoint["port"]]["targetPort"]
-        assert target == "metrics" and container_port(target) == sidecar_config(
-            ).listen_host_port[1]
+        assert target == "metrics"
+        assert container_port(target) == sidecar_config().listen_host_port[1]
         assert endpoint.get("path", "/metrics") == "/metrics"
     # The operator names the job after the Service unless spec.jobLabel says otherwise.
     job = (service["metadata"]["labels"].get(monitor["spec"]["jobLabel"])
