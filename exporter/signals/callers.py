@@ -44,8 +44,16 @@ def looks_like_key(name: str) -> bool:
     return False
 
 
-def key_label(name: str) -> str:
-    return KEY_LABEL_PREFIX + hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+KEY_HASH_DIGITS = 12  # 48 bits: distinct per key in practice, useless for recovering it
+
+
+def key_digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def key_label(secret: str) -> str:
+    """The only form in which an API key may ever appear: ``key-`` + 12 hex of its SHA-256."""
+    return KEY_LABEL_PREFIX + key_digest(secret)[:KEY_HASH_DIGITS]
 
 
 class LabelCap:

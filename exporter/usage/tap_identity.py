@@ -8,17 +8,15 @@ configuration holds no secret either; the raw key only lives in the forwarded he
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from exporter.signals.callers import key_digest, key_label
+
 log = logging.getLogger(__name__)
 
 ANONYMOUS = "anonymous"
-KEY_PREFIX = "key-"
-# 12 hex digits = 48 bits: distinct per key in practice, useless for recovering the key.
-SHORT_HASH_DIGITS = 12
 # A shorter alias prefix would match too many keys to name anyone.
 MIN_ALIAS_PREFIX_DIGITS = 8
 _HEX = frozenset("0123456789abcdef")
@@ -58,10 +56,6 @@ def bearer_key(authorization: str | None) -> str | None:
     return key or None
 
 
-def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-
-
 def resolve_caller(headers: Mapping[str, str], body: Any, caller_header: str,
                    aliases: KeyAliases) -> str:
     """The caller name for one request (never the key itself)."""
@@ -76,4 +70,4 @@ def resolve_caller(headers: Mapping[str, str], body: Any, caller_header: str,
     if key is None:
         return ANONYMOUS
     digest = key_digest(key)
-    return aliases.lookup(digest) or KEY_PREFIX + digest[:SHORT_HASH_DIGITS]
+    return aliases.lookup(digest) or key_label(key)
