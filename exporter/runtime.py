@@ -61,17 +61,12 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
 async def start_background(config: Config, state: SignalsState,
                            app: web.Application) -> list[asyncio.Task[None]]:
     """Long-running readers (file tail, tap proxy) that are not request handlers."""
+    from exporter.usage.tail import run_tailers
+    from exporter.usage.tap import run_tap
+
     tasks: list[asyncio.Task[None]] = []
-    try:
-        from exporter.usage.tail import run_tailers
-    except ImportError:
-        run_tailers = None
-    if run_tailers is not None and config.usage_file:
+    if config.usage_file:
         tasks.append(asyncio.ensure_future(run_tailers(config, state)))
-    try:
-        from exporter.usage.tap import run_tap
-    except ImportError:
-        run_tap = None
-    if run_tap is not None and config.tap_listen_address:
+    if config.tap_listen_address:
         tasks.append(asyncio.ensure_future(run_tap(config, state)))
     return tasks

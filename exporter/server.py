@@ -37,13 +37,9 @@ RouteInstaller = Callable[[web.Application], None]
 
 
 def _default_installers() -> list[RouteInstaller]:
-    installers: list[RouteInstaller] = []
-    try:
-        from exporter.usage.ingest import install_routes
-    except ImportError:
-        return installers
-    installers.append(install_routes)
-    return installers
+    from exporter.usage.ingest import install_routes
+
+    return [install_routes]
 
 
 def create_app(config: Config, state: SignalsState | None = None,

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from exporter.metrics.engine import EngineCollector
 from exporter.metrics.self import SelfCollector
+from exporter.metrics.usage import UsageCollector
 from exporter.signals.state import SignalsState
 
 
@@ -17,8 +18,5 @@ def build_registry(state: SignalsState) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SelfCollector(state))
     registry.register(EngineCollector(state.engine))
-    if state.usage is not None:
-        from exporter.metrics.usage import UsageCollector
-
-        registry.register(UsageCollector(state.usage))
+    registry.register(UsageCollector(state.usage))
     return registry
