@@ -27,7 +27,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
             pass
     state = SignalsState(config)
     app = create_app(config, state)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
     await runner.setup()
     host, port = config.listen_host_port
     site = web.TCPSite(runner, host, port, reuse_address=True)

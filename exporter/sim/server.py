@@ -226,7 +226,9 @@ async def landing(request: web.Request) -> web.Response:
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on host:port (port 0: any free port) and return the port it got."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # Open streams are cut after a second on shutdown: a stopping simulator (docker compose
+    # stop, Ctrl-C) must not wait for every simulated answer to finish.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
