@@ -19,11 +19,61 @@ from prometheus_client.core import (
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from exporter.metrics.exposition import encode_families, escape_label_value, format_value, header
 from exporter.signals.classify import STATES
 from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, UsageState
 
 _TTFT_LE = [floatToGoString(b) for b in TTFT_BUCKETS] + ["+Inf"]
 _QUEUE_LE = [floatToGoString(b) for b in QUEUE_BUCKETS] + ["+Inf"]
+
+REQUESTS = "vllm_cache_requests"
+PROMPT = "vllm_cache_prompt_tokens"
+CACHED = "vllm_cache_cached_tokens"
+UNREPORTED = "vllm_cache_unreported_prompt_tokens"
+TTFT = "vllm_cache_ttft_seconds"
+QUEUE = "vllm_cache_queue_wait_seconds"
+
+
+def _per_caller_families() -> tuple[Metric, ...]:
+    """The six per-caller families, empty, in exposition order."""
+    return (
+        CounterMetricFamily(
+            REQUESTS,
+            "Requests reported by the proxy, by cache outcome: warm (as full a hit as the "
+            "prompt allows), partial, cold (nothing reused where something could be), short "
+            "(too short to hold one cache granule; never a failure), unknown (cached tokens "
+            "not reported), error (non-2xx; counted nowhere else).",
+            labels=["caller", "model", "state"]),
+        CounterMetricFamily(
+            PROMPT,
+            "Prompt tokens of successful requests that reported cached tokens "
+            "(the denominator of the per-caller hit ratio).",
+            labels=["caller", "model"]),
+        CounterMetricFamily(
+            CACHED,
+            "Prompt tokens served from vLLM's prefix cache, per the responses' "
+            "usage.prompt_tokens_details.cached_tokens.",
+            labels=["caller", "model"]),
+        CounterMetricFamily(
+            UNREPORTED,
+            "Prompt tokens of successful requests whose cached tokens were not reported "
+            "(vLLM without --enable-prompt-tokens-details); not in the hit ratio.",
+            labels=["caller", "model"]),
+        HistogramMetricFamily(
+            TTFT,
+            "Engine-side time to first token (the proxy's TTFT minus its admission queue wait "
+            "when known), by cache outcome.",
+            labels=["caller", "model", "state"]),
+        HistogramMetricFamily(
+            QUEUE,
+            "Admission wait at the proxy before the request reached vLLM.",
+            labels=["caller", "model"]),
+    )
+
+
+# HELP and TYPE lines of the per-caller families, printed by the general encoder once.
+_HEADERS = tuple(header(family.name, family.documentation, family.type)
+                 for family in _per_caller_families())
 
 
 def _histogram(samples: list[Sample], name: str, labels: dict[str, str], hist: Histogram,
@@ -38,46 +88,76 @@ def _histogram(samples: list[Sample], name: str, labels: dict[str, str], hist: H
     samples.append(Sample(name + "_sum", labels, hist.total))
 
 
+class _HistogramText:
+    """One histogram series' line prefixes: ``{head}{le}{tail}`` is a bucket's."""
+
+    __slots__ = ("head", "tail", "count", "sum")
+
+    def __init__(self, name: str, caller: str, rest: str) -> None:
+        # Labels print sorted by name: caller, le, model, state.
+        self.head = f'{name}_bucket{{{caller},le="'
+        self.tail = f'",{rest}}} '
+        self.count = f"{name}_count{{{caller},{rest}}} "
+        self.sum = f"{name}_sum{{{caller},{rest}}} "
+
+
+class _SeriesText:
+    """A (caller, model) series' escaped label text, built once: label values never change."""
+
+    __slots__ = ("requests", "prompt", "cached", "unreported", "ttft", "queue", "_caller",
+                 "_model")
+
+    def __init__(self, caller: str, model: str) -> None:
+        self._caller = f'caller="{escape_label_value(caller)}"'
+        self._model = f'model="{escape_label_value(model)}"'
+        pair = f"{self._caller},{self._model}"
+        self.requests = [f'{REQUESTS}_total{{{pair},state="{state}"}} ' for state in STATES]
+        self.prompt = f"{PROMPT}_total{{{pair}}} "
+        self.cached = f"{CACHED}_total{{{pair}}} "
+        self.unreported = f"{UNREPORTED}_total{{{pair}}} "
+        self.ttft: dict[str, _HistogramText] = {}
+        self.queue: _HistogramText | None = None
+
+    def ttft_text(self, state: str) -> _HistogramText:
+        text = self.ttft.get(state)
+        if text is None:
+            text = self.ttft[state] = _HistogramText(TTFT, self._caller,
+                                                     f'{self._model},state="{state}"')
+        return text
+
+    def queue_text(self) -> _HistogramText:
+        if self.queue is None:
+            self.queue = _HistogramText(QUEUE, self._caller, self._model)
+        return self.queue
+
+
+def _histogram_lines(out: list[str], text: _HistogramText, hist: Histogram,
+                     les: list[str]) -> None:
+    head, tail = text.head, text.tail
+    running = 0
+    for le, count in zip(les, hist.counts, strict=True):
+        running += count
+        if running < 1_000_000:  # format_value's int fast path (counts are ints), inlined
+            out.append(f"{head}{le}{tail}{running}.0\n")
+        else:
+            out.append(f"{head}{le}{tail}{format_value(running)}\n")
+    out.append(f"{text.count}{format_value(running)}\n")
+    out.append(f"{text.sum}{format_value(hist.total)}\n")
+
+
 class UsageCollector:
     def __init__(self, usage: UsageState) -> None:
         self.usage = usage
+        # Label text per (caller, model) series; bounded like the series (never removed).
+        self._text: dict[tuple[str, str], _SeriesText] = {}
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
+        """The reference rendering (registry.get_sample_value, OpenMetrics, tests)."""
         usage = self.usage
-        requests = CounterMetricFamily(
-            "vllm_cache_requests",
-            "Requests reported by the proxy, by cache outcome: warm (as full a hit as the "
-            "prompt allows), partial, cold (nothing reused where something could be), short "
-            "(too short to hold one cache granule; never a failure), unknown (cached tokens "
-            "not reported), error (non-2xx; counted nowhere else).",
-            labels=["caller", "model", "state"])
-        prompt = CounterMetricFamily(
-            "vllm_cache_prompt_tokens",
-            "Prompt tokens of successful requests that reported cached tokens "
-            "(the denominator of the per-caller hit ratio).",
-            labels=["caller", "model"])
-        cached = CounterMetricFamily(
-            "vllm_cache_cached_tokens",
-            "Prompt tokens served from vLLM's prefix cache, per the responses' "
-            "usage.prompt_tokens_details.cached_tokens.",
-            labels=["caller", "model"])
-        unreported = CounterMetricFamily(
-            "vllm_cache_unreported_prompt_tokens",
-            "Prompt tokens of successful requests whose cached tokens were not reported "
-            "(vLLM without --enable-prompt-tokens-details); not in the hit ratio.",
-            labels=["caller", "model"])
-        ttft = HistogramMetricFamily(
-            "vllm_cache_ttft_seconds",
-            "Engine-side time to first token (the proxy's TTFT minus its admission queue wait "
-            "when known), by cache outcome.",
-            labels=["caller", "model", "state"])
-        queue = HistogramMetricFamily(
-            "vllm_cache_queue_wait_seconds",
-            "Admission wait at the proxy before the request reached vLLM.",
-            labels=["caller", "model"])
+        requests, prompt, cached, unreported, ttft, queue = families = _per_caller_families()
 
         # Samples are appended directly rather than through add_metric(): at 1,000 callers
         # that is ~80,000 samples per scrape, and add_metric's per-call copies were a quarter
@@ -106,7 +186,51 @@ class UsageCollector:
             if series.queue is not None:
                 _histogram(queue.samples, "vllm_cache_queue_wait_seconds", pair, series.queue,
                            _QUEUE_LE)
+        yield from families
+        yield from self._other_families()
 
+    def render_text(self, out: list[str]) -> None:
+        """Append exactly what ``encode_families(self.collect(), out)`` would, faster.
+
+        The per-caller families are written from cached label text (one f-string per
+        sample); the small families go through the general encoder.
+        """
+        usage = self.usage
+        cache = self._text
+        if len(cache) > len(usage.series):
+            cache.clear()
+        requests: list[str] = []
+        prompt: list[str] = []
+        cached: list[str] = []
+        unreported: list[str] = []
+        ttft: list[str] = []
+        queue: list[str] = []
+        fmt = format_value
+        for key, series in sorted(usage.series.items()):
+            text = cache.get(key)
+            if text is None:
+                text = cache[key] = _SeriesText(*key)
+            counts = series.requests
+            for prefix, state in zip(text.requests, STATES, strict=True):
+                requests.append(f"{prefix}{fmt(counts[state])}\n")
+            prompt.append(f"{text.prompt}{fmt(series.prompt_tokens)}\n")
+            cached.append(f"{text.cached}{fmt(series.cached_tokens)}\n")
+            unreported.append(f"{text.unreported}{fmt(series.unreported_prompt_tokens)}\n")
+            if series.ttft:
+                for state in STATES:
+                    hist = series.ttft.get(state)
+                    if hist is not None:
+                        _histogram_lines(ttft, text.ttft_text(state), hist, _TTFT_LE)
+            if series.queue is not None:
+                _histogram_lines(queue, text.queue_text(), series.queue, _QUEUE_LE)
+        families = (requests, prompt, cached, unreported, ttft, queue)
+        for head, lines in zip(_HEADERS, families, strict=True):
+            out.append(head)
+            out.extend(lines)
+        encode_families(self._other_families(), out)
+
+    def _other_families(self) -> Iterator[Metric]:
+        usage = self.usage
         granularity = GaugeMetricFamily(
             "vllm_cache_granularity_tokens",
             "Cache granularity in tokens used to classify this model's requests, and where it "
@@ -147,12 +271,6 @@ class UsageCollector:
             "(--callers.max) was reached.")
         overflowed.add_metric([], usage.callers_overflowed)
 
-        yield requests
-        yield prompt
-        yield cached
-        yield unreported
-        yield ttft
-        yield queue
         yield granularity
         yield events
         yield rejected
