@@ -2,7 +2,8 @@
 
 /metrics first awaits a fresh read of every vLLM target (bounded by our timeout and by
 Prometheus' scrape timeout), then renders the registry synchronously: collectors never do
-I/O, as in client_python's own aiohttp handler.
+I/O. The text format is written by exporter.metrics.exposition (byte-identical to
+client_python's, ~20x faster at 1,000 callers); OpenMetrics by client_python.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder, generate_latest
 
 from exporter import __version__
 from exporter.config import Config
 from exporter.engine.fetch import EnginePoller
-from exporter.metrics import build_registry
+from exporter.metrics import build_registry, generate_text
 from exporter.signals.state import SignalsState
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,6 @@ def _default_session() -> aiohttp.ClientSession:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    from prometheus_client.exposition import generate_latest
-
-    from exporter.metrics import generate_text
-
     poller = request.app[POLLER_KEY]
     timeout = poller.effective_timeout(
         request.headers.get("X-Prometheus-Scrape-Timeout-Seconds"))
