@@ -164,6 +164,4 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         config, TITLE, config.caller_uid,
         "One caller's prefix-cache hit ratio against the collapse alert's baseline, its turns "
         "by cache outcome, time to first token and admission wait, from vllm-cache-exporter.",
-        variables(config), layout,
-        links=[g.DashboardLink(type="dashboards", tags=["vllm-cache-exporter"],
-                               includeVars=True, keepTime=True, title="vllm-cache-exporter")])
+        variables(config), layout)

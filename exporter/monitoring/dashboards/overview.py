@@ -283,9 +283,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         config, TITLE, config.overview_uid,
         "Prefix-cache hit ratio per engine and per caller, warm vs cold time to first token, "
         "KV occupancy in tokens and preemptions, from vllm-cache-exporter.",
-        variables(config), layout,
-        links=[g.DashboardLink(type="dashboards", tags=["vllm-cache-exporter"],
-                               includeVars=True, keepTime=True, title="vllm-cache-exporter")])
+        variables(config), layout)
 
 
 def _unit_override(field: str, unit: str) -> dict[str, object]:

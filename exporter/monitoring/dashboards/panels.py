@@ -186,11 +186,14 @@ def bargauge(title: str, description: str, unit: str, targets: list[g.Target],
 
 
 def dashboard(config: MonitoringConfig, title: str, uid: str, description: str,
-              variables: list[g.Template], layout: Layout,
-              links: list[g.DashboardLink] | None = None) -> g.Dashboard:
+              variables: list[g.Template], layout: Layout) -> g.Dashboard:
+    """A dashboard of the set: shared tags, datasource variable, and a link to the others
+    of the set that carries the variables and the time range along."""
+    links = [g.DashboardLink(type="dashboards", tags=["vllm-cache-exporter"], includeVars=True,
+                             keepTime=True, title="vllm-cache-exporter")]
     return g.Dashboard(
         title=title, uid=uid, description=description, tags=["vllm", "vllm-cache-exporter"],
         templating=g.Templating(list=[datasource_variable(), *variables]),
         panels=layout.numbered(), timezone="browser", refresh="30s",
-        schemaVersion=SCHEMA_VERSION, graphTooltip=1, links=links or [],
+        schemaVersion=SCHEMA_VERSION, graphTooltip=1, links=links,
         time=g.Time("now-3h", "now"))
