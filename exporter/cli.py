@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "simulate": ("exporter.sim.cli", "Run the vLLM simulator (OpenAI API + /metrics)."),
     "drive": ("exporter.sim.driver", "Play a scenario against an OpenAI-compatible server."),
     "generate": ("exporter.monitoring.cli", "Write (or --check) alerts/ and dashboards/."),
+    "check": ("exporter.check", "Read a vLLM's /metrics once and say what is wrong, in words."),
 }
 
 

@@ -1,0 +1,146 @@
+"""``vllm-cache-exporter check``: one look at a vLLM's /metrics, in plain words.
+
+The field reports' worst hours went to things one read of /metrics shows: prefix caching
+silently off (the hybrid default in older vLLM), a renamed counter that a dashboard read as a
+reassuring 0, a KV pool too small for the conversations it has to hold. This command reads
+each vLLM once through the exporter's own engine reader and says what it finds, before any
+Prometheus or Grafana is set up. Exit status: 0 nothing wrong, 1 a problem found, 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from exporter.config import _http_url, metrics_url
+from exporter.engine import names
+from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
+from exporter.engine.parse import EngineSnapshot
+
+# Signals whose absence breaks the cache signals (a problem), and those that only exist in
+# newer vLLM releases (a note).
+REQUIRED = (names.PREFIX_CACHE_QUERIES, names.PREFIX_CACHE_HITS, names.PREEMPTIONS,
+            names.KV_USAGE, names.CACHE_CONFIG)
+WHY_ABSENT = {
+    names.PROMPT_TOKENS_CACHED.name: "vLLM before 0.16 has no vllm:prompt_tokens_cached_total",
+}
+
+
+@dataclass
+class Report:
+    target: str
+    lines: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm.url", dest="vllm_url", action="append", required=True,
+                        metavar="URL", help="vLLM server to check (repeatable; /metrics is "
+                                            "appended when the URL has no path).")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="Seconds to wait for each /metrics (default: 10).")
+
+
+def main(args: argparse.Namespace) -> int:
+    urls = []
+    for url in args.vllm_url:
+        try:
+            urls.append(metrics_url(_http_url(url)))
+        except ValueError as err:
+            print(f"vllm-cache-exporter check: --vllm.url: {err}", file=sys.stderr)
+            return 2
+    reports = asyncio.run(check_all(urls, args.timeout))
+    for report in reports:
+        print("\n".join(render(report)))
+    return 1 if any(report.problems for report in reports) else 0
+
+
+async def check_all(urls: list[str], timeout: float) -> list[Report]:
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(check_one(session, url, timeout) for url in urls)))
+
+
+async def check_one(session: aiohttp.ClientSession, url: str, timeout: float) -> Report:
+    report = Report(url)
+    try:
+        body = await fetch_body(session, url, timeout, max_bytes=64 * 1024 * 1024)
+        snapshot = await decode_and_parse(body)
+    except FetchError as err:
+        report.problems.append(f"cannot read vLLM's /metrics ({err.reason}): {err}")
+        return report
+    describe(snapshot, report)
+    return report
+
+
+def describe(snapshot: EngineSnapshot, report: Report) -> None:
+    """Fill ``report`` from one parsed scrape. Pure, so it is tested without a network."""
+    engines = sorted(snapshot.engines.values(), key=lambda v: (v.model_name, v.engine))
+    report.lines.append(f"read {snapshot.lines} samples, {len(engines)} engine(s)")
+    for values in engines:
+        config = snapshot.cache_config_for(values.engine)
+        label = f"{values.model_name or '(no model_name)'} engine {values.engine or '-'}"
+        if config is None:
+            report.lines.append(f"{label}: no vllm:cache_config_info")
+        else:
+            caching = config.enable_prefix_caching
+            pool = config.pool_tokens
+            usage = values.values.get(names.KV_USAGE.name)
+            in_use = f" ({usage:.1%} in use)" if usage is not None else ""
+            report.lines.append(
+                f"{label}: prefix caching {'on' if caching else 'OFF'}, block "
+                f"{config.block_size or '?'} tokens, KV pool "
+                f"{f'{pool:,}' if pool else '?'} tokens{in_use}")
+            if caching is False:
+                report.problems.append(
+                    f"{label}: prefix caching is off, so every turn re-reads its whole prompt. "
+                    "Start vLLM with --enable-prefix-caching (hybrid models default to off "
+                    "in older vLLM).")
+        queries = values.values.get(names.PREFIX_CACHE_QUERIES.name)
+        hits = values.values.get(names.PREFIX_CACHE_HITS.name)
+        if queries:
+            report.lines.append(
+                f"  prefix cache since vLLM started: {hits or 0:,.0f} of {queries:,.0f} "
+                f"looked-up tokens were hits ({(hits or 0) / queries:.1%})")
+        elif queries == 0:
+            report.lines.append("  prefix cache since vLLM started: no prompts looked up yet")
+        preemptions = values.values.get(names.PREEMPTIONS.name)
+        if preemptions:
+            report.notes.append(
+                f"{label}: {preemptions:,.0f} preemption(s) since vLLM started: at times more "
+                "concurrent context than the KV pool holds, and preempted requests are "
+                "recomputed.")
+    for signal in names.SIGNALS:
+        if snapshot.present.get(signal.name):
+            continue
+        known = ", ".join(signal.sample_names[:2])
+        if signal in REQUIRED:
+            report.problems.append(
+                f"vLLM exposes no {signal.name} metric under any known name ({known}): the "
+                "exporter will show it as absent, and a dashboard querying it reads nothing "
+                "(or a misleading 0). Is this vLLM, with stats logging on (no "
+                "--disable-log-stats)?")
+        else:
+            reason = WHY_ABSENT.get(signal.name, "not exposed by this vLLM version")
+            report.notes.append(f"no {signal.name} metric ({known}): {reason}.")
+    if snapshot.invalid_samples:
+        report.problems.append(f"{snapshot.invalid_samples} sample(s) had impossible values "
+                               "(NaN, negative, usage above 1) and were ignored.")
+
+
+def render(report: Report) -> Iterator[str]:
+    yield report.target
+    for line in report.lines:
+        yield f"  {line}"
+    for note in report.notes:
+        yield f"  note: {note}"
+    for problem in report.problems:
+        yield f"  PROBLEM: {problem}"
+    yield ("  hint: per-request cached tokens cannot be seen from /metrics: start vLLM with "
+           "--enable-prompt-tokens-details so your proxy sees them.")
+    yield "  " + ("problems found" if report.problems else "OK")
