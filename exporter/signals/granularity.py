@@ -74,3 +74,22 @@ class GranularityLearner:
 
     def models(self) -> list[str]:
         return list(self._models)
+
+
+# vLLM's block sizes are powers of two (16 and 32 dense, 2,048 on hybrid align mode), so
+# until G is known from any source the largest power of two dividing this request's own cached
+# count, capped at the largest common hybrid block, is the best single-request estimate.
+PROVISIONAL_MAX = 2048
+
+
+def provisional_granularity(cached_tokens: int | None) -> int:
+    """G for one request while nothing better is known (not exported, not learned from).
+
+    A cached count is a whole number of granules, so G divides it; taking the largest
+    power-of-two divisor errs towards a coarser G (a lenient "warm") only when the count
+    happens to be a multiple of a larger power of two, where G = 1 would call every full
+    hit on a block-aligned cache "partial".
+    """
+    if not cached_tokens or cached_tokens < 0:
+        return 1
+    return min(cached_tokens & -cached_tokens, PROVISIONAL_MAX)

@@ -19,7 +19,7 @@ from exporter.config import Config
 from exporter.signals.callers import LabelCap
 from exporter.signals.classify import ERROR, STATES, classify
 from exporter.signals.engine import EngineState
-from exporter.signals.granularity import GranularityLearner
+from exporter.signals.granularity import GranularityLearner, provisional_granularity
 from exporter.usage.event import UsageEvent, status_is_error
 
 # Engine-side time to first token: 50 ms (a warm short turn) to 10 min (a cold 180k prompt
@@ -162,6 +162,8 @@ class UsageState:
         granularity = (self.configured_granularity
                        or self.learner.learned_by_model.get(model)
                        or self.granularity(model)[0])
+        if granularity == 1:  # nothing known yet: estimate from this request alone
+            granularity = provisional_granularity(cached)
         state = classify(prompt_tokens, cached, granularity, previous, self.warm_tail_granules)
         series.requests[state] += 1
         if cached is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from exporter.engine.parse import parse
 from exporter.metrics import build_registry
 from exporter.signals.classify import PARTIAL, WARM
-from exporter.signals.granularity import GranularityLearner
+from exporter.signals.granularity import GranularityLearner, provisional_granularity
 from exporter.usage.event import UsageEvent
 from tests.helpers import fixture_text
 from tests.usage.conftest import make_state, value
@@ -59,8 +59,9 @@ def test_follows_a_reconfigured_engine_through_the_sliding_window():
 def test_learned_granularity_classifies_and_is_exported_with_its_source():
     state = make_state()
     usage = state.usage
-    # Before anything is known, G = 1: 94.4% of the prompt is "partial", and no G is exported.
-    assert usage.record(UsageEvent("a", "qwen", 91_070, 86_016), "http") == PARTIAL
+    # Before anything is known, the request's own count gives a provisional G (2,048 here):
+    # 94.4% of a 91k prompt is already "warm", and no G is exported until it is learned.
+    assert usage.record(UsageEvent("a", "qwen", 91_070, 86_016), "http") == WARM
     assert usage.granularities() == []
     for turn in range(10):
         usage.record(UsageEvent("a", "qwen", 30_000 + turn * 4_000, 2048 * (10 + turn)), "http")
@@ -117,3 +118,20 @@ def test_several_models_served_match_on_name_only():
     assert usage.granularity("tiny-llama") == (32, "block_size")
     assert usage.granularity("other") == (16, "block_size")
     assert usage.granularity("unknown-model") == (1, "none")
+
+
+def test_provisional_granularity_is_the_counts_power_of_two_capped():
+    assert provisional_granularity(None) == 1
+    assert provisional_granularity(0) == 1
+    assert provisional_granularity(1_376) == 32  # the real CPU capture: 43 x 32
+    assert provisional_granularity(5_008) == 16  # 313 x 16
+    assert provisional_granularity(86_016) == 2048  # 21 x 4,096, capped at 2,048
+    assert provisional_granularity(777) == 1  # not block-aligned: no estimate
+
+
+def test_before_g_is_known_the_issue_cases_come_out_as_stated():
+    state = make_state()
+    usage = state.usage
+    assert usage.record(UsageEvent("a", "m1", 1_396, 1_376), "http") == WARM
+    assert usage.record(UsageEvent("b", "m2", 10_000, 5_008), "http") == PARTIAL
+    assert usage.record(UsageEvent("c", "m3", 3_000, 2_048), "http") == WARM
