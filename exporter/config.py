@@ -251,6 +251,9 @@ FLAGS: tuple[Flag, ...] = (
          metavar="URL", check=_optional_url),
     Flag("tap.caller-header", "Tap proxy", "Request header naming the caller.", _to_str,
          "X-Caller", metavar="HEADER"),
+    Flag("tap.session-header", "Tap proxy", "Request header naming the conversation, so each "
+         "turn is judged against the previous turn of the same conversation (empty: off).",
+         _to_str, "X-Session-Id", metavar="HEADER"),
     Flag("tap.key-alias", "Tap proxy", "Name callers by API key, KEY_SHA256_PREFIX=ALIAS "
          "(repeatable).", _to_mapping, (), kind="list", metavar="HASH=ALIAS"),
     Flag("tap.timeout", "Tap proxy", "Seconds to wait for upstream (whole request).",
@@ -292,6 +295,7 @@ class Config:
     tap_listen_address: str = ""
     tap_upstream: str = ""
     tap_caller_header: str = "X-Caller"
+    tap_session_header: str = "X-Session-Id"
     tap_key_alias: tuple[tuple[str, str], ...] = ()
     tap_timeout: float = 600.0
     tap_max_request_bytes: int = 64 * MiB

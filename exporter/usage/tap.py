@@ -80,6 +80,7 @@ class Exchange:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     ttft_seconds: float | None = None
+    session: str | None = None
     recorded: bool = False
 
 
@@ -200,6 +201,7 @@ class Tap:
                 "cached_tokens": exchange.cached_tokens,
                 "completion_tokens": exchange.completion_tokens,
                 "ttft_seconds": exchange.ttft_seconds,
+                "session": exchange.session,
                 "time": self.clock(),
                 "status": exchange.status or 502,
             })
@@ -242,7 +244,9 @@ class Tap:
             endpoint=endpoint,
             caller=resolve_caller(request.headers, request_json,
                                   self.config.tap_caller_header, self.aliases),
-            model=model if isinstance(model, str) else None)
+            model=model if isinstance(model, str) else None,
+            session=(request.headers.get(self.config.tap_session_header, "").strip() or None
+                     if self.config.tap_session_header else None))
         strip = False
         if (request_json is not None and endpoint in USAGE_OPT_IN
                 and request_json.get("stream") is True and not wants_usage(request_json)):

@@ -126,3 +126,21 @@ async def test_serve_starts_the_tap_from_the_config(upstream, unused_tcp_port_fa
     finally:
         stop.set()
         await asyncio.wait_for(server, 10)
+
+
+async def test_session_header_names_the_conversation(upstream, aiohttp_client):
+    """Turns are judged against the previous turn of the same conversation, not the caller's."""
+    upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("02_chat_warm.json")))
+    config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url)
+    state = SignalsState(config)
+    seen = []
+    record = state.usage.record
+    state.usage.record = lambda event, reader: seen.append(event) or record(event, reader)
+    tap = await aiohttp_client(create_tap_app(config, state))
+    for headers in ({"X-Caller": "alice", "X-Session-Id": "conv-1"}, {"X-Caller": "alice"}):
+        response = await tap.post("/v1/chat/completions", json=CHAT, headers=headers)
+        assert response.status == 200
+        await response.read()
+    assert [event.session for event in seen] == ["conv-1", None]
+    # The header is the tap's to read; vLLM still receives it untouched.
+    assert upstream.received[0].headers.get("X-Session-Id") == "conv-1"
