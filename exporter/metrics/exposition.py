@@ -83,22 +83,22 @@ _metric_names: dict[str, str] = {}
 _label_names: dict[str, str] = {}
 
 
-def _metric_name(name: str) -> str:
-    escaped = _metric_names.get(name)
+def _memoized(cache: dict[str, str], escape, name: str) -> str:
+    """Escaped names are few and fixed: escape each once (bounded, in case they are not)."""
+    escaped = cache.get(name)
     if escaped is None:
-        escaped = escape_metric_name(name, UNDERSCORES)
-        if len(_metric_names) < 4096:
-            _metric_names[name] = escaped
+        escaped = escape(name, UNDERSCORES)
+        if len(cache) < 4096:
+            cache[name] = escaped
     return escaped
+
+
+def _metric_name(name: str) -> str:
+    return _memoized(_metric_names, escape_metric_name, name)
 
 
 def _label_name(name: str) -> str:
-    escaped = _label_names.get(name)
-    if escaped is None:
-        escaped = escape_label_name(name, UNDERSCORES)
-        if len(_label_names) < 4096:
-            _label_names[name] = escaped
-    return escaped
+    return _memoized(_label_names, escape_label_name, name)
 
 
 def header(name: str, documentation: str, metric_type: str) -> str:
