@@ -45,7 +45,7 @@ from exporter.metrics import build_registry, generate_text  # noqa: E402
 from exporter.signals.classify import STATES  # noqa: E402
 from exporter.signals.state import SignalsState  # noqa: E402
 from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS  # noqa: E402
-from exporter.usage.event import UsageEvent  # noqa: E402
+from exporter.values import UsageEvent  # noqa: E402
 
 MODEL = "qwen3.8-27b"
 # (prompt, cached, ttft): one warm, one partial and one cold turn per caller at G = 2048.

@@ -20,7 +20,7 @@ import aiohttp
 from exporter.config import _http_url, metrics_url
 from exporter.engine import names
 from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
-from exporter.engine.parse import EngineSnapshot
+from exporter.values import EngineSnapshot
 
 # Signals whose absence breaks the cache signals (a problem), and those that only exist in
 # newer vLLM releases (a note).

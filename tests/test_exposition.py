@@ -38,7 +38,7 @@ from exporter.signals.callers import OTHER
 from exporter.signals.classify import STATES
 from exporter.signals.state import SignalsState
 from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, Series
-from exporter.usage.event import UsageEvent
+from exporter.values import UsageEvent
 from tests.helpers import FIXTURES
 
 ENGINE_FIXTURES = sorted(path.relative_to(FIXTURES).as_posix()

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from exporter.engine.parse import EngineSnapshot, ParseError, parse
+from exporter.engine.parse import ParseError, parse
 from exporter.signals.engine import EngineState
+from exporter.values import EngineSnapshot
 
 log = logging.getLogger(__name__)
 

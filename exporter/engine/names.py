@@ -9,39 +9,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from exporter import values
+
 
 @dataclass(frozen=True)
 class Signal:
-    name: str  # value of the ``signal`` label of vllm_cache_engine_metric_present
+    name: str  # one of exporter.values.ENGINE_SIGNALS
     sample_names: tuple[str, ...]  # vLLM sample names, newest first
-    counter: bool = False
 
 
 PREFIX_CACHE_QUERIES = Signal(
-    "prefix_cache_queries",
+    values.PREFIX_CACHE_QUERIES,
     ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total",
      "vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
-    counter=True,
 )
 PREFIX_CACHE_HITS = Signal(
-    "prefix_cache_hits",
+    values.PREFIX_CACHE_HITS,
     ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total",
      "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
-    counter=True,
 )
 PREEMPTIONS = Signal(
-    "preemptions", ("vllm:num_preemptions_total", "vllm:num_preemptions"), counter=True)
+    values.PREEMPTIONS, ("vllm:num_preemptions_total", "vllm:num_preemptions"))
 PROMPT_TOKENS = Signal(
-    "prompt_tokens", ("vllm:prompt_tokens_total", "vllm:prompt_tokens"), counter=True)
+    values.PROMPT_TOKENS, ("vllm:prompt_tokens_total", "vllm:prompt_tokens"))
 PROMPT_TOKENS_CACHED = Signal(
-    "prompt_tokens_cached",
+    values.PROMPT_TOKENS_CACHED,
     ("vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_cached"),
-    counter=True,
 )
-KV_USAGE = Signal("kv_cache_usage", ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
-REQUESTS_RUNNING = Signal("requests_running", ("vllm:num_requests_running",))
-REQUESTS_WAITING = Signal("requests_waiting", ("vllm:num_requests_waiting",))
-CACHE_CONFIG = Signal("cache_config_info", ("vllm:cache_config_info",))
+KV_USAGE = Signal(values.KV_CACHE_USAGE, ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
+REQUESTS_RUNNING = Signal(values.REQUESTS_RUNNING, ("vllm:num_requests_running",))
+REQUESTS_WAITING = Signal(values.REQUESTS_WAITING, ("vllm:num_requests_waiting",))
+CACHE_CONFIG = Signal(values.CACHE_CONFIG_INFO, ("vllm:cache_config_info",))
 
 # prompt_tokens_cached is derived from the by-source split where only that exists.
 PROMPT_TOKENS_BY_SOURCE = ("vllm:prompt_tokens_by_source_total", "vllm:prompt_tokens_by_source")
@@ -53,11 +51,6 @@ SIGNALS: tuple[Signal, ...] = (
 )
 SAMPLE_VALUE_SIGNALS: tuple[Signal, ...] = tuple(s for s in SIGNALS if s is not CACHE_CONFIG)
 
-# The labels of vllm:cache_config_info the exporter reads (the full set changes per release).
-CACHE_CONFIG_KEYS = (
-    "block_size", "num_gpu_blocks", "kv_cache_size_tokens", "enable_prefix_caching",
-    "prefix_match_unit", "mamba_block_size", "mamba_cache_mode", "cache_dtype",
-)
 
 # Counters vLLM registers carry a ``_created`` twin; a changed timestamp marks a restart even
 # when the counter has already grown past its old value.

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from exporter.engine import names
+from exporter.values import CacheConfig, EngineSnapshot, EngineValues
 
 _WANTED = names.wanted_sample_names()
 
@@ -22,82 +22,6 @@ class ParseError(ValueError):
         super().__init__(f"line {line_number}: {reason}")
         self.line_number = line_number
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The labels of ``vllm:cache_config_info`` for one engine, read by key."""
-
-    engine: str
-    fields: dict[str, str]
-
-    def _int(self, key: str) -> int | None:
-        raw = self.fields.get(key)
-        if raw is None or raw in ("None", ""):
-            return None
-        try:
-            value = int(float(raw))
-        except ValueError:
-            return None
-        return value if value > 0 else None
-
-    @property
-    def block_size(self) -> int | None:
-        return self._int("block_size")
-
-    @property
-    def num_gpu_blocks(self) -> int | None:
-        return self._int("num_gpu_blocks")
-
-    @property
-    def kv_cache_size_tokens(self) -> int | None:
-        return self._int("kv_cache_size_tokens")
-
-    @property
-    def prefix_match_unit(self) -> int | None:
-        return self._int("prefix_match_unit")
-
-    @property
-    def mamba_block_size(self) -> int | None:
-        return self._int("mamba_block_size")
-
-    @property
-    def enable_prefix_caching(self) -> bool | None:
-        raw = self.fields.get("enable_prefix_caching")
-        if raw is None:
-            return None
-        return raw.strip().lower() in ("true", "1")
-
-    @property
-    def pool_tokens(self) -> int | None:
-        """kv_cache_size_tokens (vLLM >= 0.2x), else num_gpu_blocks x block_size."""
-        if self.kv_cache_size_tokens:
-            return self.kv_cache_size_tokens
-        if self.num_gpu_blocks and self.block_size:
-            return self.num_gpu_blocks * self.block_size
-        return None
-
-
-@dataclass
-class EngineValues:
-    """Values of one (model_name, engine) pair, keyed by signal name."""
-
-    model_name: str
-    engine: str
-    values: dict[str, float] = field(default_factory=dict)
-    created: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class EngineSnapshot:
-    engines: dict[tuple[str, str], EngineValues]
-    cache_configs: dict[str, CacheConfig]  # by engine label
-    present: dict[str, bool]  # signal name -> exposed by this vLLM
-    invalid_samples: int = 0
-    lines: int = 0
-
-    def cache_config_for(self, engine: str) -> CacheConfig | None:
-        return self.cache_configs.get(engine)
 
 
 def _parse_labels(text: str, start: int, line_number: int) -> tuple[dict[str, str], int]:

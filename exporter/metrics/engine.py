@@ -1,4 +1,7 @@
-"""Engine signals (issue #2 contract). Later work may add series here, never rename these."""
+"""Engine series: what the exporter read from each vLLM, in its own names.
+
+Later work may add series here, never rename these.
+"""
 
 from __future__ import annotations
 
@@ -6,32 +9,152 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from exporter.engine import names
-from exporter.signals.engine import EngineState
+from exporter import values
+from exporter.signals.engine import EngineRow, EngineState, TargetState
 
 ROW_LABELS = ["target", "model_name", "engine"]
 
-# (exported name without _total, HELP, signal)
+# (exported name without _total, HELP, engine signal)
 COUNTERS = (
     ("vllm_cache_engine_prefix_cache_queries_tokens",
      "Prompt tokens vLLM looked up in its local prefix cache (vllm:prefix_cache_queries_total, "
      "vllm:gpu_prefix_cache_queries_total before 0.9.2), carried across vLLM restarts.",
-     names.PREFIX_CACHE_QUERIES.name),
+     values.PREFIX_CACHE_QUERIES),
     ("vllm_cache_engine_prefix_cache_hits_tokens",
      "Prompt tokens vLLM found in its local prefix cache (vllm:prefix_cache_hits_total, "
      "vllm:gpu_prefix_cache_hits_total before 0.9.2), carried across vLLM restarts.",
-     names.PREFIX_CACHE_HITS.name),
+     values.PREFIX_CACHE_HITS),
     ("vllm_cache_engine_preemptions",
      "Preemption events in vLLM (vllm:num_preemptions_total), carried across vLLM restarts.",
-     names.PREEMPTIONS.name),
+     values.PREEMPTIONS),
     ("vllm_cache_engine_prompt_tokens",
      "Prompt tokens whose prefill completed, cached ones included (vllm:prompt_tokens_total).",
-     names.PROMPT_TOKENS.name),
+     values.PROMPT_TOKENS),
     ("vllm_cache_engine_prompt_tokens_cached",
      "Prompt tokens served from a cache, local or external (vllm:prompt_tokens_cached_total, "
      "else the cache sources of vllm:prompt_tokens_by_source_total; vLLM >= 0.16).",
-     names.PROMPT_TOKENS_CACHED.name),
+     values.PROMPT_TOKENS_CACHED),
 )
+
+
+class _TargetFamilies:
+    """The per-target families: whether and how each vLLM was read."""
+
+    def __init__(self) -> None:
+        self.up = GaugeMetricFamily(
+            "vllm_cache_engine_up",
+            "1 if the last read of this vLLM's /metrics succeeded, else 0.", labels=["target"])
+        self.duration = GaugeMetricFamily(
+            "vllm_cache_engine_scrape_duration_seconds",
+            "Seconds the last read of this vLLM's /metrics took, failed or not.",
+            labels=["target"])
+        self.errors = CounterMetricFamily(
+            "vllm_cache_engine_scrape_errors",
+            "Failed reads of a vLLM /metrics, by reason (connect, timeout, http_status, "
+            "truncated, body_too_large, parse, http_error, internal).",
+            labels=["target", "reason"])
+        self.restarts = CounterMetricFamily(
+            "vllm_cache_engine_restarts",
+            "vLLM restarts the exporter saw (a counter fell or its _created time changed).",
+            labels=["target"])
+        self.invalid = CounterMetricFamily(
+            "vllm_cache_engine_invalid_samples",
+            "vLLM samples dropped for an impossible value (NaN, negative, usage above 1).",
+            labels=["target"])
+        self.present = GaugeMetricFamily(
+            "vllm_cache_engine_metric_present",
+            "1 if this vLLM exposes the metric behind a signal under any known name, 0 if not "
+            "(then that signal's series is absent, never a made-up 0).",
+            labels=["target", "signal"])
+
+    def add(self, target: str, state: TargetState) -> None:
+        self.up.add_metric([target], 1.0 if state.up else 0.0)
+        if state.attempted:
+            self.duration.add_metric([target], state.last_duration_seconds)
+        for reason, count in sorted(state.errors.items()):
+            self.errors.add_metric([target, reason], float(count))
+        self.restarts.add_metric([target], float(state.restarts))
+        self.invalid.add_metric([target], float(state.invalid_samples))
+        if state.up:
+            for signal in values.ENGINE_SIGNALS:
+                self.present.add_metric([target, signal],
+                                        1.0 if state.present.get(signal) else 0.0)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.up, self.duration, self.errors, self.restarts, self.invalid,
+                    self.present)
+
+
+class _RowFamilies:
+    """The per-(target, model_name, engine) families: cache configuration, KV use, counters."""
+
+    def __init__(self) -> None:
+        self.enabled = GaugeMetricFamily(
+            "vllm_cache_engine_prefix_caching_enabled",
+            "1 if vLLM runs with prefix caching on (vllm:cache_config_info "
+            "enable_prefix_caching), else 0.", labels=ROW_LABELS)
+        self.info = GaugeMetricFamily(
+            "vllm_cache_engine_cache_config_info",
+            "vLLM's cache configuration (allow-listed labels of vllm:cache_config_info; "
+            "'None' where vLLM reports none, absent keys empty). Always 1.",
+            labels=ROW_LABELS + list(values.CACHE_CONFIG_KEYS))
+        self.block = GaugeMetricFamily(
+            "vllm_cache_engine_block_size_tokens",
+            "vLLM's KV-cache block size in tokens (vllm:cache_config_info block_size).",
+            labels=ROW_LABELS)
+        self.pool = GaugeMetricFamily(
+            "vllm_cache_engine_kv_pool_tokens",
+            "Tokens the KV-cache pool holds (kv_cache_size_tokens, else num_gpu_blocks x "
+            "block_size, from vllm:cache_config_info).", labels=ROW_LABELS)
+        self.usage = GaugeMetricFamily(
+            "vllm_cache_engine_kv_usage_ratio",
+            "Fraction of the KV-cache pool in use, 0 to 1 (vllm:kv_cache_usage_perc, "
+            "vllm:gpu_cache_usage_perc before 0.9.2).", labels=ROW_LABELS)
+        self.used = GaugeMetricFamily(
+            "vllm_cache_engine_kv_used_tokens",
+            "Tokens of the KV-cache pool in use: kv_usage_ratio x kv_pool_tokens.",
+            labels=ROW_LABELS)
+        self.running = GaugeMetricFamily(
+            "vllm_cache_engine_requests_running",
+            "Requests in vLLM's running batch (vllm:num_requests_running).", labels=ROW_LABELS)
+        self.waiting = GaugeMetricFamily(
+            "vllm_cache_engine_requests_waiting",
+            "Requests waiting in vLLM (vllm:num_requests_waiting).", labels=ROW_LABELS)
+        self.counters = {signal: CounterMetricFamily(name, help_text, labels=ROW_LABELS)
+                         for name, help_text, signal in COUNTERS}
+
+    def add(self, target: str, row: EngineRow) -> None:
+        labels = [target, row.model_name, row.engine]
+        config = row.cache_config
+        pool_tokens = config.pool_tokens if config is not None else None
+        if config is not None:
+            self.info.add_metric(
+                labels + [config.fields.get(key, "") for key in values.CACHE_CONFIG_KEYS], 1.0)
+            if config.enable_prefix_caching is not None:
+                self.enabled.add_metric(labels, 1.0 if config.enable_prefix_caching else 0.0)
+            if config.block_size:
+                self.block.add_metric(labels, float(config.block_size))
+            if pool_tokens:
+                self.pool.add_metric(labels, float(pool_tokens))
+        ratio = row.gauges.get(values.KV_CACHE_USAGE)
+        if ratio is not None:
+            self.usage.add_metric(labels, ratio)
+            if pool_tokens:
+                self.used.add_metric(labels, round(ratio * pool_tokens))
+        for signal, family in ((values.REQUESTS_RUNNING, self.running),
+                               (values.REQUESTS_WAITING, self.waiting)):
+            gauge = row.gauges.get(signal)
+            if gauge is not None:
+                family.add_metric(labels, gauge)
+        for signal, family in self.counters.items():
+            total = row.counters.get(signal)
+            if total is not None:
+                family.add_metric(labels, total)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.enabled, self.info, self.block, self.pool, self.usage, self.used,
+                    self.running, self.waiting)
+        yield from self.counters.values()
 
 
 class EngineCollector:
@@ -42,115 +165,12 @@ class EngineCollector:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("vllm_cache_engine_up",
-                               "1 if the last read of this vLLM's /metrics succeeded, else 0.",
-                               labels=["target"])
-        duration = GaugeMetricFamily(
-            "vllm_cache_engine_scrape_duration_seconds",
-            "Seconds the last read of this vLLM's /metrics took, failed or not.",
-            labels=["target"])
-        errors = CounterMetricFamily(
-            "vllm_cache_engine_scrape_errors",
-            "Failed reads of a vLLM /metrics, by reason (connect, timeout, http_status, "
-            "truncated, body_too_large, parse, http_error, internal).",
-            labels=["target", "reason"])
-        restarts = CounterMetricFamily(
-            "vllm_cache_engine_restarts",
-            "vLLM restarts the exporter saw (a counter fell or its _created time changed).",
-            labels=["target"])
-        invalid = CounterMetricFamily(
-            "vllm_cache_engine_invalid_samples",
-            "vLLM samples dropped for an impossible value (NaN, negative, usage above 1).",
-            labels=["target"])
-        present = GaugeMetricFamily(
-            "vllm_cache_engine_metric_present",
-            "1 if this vLLM exposes the metric behind a signal under any known name, 0 if not "
-            "(then that signal's series is absent, never a made-up 0).",
-            labels=["target", "signal"])
-        enabled = GaugeMetricFamily(
-            "vllm_cache_engine_prefix_caching_enabled",
-            "1 if vLLM runs with prefix caching on (vllm:cache_config_info "
-            "enable_prefix_caching), else 0.", labels=ROW_LABELS)
-        info = GaugeMetricFamily(
-            "vllm_cache_engine_cache_config_info",
-            "vLLM's cache configuration (allow-listed labels of vllm:cache_config_info; "
-            "'None' where vLLM reports none, absent keys empty). Always 1.",
-            labels=ROW_LABELS + list(names.CACHE_CONFIG_KEYS))
-        block = GaugeMetricFamily(
-            "vllm_cache_engine_block_size_tokens",
-            "vLLM's KV-cache block size in tokens (vllm:cache_config_info block_size).",
-            labels=ROW_LABELS)
-        pool = GaugeMetricFamily(
-            "vllm_cache_engine_kv_pool_tokens",
-            "Tokens the KV-cache pool holds (kv_cache_size_tokens, else num_gpu_blocks x "
-            "block_size, from vllm:cache_config_info).", labels=ROW_LABELS)
-        usage = GaugeMetricFamily(
-            "vllm_cache_engine_kv_usage_ratio",
-            "Fraction of the KV-cache pool in use, 0 to 1 (vllm:kv_cache_usage_perc, "
-            "vllm:gpu_cache_usage_perc before 0.9.2).", labels=ROW_LABELS)
-        used = GaugeMetricFamily(
-            "vllm_cache_engine_kv_used_tokens",
-            "Tokens of the KV-cache pool in use: kv_usage_ratio x kv_pool_tokens.",
-            labels=ROW_LABELS)
-        running = GaugeMetricFamily("vllm_cache_engine_requests_running",
-                                    "Requests in vLLM's running batch (vllm:num_requests_running).",
-                                    labels=ROW_LABELS)
-        waiting = GaugeMetricFamily("vllm_cache_engine_requests_waiting",
-                                    "Requests waiting in vLLM (vllm:num_requests_waiting).",
-                                    labels=ROW_LABELS)
-        counters = {signal: CounterMetricFamily(name, help_text, labels=ROW_LABELS)
-                    for name, help_text, signal in COUNTERS}
-
+        targets = _TargetFamilies()
+        rows = _RowFamilies()
         for target, state in sorted(self.engine.targets.items()):
-            up.add_metric([target], 1.0 if state.up else 0.0)
-            if state.attempted:
-                duration.add_metric([target], state.last_duration_seconds)
-            for reason, count in sorted(state.errors.items()):
-                errors.add_metric([target, reason], float(count))
-            restarts.add_metric([target], float(state.restarts))
-            invalid.add_metric([target], float(state.invalid_samples))
-            if not state.up:
-                continue
-            for signal in names.SIGNALS:
-                present.add_metric([target, signal.name],
-                                   1.0 if state.present.get(signal.name) else 0.0)
-            for row in state.rows:
-                labels = [target, row.model_name, row.engine]
-                config = row.cache_config
-                pool_tokens = config.pool_tokens if config else None
-                if config is not None:
-                    info.add_metric(labels + [config.fields.get(key, "")
-                                              for key in names.CACHE_CONFIG_KEYS], 1.0)
-                    if config.enable_prefix_caching is not None:
-                        enabled.add_metric(labels, 1.0 if config.enable_prefix_caching else 0.0)
-                    if config.block_size:
-                        block.add_metric(labels, float(config.block_size))
-                    if pool_tokens:
-                        pool.add_metric(labels, float(pool_tokens))
-                ratio = row.gauges.get(names.KV_USAGE.name)
-                if ratio is not None:
-                    usage.add_metric(labels, ratio)
-                    if pool_tokens:
-                        used.add_metric(labels, round(ratio * pool_tokens))
-                if names.REQUESTS_RUNNING.name in row.gauges:
-                    running.add_metric(labels, row.gauges[names.REQUESTS_RUNNING.name])
-                if names.REQUESTS_WAITING.name in row.gauges:
-                    waiting.add_metric(labels, row.gauges[names.REQUESTS_WAITING.name])
-                for signal, family in counters.items():
-                    if signal in row.counters:
-                        family.add_metric(labels, row.counters[signal])
-        yield up
-        yield duration
-        yield errors
-        yield restarts
-        yield invalid
-        yield present
-        yield enabled
-        yield info
-        yield block
-        yield pool
-        yield usage
-        yield used
-        yield running
-        yield waiting
-        yield from counters.values()
+            targets.add(target, state)
+            if state.up:
+                for row in state.rows:
+                    rows.add(target, row)
+        yield from targets.families()
+        yield from rows.families()

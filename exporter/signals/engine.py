@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from exporter.engine.parse import CacheConfig, EngineSnapshot
+from exporter.values import COUNTER_SIGNALS, CacheConfig, EngineSnapshot
 
 
 @dataclass
@@ -120,7 +120,3 @@ class EngineState:
             del state.tracks[key]
         state.rows = rows
 
-
-COUNTER_SIGNALS = frozenset(
-    {"prefix_cache_queries", "prefix_cache_hits", "preemptions", "prompt_tokens",
-     "prompt_tokens_cached"})

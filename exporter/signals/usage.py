@@ -20,7 +20,7 @@ from exporter.signals.callers import LabelCap
 from exporter.signals.classify import ERROR, STATES, classify
 from exporter.signals.engine import EngineState
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
-from exporter.usage.event import UsageEvent, status_is_error
+from exporter.values import UsageEvent, status_is_error
 
 # Engine-side time to first token: 50 ms (a warm short turn) to 10 min (a cold 180k prompt
 # on one consumer card read at ~300 tokens/s).

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from exporter.values import UsageEvent, status_is_error
 
 # Absurd sizes: no prompt is this large (the longest-context models hold ~10M tokens).
 MAX_TOKENS = 10_000_000
@@ -27,9 +28,6 @@ MAX_STATUS_CHARS = 32
 
 FIELDS = ("caller", "model", "prompt_tokens", "cached_tokens", "completion_tokens",
           "ttft_seconds", "queue_seconds", "session", "time", "status")
-
-# Status strings that mean the request succeeded; any other string is an error.
-OK_STATUS_WORDS = frozenset({"ok", "success", "succeeded", "successful", "2xx", "completed"})
 
 # Every reason validate() can give, so the docs and tests can enumerate them.
 REASONS = (
@@ -49,45 +47,6 @@ class InvalidEvent(ValueError):
     def __init__(self, reason: str, message: str = "") -> None:
         super().__init__(message or reason)
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class UsageEvent:
-    """What the proxy knows about one finished request.
-
-    ``cached_tokens`` is None when the response did not report it (vLLM without
-    ``--enable-prompt-tokens-details``, or < 0.24 for a cold request): never read it as 0.
-    ``queue_seconds`` is the admission wait at the proxy, included in ``ttft_seconds``.
-    ``status`` is an HTTP status (int) or a short word; None means success.
-    ``time`` is unix seconds; None means "when it arrived".
-    """
-
-    caller: str
-    model: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    ttft_seconds: float | None = None
-    queue_seconds: float | None = None
-    session: str | None = None
-    time: float | None = None
-    status: int | str | None = None
-
-    @property
-    def is_error(self) -> bool:
-        return status_is_error(self.status)
-
-
-def status_is_error(status: int | str | None) -> bool:
-    """None, 2xx and the words in OK_STATUS_WORDS are successes; everything else failed."""
-    if status is None:
-        return False
-    if type(status) is int:
-        return not 200 <= status < 300
-    text = str(status)
-    if text.isdigit():
-        return not 200 <= int(text) < 300
-    return text.lower() not in OK_STATUS_WORDS
 
 
 def _tokens(obj: Mapping[str, Any], key: str, required: bool) -> int | None:

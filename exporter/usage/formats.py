@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from exporter.config import Config, ConfigError
-from exporter.usage.event import FIELDS, InvalidEvent, UsageEvent, status_is_error, validate
+from exporter.usage.event import FIELDS, InvalidEvent, validate
+from exporter.values import UsageEvent, status_is_error
 
 Converter = Callable[[Any], UsageEvent]
 

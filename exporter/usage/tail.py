@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 from exporter.config import Config
 from exporter.signals.state import SignalsState
-from exporter.usage.event import InvalidEvent, UsageEvent
+from exporter.usage.event import InvalidEvent
 from exporter.usage.formats import Converter, build_converters
+from exporter.values import UsageEvent
 
 log = logging.getLogger(__name__)
 

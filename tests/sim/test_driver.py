@@ -18,6 +18,7 @@ from exporter.sim.report import HttpReporter, ListReporter, usage_event
 from exporter.sim.scenario import parse_scenario
 from exporter.sim.server import SPEED_HEADER
 from exporter.usage.event import validate
+from exporter.values import status_is_error
 from tests.helpers import fixture_text
 
 CAPTURE = "vllm-0.32.0-cpu"
@@ -44,8 +45,8 @@ def test_cached_tokens_is_null_never_zero_when_vllm_did_not_report_it():
 def test_errors_are_reported_with_their_status_and_a_missing_usage_is_not_invented():
     error = usage_event("a", "s", Completion(503, error="busy"), 1.0)
     assert error["status"] == 503 and "prompt_tokens" not in error
-    assert validate(error).is_error
-    assert validate(usage_event("a", "s", Completion("connect_error"), 1.0)).is_error
+    assert status_is_error(validate(error).status)
+    assert status_is_error(validate(usage_event("a", "s", Completion("connect_error"), 1.0)).status)
     # a stream without include_usage: nothing to report, so nothing is made up
     assert usage_event("a", "s", Completion(200, "m", None, 0.5, "text"), 1.0) is None
 

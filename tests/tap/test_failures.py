@@ -9,6 +9,8 @@ import json
 import aiohttp
 import pytest
 
+from exporter.values import status_is_error
+
 from .conftest import Reply, fixture_bytes, sse_events
 
 SSE = "text/event-stream; charset=utf-8"
@@ -30,7 +32,7 @@ async def test_upstream_error_passes_through_with_status_headers_and_body(upstre
     assert headers["X-Vllm"] == "1" and headers["Vary"] == "Origin"
     event = await tap.usage.next_event()
     assert (event.caller, event.status, event.prompt_tokens) == ("alice", 400, 0)
-    assert event.is_error
+    assert status_is_error(event.status)
     assert tap.usage.rejected == []
 
 

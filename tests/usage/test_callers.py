@@ -6,7 +6,7 @@ import pytest
 
 from exporter.metrics import build_registry
 from exporter.signals.callers import OTHER, LabelCap, key_label, looks_like_key
-from exporter.usage.event import UsageEvent
+from exporter.values import UsageEvent
 from tests.usage.conftest import make_state, value
 
 KEYS = [

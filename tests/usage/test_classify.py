@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from exporter.signals.classify import COLD, PARTIAL, SHORT, UNKNOWN, WARM, classify
-from exporter.usage.event import UsageEvent
+from exporter.values import UsageEvent
 from tests.usage.conftest import make_state, requests
 
 ISSUE_CASES = [

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from exporter.usage.event import REASONS, InvalidEvent, UsageEvent, status_is_error, validate
+from exporter.usage.event import REASONS, InvalidEvent, validate
+from exporter.values import UsageEvent, status_is_error
 
 GOOD = {"caller": "agent-1", "model": "qwen", "prompt_tokens": 1396, "cached_tokens": 1376,
         "completion_tokens": 8, "ttft_seconds": 0.5, "queue_seconds": 0.1, "session": "s1",
@@ -36,7 +37,7 @@ def test_accepted_variants():
     assert type(event.ttft_seconds) is float
     # A failed request has no usage: prompt_tokens may be left out.
     assert validate({"caller": "a", "status": 503}).prompt_tokens == 0
-    assert validate({"caller": "a", "status": "failure"}).is_error
+    assert status_is_error(validate({"caller": "a", "status": "failure"}).status)
 
 
 BAD = [

@@ -9,8 +9,9 @@ import pytest
 
 from exporter.config import ConfigError
 from exporter.metrics import build_registry
-from exporter.usage.event import InvalidEvent, UsageEvent
+from exporter.usage.event import InvalidEvent
 from exporter.usage.formats import LiteLLMFormat, MappingFormat, OpenAIFormat, load_mapping
+from exporter.values import UsageEvent, status_is_error
 from tests.helpers import FIXTURES, fixture_text
 from tests.usage.conftest import value
 
@@ -40,7 +41,7 @@ def test_litellm_payloads_convert():
     assert (not_streamed.prompt_tokens, not_streamed.cached_tokens) == (1395, 0)
     assert not_streamed.ttft_seconds is None
     assert unreported.caller == "customer-42" and unreported.cached_tokens is None
-    assert failed.is_error
+    assert status_is_error(failed.status)
 
 
 def test_litellm_caller_order_is_configurable():
@@ -138,7 +139,7 @@ def test_openai_flag_off_means_not_reported():
 
 def test_openai_error_response_counts_as_an_error():
     event = OpenAIFormat()(record(vllm_json("11_chat_error_400.json"), status=400))
-    assert event.is_error and event.prompt_tokens == 0
+    assert status_is_error(event.status) and event.prompt_tokens == 0
     with pytest.raises(InvalidEvent) as caught:
         OpenAIFormat()(record(vllm_json("11_chat_error_400.json")))
     assert caught.value.reason == "missing_usage"

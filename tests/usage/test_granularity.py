@@ -6,7 +6,7 @@ from exporter.engine.parse import parse
 from exporter.metrics import build_registry
 from exporter.signals.classify import PARTIAL, WARM
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
-from exporter.usage.event import UsageEvent
+from exporter.values import UsageEvent
 from tests.helpers import fixture_text
 from tests.usage.conftest import make_state, value
 

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 from exporter.metrics import build_registry
 from exporter.signals.callers import OTHER
 from exporter.signals.classify import STATES
-from exporter.usage.event import InvalidEvent, status_is_error, validate
+from exporter.usage.event import InvalidEvent, validate
 from exporter.usage.ingest import split_body
+from exporter.values import status_is_error
 from tests.usage.conftest import make_state, value
 
 CALLERS = ["alpha", "beta", "gamma", "delta", "epsilon"]

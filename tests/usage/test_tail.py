@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 
 from exporter.config import Config
-from exporter.usage.event import UsageEvent, validate
+from exporter.usage.event import validate
 from exporter.usage.tail import MAX_LINE_BYTES, FileFollower, run_tailers
+from exporter.values import UsageEvent
 from tests.usage.conftest import make_state
 
 

@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 
 from exporter.metrics import build_registry
 from exporter.signals.classify import COLD, UNKNOWN, WARM
-from exporter.usage.event import UsageEvent
+from exporter.values import UsageEvent
 from tests.usage.conftest import FakeClock, make_state, value
 
 

@@ -14,8 +14,8 @@ from aiohttp import web
 from exporter.config import Config
 from exporter.server import create_app
 from exporter.signals.state import SignalsState
-from exporter.usage.event import UsageEvent
 from exporter.usage.tap import create_tap_app
+from exporter.values import UsageEvent
 from tests.helpers import value
 from tests.vllm.server import MODEL_NAME, free_port
 

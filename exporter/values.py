@@ -1,0 +1,158 @@
+"""The plain values that flow from the readers to the signals.
+
+Readers (``engine``, ``usage``) produce them; ``signals`` consumes them; neither side imports
+the other. This module imports nothing from the rest of the package and does no I/O, so both
+sides can depend on it without a cycle (the rule is enforced by tests/test_architecture.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# ---- engine signals ---------------------------------------------------------------------
+# The exporter's names for what it reads from vLLM, independent of vLLM's own (renamed
+# across releases; see exporter/engine/names.py). Each is a value of the ``signal`` label of
+# vllm_cache_engine_metric_present.
+PREFIX_CACHE_QUERIES = "prefix_cache_queries"
+PREFIX_CACHE_HITS = "prefix_cache_hits"
+PREEMPTIONS = "preemptions"
+PROMPT_TOKENS = "prompt_tokens"
+PROMPT_TOKENS_CACHED = "prompt_tokens_cached"
+KV_CACHE_USAGE = "kv_cache_usage"
+REQUESTS_RUNNING = "requests_running"
+REQUESTS_WAITING = "requests_waiting"
+CACHE_CONFIG_INFO = "cache_config_info"
+
+# Every engine signal, in exposition order.
+ENGINE_SIGNALS = (
+    PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, PROMPT_TOKENS, PROMPT_TOKENS_CACHED,
+    KV_CACHE_USAGE, REQUESTS_RUNNING, REQUESTS_WAITING, CACHE_CONFIG_INFO,
+)
+# Engine signals that are counters in vLLM (carried across vLLM restarts by the signals).
+COUNTER_SIGNALS = frozenset(
+    {PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, PROMPT_TOKENS, PROMPT_TOKENS_CACHED})
+
+# The labels of vllm:cache_config_info the exporter reads (the full set changes per release).
+CACHE_CONFIG_KEYS = (
+    "block_size", "num_gpu_blocks", "kv_cache_size_tokens", "enable_prefix_caching",
+    "prefix_match_unit", "mamba_block_size", "mamba_cache_mode", "cache_dtype",
+)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The labels of ``vllm:cache_config_info`` for one engine, read by key."""
+
+    engine: str
+    fields: dict[str, str]
+
+    def _int(self, key: str) -> int | None:
+        raw = self.fields.get(key)
+        if raw is None or raw in ("None", ""):
+            return None
+        try:
+            value = int(float(raw))
+        except (ValueError, OverflowError):
+            return None
+        return value if value > 0 else None
+
+    @property
+    def block_size(self) -> int | None:
+        return self._int("block_size")
+
+    @property
+    def num_gpu_blocks(self) -> int | None:
+        return self._int("num_gpu_blocks")
+
+    @property
+    def kv_cache_size_tokens(self) -> int | None:
+        return self._int("kv_cache_size_tokens")
+
+    @property
+    def prefix_match_unit(self) -> int | None:
+        return self._int("prefix_match_unit")
+
+    @property
+    def mamba_block_size(self) -> int | None:
+        return self._int("mamba_block_size")
+
+    @property
+    def enable_prefix_caching(self) -> bool | None:
+        raw = self.fields.get("enable_prefix_caching")
+        if raw is None:
+            return None
+        return raw.strip().lower() in ("true", "1")
+
+    @property
+    def pool_tokens(self) -> int | None:
+        """kv_cache_size_tokens (vLLM >= 0.2x), else num_gpu_blocks x block_size."""
+        if self.kv_cache_size_tokens:
+            return self.kv_cache_size_tokens
+        if self.num_gpu_blocks and self.block_size:
+            return self.num_gpu_blocks * self.block_size
+        return None
+
+
+@dataclass
+class EngineValues:
+    """Values of one (model_name, engine) pair of a vLLM, keyed by engine signal name."""
+
+    model_name: str
+    engine: str
+    values: dict[str, float] = field(default_factory=dict)
+    created: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EngineSnapshot:
+    """One successful read of a vLLM's /metrics, in the exporter's own terms."""
+
+    engines: dict[tuple[str, str], EngineValues]
+    cache_configs: dict[str, CacheConfig]  # by engine label
+    present: dict[str, bool]  # engine signal name -> exposed by this vLLM
+    invalid_samples: int = 0
+    lines: int = 0
+
+    def cache_config_for(self, engine: str) -> CacheConfig | None:
+        return self.cache_configs.get(engine)
+
+
+# ---- per-request usage ------------------------------------------------------------------
+
+# Status words that mean the request succeeded; any other word is an error.
+OK_STATUS_WORDS = frozenset({"ok", "success", "succeeded", "successful", "2xx", "completed"})
+
+
+@dataclass(frozen=True)
+class UsageEvent:
+    """What the proxy knows about one finished request.
+
+    ``cached_tokens`` is None when the response did not report it (vLLM without
+    ``--enable-prompt-tokens-details``, or < 0.24 for a cold request): never read it as 0.
+    ``queue_seconds`` is the admission wait at the proxy, included in ``ttft_seconds``.
+    ``status`` is an HTTP status (int) or a short word; None means success.
+    ``time`` is unix seconds; None means "when it arrived".
+    """
+
+    caller: str
+    model: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_seconds: float | None = None
+    queue_seconds: float | None = None
+    session: str | None = None
+    time: float | None = None
+    status: int | str | None = None
+
+
+def status_is_error(status: int | str | None) -> bool:
+    """None, 2xx and the words in OK_STATUS_WORDS are successes; everything else failed."""
+    if status is None:
+        return False
+    if type(status) is int:
+        return not 200 <= status < 300
+    text = str(status)
+    if text.isdigit():
+        return not 200 <= int(text) < 300
+    return text.lower() not in OK_STATUS_WORDS
