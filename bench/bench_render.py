@@ -46,6 +46,7 @@ from exporter.signals.classify import STATES  # noqa: E402
 from exporter.signals.state import SignalsState  # noqa: E402
 from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS  # noqa: E402
 from exporter.values import UsageEvent  # noqa: E402
+from exporter.wiring import signals_state
 
 MODEL = "qwen3.8-27b"
 # (prompt, cached, ttft): one warm, one partial and one cold turn per caller at G = 2048.
@@ -53,7 +54,7 @@ TURNS = ((91_070, 86_016, 6.1), (60_000, 30_720, 25.0), (40_000, 0, 74.0))
 
 
 def exporter_state(callers: int) -> SignalsState:
-    state = SignalsState(Config(signals_granularity=2048, callers_max=callers),
+    state = signals_state(Config(signals_granularity=2048, callers_max=callers),
                          clock=lambda: 1_800_000_000.0)
     assert state.usage is not None
     for index in range(callers):

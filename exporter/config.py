@@ -20,6 +20,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from exporter.usage.formats import MappingError, load_mapping
+
 ENV_PREFIX = "VLLM_CACHE_EXPORTER_"
 # Not in the Prometheus default port allocations list as far as we could check; see README.
 DEFAULT_PORT = 10123
@@ -454,9 +456,10 @@ def _cross_checks(config: Config) -> Config:
         if not config.usage_mapping_file:
             raise ConfigError("--usage.mapping.file", "the 'mapping' format needs a mapping file")
     if config.usage_mapping_file:  # read now so that a bad mapping is a configuration error
-        from exporter.usage.formats import load_mapping
-
-        load_mapping(config.usage_mapping_file)
+        try:
+            load_mapping(config.usage_mapping_file)
+        except MappingError as err:
+            raise ConfigError(err.where, err.problem) from None
     return config
 
 

@@ -8,9 +8,12 @@ import signal
 
 from aiohttp import web
 
+from exporter import wiring
 from exporter.config import Config
 from exporter.server import create_app
 from exporter.signals.state import SignalsState
+from exporter.usage.tail import follow
+from exporter.usage.tap import run_tap
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
-    state = SignalsState(config)
+    state = wiring.signals_state(config)
     app = create_app(config, state)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
     await runner.setup()
@@ -36,7 +39,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     except OSError:
         await runner.cleanup()
         raise
-    background = await start_background(config, state, app)
+    background = start_background(config, state)
     log.info("listening on http://%s:%d/metrics, reading %d vLLM target(s)", host, port,
              len(config.engine_targets))
     if started is not None:
@@ -58,15 +61,14 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         await runner.cleanup()
 
 
-async def start_background(config: Config, state: SignalsState,
-                           app: web.Application) -> list[asyncio.Task[None]]:
-    """Long-running readers (file tail, tap proxy) that are not request handlers."""
-    from exporter.usage.tail import run_tailers
-    from exporter.usage.tap import run_tap
-
+def start_background(config: Config, state: SignalsState) -> list[asyncio.Task[None]]:
+    """Long-running readers (file follower, tap proxy) that are not request handlers."""
     tasks: list[asyncio.Task[None]] = []
     if config.usage_file:
-        tasks.append(asyncio.ensure_future(run_tailers(config, state)))
+        follower = wiring.file_follower(config, state.usage)
+        tasks.append(asyncio.ensure_future(follow(follower, config.usage_file_poll_interval)))
     if config.tap_listen_address:
-        tasks.append(asyncio.ensure_future(run_tap(config, state)))
+        tasks.append(asyncio.ensure_future(run_tap(
+            wiring.tap_settings(config), wiring.tap_record(state.usage),
+            wiring.tap_reject(state.usage))))
     return tasks

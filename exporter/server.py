@@ -1,9 +1,9 @@
-"""The aiohttp app: /metrics, /-/healthy, /-/ready, the landing page, and reader routes.
+"""The aiohttp app: /metrics, /-/healthy, /-/ready, the landing page, and POST /v1/usage.
 
 /metrics first awaits a fresh read of every vLLM target (bounded by our timeout and by
 Prometheus' scrape timeout), then renders the registry synchronously: collectors never do
 I/O. The text format is written by exporter.metrics.exposition (byte-identical to
-client_python's, ~20x faster at 1,000 callers); OpenMetrics by client_python.
+client_python's, and faster: docs/performance.md); OpenMetrics by client_python.
 """
 
 from __future__ import annotations
@@ -11,56 +11,43 @@ from __future__ import annotations
 import asyncio
 import html
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder, generate_latest
 
-from exporter import __version__
+from exporter import __version__, wiring
 from exporter.config import Config
 from exporter.engine.fetch import EnginePoller
 from exporter.metrics import build_registry, generate_text
 from exporter.signals.state import SignalsState
+from exporter.usage.ingest import ROUTE as USAGE_ROUTE
 
 log = logging.getLogger(__name__)
 
 STATE_KEY = web.AppKey("state", SignalsState)
 POLLER_KEY = web.AppKey("poller", EnginePoller)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
-CONFIG_KEY = web.AppKey("config", Config)
 FIRST_READ_KEY = web.AppKey("first_read", asyncio.Task)
-
-# Extra route installers (usage ingest, status page parts): each gets the app after the
-# core routes exist. Kept as a list so readers plug in without the server importing them.
-RouteInstaller = Callable[[web.Application], None]
-
-
-def _default_installers() -> list[RouteInstaller]:
-    from exporter.usage.ingest import install_routes
-
-    return [install_routes]
 
 
 def create_app(config: Config, state: SignalsState | None = None,
                session_factory: Callable[[], aiohttp.ClientSession] | None = None,
-               installers: list[RouteInstaller] | None = None,
                initial_refresh: bool = True) -> web.Application:
-    state = state or SignalsState(config)
-    poller = EnginePoller(state.engine, session_factory or _default_session,
-                          timeout=config.vllm_timeout, max_bytes=config.vllm_max_body_bytes)
+    state = state or wiring.signals_state(config)
+    poller = wiring.engine_poller(config, state, session_factory or _default_session)
+    ingest = wiring.usage_ingest(config, state.usage)
     app = web.Application(client_max_size=config.usage_ingest_max_body_bytes)
     app[STATE_KEY] = state
     app[POLLER_KEY] = poller
     app[REGISTRY_KEY] = build_registry(state)
-    app[CONFIG_KEY] = config
     app.router.add_get("/", landing)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/-/healthy", healthy)
     app.router.add_get("/-/ready", ready)
-    for install in installers if installers is not None else _default_installers():
-        install(app)
+    app.router.add_post(USAGE_ROUTE, ingest.handle)
 
     async def start_first_read(app: web.Application) -> None:
         if initial_refresh and state.engine.targets:
@@ -137,5 +124,3 @@ async def landing(request: web.Request) -> web.Response:
 """
     return web.Response(text=page, content_type="text/html")
 
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

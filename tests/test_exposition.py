@@ -39,6 +39,7 @@ from exporter.signals.classify import STATES
 from exporter.signals.state import SignalsState
 from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, Series
 from exporter.values import UsageEvent
+from exporter.wiring import signals_state
 from tests.helpers import FIXTURES
 
 ENGINE_FIXTURES = sorted(path.relative_to(FIXTURES).as_posix()
@@ -102,7 +103,7 @@ def record_all_states(state: SignalsState, caller: str, model: str) -> None:
 
 def hostile_state(callers: int = 300) -> SignalsState:
     clock = Clock()
-    state = SignalsState(Config(signals_granularity=2048, callers_max=callers - 20,
+    state = signals_state(Config(signals_granularity=2048, callers_max=callers - 20,
                                 usage_file=("/x/*.jsonl",)), clock=clock)
     usage = state.usage
     assert usage is not None
@@ -186,7 +187,7 @@ async def test_usage_over_http_renders_identically(fake_vllm, exporter_for):
 
 
 def test_empty_registry_prints_every_header():
-    state = SignalsState(Config(), clock=Clock())
+    state = signals_state(Config(), clock=Clock())
     text = assert_same(build_registry(state)).decode()
     for name in ("vllm_cache_requests_total", "vllm_cache_ttft_seconds",
                  "vllm_cache_queue_wait_seconds", "vllm_cache_granularity_tokens"):
@@ -219,7 +220,7 @@ def test_cached_label_text_follows_new_series_and_values():
 
 
 def test_one_thousand_callers_render_identically():
-    state = SignalsState(Config(signals_granularity=2048, callers_max=1000), clock=Clock())
+    state = signals_state(Config(signals_granularity=2048, callers_max=1000), clock=Clock())
     for index in range(1000):
         record_all_states(state, f"agent-{index}", "qwen3.8-27b")
     assert_same(build_registry(state))
@@ -316,7 +317,7 @@ def test_format_value_property(number):
                 max_size=3),
        any_float)
 def test_registry_property(series_specs, rejected, now):
-    state = SignalsState(Config(), clock=Clock(now))
+    state = signals_state(Config(), clock=Clock(now))
     usage = state.usage
     assert usage is not None
     for caller, model, timed_states, total, tokens in series_specs:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import aiohttp
 
 from exporter.engine.parse import ParseError, parse
-from exporter.signals.engine import EngineState
 from exporter.values import EngineSnapshot
 
 log = logging.getLogger(__name__)
@@ -27,12 +25,6 @@ class FetchError(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class FetchResult:
-    snapshot: EngineSnapshot
-    body_bytes: int
 
 
 async def fetch_body(session: aiohttp.ClientSession, url: str, timeout: float,
@@ -79,14 +71,27 @@ async def decode_and_parse(body: bytes) -> EngineSnapshot:
         raise FetchError("parse", f"not a Prometheus text exposition: {err}") from None
 
 
-class EnginePoller:
-    """Reads every target once per scrape, concurrently; concurrent scrapes share one read."""
+# record_success(target, snapshot, seconds the read took, unix time)
+SuccessSink = Callable[[str, EngineSnapshot, float, float], None]
+# record_failure(target, reason, message, seconds the read took)
+FailureSink = Callable[[str, str, str, float], None]
 
-    def __init__(self, state: EngineState, session_factory: Callable[[], aiohttp.ClientSession],
+
+class EnginePoller:
+    """Reads every target once per scrape, concurrently; concurrent scrapes share one read.
+
+    What it reads goes to the two sinks it is handed; it keeps no signal state itself.
+    """
+
+    def __init__(self, targets: Sequence[str], record_success: SuccessSink,
+                 record_failure: FailureSink,
+                 session_factory: Callable[[], aiohttp.ClientSession],
                  timeout: float, max_bytes: int,
                  clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
-        self.state = state
+        self.targets = tuple(targets)
+        self._record_success = record_success
+        self._record_failure = record_failure
         self._session_factory = session_factory
         self._session: aiohttp.ClientSession | None = None
         self.timeout = timeout
@@ -120,11 +125,11 @@ class EnginePoller:
         await asyncio.shield(self._inflight)
 
     async def _refresh_all(self, timeout: float) -> None:
-        if not self.state.targets:
+        if not self.targets:
             return
         if self._session is None:
             self._session = self._session_factory()
-        await asyncio.gather(*(self._refresh_one(t, timeout) for t in self.state.targets))
+        await asyncio.gather(*(self._refresh_one(target, timeout) for target in self.targets))
 
     async def _refresh_one(self, target: str, timeout: float) -> None:
         assert self._session is not None
@@ -135,11 +140,11 @@ class EnginePoller:
         except FetchError as err:
             duration = self._monotonic() - started
             log.warning("vLLM target %s unreadable (%s): %s", target, err.reason, err)
-            self.state.record_failure(target, err.reason, str(err), duration)
+            self._record_failure(target, err.reason, str(err), duration)
             return
         except Exception as err:  # never let one target take the scrape down
             duration = self._monotonic() - started
             log.exception("unexpected error reading %s", target)
-            self.state.record_failure(target, "internal", repr(err), duration)
+            self._record_failure(target, "internal", repr(err), duration)
             return
-        self.state.record_success(target, snapshot, self._monotonic() - started, self._clock())
+        self._record_success(target, snapshot, self._monotonic() - started, self._clock())

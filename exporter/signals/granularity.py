@@ -72,9 +72,6 @@ class GranularityLearner:
         """The adopted granularity for ``model``, or None while there is no agreement."""
         return self.learned_by_model.get(model)
 
-    def models(self) -> list[str]:
-        return list(self._models)
-
 
 # vLLM's block sizes are powers of two (16 and 32 dense, 2,048 on hybrid align mode), so
 # until G is known from any source the largest power of two dividing this request's own cached

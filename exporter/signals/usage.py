@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
-from exporter.config import Config
 from exporter.signals.callers import LabelCap
 from exporter.signals.classify import ERROR, STATES, classify
 from exporter.signals.engine import EngineState
@@ -37,10 +37,6 @@ HISTORY_MAX = 10_000
 PAIR_MEMO_MAX = 10_000
 # Distinct (reader, reason) pairs counted; reasons come from code, this guards the tap's.
 MAX_REJECT_KEYS = 256
-# Readers whose event counter exists (at 0) before their first event, so an alert can tell
-# "never sent anything" from "not configured".
-READERS = ("http", "file", "tap")
-
 SOURCE_CONFIGURED = "configured"
 SOURCE_LEARNED = "learned"
 SOURCE_BLOCK_SIZE = "block_size"
@@ -61,14 +57,6 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
 
-    def cumulative(self) -> list[int]:
-        out = []
-        running = 0
-        for count in self.counts:
-            running += count
-            out.append(running)
-        return out
-
 
 class Series:
     """Everything counted for one (caller, model) label pair."""
@@ -86,19 +74,33 @@ class Series:
         self.reported_cached = False  # has an event of this pair ever carried cached_tokens
 
 
+@dataclass(frozen=True)
+class UsageSettings:
+    """How per-caller usage is labelled and classified (the callers.* and signals.* flags)."""
+
+    callers_max: int = 100
+    callers_allow: Sequence[str] = ()
+    callers_alias: Mapping[str, str] = field(default_factory=dict)
+    granularity: int = 0  # 0: learn it, else vLLM's block size
+    warm_tail_granules: float = 2.0
+    missing_cached_as_zero: bool = True
+    # Readers whose event counter exists (at 0) before their first event, so an alert can
+    # tell "never sent anything" from "not configured".
+    readers: Sequence[str] = ("http",)
+
+
 class UsageState:
-    def __init__(self, config: Config, engine: EngineState | None = None,
+    def __init__(self, settings: UsageSettings, engine: EngineState | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        self.config = config
         self.engine = engine
         self._clock = clock
-        self.callers = LabelCap(config.callers_max, config.callers_allow,
-                                dict(config.callers_alias))
+        self.callers = LabelCap(settings.callers_max, settings.callers_allow,
+                                dict(settings.callers_alias))
         self.models = LabelCap(MAX_MODELS)
         self.learner = GranularityLearner()
-        self.configured_granularity = config.signals_granularity
-        self.warm_tail_granules = config.signals_warm_tail_granules
-        self.missing_cached_as_zero = config.signals_missing_cached_as_zero
+        self.configured_granularity = settings.granularity
+        self.warm_tail_granules = settings.warm_tail_granules
+        self.missing_cached_as_zero = settings.missing_cached_as_zero
         self.series: dict[tuple[str, str], Series] = {}
         self.events: dict[str, int] = {}
         self.last_event_time: dict[str, float] = {}
@@ -107,17 +109,8 @@ class UsageState:
         self._model_names: dict[str, str] = {}  # model label -> a raw name, for block size
         self._history: dict[tuple[str, str, str | None], int] = {}
         self._pairs: dict[tuple[str, str], tuple[Series, str, bool]] = {}
-        for reader in self._configured_readers(config):
+        for reader in settings.readers:
             self.events[reader] = 0
-
-    @staticmethod
-    def _configured_readers(config: Config) -> list[str]:
-        readers = ["http"]
-        if config.usage_file:
-            readers.append("file")
-        if config.tap_listen_address:
-            readers.append("tap")
-        return readers
 
     # ---- readers' side ----------------------------------------------------------------
 

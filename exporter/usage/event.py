@@ -49,7 +49,7 @@ class InvalidEvent(ValueError):
         self.reason = reason
 
 
-def _tokens(obj: Mapping[str, Any], key: str, required: bool) -> int | None:
+def token_count(obj: Mapping[str, Any], key: str, required: bool) -> int | None:
     value = obj.get(key)
     if type(value) is int:
         if 0 <= value <= MAX_TOKENS:
@@ -173,19 +173,19 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
         status = _status(obj)
     prompt_tokens = get("prompt_tokens")
     if not (type(prompt_tokens) is int and 0 <= prompt_tokens <= MAX_TOKENS):
-        prompt_tokens = _tokens(obj, "prompt_tokens",
+        prompt_tokens = token_count(obj, "prompt_tokens",
                                 required=not status_is_error(status)) or 0
     cached_tokens = get("cached_tokens")
     if cached_tokens is not None and not (type(cached_tokens) is int
                                           and 0 <= cached_tokens <= MAX_TOKENS):
-        cached_tokens = _tokens(obj, "cached_tokens", required=False)
+        cached_tokens = token_count(obj, "cached_tokens", required=False)
     if cached_tokens is not None and cached_tokens > prompt_tokens:
         raise InvalidEvent("cached_exceeds_prompt",
                            "cached_tokens is larger than prompt_tokens")
     completion_tokens = get("completion_tokens")
     if completion_tokens is not None and not (type(completion_tokens) is int
                                               and 0 <= completion_tokens <= MAX_TOKENS):
-        completion_tokens = _tokens(obj, "completion_tokens", required=False)
+        completion_tokens = token_count(obj, "completion_tokens", required=False)
     ttft = get("ttft_seconds")
     if ttft is not None and not (type(ttft) is float and 0.0 <= ttft <= MAX_SECONDS):
         ttft = _seconds(obj, "ttft_seconds", MAX_SECONDS)

@@ -12,18 +12,26 @@ rejection reasons apply whatever the format.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import yaml
 
-from exporter.config import Config, ConfigError
 from exporter.usage.event import FIELDS, InvalidEvent, validate
+from exporter.usage.openai import parse_usage, read_response
 from exporter.values import UsageEvent, status_is_error
 
 Converter = Callable[[Any], UsageEvent]
+
+
+class MappingError(ValueError):
+    """A ``--usage.mapping.file`` that cannot be used; ``str()`` names the field."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}")
+        self.where = where
+        self.problem = problem
 
 _MISSING = object()
 
@@ -48,37 +56,6 @@ def _object(obj: Any) -> Mapping[str, Any]:
     if not isinstance(obj, Mapping):
         raise InvalidEvent("not_an_object", "each event must be a JSON object")
     return obj
-
-
-def usage_numbers(usage: Any) -> dict[str, Any]:
-    """prompt/cached/completion tokens from any OpenAI-compatible usage object.
-
-    Chat and completions: ``prompt_tokens``, ``prompt_tokens_details.cached_tokens``;
-    Responses API: ``input_tokens``, ``input_tokens_details.cached_tokens``; Anthropic
-    messages: ``input_tokens`` excludes both cache fields, so the prompt is their sum. An
-    absent or null ``cached_tokens`` stays None: it was not reported, it is not 0.
-    """
-    if not isinstance(usage, Mapping):
-        return {}
-    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
-        read = usage.get("cache_read_input_tokens")
-        created = usage.get("cache_creation_input_tokens")
-        prompt = usage.get("input_tokens")
-        if all(type(v) is int for v in (read or 0, created or 0, prompt)):
-            prompt = prompt + (read or 0) + (created or 0)
-        return {"prompt_tokens": prompt, "cached_tokens": read,
-                "completion_tokens": usage.get("output_tokens")}
-    if "input_tokens" in usage and "prompt_tokens" not in usage:
-        details = usage.get("input_tokens_details")
-        return {"prompt_tokens": usage.get("input_tokens"),
-                "cached_tokens": details.get("cached_tokens")
-                if isinstance(details, Mapping) else None,
-                "completion_tokens": usage.get("output_tokens")}
-    details = usage.get("prompt_tokens_details")
-    return {"prompt_tokens": usage.get("prompt_tokens"),
-            "cached_tokens": details.get("cached_tokens")
-            if isinstance(details, Mapping) else None,
-            "completion_tokens": usage.get("completion_tokens")}
 
 
 # ---- native ----------------------------------------------------------------------------
@@ -116,26 +93,31 @@ class LiteLLMFormat:
             if value not in (None, ""):
                 caller = value
                 break
-        usage_object = (get_path(payload, ("metadata", "usage_object"))
-                        or get_path(payload, ("hidden_params", "usage_object"))
-                        or get_path(payload, ("response", "usage")))
-        numbers = usage_numbers(usage_object)
+        status = payload.get("status")
+        usage = None
+        if not (type(status) in (int, str) and status_is_error(status)):
+            # A failed call has no usage worth reading; a successful one must have usable
+            # numbers wherever it carries them.
+            usage = parse_usage(get_path(payload, ("metadata", "usage_object"))
+                                or get_path(payload, ("hidden_params", "usage_object"))
+                                or get_path(payload, ("response", "usage")))
         model = payload.get("model") or payload.get("model_group")
         provider = payload.get("custom_llm_provider")
         if type(model) is str and type(provider) is str and model.startswith(provider + "/"):
             model = model[len(provider) + 1:]  # "hosted_vllm/qwen" is vLLM's "qwen"
+        prompt_tokens = payload.get("prompt_tokens")
+        completion_tokens = payload.get("completion_tokens")
         native_form: dict[str, Any] = {
             "caller": caller,
             "model": model,
-            "prompt_tokens": payload.get("prompt_tokens", numbers.get("prompt_tokens")),
-            "cached_tokens": numbers.get("cached_tokens"),
-            "completion_tokens": payload.get("completion_tokens",
-                                             numbers.get("completion_tokens")),
+            "prompt_tokens": prompt_tokens if prompt_tokens is not None
+            else usage.prompt_tokens if usage else None,
+            "cached_tokens": usage.cached_tokens if usage else None,
+            "completion_tokens": completion_tokens if completion_tokens is not None
+            else usage.completion_tokens if usage else None,
             "time": payload.get("startTime"),
-            "status": payload.get("status"),
+            "status": status,
         }
-        if native_form["prompt_tokens"] is None:
-            native_form["prompt_tokens"] = numbers.get("prompt_tokens")
         start, first, end = (payload.get(key) for key in
                              ("startTime", "completionStartTime", "endTime"))
         stream = payload.get("stream")
@@ -166,59 +148,24 @@ class OpenAIFormat:
 
     def __call__(self, obj: Any) -> UsageEvent:
         record = _object(obj)
-        response = record.get("response")
-        if isinstance(response, (str, bytes)):
-            response = _parse_body(response)
         status = record.get("status")
         failed = type(status) in (int, str) and status_is_error(status)
         native_form: dict[str, Any] = {key: record[key] for key in FIELDS if key in record}
-        usage = response.get("usage") if isinstance(response, Mapping) else None
-        if not isinstance(usage, Mapping):
-            if failed:  # a failed request has no usage; it is counted as an error
+        if failed and not isinstance(record.get("response"), (Mapping, str, bytes)):
+            return validate(native_form)  # a failed request has no usage; counted as an error
+        read = read_response(record.get("response"))
+        if read.usage is None:
+            if failed:
                 return validate(native_form)
             raise InvalidEvent("missing_usage", "the response carries no usage object")
-        for key, value in usage_numbers(usage).items():
-            native_form.setdefault(key, value)
+        native_form.setdefault("prompt_tokens", read.usage.prompt_tokens)
+        native_form.setdefault("cached_tokens", read.usage.cached_tokens)
+        native_form.setdefault("completion_tokens", read.usage.completion_tokens)
         if not native_form.get("model"):
-            native_form["model"] = response.get("model")
-        if "ttft_seconds" not in native_form:
-            metrics = response.get("metrics")
-            ttft_ms = metrics.get("time_to_first_token_ms") if isinstance(metrics,
-                                                                          Mapping) else None
-            if _is_number(ttft_ms):
-                native_form["ttft_seconds"] = ttft_ms / 1000.0
+            native_form["model"] = read.model
+        if "ttft_seconds" not in native_form and read.engine_ttft_seconds is not None:
+            native_form["ttft_seconds"] = read.engine_ttft_seconds
         return validate(native_form)
-
-
-def _parse_body(text: str | bytes) -> Any:
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", "replace")
-    stripped = text.lstrip()
-    if stripped.startswith(("data:", "event:", ":")):
-        found = None
-        for line in stripped.splitlines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if not data or data == "[DONE]":
-                continue
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                continue
-            if isinstance(chunk, Mapping):
-                if isinstance(chunk.get("usage"), Mapping):
-                    found = chunk
-                elif isinstance(chunk.get("response"), Mapping) and isinstance(
-                        chunk["response"].get("usage"), Mapping):
-                    found = chunk["response"]  # Responses API: response.completed event
-        if found is None:
-            raise InvalidEvent("missing_usage", "the stream has no chunk with a usage object")
-        return found
-    try:
-        return json.loads(stripped)
-    except ValueError:
-        raise InvalidEvent("malformed_response", "the response text is not JSON or SSE") from None
 
 
 # ---- user mapping ----------------------------------------------------------------------
@@ -236,18 +183,18 @@ class MappingFormat:
         self.rules: list[tuple[str, list[list[str]], float, list[list[str]]]] = []
         for field, rule in spec.items():
             if field not in FIELDS:
-                raise ConfigError(f"{source}: {field}",
+                raise MappingError(f"{source}: {field}",
                                   f"unknown field (known: {', '.join(FIELDS)})")
             scale, minus = 1.0, []
             if isinstance(rule, Mapping):
                 unknown = set(rule) - {"path", "scale", "minus"}
                 if unknown or "path" not in rule:
-                    raise ConfigError(f"{source}: {field}",
+                    raise MappingError(f"{source}: {field}",
                                       "expected a path, a list of paths, or {path, scale, "
                                       "minus}")
                 scale_raw = rule.get("scale", 1.0)
                 if isinstance(scale_raw, bool) or not isinstance(scale_raw, (int, float)):
-                    raise ConfigError(f"{source}: {field}.scale", "expected a number")
+                    raise MappingError(f"{source}: {field}.scale", "expected a number")
                 scale = float(scale_raw)
                 minus = self._paths(rule.get("minus", []), f"{source}: {field}.minus")
                 rule = rule["path"]
@@ -255,14 +202,14 @@ class MappingFormat:
         mapped = {rule[0] for rule in self.rules}
         for required in ("caller", "prompt_tokens"):
             if required not in mapped:
-                raise ConfigError(source, f"the mapping must give a path for {required}")
+                raise MappingError(source, f"the mapping must give a path for {required}")
 
     @staticmethod
     def _paths(rule: Any, where: str) -> list[list[str]]:
         if isinstance(rule, str):
             rule = [rule]
         if not isinstance(rule, list) or not all(isinstance(p, str) and p for p in rule):
-            raise ConfigError(where, "expected a dotted path or a list of them")
+            raise MappingError(where, "expected a dotted path or a list of them")
         return [path.split(".") for path in rule]
 
     def __call__(self, obj: Any) -> UsageEvent:
@@ -304,24 +251,25 @@ def load_mapping(path: str) -> MappingFormat:
         with open(path, encoding="utf-8") as handle:
             spec = yaml.safe_load(handle)
     except OSError as err:
-        raise ConfigError(where, f"cannot read {path}: {err.strerror}") from None
+        raise MappingError(where, f"cannot read {path}: {err.strerror}") from None
     except yaml.YAMLError:
-        raise ConfigError(where, f"{path} is not valid YAML") from None
+        raise MappingError(where, f"{path} is not valid YAML") from None
     if not isinstance(spec, Mapping):
-        raise ConfigError(where, f"{path} must map UsageEvent fields to dotted paths")
+        raise MappingError(where, f"{path} must map UsageEvent fields to dotted paths")
     return MappingFormat(spec, source=path)
 
 
 # ---- registry --------------------------------------------------------------------------
 
 
-def build_converters(config: Config) -> dict[str, Converter]:
-    """Every format usable with this configuration (``mapping`` only with a mapping file)."""
+def build_converters(litellm_caller_fields: Sequence[str],
+                     mapping: MappingFormat | None = None) -> dict[str, Converter]:
+    """Every format usable with these settings (``mapping`` only with a mapping)."""
     converters: dict[str, Converter] = {
         "native": native,
-        "litellm": LiteLLMFormat(config.usage_litellm_caller_fields),
+        "litellm": LiteLLMFormat(litellm_caller_fields),
         "openai": OpenAIFormat(),
     }
-    if config.usage_mapping_file:
-        converters["mapping"] = load_mapping(config.usage_mapping_file)
+    if mapping is not None:
+        converters["mapping"] = mapping
     return converters

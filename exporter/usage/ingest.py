@@ -17,16 +17,15 @@ import hmac
 import json
 import json.scanner
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from exporter.config import Config
-from exporter.server import CONFIG_KEY, STATE_KEY
-from exporter.signals.usage import UsageState
 from exporter.usage.event import InvalidEvent
-from exporter.usage.formats import Converter, build_converters
+from exporter.usage.formats import Converter
+from exporter.values import UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +136,23 @@ def _split_lines(text: str) -> Batch:
 
 
 class UsageIngest:
-    """Per-app ingest settings: the converters (built once) and the auth and size rules."""
+    """``POST /v1/usage``: its formats, auth and size rules, and where its events go.
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.converters = build_converters(config)
-        self.default_format = config.usage_ingest_format
-        self.token = config.usage_ingest_token.encode("utf-8")
-        self.max_body_bytes = config.usage_ingest_max_body_bytes
+    ``record`` takes each accepted event, ``reject`` the reason of each event that could not
+    be used, ``reject_request`` the reason of each request refused as a whole.
+    """
+
+    def __init__(self, converters: Mapping[str, Converter], default_format: str, token: str,
+                 max_body_bytes: int, record: Callable[[UsageEvent], object],
+                 reject: Callable[[str], None],
+                 reject_request: Callable[[str], None]) -> None:
+        self.converters = dict(converters)
+        self.default_format = default_format
+        self.token = token.encode("utf-8")
+        self.max_body_bytes = max_body_bytes
+        self.record = record
+        self.reject = reject
+        self.reject_request = reject_request
 
     def authorized(self, request: web.Request) -> bool:
         if not self.token:
@@ -154,11 +162,10 @@ class UsageIngest:
             return False
         return hmac.compare_digest(credentials.strip().encode("utf-8"), self.token)
 
-    async def process(self, batch: Batch, convert: Converter,
-                      usage: UsageState) -> BatchResult:
+    async def process(self, batch: Batch, convert: Converter) -> BatchResult:
         result = BatchResult()
-        record = usage.record
-        reject = usage.reject
+        record = self.record
+        reject = self.reject
         values, lines, bad = batch.values, batch.lines, batch.bad
         accepted = 0
         for start in range(0, len(values), EVENTS_PER_SLICE):
@@ -166,84 +173,67 @@ class UsageIngest:
                 await asyncio.sleep(0)
             for index in range(start, min(start + EVENTS_PER_SLICE, len(values))):
                 if bad and index in bad:
-                    reject(READER, bad[index])
+                    reject(bad[index])
                     result.add_error(index, bad[index], "this line is not valid JSON",
                                      lines[index] if lines else None)
                     continue
                 try:
                     event = convert(values[index])
                 except InvalidEvent as err:
-                    reject(READER, err.reason)
+                    reject(err.reason)
                     result.add_error(index, err.reason, str(err),
                                      lines[index] if lines else None)
                     continue
                 except Exception:  # a converter bug must not cost the rest of the batch
                     log.warning("usage event %d could not be converted", index, exc_info=True)
-                    reject(READER, "unprocessable")
+                    reject("unprocessable")
                     result.add_error(index, "unprocessable", "the event could not be read",
                                      lines[index] if lines else None)
                     continue
-                record(event, READER)
+                record(event)
                 accepted += 1
         result.accepted = accepted
         return result
 
+    def _refuse(self, status: int, reason: str, message: str,
+                headers: dict[str, str] | None = None) -> web.Response:
+        self.reject_request(reason)
+        return web.json_response({"accepted": 0, "error": reason, "message": message},
+                                 status=status, headers=headers)
 
-INGEST_KEY = web.AppKey("usage_ingest", UsageIngest)
-
-
-def _refuse(usage: UsageState | None, status: int, reason: str, message: str,
-            headers: dict[str, str] | None = None) -> web.Response:
-    if usage is not None:
-        usage.reject_request(reason)
-    return web.json_response({"accepted": 0, "error": reason, "message": message},
-                             status=status, headers=headers)
-
-
-async def handle_usage(request: web.Request) -> web.Response:
-    ingest = request.app[INGEST_KEY]
-    usage = request.app[STATE_KEY].usage
-    if usage is None:
-        return web.json_response({"accepted": 0, "error": "unavailable",
-                                  "message": "usage signals are not enabled"}, status=503)
-    if not ingest.authorized(request):
-        return _refuse(usage, 401, "unauthorized",
-                       "a valid 'Authorization: Bearer <token>' header is required",
-                       {"WWW-Authenticate": 'Bearer realm="vllm-cache-exporter"'})
-    format_name = request.query.get("format", ingest.default_format)
-    convert = ingest.converters.get(format_name)
-    if convert is None:
-        return _refuse(usage, 400, "bad_format",
-                       f"unknown or unconfigured format; use one of "
-                       f"{', '.join(sorted(ingest.converters))}")
-    limit = ingest.max_body_bytes
-    too_large = f"the body is larger than {limit} bytes (--usage.ingest.max-body-bytes)"
-    if request.content_length is not None and request.content_length > limit:
-        response = _refuse(usage, 413, "body_too_large", too_large)
-        response.force_close()
-        return response
-    body = bytearray()
-    while True:  # read ourselves: a chunked body has no Content-Length to check up front
-        chunk = await request.content.readany()
-        if not chunk:
-            break
-        body.extend(chunk)
-        if len(body) > limit:
-            response = _refuse(usage, 413, "body_too_large", too_large)
-            response.force_close()  # do not read the rest of an oversized body
+    async def handle(self, request: web.Request) -> web.Response:
+        if not self.authorized(request):
+            return self._refuse(401, "unauthorized",
+                                "a valid 'Authorization: Bearer <token>' header is required",
+                                {"WWW-Authenticate": 'Bearer realm="vllm-cache-exporter"'})
+        format_name = request.query.get("format", self.default_format)
+        convert = self.converters.get(format_name)
+        if convert is None:
+            return self._refuse(400, "bad_format",
+                                f"unknown or unconfigured format; use one of "
+                                f"{', '.join(sorted(self.converters))}")
+        limit = self.max_body_bytes
+        too_large = f"the body is larger than {limit} bytes (--usage.ingest.max-body-bytes)"
+        if request.content_length is not None and request.content_length > limit:
+            response = self._refuse(413, "body_too_large", too_large)
+            response.force_close()
             return response
-    try:
-        batch = split_body(bytes(body))
-    except BodyError as err:
-        return _refuse(usage, 400, err.reason, str(err))
-    result = await ingest.process(batch, convert, usage)
-    # 422 only when nothing at all could be used, so a sender notices; a partly bad batch
-    # is a success whose reply names the bad events.
-    status = 422 if result.rejected and not result.accepted else 200
-    return web.json_response(result.reply(), status=status)
-
-
-def install_routes(app: web.Application) -> None:
-    """Add POST /v1/usage; called by ``exporter.server.create_app`` for every app."""
-    app[INGEST_KEY] = UsageIngest(app[CONFIG_KEY])
-    app.router.add_post(ROUTE, handle_usage)
+        body = bytearray()
+        while True:  # read ourselves: a chunked body has no Content-Length to check up front
+            chunk = await request.content.readany()
+            if not chunk:
+                break
+            body.extend(chunk)
+            if len(body) > limit:
+                response = self._refuse(413, "body_too_large", too_large)
+                response.force_close()  # do not read the rest of an oversized body
+                return response
+        try:
+            batch = split_body(bytes(body))
+        except BodyError as err:
+            return self._refuse(400, err.reason, str(err))
+        result = await self.process(batch, convert)
+        # 422 only when nothing at all could be used, so a sender notices; a partly bad batch
+        # is a success whose reply names the bad events.
+        status = 422 if result.rejected and not result.accepted else 200
+        return web.json_response(result.reply(), status=status)

@@ -30,10 +30,8 @@ import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from exporter.config import Config
-from exporter.signals.state import SignalsState
 from exporter.usage.event import InvalidEvent
-from exporter.usage.formats import Converter, build_converters
+from exporter.usage.formats import Converter
 from exporter.values import UsageEvent
 
 log = logging.getLogger(__name__)
@@ -66,7 +64,7 @@ class _Followed:
 class FileFollower:
     """Follows every file matching ``patterns``; ``poll()`` reads what was appended since.
 
-    Synchronous and clock-free so tests drive it step by step; ``run_tailers`` is the loop.
+    Synchronous and clock-free so tests drive it step by step; ``follow`` is the loop.
     """
 
     def __init__(self, patterns: Sequence[str], convert: Converter,
@@ -263,25 +261,12 @@ class FileFollower:
                 pass
 
 
-def follower_for(config: Config, state: SignalsState) -> FileFollower:
-    usage = state.usage
-    if usage is None:
-        raise RuntimeError("usage signals are not enabled")
-    converters = build_converters(config)
-    return FileFollower(
-        config.usage_file, converters[config.usage_file_format],
-        sink=lambda event: usage.record(event, READER),
-        reject=lambda reason: usage.reject(READER, reason),
-        from_start=config.usage_file_from_start)
-
-
-async def run_tailers(config: Config, state: SignalsState) -> None:
-    """Follow ``--usage.file`` until cancelled (started by ``exporter.runtime``)."""
-    follower = follower_for(config, state)
+async def follow(follower: FileFollower, poll_interval: float) -> None:
+    """Poll ``follower`` every ``poll_interval`` seconds until cancelled, then close it."""
     try:
         while True:
             while follower.poll():
                 await asyncio.sleep(0)  # a backlog: let scrapes in between slices
-            await asyncio.sleep(config.usage_file_poll_interval)
+            await asyncio.sleep(poll_interval)
     finally:
         follower.close()

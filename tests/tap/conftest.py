@@ -21,7 +21,7 @@ from multidict import CIMultiDict
 
 from exporter.config import Config
 from exporter.signals.state import SignalsState
-from exporter.usage.tap import create_tap_app
+from exporter.wiring import signals_state, tap_app
 from tests.helpers import FIXTURES
 
 VLLM = FIXTURES / "vllm-0.32.0-cpu"
@@ -192,11 +192,11 @@ async def start_tap(upstream: MockUpstream,
                     **overrides: Any) -> TapHarness:
         config = Config(tap_listen_address="127.0.0.1:0",
                         tap_upstream=upstream_url or upstream.url, **overrides)
-        state = SignalsState(config)
+        state = signals_state(config)
         recording = RecordingUsage()
         state.usage = usage if usage is not None else recording
         clock = FakeClock()
-        server = await aiohttp_server(create_tap_app(config, state, monotonic=clock))
+        server = await aiohttp_server(tap_app(config, state.usage, monotonic=clock))
         session = aiohttp.ClientSession(auto_decompress=False)
         sessions.append(session)
         return TapHarness(upstream, recording, clock, str(server.make_url("")).rstrip("/"),

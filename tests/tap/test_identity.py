@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from exporter.usage.tap_identity import KeyAliases, resolve_caller
+from exporter.usage.tap.identity import KeyAliases, resolve_caller
 
 from .conftest import Reply, fixture_bytes
 

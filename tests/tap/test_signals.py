@@ -12,8 +12,8 @@ import pytest
 from exporter.config import Config
 from exporter.runtime import serve
 from exporter.server import create_app
-from exporter.signals.state import SignalsState
-from exporter.usage.tap import create_tap_app, run_tap
+from exporter.usage.tap import run_tap
+from exporter.wiring import signals_state, tap_app, tap_record, tap_reject, tap_settings
 from tests.helpers import value
 
 from .conftest import Reply, fixture_bytes
@@ -29,9 +29,9 @@ async def test_tap_calls_reach_the_per_caller_counters(upstream, aiohttp_client)
         fixture_bytes("06_completion_stream.sse.txt")]))
     upstream.reply("/v1/responses", Reply(status=500, body=b'{"error":"boom"}'))
     config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url)
-    state = SignalsState(config)
+    state = signals_state(config)
     assert state.usage is not None
-    tap = await aiohttp_client(create_tap_app(config, state))
+    tap = await aiohttp_client(tap_app(config, state.usage))
     exporter = await aiohttp_client(create_app(config, state, initial_refresh=False))
 
     headers = {"Authorization": f"Bearer {KEY}", "X-Caller": "alice"}
@@ -63,8 +63,8 @@ async def test_rejections_are_exported_by_reason(upstream, aiohttp_client):
     upstream.reply("/v1/chat/completions", Reply(body=b"not json", content_type="text/plain"))
     config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url,
                     tap_max_request_bytes=100)
-    state = SignalsState(config)
-    tap = await aiohttp_client(create_tap_app(config, state))
+    state = signals_state(config)
+    tap = await aiohttp_client(tap_app(config, state.usage))
     exporter = await aiohttp_client(create_app(config, state, initial_refresh=False))
     assert (await tap.post("/v1/chat/completions", json=CHAT)).status == 200
     assert (await tap.post("/v1/chat/completions", data=b"x" * 200)).status == 413
@@ -79,8 +79,9 @@ async def test_run_tap_serves_and_stops_when_cancelled(upstream, unused_tcp_port
     upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("02_chat_warm.json")))
     port = unused_tcp_port_factory()
     config = Config(tap_listen_address=f"127.0.0.1:{port}", tap_upstream=upstream.url)
-    state = SignalsState(config)
-    task = asyncio.ensure_future(run_tap(config, state))
+    state = signals_state(config)
+    task = asyncio.ensure_future(run_tap(tap_settings(config), tap_record(state.usage),
+                                         tap_reject(state.usage)))
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     async with aiohttp.ClientSession() as session:
         for _ in range(200):  # no event says "listening": poll with a deadline
@@ -132,11 +133,11 @@ async def test_session_header_names_the_conversation(upstream, aiohttp_client):
     """Turns are judged against the previous turn of the same conversation, not the caller's."""
     upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("02_chat_warm.json")))
     config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url)
-    state = SignalsState(config)
+    state = signals_state(config)
     seen = []
     record = state.usage.record
     state.usage.record = lambda event, reader: seen.append(event) or record(event, reader)
-    tap = await aiohttp_client(create_tap_app(config, state))
+    tap = await aiohttp_client(tap_app(config, state.usage))
     for headers in ({"X-Caller": "alice", "X-Session-Id": "conv-1"}, {"X-Caller": "alice"}):
         response = await tap.post("/v1/chat/completions", json=CHAT, headers=headers)
         assert response.status == 200

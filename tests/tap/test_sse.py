@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exporter.usage.tap_sse import StreamReader, event_data
+from exporter.usage.openai import StreamReader, event_data
 
 from .conftest import fixture_bytes, without_usage_chunk
 

@@ -14,7 +14,7 @@ from exporter.config import Config
 from exporter.metrics import build_registry
 from exporter.server import STATE_KEY, create_app
 from exporter.signals.state import SignalsState
-from exporter.signals.usage import UsageState
+from exporter.wiring import signals_state
 
 
 class FakeClock:
@@ -27,9 +27,7 @@ class FakeClock:
 
 def make_state(clock: FakeClock | None = None, **overrides: Any) -> SignalsState:
     """A SignalsState whose usage side reads the given fake clock."""
-    state = SignalsState(Config(**overrides))
-    state.usage = UsageState(state.config, engine=state.engine, clock=clock or FakeClock())
-    return state
+    return signals_state(Config(**overrides), clock=clock or FakeClock())
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:

@@ -7,10 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from exporter.config import ConfigError
 from exporter.metrics import build_registry
 from exporter.usage.event import InvalidEvent
-from exporter.usage.formats import LiteLLMFormat, MappingFormat, OpenAIFormat, load_mapping
+from exporter.usage.formats import (
+    LiteLLMFormat,
+    MappingError,
+    MappingFormat,
+    OpenAIFormat,
+    load_mapping,
+)
 from exporter.values import UsageEvent, status_is_error
 from tests.helpers import FIXTURES, fixture_text
 from tests.usage.conftest import value
@@ -221,13 +226,13 @@ def test_mapping_reads_dotted_paths(tmp_path):
     ("caller: [unclosed\n", "not valid YAML"),
 ])
 def test_bad_mappings_are_configuration_errors(tmp_path, text, problem):
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(MappingError) as caught:
         load_mapping(write_mapping(tmp_path, text))
     assert problem in str(caught.value)
 
 
 def test_missing_mapping_file_is_a_configuration_error(tmp_path):
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(MappingError) as caught:
         load_mapping(str(tmp_path / "nope.yaml"))
     assert "cannot read" in str(caught.value)
 
@@ -253,7 +258,7 @@ def test_a_bad_mapping_file_fails_configuration_up_front(tmp_path):
     """Exit 2 with one line (and --check-config says so), not a traceback at startup."""
     import argparse
 
-    from exporter.config import add_flags, build_config
+    from exporter.config import ConfigError, add_flags, build_config
 
     parser = argparse.ArgumentParser()
     add_flags(parser)

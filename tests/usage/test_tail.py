@@ -14,8 +14,9 @@ from pathlib import Path
 
 from exporter.config import Config
 from exporter.usage.event import validate
-from exporter.usage.tail import MAX_LINE_BYTES, FileFollower, run_tailers
+from exporter.usage.tail import MAX_LINE_BYTES, FileFollower, follow
 from exporter.values import UsageEvent
+from exporter.wiring import file_follower
 from tests.usage.conftest import make_state
 
 
@@ -229,13 +230,14 @@ def test_backlog_is_read_in_slices(tmp_path):
     tail.close()
 
 
-async def test_run_tailers_counts_into_the_state_and_stops_on_cancel(tmp_path):
+async def test_follow_counts_into_the_state_and_stops_on_cancel(tmp_path):
     path = tmp_path / "usage.jsonl"
     path.write_text(line(1))
     config = Config(usage_file=(str(tmp_path / "*.jsonl"),), usage_file_from_start=True,
                     usage_file_poll_interval=0.01)
     state = make_state(usage_file=config.usage_file)
-    task = asyncio.ensure_future(run_tailers(config, state))
+    task = asyncio.ensure_future(follow(file_follower(config, state.usage),
+                                        config.usage_file_poll_interval))
     append(path, line(2) + "garbage\n")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10

@@ -14,8 +14,8 @@ from aiohttp import web
 from exporter.config import Config
 from exporter.server import create_app
 from exporter.signals.state import SignalsState
-from exporter.usage.tap import create_tap_app
 from exporter.values import UsageEvent
+from exporter.wiring import signals_state, tap_app
 from tests.helpers import value
 from tests.vllm.server import MODEL_NAME, free_port
 
@@ -55,7 +55,7 @@ async def start_exporter(vllm_url: str) -> Exporter:
     config = Config(web_listen_address=f"127.0.0.1:{free_port()}", vllm_url=(vllm_url,),
                     tap_listen_address=f"127.0.0.1:{free_port()}", tap_upstream=vllm_url,
                     vllm_timeout=10.0)
-    state = SignalsState(config)
+    state = signals_state(config)
     exporter = Exporter(config, state)
     usage = state.usage
     assert usage is not None
@@ -67,7 +67,7 @@ async def start_exporter(vllm_url: str) -> Exporter:
 
     usage.record = spy  # type: ignore[method-assign]
     apps = [(create_app(config, state), config.listen_host_port),
-            (create_tap_app(config, state), (
+            (tap_app(config, state.usage), (
                 "127.0.0.1", int(config.tap_listen_address.rpartition(":")[2])))]
     for app, (host, port) in apps:
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)

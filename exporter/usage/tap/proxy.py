@@ -14,8 +14,9 @@ every request to ``--tap.upstream`` unchanged except for what it must do to read
 - every other path is proxied untouched and not recorded.
 
 Nothing is ever retried: a request that failed upstream may have run there. The API key is
-forwarded and otherwise only hashed (see ``tap_identity``); it never reaches a log line, an
-event or a label.
+forwarded and otherwise only hashed (see ``identity``); it never reaches a log line, an
+event or a label. Usage is read by ``exporter.usage.openai``, the same reader the ``openai``
+format uses.
 """
 
 from __future__ import annotations
@@ -33,17 +34,10 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from exporter.config import Config
-from exporter.signals.state import SignalsState
-from exporter.usage.tap_identity import KeyAliases, resolve_caller
-from exporter.usage.tap_sse import StreamReader
-from exporter.usage.tap_usage import (
-    ENDPOINTS,
-    USAGE_OPT_IN,
-    BadUsage,
-    Endpoint,
-    usage_of,
-)
+from exporter.usage.event import InvalidEvent, validate
+from exporter.usage.openai import ENDPOINTS, USAGE_OPT_IN, Endpoint, StreamReader, usage_of
+from exporter.usage.tap.identity import KeyAliases, resolve_caller
+from exporter.values import UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +58,20 @@ SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 PARSE_INLINE_MAX_BYTES = 256 * 1024
 READ_CHUNK = 64 * 1024
 
-TAP_CONFIG_KEY = web.AppKey("tap_config", Config)
-TAP_KEY = web.AppKey("tap", object)
+
+
+@dataclass(frozen=True)
+class TapSettings:
+    """The tap.* flags."""
+
+    upstream: str
+    listen_address: str = ""
+    caller_header: str = "X-Caller"
+    session_header: str = "X-Session-Id"
+    key_alias: tuple[tuple[str, str], ...] = ()
+    timeout: float = 600.0
+    max_request_bytes: int = 64 * 1024 * 1024
+    max_response_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass
@@ -151,29 +157,28 @@ def wants_usage(request_json: dict[str, Any]) -> bool:
 class Tap:
     """The proxy handler and the recording of its calls. One per tap listener."""
 
-    def __init__(self, config: Config, state: SignalsState,
-                 session: aiohttp.ClientSession | None,
+    def __init__(self, settings: TapSettings, record: Callable[[UsageEvent], object],
+                 reject: Callable[[str], None], session: aiohttp.ClientSession | None,
                  clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
-        self.state = state
+        self.settings = settings
+        self._record = record
+        self._reject = reject
         self.session = session
         if session is not None:
             no_retries(session)
-        self.upstream = URL(config.tap_upstream.rstrip("/"))
+        self.upstream = URL(settings.upstream.rstrip("/"))
         # What error messages name: never the credentials an upstream URL may carry.
         self.upstream_shown = str(self.upstream.with_user(None))
-        self.aliases = KeyAliases(config.tap_key_alias)
-        self.timeout = aiohttp.ClientTimeout(total=config.tap_timeout)
+        self.aliases = KeyAliases(settings.key_alias)
+        self.timeout = aiohttp.ClientTimeout(total=settings.timeout)
         self.clock = clock
         self.monotonic = monotonic
 
     # -- recording ---------------------------------------------------------------------
 
     def reject(self, reason: str) -> None:
-        usage = self.state.usage
-        if usage is not None:
-            usage.reject(READER, reason)
+        self._reject(reason)
         log.debug("tap: %s", reason)
 
     def record(self, exchange: Exchange) -> None:
@@ -185,14 +190,9 @@ class Tap:
         if exchange.recorded:
             return
         exchange.recorded = True
-        usage = self.state.usage
-        if usage is None:
-            return
         failed = exchange.status >= 400 or exchange.status == 0
         if exchange.prompt_tokens is None and not failed:
             return  # already counted as a rejection (missing_usage, malformed_response, ...)
-        from exporter.usage.event import InvalidEvent, validate
-
         try:
             event = validate({
                 "caller": exchange.caller,
@@ -207,10 +207,10 @@ class Tap:
             })
         except InvalidEvent as err:
             # The call itself went through; only its record is refused, and counted.
-            usage.reject(READER, err.reason)
+            self._reject(err.reason)
             log.debug("tap: event refused (%s): %s", err.reason, err)
             return
-        usage.record(event, reader=READER)
+        self._record(event)
 
     # -- proxying ----------------------------------------------------------------------
 
@@ -222,11 +222,11 @@ class Tap:
         endpoint = ENDPOINTS.get(request.path.rstrip("/")) if request.method == "POST" else None
         try:
             body = await read_bounded(request.content, request.content_length,
-                                      self.config.tap_max_request_bytes)
+                                      self.settings.max_request_bytes)
         except BodyTooLarge:
             self.reject("request_too_large")
             return json_error(413, "request body exceeds --tap.max-request-bytes "
-                              f"({self.config.tap_max_request_bytes} bytes)",
+                              f"({self.settings.max_request_bytes} bytes)",
                               "request_too_large")
         headers = forward_headers(request.headers, REQUEST_DROP)
         if endpoint is None:
@@ -243,10 +243,10 @@ class Tap:
         exchange = Exchange(
             endpoint=endpoint,
             caller=resolve_caller(request.headers, request_json,
-                                  self.config.tap_caller_header, self.aliases),
+                                  self.settings.caller_header, self.aliases),
             model=model if isinstance(model, str) else None,
-            session=(request.headers.get(self.config.tap_session_header, "").strip() or None
-                     if self.config.tap_session_header else None))
+            session=(request.headers.get(self.settings.session_header, "").strip() or None
+                     if self.settings.session_header else None))
         strip = False
         if (request_json is not None and endpoint in USAGE_OPT_IN
                 and request_json.get("stream") is True and not wants_usage(request_json)):
@@ -292,9 +292,9 @@ class Tap:
             if exchange is not None:
                 exchange.status = 504
             log.warning("tap: %s %s: no answer from upstream within %gs", request.method,
-                        request.path, self.config.tap_timeout)
+                        request.path, self.settings.timeout)
             return json_error(504, f"upstream {self.upstream_shown} did not answer within "
-                              f"{self.config.tap_timeout:g}s", "upstream_timeout")
+                              f"{self.settings.timeout:g}s", "upstream_timeout")
         except aiohttp.ClientError as err:
             if exchange is not None:
                 exchange.status = 502
@@ -339,7 +339,7 @@ class Tap:
     async def relay_body(self, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str],
                          exchange: Exchange) -> web.Response:
         """A whole (non-streamed) answer: read it within the limit, pass it byte for byte."""
-        limit = self.config.tap_max_response_bytes
+        limit = self.settings.max_response_bytes
         try:
             body = await read_bounded(upstream.content, upstream.content_length, limit)
         except BodyTooLarge:
@@ -364,7 +364,7 @@ class Tap:
             else:
                 obj = json.loads(body)
             usage, model = usage_of(obj)
-        except BadUsage as err:
+        except InvalidEvent as err:
             self.reject(err.reason)
             return
         except ValueError:
@@ -387,7 +387,7 @@ class Tap:
                                       headers=headers)
         await _prepare(response, request)
         reader = StreamReader(strip, started,
-                              max_event_bytes=min(self.config.tap_max_response_bytes,
+                              max_event_bytes=min(self.settings.max_response_bytes,
                                                   8 * 1024 * 1024))
         broken: _StreamBroken | None = None
         try:
@@ -504,18 +504,19 @@ def new_session() -> aiohttp.ClientSession:
     return session
 
 
-def create_tap_app(config: Config, state: SignalsState,
+def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object],
+                   reject: Callable[[str], None],
                    session: aiohttp.ClientSession | None = None,
                    clock: Callable[[], float] = time.time,
                    monotonic: Callable[[], float] = time.monotonic) -> web.Application:
     """The tap as an aiohttp app (tests and benchmarks mount it themselves).
 
-    Without a session the app opens its own on startup and closes it on cleanup.
+    ``record`` takes each call's UsageEvent, ``reject`` the reason of each call whose usage
+    could not be read. Without a session the app opens its own on startup and closes it on
+    cleanup.
     """
-    tap = Tap(config, state, session, clock=clock, monotonic=monotonic)
-    app = web.Application(client_max_size=config.tap_max_request_bytes)
-    app[TAP_CONFIG_KEY] = config
-    app[TAP_KEY] = tap
+    tap = Tap(settings, record, reject, session, clock=clock, monotonic=monotonic)
+    app = web.Application(client_max_size=settings.max_request_bytes)
     app.router.add_route("*", "/{tail:.*}", tap.handle)
     if session is None:
         async def open_session(_app: web.Application) -> None:
@@ -530,24 +531,25 @@ def create_tap_app(config: Config, state: SignalsState,
     return app
 
 
-async def run_tap(config: Config, state: SignalsState) -> None:
-    """Serve the tap on --tap.listen-address until cancelled."""
-    app = create_tap_app(config, state)
+async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
+                  reject: Callable[[str], None]) -> None:
+    """Serve the tap on ``settings.listen_address`` until cancelled."""
+    app = create_tap_app(settings, record, reject)
     # handler_cancellation: a client that hangs up cancels its upstream call at once.
     runner = web.AppRunner(app, access_log=None, handle_signals=False,
                            handler_cancellation=True, shutdown_timeout=2.0)
     await runner.setup()
-    host, _, port = config.tap_listen_address.rpartition(":")
+    host, _, port = settings.listen_address.rpartition(":")
     try:
         site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port),
                            reuse_address=True)
         try:
             await site.start()
         except OSError as err:
-            log.error("tap: cannot listen on %s: %s", config.tap_listen_address, err.strerror)
+            log.error("tap: cannot listen on %s: %s", settings.listen_address, err.strerror)
             raise
-        log.info("tap listening on http://%s, forwarding to %s", config.tap_listen_address,
-                 config.tap_upstream)
+        log.info("tap listening on http://%s, forwarding to %s", settings.listen_address,
+                 URL(settings.upstream).with_user(None))
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

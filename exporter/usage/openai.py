@@ -1,0 +1,354 @@
+"""The one reader of OpenAI-shaped bodies: usage, model, first content and errors.
+
+Used by the ``openai`` format (a response the proxy logged, whole or as SSE text) and by the
+tap (the live response, whole or streamed), so both read the same fields the same way:
+
+- chat and completions put the numbers in ``usage``: ``prompt_tokens``,
+  ``completion_tokens``, ``prompt_tokens_details.cached_tokens`` (the details only when vLLM
+  runs with ``--enable-prompt-tokens-details``);
+- the Responses API in the response object's ``usage``: ``input_tokens``, ``output_tokens``,
+  ``input_tokens_details.cached_tokens``;
+- Anthropic-style usage (LiteLLM and some gateways translate to it): ``input_tokens``
+  excludes both ``cache_read_input_tokens`` and ``cache_creation_input_tokens``, so the
+  prompt is their sum and the cached part is the cache read.
+
+A missing or null cached count means "not reported", never 0. Counts are checked with the
+same rules and rejection reasons as every other usage record (``exporter.usage.event``).
+
+Streams are read by ``StreamReader``, event by event whatever the chunk boundaries; nothing
+here reads a clock (the caller passes the time in).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from exporter.usage.event import MAX_SECONDS, InvalidEvent, token_count
+
+
+class Endpoint(enum.Enum):
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
+
+
+ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
+# Endpoints whose stream carries usage only when asked via stream_options.include_usage.
+USAGE_OPT_IN = (Endpoint.CHAT, Endpoint.COMPLETIONS)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int | None
+    cached_tokens: int | None  # None: the server did not report it
+
+
+def parse_usage(usage: Any) -> Usage | None:
+    """Any of the usage shapes above -> Usage; None when there is no usage object at all.
+
+    Raises InvalidEvent (with the reason a usage record would get) for unusable numbers.
+    """
+    if not isinstance(usage, Mapping):
+        return None
+    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
+        read = token_count(usage, "cache_read_input_tokens", required=False)
+        created = token_count(usage, "cache_creation_input_tokens", required=False) or 0
+        uncached = token_count(usage, "input_tokens", required=True) or 0
+        prompt = uncached + (read or 0) + created
+        completion = token_count(usage, "output_tokens", required=False)
+        return _checked(prompt, completion, read)
+    if "input_tokens" in usage or "input_tokens_details" in usage:
+        prompt_key, completion_key, details_key = (
+            "input_tokens", "output_tokens", "input_tokens_details")
+    else:
+        prompt_key, completion_key, details_key = (
+            "prompt_tokens", "completion_tokens", "prompt_tokens_details")
+    prompt = token_count(usage, prompt_key, required=True) or 0
+    completion = token_count(usage, completion_key, required=False)
+    details = usage.get(details_key)
+    cached = (token_count(details, "cached_tokens", required=False)
+              if isinstance(details, Mapping) else None)
+    return _checked(prompt, completion, cached)
+
+
+def _checked(prompt: int, completion: int | None, cached: int | None) -> Usage:
+    if cached is not None and cached > prompt:
+        raise InvalidEvent("cached_exceeds_prompt", "cached_tokens is larger than prompt_tokens")
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+
+
+def usage_of(obj: Any) -> tuple[Usage | None, str | None]:
+    """(usage, model) of a whole response body or of one stream event's JSON."""
+    if not isinstance(obj, Mapping):
+        return None, None
+    response = obj.get("response")
+    if isinstance(response, Mapping) and "usage" in response:  # Responses API stream event
+        obj = response
+    model = obj.get("model")
+    return parse_usage(obj.get("usage")), model if isinstance(model, str) else None
+
+
+def is_usage_only_chunk(obj: Any) -> bool:
+    """The final ``choices: []`` chunk that include_usage adds to a chat/completion stream."""
+    return (isinstance(obj, Mapping) and obj.get("choices") == []
+            and isinstance(obj.get("usage"), Mapping))
+
+
+def _non_empty(value: Any) -> bool:
+    return bool(value) if isinstance(value, (str, list, dict)) else False
+
+
+def carries_content(obj: Any) -> bool:
+    """True for the first stream event a user would see text (or a tool call) from."""
+    if not isinstance(obj, Mapping):
+        return False
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if not isinstance(choice, Mapping):
+                continue
+            if _non_empty(choice.get("text")):  # completions
+                return True
+            delta = choice.get("delta")
+            if isinstance(delta, Mapping) and any(
+                    _non_empty(delta.get(key))
+                    for key in ("content", "reasoning_content", "reasoning", "tool_calls")):
+                return True
+        return False
+    event_type = obj.get("type")  # Responses API: response.output_text.delta etc.
+    return (isinstance(event_type, str) and event_type.endswith(".delta")
+            and _non_empty(obj.get("delta")))
+
+
+def stream_error_status(obj: Any) -> int | None:
+    """vLLM reports a failure inside a 200 stream as ``{"error": {..., "code": 400}}``."""
+    if not isinstance(obj, Mapping):
+        return None
+    error = obj.get("error")
+    if not isinstance(error, Mapping):
+        if obj.get("type") in ("error", "response.failed"):
+            return 500
+        return None
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    return 500
+
+
+# ---- server-sent events ------------------------------------------------------------------
+
+_TERMINATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+_USAGE = b'"usage"'
+_ERROR = b'"error"'
+_RESPONSE_FAILED = b"response.failed"
+
+
+def _find_end(buffer: bytearray, start: int) -> int:
+    """Index just past the first event terminator at or after ``start``, else -1."""
+    best = -1
+    for terminator in _TERMINATORS:
+        at = buffer.find(terminator, start)
+        if at >= 0 and (best < 0 or at + len(terminator) < best):
+            best = at + len(terminator)
+    return best
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The joined ``data:`` lines of one event (None when it has none)."""
+    if event.startswith(b"data: ") and event.count(b"\n") <= 2 and b"\r" not in event:
+        return event[6:].rstrip(b"\n")  # the common one-line shape vLLM sends
+    lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
+
+
+class StreamReader:
+    """Reads one SSE response: what to forward, and the usage, model, TTFT and errors in it.
+
+    Upstream chunk boundaries do not follow event boundaries (TCP splits and merges writes),
+    so events are cut on the blank line that ends them, whatever chunks they arrived in. Two
+    modes:
+
+    - pass-through: every chunk is forwarded the moment it arrives, the bytes are only read;
+    - strip: the tap injected ``stream_options.include_usage``, so the usage-only chunk it
+      caused must not reach the client. Whole events are forwarded as soon as their blank
+      line arrives; the usage chunk is dropped; after it the stream is pass-through again.
+
+    JSON is decoded only where needed: every event until the first one that carries content
+    (TTFT), then only events that mention usage or an error.
+    """
+
+    def __init__(self, strip_usage_chunk: bool, started: float,
+                 max_event_bytes: int = 8 * 1024 * 1024) -> None:
+        self.strip = strip_usage_chunk
+        self.started = started
+        self.max_event_bytes = max_event_bytes
+        self.usage: Usage | None = None
+        self.final_usage = False  # usage came from the choices: [] chunk (authoritative)
+        self.model: str | None = None
+        self.ttft_seconds: float | None = None
+        self.error_status: int | None = None
+        self.problems: list[str] = []  # rejection reasons of events that could not be read
+        self.events = 0
+        self._buffer = bytearray()
+        self._scan_from = 0
+        self._oversized = False  # inside an event too large to read; skip to its end
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        """Take one upstream chunk; return the bytes to send the client now."""
+        if not self.strip:
+            self._consume(chunk, now)
+            return chunk
+        out = bytearray()
+        self._consume(chunk, now, out)
+        return bytes(out)
+
+    def finish(self) -> bytes:
+        """End of stream: whatever is still held (an unterminated last event)."""
+        held = bytes(self._buffer) if self.strip else b""
+        self._buffer.clear()
+        return held
+
+    def _consume(self, chunk: bytes, now: float, out: bytearray | None = None) -> None:
+        buffer = self._buffer
+        buffer += chunk
+        while buffer:
+            end = _find_end(buffer, self._scan_from)
+            if end < 0:
+                # Keep the tail that may start a terminator split across chunks.
+                self._scan_from = max(0, len(buffer) - 3)
+                if len(buffer) > self.max_event_bytes:
+                    self._give_up_on_event(out)
+                return
+            event = bytes(buffer[:end])
+            del buffer[:end]
+            self._scan_from = 0
+            if self._oversized:
+                self._oversized = False
+                if out is not None:
+                    out += event
+                continue
+            drop = self._read_event(event, now)
+            if out is None:
+                continue
+            if not drop:
+                out += event
+                continue
+            # The injected usage chunk is gone; the rest of the stream passes untouched.
+            self.strip = False
+            out += buffer
+            out = None
+
+    def _give_up_on_event(self, out: bytearray | None) -> None:
+        """An event larger than any usage chunk: forward it unread, resync at its end."""
+        if not self._oversized:
+            self.problems.append("stream_event_too_large")
+        self._oversized = True
+        keep = len(_TERMINATORS[1]) - 1  # these may begin the terminator
+        if out is not None:
+            out += self._buffer[:-keep]
+        del self._buffer[:-keep]
+        self._scan_from = 0
+
+    def _read_event(self, event: bytes, now: float) -> bool:
+        """Read one complete event; True when it is the injected usage chunk to drop."""
+        self.events += 1
+        need_content = self.ttft_seconds is None
+        if not need_content and _USAGE not in event and _ERROR not in event \
+                and _RESPONSE_FAILED not in event:
+            return False
+        data = event_data(event)
+        if data is None or data == b"[DONE]":
+            return False
+        try:
+            obj: Any = json.loads(data)
+        except ValueError:
+            self.problems.append("stream_event_not_json")
+            return False
+        if need_content and carries_content(obj):
+            self.ttft_seconds = max(0.0, now - self.started)
+        status = stream_error_status(obj)
+        if status is not None and self.error_status is None:
+            self.error_status = status
+        if not isinstance(obj, dict) or ("usage" not in obj and "response" not in obj):
+            return False
+        try:
+            usage, model = usage_of(obj)
+        except InvalidEvent as err:
+            self.problems.append(err.reason)
+            return False
+        if model is not None:
+            self.model = model
+        if usage is None:
+            return False
+        only_usage = is_usage_only_chunk(obj)
+        if only_usage or not self.final_usage:
+            # continuous_usage_stats puts usage on every chunk without the details; the
+            # final choices: [] chunk (or the Responses API's completed event) is the truth.
+            self.usage = usage
+            self.final_usage = only_usage or "response" in obj
+        return self.strip and only_usage
+
+
+# ---- a logged response, whole ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResponseRead:
+    """What a logged response body (JSON object, JSON text or SSE text) says."""
+
+    usage: Usage | None
+    model: str | None
+    engine_ttft_seconds: float | None  # vLLM's per-request metrics, when it sent them
+
+
+def read_response(response: Any) -> ResponseRead:
+    """A response as a proxy logged it: a decoded object, or its raw JSON or SSE text.
+
+    Raises InvalidEvent: ``malformed_response`` for text that is neither JSON nor SSE,
+    ``missing_usage`` for a stream without a usage chunk, or the reason of a bad count.
+    """
+    if isinstance(response, (str, bytes)):
+        raw = response.encode("utf-8", "replace") if isinstance(response, str) else response
+        stripped = raw.lstrip()
+        if stripped.startswith((b"data:", b"event:", b":")):
+            return _read_stream(stripped)
+        try:
+            response = json.loads(stripped)
+        except ValueError:
+            raise InvalidEvent("malformed_response",
+                               "the response text is not JSON or SSE") from None
+    if not isinstance(response, Mapping):
+        return ResponseRead(None, None, None)
+    usage, model = usage_of(response)
+    return ResponseRead(usage, model, _engine_ttft(response))
+
+
+def _read_stream(text: bytes) -> ResponseRead:
+    reader = StreamReader(strip_usage_chunk=False, started=0.0, max_event_bytes=len(text) + 1)
+    reader.feed(text if text.endswith(b"\n\n") else text + b"\n\n", 0.0)
+    if reader.usage is None:
+        bad_counts = [problem for problem in reader.problems if not problem.startswith("stream")]
+        if bad_counts:
+            raise InvalidEvent(bad_counts[-1], "the stream's usage chunk has unusable numbers")
+        raise InvalidEvent("missing_usage", "the stream has no chunk with a usage object")
+    return ResponseRead(reader.usage, reader.model, None)
+
+
+def _engine_ttft(response: Mapping[str, Any]) -> float | None:
+    """vLLM's per-request ``metrics.time_to_first_token_ms`` (``--enable-per-request-metrics``)."""
+    metrics = response.get("metrics")
+    if not isinstance(metrics, Mapping):
+        return None
+    ttft_ms = metrics.get("time_to_first_token_ms")
+    if type(ttft_ms) not in (int, float) or not 0 <= ttft_ms:  # absent, NaN or negative
+        return None
+    if ttft_ms > MAX_SECONDS * 1000:  # compared before float(): a huge int would overflow
+        raise InvalidEvent("too_large", "metrics.time_to_first_token_ms is larger than a day")
+    return float(ttft_ms) / 1000.0
