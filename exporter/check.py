@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from exporter.config import _http_url, metrics_url
+from exporter.config import metrics_url
 from exporter.engine import names
 from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
 from exporter.values import EngineSnapshot
@@ -39,37 +39,29 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vllm.url", dest="vllm_url", action="append", required=True,
-                        metavar="URL", help="vLLM server to check (repeatable; /metrics is "
-                                            "appended when the URL has no path).")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="Seconds to wait for each /metrics (default: 10).")
-
-
 def main(args: argparse.Namespace) -> int:
-    urls = []
-    for url in args.vllm_url:
-        try:
-            urls.append(metrics_url(_http_url(url)))
-        except ValueError as err:
-            print(f"vllm-cache-exporter check: --vllm.url: {err}", file=sys.stderr)
-            return 2
-    reports = asyncio.run(check_all(urls, args.timeout))
+    if not args.vllm_url:
+        print("vllm-cache-exporter check: --vllm.url is required (the vLLM server to read, "
+              "e.g. --vllm.url http://127.0.0.1:8000)", file=sys.stderr)
+        return 2
+    reports = asyncio.run(check_all([metrics_url(url) for url in args.vllm_url],
+                                    args.vllm_timeout, args.vllm_max_body_bytes))
     for report in reports:
         print("\n".join(render(report)))
     return 1 if any(report.problems for report in reports) else 0
 
 
-async def check_all(urls: list[str], timeout: float) -> list[Report]:
+async def check_all(urls: list[str], timeout: float, max_bytes: int) -> list[Report]:
     async with aiohttp.ClientSession() as session:
-        return list(await asyncio.gather(*(check_one(session, url, timeout) for url in urls)))
+        return list(await asyncio.gather(*(check_one(session, url, timeout, max_bytes)
+                                           for url in urls)))
 
 
-async def check_one(session: aiohttp.ClientSession, url: str, timeout: float) -> Report:
+async def check_one(session: aiohttp.ClientSession, url: str, timeout: float,
+                    max_bytes: int) -> Report:
     report = Report(url)
     try:
-        body = await fetch_body(session, url, timeout, max_bytes=64 * 1024 * 1024)
+        body = await fetch_body(session, url, timeout, max_bytes=max_bytes)
         snapshot = await decode_and_parse(body)
     except FetchError as err:
         report.problems.append(f"cannot read vLLM's /metrics ({err.reason}): {err}")

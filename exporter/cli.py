@@ -1,26 +1,38 @@
 """Command line: ``vllm-cache-exporter [run] [flags]`` and the other subcommands.
 
 ``run`` is the default, so ``vllm-cache-exporter --vllm.url=...`` starts the exporter as a
-node_exporter user would expect. Subcommands live in their own modules and are offered when
-their module imports.
+node_exporter user would expect. Every subcommand's flags come from the one table in
+``exporter.config``; each subcommand's module has ``main(settings) -> int`` and receives its
+validated settings, never raw argparse values.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import importlib
 import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from exporter import __version__
-from exporter.config import Config, ConfigError, add_flags, build_config
+from exporter.config import (
+    COMMANDS,
+    RUN,
+    Config,
+    ConfigError,
+    action_requested,
+    add_flags,
+    build_config,
+    settings,
+)
 
 PROG = "vllm-cache-exporter"
 
-# name -> (module, one-line help). Each module has add_arguments(parser) and main(args) -> int.
+# name -> (module, one-line help). Each module has main(settings) -> int.
 SUBCOMMANDS = {
     "demo": ("exporter.demo", "One command, no GPU: simulator + exporter + traffic, live view."),
     "simulate": ("exporter.sim.cli", "Run the vLLM simulator (OpenAI API + /metrics)."),
@@ -28,6 +40,7 @@ SUBCOMMANDS = {
     "generate": ("exporter.monitoring.cli", "Write (or --check) alerts/ and dashboards/."),
     "check": ("exporter.check", "Read a vLLM's /metrics once and say what is wrong, in words."),
 }
+assert set(SUBCOMMANDS) | {RUN} == set(COMMANDS)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -35,41 +48,80 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=36, width=100)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistyped flag gets the flags it was probably meant to be."""
+
+    command_parsers: dict[str, argparse.ArgumentParser]
+
+    def error(self, message: str) -> NoReturn:
+        if "unrecognized arguments:" in message:
+            known = [option for action in self._actions for option in action.option_strings
+                     if option.startswith("--")]
+            hints = []
+            for word in message.split("unrecognized arguments:", 1)[1].split():
+                flag = word.split("=", 1)[0]
+                if not flag.startswith("-"):
+                    continue
+                close = difflib.get_close_matches(flag.replace("_", "-"), known, n=1,
+                                                  cutoff=0.6)
+                if not close:  # --vllm-url for --vllm.url: compare without punctuation
+                    bare = {option.replace(".", "-"): option for option in known}
+                    close = [bare[found] for found in difflib.get_close_matches(
+                        flag.replace(".", "-").replace("_", "-"), list(bare), n=1, cutoff=0.8)]
+                if close:
+                    hints.append(f"{flag}: did you mean {close[0]}?")
+            if hints:
+                message += " (" + "; ".join(hints) + ")"
+        super().error(message)
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(
         prog=PROG, formatter_class=_Formatter,
         description="Prometheus sidecar for vLLM: prefix-cache hit ratio per caller, warm vs "
                     "cold TTFT, preemptions, KV occupancy in tokens.",
         epilog="Without a command, 'run' is assumed. '%(prog)s COMMAND --help' for details.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    run = commands.add_parser("run", help="Run the exporter (default).",
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                     parser_class=_Parser)
+    run = commands.add_parser(RUN, help="Run the exporter (default).",
                               formatter_class=_Formatter,
                               description="Run the exporter. Every flag can also be set with "
                                           "the environment variable shown, or in "
                                           "--config.file.")
-    run.add_argument("--check-config", action="store_true",
-                     help="Validate the configuration, print it and exit (0 if valid, 2 if not).")
-    add_flags(run)
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
+    add_flags(run, RUN)
+    parser.command_parsers = {RUN: run}
+    for name, (_module, help_text) in SUBCOMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text,
                                   formatter_class=_Formatter)
-        module.add_arguments(sub)
-        sub.set_defaults(module=module)
+        add_flags(sub, name)
+        parser.command_parsers[name] = sub
     return parser
 
 
-def _with_default_command(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    choices = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line (``run`` assumed); an unknown flag is a usage error of the
+    subcommand it was given to, with a suggestion."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(_with_default_command(list(argv)))
+    if unknown:
+        parser.command_parsers[args.command].error(
+            f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def _with_default_command(argv: list[str]) -> list[str]:
     if not argv:
-        return ["run"]
-    if argv[0] in choices or argv[0] in ("-h", "--help", "--version"):
+        return [RUN]
+    if argv[0] in COMMANDS or argv[0] in ("-h", "--help", "--version"):
         return argv
-    return ["run", *argv]
+    if not argv[0].startswith("-"):
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(f"{PROG}: unknown command '{argv[0]}' (commands: {', '.join(COMMANDS)}){hint}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return [RUN, *argv]
 
 
 def setup_logging(level: str) -> None:
@@ -79,22 +131,27 @@ def setup_logging(level: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def config_error(err: ConfigError) -> int:
-    print(f"{PROG}: configuration error: {err}", file=sys.stderr)
+def config_error(err: ConfigError, command: str = RUN) -> int:
+    where = PROG if command == RUN else f"{PROG} {command}"
+    print(f"{where}: configuration error: {err}", file=sys.stderr)
     return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(_with_default_command(list(sys.argv[1:] if argv is None else argv),
-                                                   parser))
-    if args.command != "run":
-        return int(args.module.main(args) or 0)
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.command != RUN:
+        try:
+            command_settings = settings(args.command, args)
+        except ConfigError as err:
+            return config_error(err, args.command)
+        module = importlib.import_module(SUBCOMMANDS[args.command][0])
+        return int(module.main(command_settings) or 0)
     try:
         config = build_config(args)
+        check_config = action_requested(RUN, "check-config", args)
     except ConfigError as err:
         return config_error(err)
-    if args.check_config:
+    if check_config:
         print(json.dumps(config.redacted(), indent=2, sort_keys=True))
         return 0
     setup_logging(config.log_level)

@@ -1,10 +1,17 @@
-"""One frozen Config from flags, environment and a YAML file.
+"""Every flag of every subcommand, in one table; and the ``run`` command's frozen Config.
 
-Precedence, highest first: command-line flag, ``VLLM_CACHE_EXPORTER_<FLAG>`` environment
-variable, ``--config.file`` YAML, built-in default. Every flag of every subsystem is declared
-once in ``FLAGS`` so that ``--help``, the environment names, the YAML keys and the README's
-reference cannot drift apart. Validation happens here, up front: a bad value is reported as
-one line naming the field, and the process exits 2 (see ``cli``).
+Each flag is declared once in ``FLAGS``: its name, the commands that take it, its type, its
+default, its check and its help. From that one row come the argparse option, the
+``VLLM_CACHE_EXPORTER_<FLAG>`` environment variable, the ``--config.file`` YAML key (``run``
+only), the ``--help`` text and the README's reference tables, so none can drift. Names
+follow node_exporter's vocabulary: a component's settings are dotted (``--vllm.url``,
+``--web.listen-address``, ``--log.level``), a command's own switches are single words
+(``--scenario``, ``--speed``, ``--check``). The same setting has the same name, and the
+same environment variable, in every command that takes it.
+
+Precedence, highest first: command-line flag, environment variable, ``--config.file``
+YAML, default. Validation happens here, up front: a bad value is reported as one line naming
+the flag or variable, and the process exits 2 (see ``cli``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from exporter.sim.scenario import DEFAULT_SCENARIO
+from exporter.sim.scenario import available as available_scenarios
 from exporter.usage.formats import MappingError, load_mapping
 
 ENV_PREFIX = "VLLM_CACHE_EXPORTER_"
@@ -28,6 +37,10 @@ DEFAULT_PORT = 10123
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 USAGE_FORMATS = ("native", "litellm", "openai", "mapping")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+RUN, CHECK, DEMO, SIMULATE, DRIVE, GENERATE = (
+    "run", "check", "demo", "simulate", "drive", "generate")
+COMMANDS = (RUN, CHECK, DEMO, SIMULATE, DRIVE, GENERATE)
 
 
 class ConfigError(ValueError):
@@ -60,7 +73,7 @@ def _to_float(raw: Any) -> float:
         raise ValueError(f"expected a number, got {raw!r}")
     try:
         value = float(str(raw).strip().rstrip("s")) if isinstance(raw, str) else float(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"expected a number, got {raw!r}") from None
     if not math.isfinite(value):
         raise ValueError(f"expected a finite number, got {raw!r}")
@@ -72,7 +85,7 @@ def _to_int(raw: Any) -> int:
         raise ValueError(f"expected a whole number, got {raw!r}")
     try:
         return int(str(raw).strip().replace("_", "")) if isinstance(raw, str) else int(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"expected a whole number, got {raw!r}") from None
 
 
@@ -105,18 +118,24 @@ def _to_mapping(raw: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(pairs))
 
 
-def _host_port(raw: str) -> str:
+def host_port(raw: str) -> str:
     host, sep, port = raw.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"expected HOST:PORT, got {raw!r}")
     return raw
 
 
-def _http_url(raw: str) -> str:
+def http_url(raw: str) -> str:
     parts = urlsplit(raw)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ValueError(f"expected an http(s) URL, got {raw!r}")
     return raw
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port); an empty host or ``[::]`` style brackets handled."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 # ---------------------------------------------------------------------------------------
@@ -133,6 +152,10 @@ class Flag:
     metavar: str | None = None
     check: Callable[[Any], None] | None = None  # raises ValueError on a bad parsed value
     secret: bool = False  # never echoed back in errors or --check-config output
+    commands: frozenset[str] = frozenset({RUN})
+    # A command whose default differs (the simulator listens on vLLM's port, say).
+    command_defaults: Mapping[str, Any] = field(default_factory=dict)
+    action: bool = False  # does something (--check-config) rather than set something
 
     @property
     def dest(self) -> str:
@@ -146,14 +169,17 @@ class Flag:
     def option(self) -> str:
         return "--" + self.name
 
+    def default_for(self, command: str) -> Any:
+        return self.command_defaults.get(command, self.default)
 
-def _positive(value: float) -> None:
-    if value <= 0:
+
+def _positive(value: float | None) -> None:
+    if value is not None and value <= 0:
         raise ValueError(f"must be greater than 0, got {value}")
 
 
-def _non_negative(value: float) -> None:
-    if value < 0:
+def _non_negative(value: float | None) -> None:
+    if value is not None and value < 0:
         raise ValueError(f"must not be negative, got {value}")
 
 
@@ -175,34 +201,61 @@ def _one_of(choices: Sequence[str]) -> Callable[[str], None]:
 
 def _optional_host_port(value: str) -> None:
     if value:
-        _host_port(value)
+        host_port(value)
 
 
 def _optional_url(value: str) -> None:
     if value:
-        _http_url(value)
+        http_url(value)
+
+
+def _optional_int(raw: Any) -> int | None:
+    return None if raw is None else _to_int(raw)
+
+
+def _optional_float(raw: Any) -> float | None:
+    return None if raw is None else _to_float(raw)
+
+
+def _optional_str(raw: Any) -> str | None:
+    return None if raw is None else _to_str(raw)
 
 
 MiB = 1024 * 1024
+ANY_COMMAND = frozenset(COMMANDS)
+SCENARIO_COMMANDS = frozenset({DEMO, SIMULATE, DRIVE})
+
+
+def _sim_flag(name: str, help_text: str, parse: Callable[[Any], Any], metavar: str | None,
+              kind: str = "value") -> Flag:
+    """A setting of the simulated vLLM, named after vLLM's own flag where it has one."""
+    # Positivity where it matters is the engine's own check (EngineConfig), with its words.
+    check = _non_negative if parse in (_optional_int, _optional_float) else None
+    return Flag(f"sim.{name}", "Simulated engine", help_text, parse, None, kind=kind,
+                metavar=metavar, check=check, commands=frozenset({SIMULATE}))
+
 
 FLAGS: tuple[Flag, ...] = (
+    Flag("check-config", "General", "Validate the configuration, print it (secrets redacted) and "
+         "exit: 0 if valid, 2 if not.", _to_bool, False, kind="bool", action=True),
     # --- web -----------------------------------------------------------------------------
     Flag("web.listen-address", "Web", "Address to serve /metrics, /v1/usage and the status "
          f"page on (HOST:PORT). Default {DEFAULT_LISTEN}; use 0.0.0.0:{DEFAULT_PORT} in a "
-         "container.", _to_str, DEFAULT_LISTEN, metavar="HOST:PORT", check=_host_port),
-    Flag("config.file", "Web", "YAML file with any of these settings (keys are the flag names "
+         "container.", _to_str, DEFAULT_LISTEN, metavar="HOST:PORT", check=host_port),
+    Flag("config.file", "General", "YAML file with any of these settings (keys are the flag names "
          "without dashes, flat or nested).", _to_str, "", metavar="FILE"),
-    Flag("log.level", "Web", "Log level.", _to_str, "info", metavar="LEVEL",
-         check=_one_of(LOG_LEVELS)),
+    Flag("log.level", "General", "Log level.", _to_str, "info", metavar="LEVEL",
+         check=_one_of(LOG_LEVELS), commands=frozenset({RUN, SIMULATE, DRIVE, DEMO}),
+         command_defaults={DEMO: "warning"}),
     # --- vLLM engines ---------------------------------------------------------------------
     Flag("vllm.url", "vLLM engine", "vLLM server to read /metrics from (repeatable, one per "
          "server; /metrics is appended when the URL has no path).", _to_list, (), kind="list",
-         metavar="URL", check=_each(_http_url)),
+         metavar="URL", check=_each(http_url), commands=frozenset({RUN, CHECK})),
     Flag("vllm.timeout", "vLLM engine", "Seconds to wait for one vLLM /metrics read; also "
          "bounded by Prometheus' X-Prometheus-Scrape-Timeout-Seconds.", _to_float, 5.0,
-         metavar="SECONDS", check=_positive),
+         metavar="SECONDS", check=_positive, commands=frozenset({RUN, CHECK})),
     Flag("vllm.max-body-bytes", "vLLM engine", "Largest vLLM /metrics body accepted.",
-         _to_int, 32 * MiB, metavar="BYTES", check=_positive),
+         _to_int, 32 * MiB, metavar="BYTES", check=_positive, commands=frozenset({RUN, CHECK})),
     # --- usage (per-request records from the proxy) ---------------------------------------
     Flag("usage.ingest.format", "Usage readers", "Default format of POST /v1/usage bodies "
          "(override per request with ?format=).", _to_str, "native", metavar="FORMAT",
@@ -210,9 +263,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("usage.ingest.token-file", "Usage readers", "File holding the bearer token POST "
          "/v1/usage requires (or set VLLM_CACHE_EXPORTER_USAGE_INGEST_TOKEN).", _to_str, "",
          metavar="FILE"),
-    Flag("usage.ingest.token", "Usage readers", "Bearer token POST /v1/usage requires. Prefer "
-         "the environment variable or the token file.", _to_str, "", metavar="TOKEN",
-         secret=True),
+    Flag("usage.ingest.token", "Usage readers", "Bearer token POST /v1/usage requires (and "
+         "drive sends). Prefer the environment variable or the token file.", _to_str, "",
+         metavar="TOKEN", secret=True, commands=frozenset({RUN, DRIVE})),
     Flag("usage.ingest.max-body-bytes", "Usage readers", "Largest POST /v1/usage body (413 "
          "above it).", _to_int, 16 * MiB, metavar="BYTES", check=_positive),
     Flag("usage.file", "Usage readers", "JSONL file(s) to follow (repeatable, globs allowed).",
@@ -264,49 +317,134 @@ FLAGS: tuple[Flag, ...] = (
          64 * MiB, metavar="BYTES", check=_positive),
     Flag("tap.max-response-bytes", "Tap proxy", "Largest non-streamed response body.",
          _to_int, 256 * MiB, metavar="BYTES", check=_positive),
+    # --- scenarios: demo, simulate, drive -------------------------------------------------
+    Flag("scenario", "Scenario", "Field-report scenario to play: a shipped one ("
+         + ", ".join(available_scenarios()) + ") or a YAML file. For simulate: take the "
+         "engine settings from it.", _to_str, DEFAULT_SCENARIO, metavar="NAME",
+         commands=SCENARIO_COMMANDS, command_defaults={SIMULATE: ""}),
+    Flag("speed", "Scenario", "Play X times faster than real time (demo: the scenario's own "
+         "demo speed).", _optional_float, 1.0, metavar="X", check=_positive,
+         commands=SCENARIO_COMMANDS, command_defaults={DEMO: None}),
+    Flag("duration", "Scenario", "Stop by itself after this many seconds (0: demo runs until "
+         "Ctrl-C, drive until the scenario ends).", _to_float, 0.0, metavar="SECONDS",
+         check=_non_negative, commands=frozenset({DEMO, DRIVE})),
+    Flag("refresh", "Scenario", "Seconds between view updates (default: 2 in a terminal, 10 "
+         "otherwise).", _optional_float, None, metavar="SECONDS", check=_positive,
+         commands=frozenset({DEMO})),
+    Flag("loop", "Scenario", "Start the scenario again, with new conversations, when it ends.",
+         _to_bool, False, kind="bool", commands=frozenset({DRIVE})),
+    Flag("seed", "Scenario", "Seed for the conversation texts (default: from the clock, so a "
+         "restarted driver does not find its old texts cached).", _optional_int, None,
+         metavar="N", commands=frozenset({DRIVE})),
+    # --- drive ----------------------------------------------------------------------------
+    Flag("drive.base-url", "Driver", "OpenAI-compatible server to drive: the simulator or a "
+         "real vLLM.", _to_str, "http://127.0.0.1:8000", metavar="URL", check=http_url,
+         commands=frozenset({DRIVE})),
+    Flag("drive.model", "Driver", "Model to ask for (default: the first one /v1/models lists).",
+         _to_str, "", metavar="NAME", commands=frozenset({DRIVE})),
+    Flag("drive.exporter-url", "Driver", "Exporter to report usage to (POST URL/v1/usage); "
+         "without it the usage events are printed to stdout as JSON lines.", _to_str, "",
+         metavar="URL", check=_optional_url, commands=frozenset({DRIVE})),
+    # --- simulate -------------------------------------------------------------------------
+    Flag("sim.listen-address", "Simulated engine", "Where to serve the OpenAI API and /metrics "
+         "(port 0 picks a free one).", _to_str, "127.0.0.1:8000", metavar="HOST:PORT",
+         check=host_port, commands=frozenset({SIMULATE})),
+    _sim_flag("served-model-name", "Model name the API serves.", _optional_str, "NAME"),
+    _sim_flag("kv-pool-tokens", "Tokens the KV-cache pool holds (vLLM's \"GPU KV cache size: "
+              "N tokens\").", _optional_int, "N"),
+    _sim_flag("block-size", "KV-cache block size in tokens.", _optional_int, "N"),
+    _sim_flag("granularity", "Tokens per reusable granule, a multiple of the block size "
+              "(default: the block size; on a hybrid model in align mode, the mamba block).",
+              _optional_int, "N"),
+    _sim_flag("max-model-len", "Longest prompt + completion accepted (default: the pool, at "
+              "most 131072).", _optional_int, "N"),
+    _sim_flag("max-num-seqs", "Most requests running at once.", _optional_int, "N"),
+    _sim_flag("prefill-rate", "Prompt tokens read per second (one prompt at a time).",
+              _optional_float, "X"),
+    _sim_flag("decode-rate", "Tokens per second one stream decodes alone.", _optional_float,
+              "X"),
+    _sim_flag("decode-slowdown", "Each extra decoding stream slows every stream by this "
+              "fraction.", _optional_float, "X"),
+    _sim_flag("prefill-interference", "Each decoding stream slows prompt reading by this "
+              "factor.", _optional_float, "X"),
+    _sim_flag("state-tokens", "Pool tokens one recurrent-state copy of a hybrid model takes "
+              "(one per running request, one per resumable prefix).", _optional_int, "N"),
+    _sim_flag("hybrid", "Simulate a hybrid (Mamba / linear-attention) model: prefix caching "
+              "off by default, reuse only where a state checkpoint was saved.",
+              _to_bool, None, kind="bool"),
+    _sim_flag("enable-prefix-caching", "Prefix caching (default: on, off with --sim.hybrid as "
+              "in vLLM before 0.26).", _to_bool, None, kind="bool"),
+    _sim_flag("enable-prompt-tokens-details", "Report prompt_tokens_details.cached_tokens in "
+              "usage (default: off, as in vLLM).", _to_bool, None, kind="bool"),
+    # --- generate -------------------------------------------------------------------------
+    Flag("output-dir", "Generate", "Directory that holds alerts/ and dashboards/.", _to_str,
+         ".", metavar="DIR", commands=frozenset({GENERATE})),
+    Flag("monitoring.config-file", "Generate", "YAML file overriding knobs of "
+         "exporter/monitoring/config.py (selector, windows, thresholds, for: durations, "
+         "severities, uids, URLs).", _to_str, "", metavar="FILE",
+         commands=frozenset({GENERATE})),
+    Flag("check", "Generate", "Write nothing; exit 1 and show a diff if the files on disk "
+         "differ from what the generators produce.", _to_bool, False, kind="bool",
+         commands=frozenset({GENERATE})),
+    Flag("format", "Generate", "prometheus: rule files + dashboards; prometheus-operator: one "
+         "PrometheusRule manifest.", _to_str, "prometheus", metavar="FORMAT",
+         check=_one_of(("prometheus", "prometheus-operator")), commands=frozenset({GENERATE})),
+    Flag("output", "Generate", "With --format prometheus-operator: write the manifest here "
+         "instead of stdout.", _to_str, "", metavar="FILE", commands=frozenset({GENERATE})),
 )
 
-FLAGS_BY_DEST = {flag.dest: flag for flag in FLAGS}
+# The run command's settings (the fields of Config).
+FLAGS_BY_DEST = {flag.dest: flag for flag in FLAGS if RUN in flag.commands and not flag.action}
+
+
+def flags_for(command: str) -> list[Flag]:
+    return [flag for flag in FLAGS if command in flag.commands]
+
+
+def _default(name: str) -> Any:
+    """The default of a ``run`` flag, as declared in FLAGS (so it is written once)."""
+    flag = FLAGS_BY_DEST[name.replace(".", "_").replace("-", "_")]
+    return flag.default
 
 
 @dataclass(frozen=True)
 class Config:
-    web_listen_address: str = DEFAULT_LISTEN
-    config_file: str = ""
-    log_level: str = "info"
-    vllm_url: tuple[str, ...] = ()
-    vllm_timeout: float = 5.0
-    vllm_max_body_bytes: int = 32 * MiB
-    usage_ingest_format: str = "native"
-    usage_ingest_token_file: str = ""
-    usage_ingest_token: str = field(default="", repr=False)
-    usage_ingest_max_body_bytes: int = 16 * MiB
-    usage_file: tuple[str, ...] = ()
-    usage_file_format: str = "native"
-    usage_file_from_start: bool = False
-    usage_file_poll_interval: float = 1.0
-    usage_mapping_file: str = ""
-    usage_litellm_caller_fields: tuple[str, ...] = (
-        "metadata.user_api_key_alias", "metadata.user_api_key_team_alias", "end_user")
-    callers_max: int = 100
-    callers_allow: tuple[str, ...] = ()
-    callers_alias: tuple[tuple[str, str], ...] = ()
-    signals_granularity: int = 0
-    signals_warm_tail_granules: float = 2.0
-    signals_missing_cached_as_zero: bool = True
-    tap_listen_address: str = ""
-    tap_upstream: str = ""
-    tap_caller_header: str = "X-Caller"
-    tap_session_header: str = "X-Session-Id"
-    tap_key_alias: tuple[tuple[str, str], ...] = ()
-    tap_timeout: float = 600.0
-    tap_max_request_bytes: int = 64 * MiB
-    tap_max_response_bytes: int = 256 * MiB
+    """The ``run`` command's settings: one field per ``run`` flag, defaults from FLAGS."""
+
+    web_listen_address: str = _default("web.listen-address")
+    config_file: str = _default("config.file")
+    log_level: str = _default("log.level")
+    vllm_url: tuple[str, ...] = _default("vllm.url")
+    vllm_timeout: float = _default("vllm.timeout")
+    vllm_max_body_bytes: int = _default("vllm.max-body-bytes")
+    usage_ingest_format: str = _default("usage.ingest.format")
+    usage_ingest_token_file: str = _default("usage.ingest.token-file")
+    usage_ingest_token: str = field(default=_default("usage.ingest.token"), repr=False)
+    usage_ingest_max_body_bytes: int = _default("usage.ingest.max-body-bytes")
+    usage_file: tuple[str, ...] = _default("usage.file")
+    usage_file_format: str = _default("usage.file.format")
+    usage_file_from_start: bool = _default("usage.file.from-start")
+    usage_file_poll_interval: float = _default("usage.file.poll-interval")
+    usage_mapping_file: str = _default("usage.mapping.file")
+    usage_litellm_caller_fields: tuple[str, ...] = _default("usage.litellm.caller-fields")
+    callers_max: int = _default("callers.max")
+    callers_allow: tuple[str, ...] = _default("callers.allow")
+    callers_alias: tuple[tuple[str, str], ...] = _default("callers.alias")
+    signals_granularity: int = _default("signals.granularity")
+    signals_warm_tail_granules: float = _default("signals.warm-tail-granules")
+    signals_missing_cached_as_zero: bool = _default("signals.missing-cached-as-zero")
+    tap_listen_address: str = _default("tap.listen-address")
+    tap_upstream: str = _default("tap.upstream")
+    tap_caller_header: str = _default("tap.caller-header")
+    tap_session_header: str = _default("tap.session-header")
+    tap_key_alias: tuple[tuple[str, str], ...] = _default("tap.key-alias")
+    tap_timeout: float = _default("tap.timeout")
+    tap_max_request_bytes: int = _default("tap.max-request-bytes")
+    tap_max_response_bytes: int = _default("tap.max-response-bytes")
 
     @property
     def listen_host_port(self) -> tuple[str, int]:
-        host, _, port = self.web_listen_address.rpartition(":")
-        return host.strip("[]") or "0.0.0.0", int(port)
+        return split_host_port(self.web_listen_address)
 
     @property
     def engine_targets(self) -> tuple[str, ...]:
@@ -315,7 +453,7 @@ class Config:
     def redacted(self) -> dict[str, Any]:
         """The effective settings, secrets masked: what --check-config prints."""
         out: dict[str, Any] = {}
-        for flag in FLAGS:
+        for flag in FLAGS_BY_DEST.values():
             value = getattr(self, flag.dest)
             if flag.secret and value:
                 value = "<redacted>"
@@ -367,16 +505,15 @@ def load_yaml(path: str) -> dict[str, Any]:
     return values
 
 
-def add_flags(parser: argparse.ArgumentParser, groups: Sequence[str] | None = None) -> None:
-    """Add the flags (of the named groups, or all) to ``parser``, grouped in --help."""
+def add_flags(parser: argparse.ArgumentParser, command: str = RUN) -> None:
+    """Add ``command``'s flags to ``parser``, grouped in --help, each naming its variable."""
     sections: dict[str, argparse._ArgumentGroup] = {}
-    for flag in FLAGS:
-        if groups is not None and flag.group not in groups:
-            continue
+    for flag in flags_for(command):
         section = sections.get(flag.group)
         if section is None:
             section = sections[flag.group] = parser.add_argument_group(flag.group)
-        default_text = "" if flag.default in (None, "", ()) else f" (default: {_show(flag)})"
+        default = flag.default_for(command)
+        default_text = "" if default in (None, "", ()) else f" (default: {_show(default)})"
         help_text = f"{flag.help}{default_text} [env {flag.env}]"
         if flag.kind == "bool":
             section.add_argument(flag.option, dest=flag.dest, action="store_const", const=True,
@@ -391,50 +528,78 @@ def add_flags(parser: argparse.ArgumentParser, groups: Sequence[str] | None = No
                                  metavar=flag.metavar, help=help_text)
 
 
-def _show(flag: Flag) -> str:
-    if isinstance(flag.default, tuple):
-        return ",".join(str(item) for item in flag.default)
-    return str(flag.default)
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(str(item) for item in value)
+    return str(value)
 
 
-def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Config:
-    """Layer defaults < YAML < environment < flags, parse and validate every field."""
+def _parse(flag: Flag, source: str, value: Any) -> Any:
+    try:
+        if flag.kind == "list" and isinstance(value, list) and flag.parse is _to_list:
+            parsed = tuple(item for chunk in value for item in _to_list(chunk))
+        elif flag.kind == "list" and isinstance(value, list) and flag.parse is _to_mapping:
+            parsed = tuple(sorted(pair for chunk in value for pair in _to_mapping(chunk)))
+        else:
+            parsed = flag.parse(value)
+        if flag.check is not None:
+            flag.check(parsed)
+    except ValueError as err:
+        raise ConfigError(source, str(err) if not flag.secret else "invalid value") from None
+    return parsed
+
+
+def resolve(command: str, args: argparse.Namespace,
+            environ: Mapping[str, str] | None = None,
+            file_values: Mapping[str, tuple[str, Any]] | None = None) -> dict[str, Any]:
+    """Every flag of ``command``: defaults < file < environment < flags, parsed and checked."""
     environ = os.environ if environ is None else environ
-    raw: dict[str, tuple[str, Any]] = {}  # dest -> (source shown in errors, raw value)
-
-    config_file = getattr(args, "config_file", None) or environ.get(
-        FLAGS_BY_DEST["config_file"].env, "")
-    if config_file:
-        for dest, value in load_yaml(config_file).items():
-            raw[dest] = (f"{config_file}: {FLAGS_BY_DEST[dest].name}", value)
-    for flag in FLAGS:
+    raw: dict[str, tuple[str, Any]] = dict(file_values or {})
+    for flag in flags_for(command):
         if flag.env in environ:
             raw[flag.dest] = (flag.env, environ[flag.env])
         cli_value = getattr(args, flag.dest, None)
         if cli_value is not None:
             raw[flag.dest] = (flag.option, cli_value)
-
-    # The token file is read here so that "file unreadable" is a configuration error.
     values: dict[str, Any] = {}
-    for flag in FLAGS:
-        if flag.dest not in raw:
-            continue
-        source, value = raw[flag.dest]
-        try:
-            if flag.kind == "list" and isinstance(value, list) and flag.parse is _to_list:
-                parsed = tuple(item for chunk in value for item in _to_list(chunk))
-            elif flag.kind == "list" and isinstance(value, list) and flag.parse is _to_mapping:
-                parsed = tuple(sorted(pair for chunk in value for pair in _to_mapping(chunk)))
-            else:
-                parsed = flag.parse(value)
-            if flag.check is not None:
-                flag.check(parsed)
-        except ValueError as err:
-            raise ConfigError(source, str(err) if not flag.secret else "invalid value") from None
-        values[flag.dest] = parsed
+    for flag in flags_for(command):
+        if flag.dest in raw:
+            values[flag.dest] = _parse(flag, *raw[flag.dest])
+        else:
+            values[flag.dest] = flag.default_for(command)
+    return values
+
+
+def settings(command: str, args: argparse.Namespace,
+             environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """A subcommand's validated settings, as attributes named after the flags' dests."""
+    return argparse.Namespace(**resolve(command, args, environ))
+
+
+def action_requested(command: str, name: str, args: argparse.Namespace,
+                     environ: Mapping[str, str] | None = None) -> bool:
+    """Whether an action flag (``--check-config``) was given, on the command line or in its
+    environment variable."""
+    environ = os.environ if environ is None else environ
+    flag = next(flag for flag in flags_for(command) if flag.name == name and flag.action)
+    given = getattr(args, flag.dest, None)
+    if given is not None:
+        return bool(given)
+    return bool(_parse(flag, flag.env, environ[flag.env])) if flag.env in environ else False
+
+
+def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Config:
+    """The ``run`` command's Config: defaults < YAML < environment < flags, all checked."""
+    environ = os.environ if environ is None else environ
+    config_file = getattr(args, "config_file", None) or environ.get(
+        FLAGS_BY_DEST["config_file"].env, "")
+    file_values: dict[str, tuple[str, Any]] = {}
+    if config_file:
+        for dest, value in load_yaml(config_file).items():
+            file_values[dest] = (f"{config_file}: {FLAGS_BY_DEST[dest].name}", value)
+    values = resolve(RUN, args, environ, file_values)
     values["config_file"] = config_file or ""
-    config = Config(**values)
-    return _cross_checks(config)
+    return _cross_checks(Config(**{dest: values[dest] for dest in FLAGS_BY_DEST}))
 
 
 def _cross_checks(config: Config) -> Config:
@@ -463,15 +628,16 @@ def _cross_checks(config: Config) -> Config:
     return config
 
 
-def flags_markdown() -> str:
-    """The README's configuration reference, generated so it cannot drift from FLAGS."""
+def flags_markdown(command: str = RUN) -> str:
+    """A README reference table, generated so it cannot drift from FLAGS."""
     lines = ["| Flag | Environment | Default | Meaning |", "|---|---|---|---|"]
     current = None
-    for flag in FLAGS:
+    for flag in flags_for(command):
         if flag.group != current:
             current = flag.group
             lines.append(f"| **{current}** | | | |")
-        default = _show(flag) if flag.default not in (None, "", ()) else ""
+        default_value = flag.default_for(command)
+        default = _show(default_value) if default_value not in (None, "", ()) else ""
         option = flag.option + ("" if flag.kind == "bool" else f" {flag.metavar or 'VALUE'}")
         meaning = flag.help.replace("|", "\\|")
         lines.append(f"| `{option}` | `{flag.env}` | {f'`{default}`' if default else ''} "

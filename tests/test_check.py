@@ -59,7 +59,7 @@ def test_preemptions_are_noted():
 async def run_check(*urls: str) -> tuple[int, str, str]:
     args = [arg for url in urls for arg in ("--vllm.url", url)]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "exporter", "check", "--timeout", "5", *args,
+        sys.executable, "-m", "exporter", "check", "--vllm.timeout", "5", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode is not None

@@ -11,7 +11,15 @@ import sys
 import pytest
 
 from exporter.cli import build_parser, main
-from exporter.config import FLAGS, Config, ConfigError, build_config
+from exporter.config import (
+    COMMANDS,
+    FLAGS,
+    FLAGS_BY_DEST,
+    Config,
+    ConfigError,
+    build_config,
+    flags_for,
+)
 
 
 def config_from(argv: list[str], environ: dict[str, str] | None = None) -> Config:
@@ -19,9 +27,61 @@ def config_from(argv: list[str], environ: dict[str, str] | None = None) -> Confi
     return build_config(args, environ=environ or {})
 
 
-def test_every_flag_has_a_config_field_and_back():
-    fields = {f.name for f in dataclasses.fields(Config)}
-    assert {flag.dest for flag in FLAGS} == fields
+def test_every_run_setting_has_a_config_field_and_back():
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    assert set(FLAGS_BY_DEST) == set(fields)
+    for dest, flag in FLAGS_BY_DEST.items():  # the default is the table's, written once
+        assert fields[dest].default == flag.default, dest
+
+
+def test_one_table_for_every_command():
+    """Each flag once per command, one name per setting: the same env var wherever used."""
+    for command in COMMANDS:
+        names = [flag.name for flag in flags_for(command)]
+        assert len(names) == len(set(names)), command
+    assert len({flag.name for flag in FLAGS}) == len(FLAGS)
+    for flag in FLAGS:
+        assert flag.env == "VLLM_CACHE_EXPORTER_" + flag.dest.upper()
+        assert flag.commands <= set(COMMANDS)
+        # dotted component settings, or a command's own single words
+        assert flag.name == flag.name.lower() and " " not in flag.name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--speed", "-1"], "--speed: must be greater than 0"),
+    (["drive", "--drive.base-url", "ftp://x"], "--drive.base-url: expected an http(s) URL"),
+    (["demo", "--refresh", "0"], "--refresh: must be greater than 0"),
+    (["check", "--vllm.timeout", "soon"], "--vllm.timeout: expected a number"),
+    (["generate", "--format", "helm"], "--format: must be one of"),
+])
+def test_subcommand_settings_are_validated_by_the_same_table(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_subcommands_read_their_environment_variables(monkeypatch):
+    from exporter.cli import build_parser
+    from exporter.config import settings
+
+    args = build_parser().parse_args(["drive"])
+    env = {"VLLM_CACHE_EXPORTER_USAGE_INGEST_TOKEN": "tok", "VLLM_CACHE_EXPORTER_SPEED": "3"}
+    resolved = settings("drive", args, env)
+    assert resolved.usage_ingest_token == "tok" and resolved.speed == 3.0
+    assert resolved.scenario == "two-agents-fit" and resolved.drive_exporter_url == ""
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--vllm-url", "http://x"], "--vllm-url: did you mean --vllm.url?"),
+    (["--vllm.ulr", "http://x"], "--vllm.ulr: did you mean --vllm.url?"),
+    (["demo", "--senario", "x"], "--senario: did you mean --scenario?"),
+    (["chek"], "unknown command 'chek'"),
+])
+def test_mistyped_flags_and_commands_get_a_suggestion(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert hint in capsys.readouterr().err
 
 
 def test_defaults_bind_localhost_on_the_documented_port():

@@ -5,15 +5,40 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from exporter.config import flags_markdown
+from exporter.config import COMMANDS, flags_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
+def flag_blocks(text: str) -> dict[str, str]:
+    """command -> the README's generated flag table for it."""
+    blocks = {}
+    for part in text.split("<!-- flags:begin ")[1:]:
+        command = part.split(None, 1)[0]
+        blocks[command] = part.split("-->", 1)[1].split("<!-- flags:end")[0].strip()
+    return blocks
+
+
 def test_flag_reference_is_current():
-    block = README.split("<!-- flags:begin", 1)[1].split("-->", 1)[1].split("<!-- flags:end")[0]
-    assert block.strip() == flags_markdown().strip(), "regenerate: config.flags_markdown()"
+    """One generated table per command, all from the one table in exporter/config.py."""
+    blocks = flag_blocks(README)
+    assert set(blocks) == set(COMMANDS)
+    for command in COMMANDS:
+        assert blocks[command] == flags_markdown(command).strip(), (
+            f"regenerate: python -m tests.test_readme ({command})")
+
+
+def regenerate() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for command in flag_blocks(text):
+        marker = f"<!-- flags:begin {command} "
+        head, rest = text.split(marker, 1)
+        comment, rest = rest.split("-->", 1)
+        _old, tail = rest.split("<!-- flags:end", 1)
+        text = (f"{head}{marker}{comment}-->\n{flags_markdown(command)}<!-- flags:end"
+                f"{tail}")
+    (ROOT / "README.md").write_text(text, encoding="utf-8")
 
 
 def test_ci_runs_exactly_the_readme_test_command():
@@ -22,3 +47,7 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_command = blocks[1].strip()
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert test_command in ci.splitlines()
+
+
+if __name__ == "__main__":
+    regenerate()

@@ -19,29 +19,9 @@ from exporter.monitoring.render import prometheus_files, prometheus_rule_manifes
 DIFF_LINES_PER_FILE = 40
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output-dir", default=".", metavar="DIR",
-                        help="Directory that holds alerts/ and dashboards/ (default: the "
-                             "current directory).")
-    parser.add_argument("--config", default="", metavar="FILE",
-                        help="YAML file overriding knobs of exporter/monitoring/config.py "
-                             "(selector, windows, thresholds, for: durations, severities, "
-                             "uids, URLs).")
-    parser.add_argument("--check", action="store_true",
-                        help="Write nothing; exit 1 and show a diff if the files on disk "
-                             "differ from what the generators produce.")
-    parser.add_argument("--format", choices=("prometheus", "prometheus-operator"),
-                        default="prometheus",
-                        help="prometheus: rule files + dashboards (default); "
-                             "prometheus-operator: one PrometheusRule manifest.")
-    parser.add_argument("--output", default="", metavar="FILE",
-                        help="With --format prometheus-operator: write the manifest here "
-                             "instead of stdout.")
-
-
 def main(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config)
+        config = load_config(args.monitoring_config_file)
     except MonitoringConfigError as err:
         print(f"vllm-cache-exporter generate: configuration error: {err}", file=sys.stderr)
         return 2

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import signal
 import sys
 import time
@@ -32,7 +31,6 @@ from exporter.sim.tokenizer import base36, chat_overhead, words
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "VLLM_CACHE_EXPORTER_USAGE_INGEST_TOKEN"
 _TAG_SPACE = 36**4
 # Real seconds to wait after a request got no answer, so a down server is not hammered.
 TRANSPORT_BACKOFF_SECONDS = 1.0
@@ -154,44 +152,17 @@ class Driver:
 # ---- command line ----------------------------------------------------------------------
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", default=scenarios.DEFAULT_SCENARIO, metavar="NAME",
-                        help="Scenario name (" + ", ".join(scenarios.available()) + ") or a "
-                             "YAML file (default: %(default)s).")
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000", metavar="URL",
-                        help="OpenAI-compatible server: the simulator or a real vLLM "
-                             "(default: %(default)s).")
-    parser.add_argument("--model", default="", metavar="NAME",
-                        help="Model to ask for (default: the first one /v1/models lists).")
-    parser.add_argument("--exporter-url", default="", metavar="URL",
-                        help="Exporter to report usage to (POST URL/v1/usage); without it "
-                             "the usage events are printed to stdout as JSON lines.")
-    parser.add_argument("--usage-token", default=os.environ.get(TOKEN_ENV, ""),
-                        metavar="TOKEN", help=f"Bearer token for /v1/usage [env {TOKEN_ENV}].")
-    parser.add_argument("--speed", type=float, default=1.0, metavar="X",
-                        help="Play the scenario's timeline X times faster (default: 1).")
-    parser.add_argument("--loop", action="store_true",
-                        help="Start the scenario again, with new conversations, when it ends.")
-    parser.add_argument("--duration", type=float, default=0.0, metavar="SECONDS",
-                        help="Stop after this many seconds (0: when the scenario ends).")
-    parser.add_argument("--seed", type=int, default=None, metavar="N",
-                        help="Seed for the conversation texts (default: from the clock, so a "
-                             "restarted driver does not find its old texts cached).")
-    parser.add_argument("--log-level", default="info",
-                        choices=("debug", "info", "warning", "error"))
-
-
 async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
-    client = HttpClient(args.base_url)
-    reporter: Reporter = (HttpReporter(args.exporter_url, args.usage_token)
-                          if args.exporter_url else LineReporter())
+    client = HttpClient(args.drive_base_url)
+    reporter: Reporter = (HttpReporter(args.drive_exporter_url, args.usage_ingest_token)
+                          if args.drive_exporter_url else LineReporter())
     try:
-        model = args.model
+        model = args.drive_model
         if not model:
             try:
                 listed = await client.models()
             except Exception as err:  # the server may not be up yet; the scenario names one
-                log.warning("cannot list models at %s (%s)", args.base_url, err)
+                log.warning("cannot list models at %s (%s)", args.drive_base_url, err)
                 listed = []
             model = listed[0] if listed else scenario.engine.get("served_model_name",
                                                                   "sim-llama")
@@ -223,9 +194,6 @@ async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.speed <= 0 or args.duration < 0:
-        print("drive: --speed must be positive and --duration not negative", file=sys.stderr)
-        return 2
     try:
         scenario = scenarios.load(args.scenario)
     except ScenarioError as err:

@@ -59,7 +59,7 @@ def parse_our_command(svc: Mapping[str, Any]) -> Any:
     parser = build_parser()
     argv = command_args(svc)
     try:
-        return parser.parse_args(_with_default_command(argv, parser))
+        return parser.parse_args(_with_default_command(argv))
     except SystemExit:
         pytest.fail(f"vllm-cache-exporter rejects the compose command {argv}")
 
@@ -77,7 +77,7 @@ def listening_ports(name: str, svc: Mapping[str, Any]) -> set[int]:
             if config.tap_listen_address:
                 ports.add(int(config.tap_listen_address.rpartition(":")[2]))
             return ports
-        address = flag_value(command_args(svc), "--listen-address")
+        address = flag_value(command_args(svc), "--sim.listen-address")
         return {int(address.rpartition(":")[2])} if address else set()
     if image.startswith("vllm/vllm-openai:"):
         return {int(flag_value(command_args(svc), "--port") or 8000)}
@@ -216,8 +216,9 @@ def test_the_driver_reports_to_the_exporter_which_reads_vllm_and_taps_it():
     assert exporter.tap_listen_address.startswith("0.0.0.0:")
     driver = command_args(service("driver"))
     # Straight to the simulator, usage to /v1/usage: through the tap too, it would count twice.
-    assert resolve(url_address(flag_value(driver, "--base-url") or ""), "demo")[0] == "simulator"
-    assert resolve(url_address(flag_value(driver, "--exporter-url") or ""), "demo") == (
+    base_url = flag_value(driver, "--drive.base-url") or ""
+    assert resolve(url_address(base_url), "demo")[0] == "simulator"
+    assert resolve(url_address(flag_value(driver, "--drive.exporter-url") or ""), "demo") == (
         "exporter", exporter.listen_host_port[1])
     # VLLM_URL points the exporter and its tap at a vLLM outside the stack instead.
     other = build_config(parse_our_command(service("exporter", VLLM_URL="http://10.0.0.7:8000")),

@@ -248,7 +248,7 @@ def test_dashboards_configmaps_carry_every_committed_dashboard_for_the_sidecar()
 def sidecar_config() -> Any:
     sidecar = container("vllm-cache-exporter")
     parser = build_parser()
-    args = parser.parse_args(_with_default_command(list(sidecar["args"]), parser))
+    args = parser.parse_args(_with_default_command(list(sidecar["args"])))
     assert args.command == "run"
     env = {item["name"]: item["value"] for item in sidecar.get("env", []) if "value" in item}
     return build_config(args, environ=env)

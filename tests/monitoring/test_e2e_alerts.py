@@ -277,8 +277,8 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
                     f"--web.listen-address={addr['prometheus']}")
     for scenario, key in ((COLLAPSE, "collapse"), (FIT, "fit")):
         processes.start(f"simulator-{key}", *exporter_command(
-            "simulate", "--scenario", scenario, "--listen-address", addr[f"sim-{key}"],
-            "--speed", str(SPEED[scenario]), "--log-level", "warning"))
+            "simulate", "--scenario", scenario, "--sim.listen-address", addr[f"sim-{key}"],
+            "--speed", str(SPEED[scenario]), "--log.level", "warning"))
         processes.start(f"exporter-{key}", *exporter_command(
             "run", "--vllm.url", f"http://{addr[f'sim-{key}']}",
             "--web.listen-address", addr[f"exp-{key}"], "--log.level", "warning"))
@@ -299,9 +299,9 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         drivers = {}
         for scenario, key in ((COLLAPSE, "collapse"), (FIT, "fit")):
             drivers[key] = processes.start(f"driver-{key}", *exporter_command(
-                "drive", "--scenario", scenario, "--base-url", f"http://{addr[f'sim-{key}']}",
-                "--exporter-url", f"http://{addr[f'exp-{key}']}",
-                "--speed", str(SPEED[scenario]), "--seed", "5", "--log-level", "warning"))
+                "drive", "--scenario", scenario, "--drive.base-url", f"http://{addr[f'sim-{key}']}",
+                "--drive.exporter-url", f"http://{addr[f'exp-{key}']}",
+                "--speed", str(SPEED[scenario]), "--seed", "5", "--log.level", "warning"))
         started = loop.time()
         await post_gated_turn(session, addr["exp-collapse"])
 

@@ -144,7 +144,7 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
 def test_bad_config_is_one_clear_line_and_exit_2(tmp_path: Path, capsys, data: object,
                                                 message: str) -> None:
     path = write_config(tmp_path, data)
-    assert main(["generate", "--config", path, "--output-dir", str(tmp_path)]) == 2
+    assert main(["generate", "--monitoring.config-file", path, "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert len(err.strip().splitlines()) == 1
@@ -160,7 +160,7 @@ def test_flags_that_do_not_go_together(tmp_path: Path, capsys) -> None:
 
 
 def test_missing_config_file(tmp_path: Path, capsys) -> None:
-    assert main(["generate", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert main(["generate", "--monitoring.config-file", str(tmp_path / "nope.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().err
 
 
@@ -187,7 +187,7 @@ def test_prometheus_operator_manifest(tmp_path: Path, capsys) -> None:
     config = write_config(tmp_path, {"prometheus_rule_namespace": "llm",
                                      "prometheus_rule_labels": {"release": "kps"}})
     output = tmp_path / "rule.yaml"
-    args = ["generate", "--format", "prometheus-operator", "--config", config,
+    args = ["generate", "--format", "prometheus-operator", "--monitoring.config-file", config,
             "--output", str(output)]
     assert main(args) == 0
     written = yaml.safe_load(output.read_text("utf-8"))

@@ -104,7 +104,7 @@ async def test_simulate_and_drive_as_separate_processes(tmp_path: Path):
     scenario_file.write_text(yaml.safe_dump(SMALL))
     python = [sys.executable, "-m", "exporter"]
     simulate = await asyncio.create_subprocess_exec(
-        *python, "simulate", "--listen-address", f"{HOST}:0", "--scenario",
+        *python, "simulate", "--sim.listen-address", f"{HOST}:0", "--scenario",
         str(scenario_file), "--speed", "20", stderr=asyncio.subprocess.PIPE)
     exporter_site = None
     try:
@@ -113,8 +113,8 @@ async def test_simulate_and_drive_as_separate_processes(tmp_path: Path):
         config = Config(vllm_url=(sim_url,), usage_ingest_token="tok")
         exporter_site, exporter_port = await start_site(create_app(config), HOST, 0)
         drive = await asyncio.create_subprocess_exec(
-            *python, "drive", "--scenario", str(scenario_file), "--base-url", sim_url,
-            "--exporter-url", f"http://{HOST}:{exporter_port}", "--usage-token", "tok",
+            *python, "drive", "--scenario", str(scenario_file), "--drive.base-url", sim_url,
+            "--drive.exporter-url", f"http://{HOST}:{exporter_port}", "--usage.ingest.token", "tok",
             "--speed", "20", stderr=asyncio.subprocess.PIPE)
         _, errors = await asyncio.wait_for(drive.communicate(), 60)
         assert drive.returncode == 0, errors.decode()
@@ -134,8 +134,8 @@ async def test_simulate_and_drive_as_separate_processes(tmp_path: Path):
 
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--scenario", "nope"], "unknown scenario"),
-    (["simulate", "--block-size", "0"], "block_size"),
-    (["simulate", "--listen-address", "nowhere"], "HOST:PORT"),
+    (["simulate", "--sim.block-size", "0"], "block_size"),
+    (["simulate", "--sim.listen-address", "nowhere"], "HOST:PORT"),
     (["drive", "--scenario", "nope"], "unknown scenario"),
     (["drive", "--speed", "0"], "--speed"),
     (["demo", "--scenario", "nope"], "unknown scenario"),

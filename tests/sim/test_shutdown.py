@@ -14,8 +14,8 @@ from tests.test_run_process import free_port
 async def test_sigterm_with_an_open_stream_exits_promptly():
     port = free_port()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "exporter", "simulate", "--listen-address", f"127.0.0.1:{port}",
-        "--decode-rate", "1", "--log-level", "warning",
+        sys.executable, "-m", "exporter", "simulate", "--sim.listen-address", f"127.0.0.1:{port}",
+        "--sim.decode-rate", "1", "--log.level", "warning",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     loop = asyncio.get_running_loop()
     try:
