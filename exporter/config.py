@@ -150,7 +150,7 @@ class Flag:
     default: Any = None
     kind: str = "value"  # value | list | bool
     metavar: str | None = None
-    check: Callable[[Any], None] | None = None  # raises ValueError on a bad parsed value
+    check: Callable[[Any], object] | None = None  # raises ValueError on a bad parsed value
     secret: bool = False  # never echoed back in errors or --check-config output
     commands: frozenset[str] = frozenset({RUN})
     # A command whose default differs (the simulator listens on vLLM's port, say).
@@ -535,6 +535,7 @@ def _show(value: Any) -> str:
 
 
 def _parse(flag: Flag, source: str, value: Any) -> Any:
+    parsed: Any
     try:
         if flag.kind == "list" and isinstance(value, list) and flag.parse is _to_list:
             parsed = tuple(item for chunk in value for item in _to_list(chunk))

@@ -16,7 +16,7 @@ import logging
 import signal
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 import aiohttp
 
@@ -84,7 +84,7 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
 
 async def _show(view: DemoView, session: aiohttp.ClientSession, url: str, clock: SimClock,
                 refresh: float, out: TextIO, live: bool, stop: asyncio.Event,
-                deadline: float | None, drive: asyncio.Future[object]) -> None:
+                deadline: float | None, drive: asyncio.Future[Any]) -> None:
     from rich.console import Console
     from rich.live import Live
 

@@ -141,15 +141,15 @@ class _RowFamilies:
             self.usage.add_metric(labels, ratio)
             if pool_tokens:
                 self.used.add_metric(labels, round(ratio * pool_tokens))
-        for signal, family in ((values.REQUESTS_RUNNING, self.running),
-                               (values.REQUESTS_WAITING, self.waiting)):
+        for signal, gauge_family in ((values.REQUESTS_RUNNING, self.running),
+                                     (values.REQUESTS_WAITING, self.waiting)):
             gauge = row.gauges.get(signal)
             if gauge is not None:
-                family.add_metric(labels, gauge)
-        for signal, family in self.counters.items():
+                gauge_family.add_metric(labels, gauge)
+        for signal, counter_family in self.counters.items():
             total = row.counters.get(signal)
             if total is not None:
-                family.add_metric(labels, total)
+                counter_family.add_metric(labels, total)
 
     def families(self) -> Iterator[Metric]:
         yield from (self.enabled, self.info, self.block, self.pool, self.usage, self.used,

@@ -161,7 +161,7 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         bad = set(raw) - set(_AGENT_FIELDS)
         if bad:
             raise ScenarioError(f"{where}: unknown key(s) {', '.join(sorted(bad))}")
-        values = {key: _typed(value, _AGENT_FIELDS[key].default, f"{where}.{key}")
+        values: dict[str, Any] = {key: _typed(value, _AGENT_FIELDS[key].default, f"{where}.{key}")
                   if key != "caller" else str(value) for key, value in raw.items()}
         agent = AgentSpec(**values)
         try:

@@ -118,17 +118,32 @@ class LiteLLMFormat:
             "time": payload.get("startTime"),
             "status": status,
         }
-        start, first, end = (payload.get(key) for key in
+        start, first, end = (_timestamp(payload.get(key)) for key in
                              ("startTime", "completionStartTime", "endTime"))
         stream = payload.get("stream")
-        if _is_number(start) and _is_number(first) and (
-                stream is True or (stream is None and _is_number(end) and first < end)):
+        if start is not None and first is not None and (
+                stream is True or (stream is None and end is not None and first < end)):
             native_form["ttft_seconds"] = max(0.0, first - start)
         return validate(native_form)
 
 
+# Unix seconds: beyond this a value is no timestamp (and a huge int would overflow a float).
+MAX_TIMESTAMP = 1e12
+
+
+def _timestamp(value: Any) -> float | None:
+    """A finite time in seconds, else None (the TTFT is then unknown, the event still counts)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not -MAX_TIMESTAMP <= value <= MAX_TIMESTAMP:  # also false for NaN
+        return None
+    return float(value)
+
+
 def _is_number(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
 
 
 # ---- OpenAI response record ------------------------------------------------------------

@@ -78,7 +78,8 @@ class Batch:
     bad: dict[int, str] = field(default_factory=dict)  # index -> reason (value is None)
 
 
-_scan = json.scanner.make_scanner(json.JSONDecoder())  # the C scanner, without loads' checks
+# The C scanner, without loads' checks (typeshed types make_scanner's argument oddly).
+_scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 _BLANK = " \t\r"
 
 

@@ -347,7 +347,9 @@ def _engine_ttft(response: Mapping[str, Any]) -> float | None:
     if not isinstance(metrics, Mapping):
         return None
     ttft_ms = metrics.get("time_to_first_token_ms")
-    if type(ttft_ms) not in (int, float) or not 0 <= ttft_ms:  # absent, NaN or negative
+    if isinstance(ttft_ms, bool) or not isinstance(ttft_ms, (int, float)):
+        return None
+    if not 0 <= ttft_ms:  # NaN or negative: no figure
         return None
     if ttft_ms > MAX_SECONDS * 1000:  # compared before float(): a huge int would overflow
         raise InvalidEvent("too_large", "metrics.time_to_first_token_ms is larger than a day")

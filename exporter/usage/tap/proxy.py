@@ -97,7 +97,7 @@ def json_error(status: int, message: str, kind: str) -> web.Response:
 
 
 def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
-    tokens = set()
+    tokens: set[str] = set()
     for value in headers.getall("Connection", ()):
         tokens.update(token.strip().lower() for token in value.split(",") if token.strip())
     return tokens
