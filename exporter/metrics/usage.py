@@ -1,4 +1,4 @@
-"""Per-caller signals (issue #3 contract). Later work may add series here, never rename these.
+"""Per-caller series: a public contract. Later work may add series here, never rename these.
 
 Counters only: ratios (hit ratio, warm share) are PromQL over a window. Every (caller, model)
 pair gets all ``state`` values of ``vllm_cache_requests_total`` from its first event on, so

@@ -9,12 +9,12 @@ of its SHA-256, so an operator can still tell keys apart and alias the hash to a
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Iterable, Mapping
 
+from exporter.redaction import key_label
+
 OTHER = "__other__"
-KEY_LABEL_PREFIX = "key-"
 
 # Well-known secret prefixes: OpenAI/Anthropic/LiteLLM (sk-), Stripe-style (pk_, rk_),
 # GitHub, GitLab, Hugging Face, Slack, Google, AWS access keys, JWTs, a pasted header.
@@ -42,18 +42,6 @@ def looks_like_key(name: str) -> bool:
         digits = sum(ch.isdigit() for ch in name)
         return upper >= 3 and lower >= 3 and digits >= 3
     return False
-
-
-KEY_HASH_DIGITS = 12  # 48 bits: distinct per key in practice, useless for recovering it
-
-
-def key_digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def key_label(secret: str) -> str:
-    """The only form in which an API key may ever appear: ``key-`` + 12 hex of its SHA-256."""
-    return KEY_LABEL_PREFIX + key_digest(secret)[:KEY_HASH_DIGITS]
 
 
 class LabelCap:

@@ -117,7 +117,7 @@ class UsageState:
     def record(self, event: UsageEvent, reader: str) -> str:
         """Count one accepted event; return the state it was classified as.
 
-        Runs once per event at 50,000+ events/s, hence the local names and the memo of
+        Runs once per event on the ingest hot path, hence the local names and the memo of
         (caller, model) -> series, which skips both label caps for pairs seen before.
         """
         events = self.events

@@ -5,7 +5,7 @@ set of rules decides what is accepted, and every rejection carries a short machi
 (a bounded label value for ``vllm_cache_usage_events_rejected_total``) plus a human message
 that never repeats the offending value (it may be an API key).
 
-``validate`` runs once per event on the ingest hot path (50,000 events/s on one core), so it
+``validate`` runs once per event on the ingest hot path (docs/performance.md), so it
 checks exact types first and only falls back to the slower general cases when they miss.
 """
 

@@ -70,7 +70,7 @@ class BatchResult:
 class Batch:
     """A decoded body: its values in order, and the NDJSON lines that could not be decoded.
 
-    Kept as plain lists (no object per event): this is on the 50,000 events/s path.
+    Kept as plain lists (no object per event): this is on the ingest hot path.
     """
 
     values: list[Any]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from exporter.metrics import build_registry
-from exporter.signals.callers import OTHER, LabelCap, key_label, looks_like_key
+from exporter.redaction import key_label
+from exporter.signals.callers import OTHER, LabelCap, looks_like_key
 from exporter.values import UsageEvent
 from tests.usage.conftest import make_state, value
 

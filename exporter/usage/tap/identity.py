@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from exporter.signals.callers import key_digest, key_label
+from exporter.redaction import key_digest, key_label
 
 log = logging.getLogger(__name__)
 

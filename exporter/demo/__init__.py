@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import aiohttp
 
 from exporter.config import Config
+from exporter.demo.view import DemoView
 from exporter.server import create_app
 from exporter.sim import scenario as scenarios
 from exporter.sim.client import HttpClient
@@ -29,7 +30,6 @@ from exporter.sim.driver import Driver
 from exporter.sim.report import HttpReporter
 from exporter.sim.scenario import Scenario, ScenarioError
 from exporter.sim.server import build_simulator, create_sim_app, start_site
-from exporter.sim.view import DemoView
 
 HOST = "127.0.0.1"
 log = logging.getLogger(__name__)
