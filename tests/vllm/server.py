@@ -22,7 +22,7 @@ from pathlib import Path
 MODEL_NAME = "tiny-llama"
 BASE_ARGS = ("--enforce-eager", "--block-size", "32", "--enable-prefix-caching",
              "--seed", "0")
-BOOT_DEADLINE_SECONDS = 240.0
+BOOT_DEADLINE_SECONDS = 420.0  # ~60 s on a quiet CI machine; minutes when the 2 cores are shared
 
 
 class VllmFailed(RuntimeError):
