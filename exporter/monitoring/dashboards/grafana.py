@@ -63,7 +63,9 @@ def to_current_schema(dashboard: g.Dashboard) -> dict[str, Any]:
 
 def _current_panel(panel: dict[str, Any]) -> dict[str, Any]:
     if panel["type"] == "row":
-        return {key: panel[key] for key in _ROW_KEYS if key in panel}
+        row = {key: panel[key] for key in _ROW_KEYS if key in panel}
+        row["panels"] = [_current_panel(inner) for inner in row.get("panels", [])]
+        return row
     _drop(panel, _LEGACY_PANEL_KEYS)
     panel["pluginVersion"] = GRAFANA_VERSION
     for target in panel.get("targets", []):

@@ -187,9 +187,7 @@ def bargauge(title: str, description: str, unit: str, targets: list[g.Target],
                             "overrides": []},
             "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
                                           "values": False},
-                        "showUnfilled": True,
-                        "legend": {"displayMode": "list", "placement": "bottom",
-                                   "showLegend": False, "calcs": []}},
+                        "showUnfilled": True},
         })
 
 
