@@ -4,7 +4,7 @@ What, from the npm registry, pinned to the Grafana the dashboards target
 (``exporter.monitoring.dashboards.grafana.GRAFANA_VERSION``):
 
 - ``npm ci`` of package.json/package-lock.json here: @grafana/data and @grafana/schema of that
-  release and lodash, into ``node_modules/`` (about 120 MB, 100 packages, 20-40 s).
+  release and lodash, into ``node_modules/`` (about 120 MB, 100 packages, 20-80 s measured here).
 - One module of @grafana/ui of that release, the single-stat panel migrations
   (``SingleStatBaseOptions.mjs``), taken from its registry tarball (``npm pack``, 2.4 MB, its
   sha512 pinned below) into ``vendor/``. @grafana/ui itself cannot be installed here: it
@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from exporter.monitoring.dashboards.grafana import GRAFANA_VERSION
@@ -98,18 +99,18 @@ def _fetch_ui_module() -> None:
             UI_MODULE.write_bytes(member.read())
 
 
-def announce(message: str) -> None:
-    """Straight to the terminal, past pytest's capture: an install is worth knowing about."""
-    print(message, file=sys.__stderr__, flush=True)
+def _print(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
-def ensure_installed() -> Path:
-    """The harness script, with everything it loads installed first if needed."""
+def ensure_installed(announce: Callable[[str], None] = _print) -> Path:
+    """The harness script, with everything it loads installed first if needed (said through
+    ``announce`` first: an install is worth knowing about)."""
     node()
     if is_ready():
         return HARNESS
     announce(f"tests/grafana: installing Grafana {GRAFANA_VERSION}'s panel code from npm "
-             f"(@grafana/data, @grafana/schema: npm ci, ~120 MB, 20-40 s; one module of "
+             f"(@grafana/data, @grafana/schema: npm ci, ~120 MB, under a minute; one module of "
              f"{UI_PACKAGE}: npm pack, 2.4 MB) into {HERE}; log: {LOG}")
     LOG.write_text(f"installing Grafana {GRAFANA_VERSION}'s panel code\n", encoding="utf-8")
     _run(["npm", "ci", "--no-audit", "--no-fund", "--ignore-scripts"], "npm ci")

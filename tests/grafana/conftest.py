@@ -23,11 +23,22 @@ from tests.grafana.bootstrap import (
 LoadReport = dict[str, Any]
 
 
+def _announce(config: pytest.Config) -> Callable[[str], None]:
+    """A line on the terminal even while pytest captures output."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+
+    def announce(message: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(f"\n{message}", flush=True)
+
+    return announce
+
+
 @pytest.fixture(scope="session")
-def load_with_grafana() -> Callable[..., LoadReport]:
+def load_with_grafana(pytestconfig: pytest.Config) -> Callable[..., LoadReport]:
     """Dashboard files -> the report of loading them with Grafana's own panel code."""
     try:
-        harness = ensure_installed()
+        harness = ensure_installed(_announce(pytestconfig))
     except NodeMissing as err:
         if os.environ.get("CI"):
             pytest.fail(f"{err}; CI must have them (.ci/run installs them)", pytrace=False)
