@@ -110,7 +110,7 @@ def ensure_installed(announce: Callable[[str], None] = _print) -> Path:
     if is_ready():
         return HARNESS
     announce(f"tests/grafana: installing Grafana {GRAFANA_VERSION}'s panel code from npm "
-             f"(@grafana/data, @grafana/schema: npm ci, ~120 MB, under a minute; one module of "
+             f"(@grafana/data, @grafana/schema: npm ci, ~120 MB, about a minute; one module of "
              f"{UI_PACKAGE}: npm pack, 2.4 MB) into {HERE}; log: {LOG}")
     LOG.write_text(f"installing Grafana {GRAFANA_VERSION}'s panel code\n", encoding="utf-8")
     _run(["npm", "ci", "--no-audit", "--no-fund", "--ignore-scripts"], "npm ci")
