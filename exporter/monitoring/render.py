@@ -42,9 +42,7 @@ def dump_yaml(data: Any) -> str:
 
 
 def dump_json(data: Any) -> str:
-    from grafanalib._gen import DashboardEncoder
-
-    return json.dumps(data, cls=DashboardEncoder, sort_keys=True, indent=2) + "\n"
+    return json.dumps(data, sort_keys=True, indent=2) + "\n"
 
 
 def prometheus_files(config: MonitoringConfig) -> dict[str, str]:
@@ -58,7 +56,7 @@ def prometheus_files(config: MonitoringConfig) -> dict[str, str]:
         RULES_PATH: HEADER + dump_yaml({"groups": recording_rule_groups(config)}),
         ALERTS_PATH: HEADER + dump_yaml({"groups": alert_rule_groups(config)}),
     }
-    dashboards = {filename: dump_json(dashboard.to_json_data())
+    dashboards = {filename: dump_json(dashboard)
                   for filename, dashboard in build_dashboards(config).items()}
     for filename, text in dashboards.items():
         files[f"dashboards/{filename}"] = text

@@ -34,26 +34,28 @@ COLD = 'state="cold"'
 
 
 def variables(config: MonitoringConfig) -> list[g.Template]:
-    f = Filters(config)
+    filters = Filters(config)
     return [
         query_variable("job", "Job",
-                       f"label_values(vllm_cache_exporter_build_info{f.q.sel()}, job)"),
+                       f"label_values(vllm_cache_exporter_build_info{filters.selector()}, job)"),
         query_variable("model", "Model",
-                       f"label_values(vllm_cache_requests_total{f.job()}, model)"),
+                       f"label_values(vllm_cache_requests_total{filters.job()}, model)"),
         query_variable("caller", "Caller",
-                       f"label_values(vllm_cache_requests_total{f.model()}, caller)"),
+                       f"label_values(vllm_cache_requests_total{filters.model()}, caller)"),
     ]
 
 
 def build(config: MonitoringConfig) -> g.Dashboard:
-    f = Filters(config)
-    n = Names(config)
-    c = f.caller()
+    filters = Filters(config)
+    names = Names(config)
+    callers = filters.caller()
+    warm_callers, classified_callers = filters.caller(WARM), filters.caller(CLASSIFIED)
+    long_baseline = names.caller_hit_ratio[names.long]
     layout = Layout()
 
     def ttft_median(state: str) -> str:
         return (f"histogram_quantile(0.5, sum by (le) (rate(vllm_cache_ttft_seconds_bucket"
-                f"{f.caller(state)}[{RATE}])))")
+                f"{filters.caller(state)}[{RATE}])))")
 
     layout.row("Now")
     layout.add(stat(
@@ -61,21 +63,21 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Share of the selected callers' prompt tokens served from the prefix cache (only "
         "responses that report cached tokens count).",
         "percentunit",
-        [target(f"sum(rate(vllm_cache_cached_tokens_total{c}[{RATE}]))\n/\n"
-                f"(sum(rate(vllm_cache_prompt_tokens_total{c}[{RATE}])) > 0)")],
+        [target(f"sum(rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))\n/\n"
+                f"(sum(rate(vllm_cache_prompt_tokens_total{callers}[{RATE}])) > 0)")],
         thresholds=[("red", None), ("orange", 0.3), ("green", 0.6)]), 4, 5)
     layout.add(stat(
         "Warm turns",
         "Share of warm turns among warm, partial and cold ones.",
         "percentunit",
-        [target(f"(sum(rate(vllm_cache_requests_total{f.caller(WARM)}[{RATE}])) or vector(0))"
-                f"\n/\n(sum(rate(vllm_cache_requests_total{f.caller(CLASSIFIED)}[{RATE}])) > 0)")],
+        [target(f"(sum(rate(vllm_cache_requests_total{warm_callers}[{RATE}])) or vector(0))"
+                f"\n/\n(sum(rate(vllm_cache_requests_total{classified_callers}[{RATE}])) > 0)")],
         thresholds=[("red", None), ("orange", 0.5), ("green", 0.8)]), 4, 5)
     layout.add(stat(
         "Turns per second",
         "Requests per second from the selected callers, all states.",
         "reqps",
-        [target(f"sum(rate(vllm_cache_requests_total{c}[{RATE}]))")]), 4, 5)
+        [target(f"sum(rate(vllm_cache_requests_total{callers}[{RATE}]))")]), 4, 5)
     layout.add(stat(
         "Median TTFT, warm turns",
         "Engine-side median time to first token of warm turns: seconds when the cache holds.",
@@ -90,9 +92,9 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Share of prompt tokens whose response did not say how many were cached. Near 100% "
         "means vLLM runs without --enable-prompt-tokens-details.",
         "percentunit",
-        [target(f"(sum(rate(vllm_cache_unreported_prompt_tokens_total{c}[{RATE}])) "
-                f"or vector(0))\n/\n((sum(rate(vllm_cache_unreported_prompt_tokens_total{c}"
-                f"[{RATE}])) or vector(0)) + sum(rate(vllm_cache_prompt_tokens_total{c}"
+        [target(f"(sum(rate(vllm_cache_unreported_prompt_tokens_total{callers}[{RATE}])) "
+                f"or vector(0))\n/\n((sum(rate(vllm_cache_unreported_prompt_tokens_total{callers}"
+                f"[{RATE}])) or vector(0)) + sum(rate(vllm_cache_prompt_tokens_total{callers}"
                 f"[{RATE}])) > 0)")],
         thresholds=[("green", None), ("orange", 0.1), ("red", 0.5)]), 4, 5)
 
@@ -105,14 +107,14 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         f"{number(config.collapse_min_baseline)} and the caller still sending prompt tokens. "
         "The thin line is the ratio at the dashboard's own resolution.",
         "percentunit",
-        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))"
-                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{c}"
+        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))"
+                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{callers}"
                 f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
-         target(f"{n.caller_hit_ratio[n.short]}{c}",
+         target(f"{names.caller_hit_ratio[names.short]}{callers}",
                 f"{{{{caller}}}} {{{{model}}}} {config.short_window}"),
-         target(f"{n.caller_hit_ratio[n.long]}{c}",
+         target(f"{long_baseline}{callers}",
                 f"{{{{caller}}}} {{{{model}}}} {config.long_window}"),
-         target(f"{number(config.collapse_drop_factor)} * {n.caller_hit_ratio[n.long]}{c}",
+         target(f"{number(config.collapse_drop_factor)} * {long_baseline}{callers}",
                 "{{caller}} {{model}} alert below")],
         min_value=0, max_value=1), 24, 9)
     layout.add(timeseries(
@@ -120,13 +122,13 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "The caller's prompt tokens per second: served from the cache, recomputed, and those "
         "whose response did not report a cached count (then the hit ratio cannot be known).",
         TOKENS_PER_SECOND,
-        [target(f"sum by (caller) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))",
+        [target(f"sum by (caller) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))",
                 "{{caller}} cached"),
-         target(f"sum by (caller) (rate(vllm_cache_prompt_tokens_total{c}[{RATE}]))\n-\n"
-                f"sum by (caller) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))",
+         target(f"sum by (caller) (rate(vllm_cache_prompt_tokens_total{callers}[{RATE}]))\n-\n"
+                f"sum by (caller) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))",
                 "{{caller}} recomputed"),
-         target(f"sum by (caller) (rate(vllm_cache_unreported_prompt_tokens_total{c}"
-                f"[{RATE}]))\nor\nsum by (caller) (rate(vllm_cache_requests_total{c}"
+         target(f"sum by (caller) (rate(vllm_cache_unreported_prompt_tokens_total{callers}"
+                f"[{RATE}]))\nor\nsum by (caller) (rate(vllm_cache_requests_total{callers}"
                 f"[{RATE}])) * 0", "{{caller}} unreported")],
         stacked=True), 12, 8)
     layout.add(timeseries(
@@ -134,7 +136,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Requests per second by cache outcome: warm, partial, cold, short (too short for one "
         "granule), unknown (cached tokens not reported), error.",
         "reqps",
-        [target(f"sum by (caller, state) (rate(vllm_cache_requests_total{c}[{RATE}]))",
+        [target(f"sum by (caller, state) (rate(vllm_cache_requests_total{callers}[{RATE}]))",
                 "{{caller}} {{state}}")],
         stacked=True, bars=True), 12, 8)
 
@@ -146,7 +148,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "evicted (VllmCacheWarmTTFTCollapse watches the median of turns that should be warm).",
         "s",
         [target(f"histogram_quantile({quantile}, sum by (caller, state, le) (rate("
-                f"vllm_cache_ttft_seconds_bucket{f.caller(CLASSIFIED)}[{RATE}])))",
+                f"vllm_cache_ttft_seconds_bucket{classified_callers}[{RATE}])))",
                 f"{{{{caller}}}} {{{{state}}}} {label}")
          for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
     layout.add(timeseries(
@@ -156,7 +158,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "the bottleneck.",
         "s",
         [target(f"histogram_quantile({quantile}, sum by (caller, le) (rate("
-                f"vllm_cache_queue_wait_seconds_bucket{c}[{RATE}])))",
+                f"vllm_cache_queue_wait_seconds_bucket{callers}[{RATE}])))",
                 f"{{{{caller}}}} {label}")
          for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
 

@@ -28,7 +28,7 @@ from exporter.monitoring.dashboards.panels import (
     timeseries,
     value_mapping,
 )
-from exporter.monitoring.promql import CLASSIFIED_STATES, PromQL, number
+from exporter.monitoring.promql import CLASSIFIED_STATES, number
 from exporter.monitoring.rules import Names
 
 FILENAME = "vllm-cache-overview.json"
@@ -45,25 +45,28 @@ CALLER_TABLE_COLUMNS = {"caller": "Caller", "model": "Model", "Value #A": "Hit r
 
 
 def variables(config: MonitoringConfig) -> list[g.Template]:
-    q = PromQL(config)
-    f = Filters(config)
+    filters = Filters(config)
     # One model dropdown for both label spellings: vLLM's model_name on engine series and the
     # requested model on per-caller series (the regex takes whichever the row has).
     series = '__name__=~"vllm_cache_requests_total|vllm_cache_engine_kv_pool_tokens"'
-    models = f"query_result(count by (model, model_name) ({q.sel(series, JOB)}))"
+    models = f"query_result(count by (model, model_name) ({filters.selector(series, JOB)}))"
     return [
-        query_variable("job", "Job", f"label_values(vllm_cache_exporter_build_info{q.sel()}, job)"),
-        query_variable("target", "vLLM", f"label_values(vllm_cache_engine_up{f.job()}, target)"),
+        query_variable("job", "Job",
+                       f"label_values(vllm_cache_exporter_build_info{filters.selector()}, job)"),
+        query_variable("target", "vLLM",
+                       f"label_values(vllm_cache_engine_up{filters.job()}, target)"),
         query_variable("model", "Model", models, regex='/model(?:_name)?="([^"]+)"/'),
         query_variable("caller", "Caller",
-                       f"label_values(vllm_cache_requests_total{f.model()}, caller)"),
+                       f"label_values(vllm_cache_requests_total{filters.model()}, caller)"),
     ]
 
 
 def build(config: MonitoringConfig) -> g.Dashboard:
-    f = Filters(config)
-    n = Names(config)
-    e, c, t, j = f.engine(), f.caller(), f.target(), f.job()
+    filters = Filters(config)
+    names = Names(config)
+    engines, callers = filters.engine(), filters.caller()
+    vllm_targets, jobs = filters.target(), filters.job()
+    warm_callers, classified_callers = filters.caller(WARM), filters.caller(CLASSIFIED)
     layout = Layout()
 
     layout.row("Prefix cache")
@@ -73,15 +76,16 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "the selected engines (ratio of summed rates). On a hybrid model about 94% is a full "
         "hit; 0% for a whole boot means the cache never works.",
         "percentunit",
-        [target(f"sum(rate({HITS}{e}[{RATE}]))\n/\n(sum(rate({QUERIES}{e}[{RATE}])) > 0)")],
+        [target(f"sum(rate({HITS}{engines}[{RATE}]))\n/\n"
+                f"(sum(rate({QUERIES}{engines}[{RATE}])) > 0)")],
         thresholds=[("red", None), ("orange", 0.3), ("green", 0.6)]), 4, 5)
     layout.add(stat(
         "Caller hit ratio",
         "Share of the selected callers' prompt tokens served from the prefix cache, from the "
         "usage each response reports (only responses that report cached tokens count).",
         "percentunit",
-        [target(f"sum(rate(vllm_cache_cached_tokens_total{c}[{RATE}]))\n/\n"
-                f"(sum(rate(vllm_cache_prompt_tokens_total{c}[{RATE}])) > 0)")],
+        [target(f"sum(rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))\n/\n"
+                f"(sum(rate(vllm_cache_prompt_tokens_total{callers}[{RATE}])) > 0)")],
         thresholds=[("red", None), ("orange", 0.3), ("green", 0.6)]), 4, 5)
     layout.add(stat(
         "Warm turns",
@@ -89,15 +93,15 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "among warm, partial and cold turns. Short and unknown turns say nothing about the "
         "cache and are left out.",
         "percentunit",
-        [target(f"(sum(rate(vllm_cache_requests_total{f.caller(WARM)}[{RATE}])) or vector(0))"
-                f"\n/\n(sum(rate(vllm_cache_requests_total{f.caller(CLASSIFIED)}[{RATE}])) > 0)")],
+        [target(f"(sum(rate(vllm_cache_requests_total{warm_callers}[{RATE}])) or vector(0))"
+                f"\n/\n(sum(rate(vllm_cache_requests_total{classified_callers}[{RATE}])) > 0)")],
         thresholds=[("red", None), ("orange", 0.5), ("green", 0.8)]), 4, 5)
     layout.add(stat(
         "Prefix caching",
         "Whether each vLLM runs with enable_prefix_caching. Hybrid models default to off: "
         "then every turn re-reads its whole prompt (VllmCachePrefixCachingDisabled).",
         "none",
-        [target(f"max by (target, model_name) (vllm_cache_engine_prefix_caching_enabled{e})",
+        [target(f"max by (target, model_name) (vllm_cache_engine_prefix_caching_enabled{engines})",
                 "{{target}} {{model_name}}")],
         mappings=value_mapping(("0", "Off", "red"), ("1", "On", "green"))), 6, 5)
     layout.add(stat(
@@ -106,7 +110,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "size, 2,048 or ~800 on hybrid models), and where it came from (configured, learned "
         "from cached counts, or vLLM's block size).",
         TOKENS,
-        [target(f"max by (model, source) (vllm_cache_granularity_tokens{f.model()})",
+        [target(f"max by (model, source) (vllm_cache_granularity_tokens{filters.model()})",
                 "{{model}} ({{source}})")]), 6, 5)
     layout.add(timeseries(
         "Hit ratio per vLLM engine",
@@ -115,10 +119,10 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         f"when the {config.short_window} ratio stays below {number(config.collapse_drop_factor)}"
         f" x the baseline while traffic continues.",
         "percentunit",
-        [target(f"sum by (target, model_name) (rate({HITS}{e}[{RATE}]))\n/\n"
-                f"(sum by (target, model_name) (rate({QUERIES}{e}[{RATE}])) > 0)",
+        [target(f"sum by (target, model_name) (rate({HITS}{engines}[{RATE}]))\n/\n"
+                f"(sum by (target, model_name) (rate({QUERIES}{engines}[{RATE}])) > 0)",
                 "{{target}} {{model_name}}"),
-         target(f"{n.target_hit_ratio[n.long]}{f.engine()}",
+         target(f"{names.target_hit_ratio[names.long]}{filters.engine()}",
                 f"{{{{target}}}} {{{{model_name}}}} baseline {config.long_window}")],
         min_value=0, max_value=1), 12, 8)
     layout.add(timeseries(
@@ -127,10 +131,10 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         f"{config.long_window} baseline. Two conversations that no longer fit the KV pool "
         "evict each other: both lines fall to ~0 together.",
         "percentunit",
-        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))"
-                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{c}"
+        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))"
+                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{callers}"
                 f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
-         target(f"{n.caller_hit_ratio[n.long]}{c}",
+         target(f"{names.caller_hit_ratio[names.long]}{callers}",
                 f"{{{{caller}}}} {{{{model}}}} baseline {config.long_window}")],
         min_value=0, max_value=1), 12, 8)
 
@@ -141,7 +145,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "partial, cold, short (too short to hold one granule), unknown (cached tokens not "
         "reported), error.",
         "reqps",
-        [target(f"sum by (caller, state) (rate(vllm_cache_requests_total{c}[{RATE}]))",
+        [target(f"sum by (caller, state) (rate(vllm_cache_requests_total{callers}[{RATE}]))",
                 "{{caller}} {{state}}")],
         stacked=True, bars=True), 12, 8)
     layout.add(timeseries(
@@ -151,7 +155,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "means it was evicted.",
         "s",
         [target(f"histogram_quantile({quantile}, sum by (state, le) (rate("
-                f"vllm_cache_ttft_seconds_bucket{f.caller(WARM_COLD)}[{RATE}])))",
+                f"vllm_cache_ttft_seconds_bucket{filters.caller(WARM_COLD)}[{RATE}])))",
                 f"{label} {{{{state}}}}")
          for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
     layout.add(table(
@@ -160,21 +164,21 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "time to first token of classified turns, and prompt tokens per second whose cached "
         "count vLLM did not report. Click a caller for its drill-down.",
         "percentunit",
-        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{c}[{RATE}]))"
-                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{c}"
+        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))"
+                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{callers}"
                 f"[{RATE}])) > 0)", instant=True),
-         target(f"(sum by (caller, model) (rate(vllm_cache_requests_total{f.caller(WARM)}"
+         target(f"(sum by (caller, model) (rate(vllm_cache_requests_total{warm_callers}"
                 f"[{RATE}]))\n or\n sum by (caller, model) (rate(vllm_cache_requests_total"
-                f"{f.caller(CLASSIFIED)}[{RATE}])) * 0)\n/\n(sum by (caller, model) (rate("
-                f"vllm_cache_requests_total{f.caller(CLASSIFIED)}[{RATE}])) > 0)",
+                f"{classified_callers}[{RATE}])) * 0)\n/\n(sum by (caller, model) (rate("
+                f"vllm_cache_requests_total{classified_callers}[{RATE}])) > 0)",
                 instant=True),
-         target(f"sum by (caller, model) (rate(vllm_cache_requests_total{c}[{RATE}]))",
+         target(f"sum by (caller, model) (rate(vllm_cache_requests_total{callers}[{RATE}]))",
                 instant=True),
          target(f"histogram_quantile(0.5, sum by (caller, model, le) (rate("
-                f"vllm_cache_ttft_seconds_bucket{f.caller(CLASSIFIED)}[{RATE}])))",
+                f"vllm_cache_ttft_seconds_bucket{classified_callers}[{RATE}])))",
                 instant=True),
-         target(f"sum by (caller, model) (rate(vllm_cache_unreported_prompt_tokens_total{c}"
-                f"[{RATE}]))\nor\nsum by (caller, model) (rate(vllm_cache_requests_total{c}"
+         target(f"sum by (caller, model) (rate(vllm_cache_unreported_prompt_tokens_total{callers}"
+                f"[{RATE}]))\nor\nsum by (caller, model) (rate(vllm_cache_requests_total{callers}"
                 f"[{RATE}])) * 0", instant=True)],
         renames=CALLER_TABLE_COLUMNS,
         # Overrides apply after the rename, so they name the renamed columns.
@@ -196,9 +200,9 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "(vLLM's startup log: \"GPU KV cache size: N tokens\"). Conversations fit while their "
         "summed context stays a few thousand tokens under the pool.",
         TOKENS,
-        [target(f"sum by (target, model_name) (vllm_cache_engine_kv_used_tokens{e})",
+        [target(f"sum by (target, model_name) (vllm_cache_engine_kv_used_tokens{engines})",
                 "{{target}} {{model_name}} used"),
-         target(f"sum by (target, model_name) (vllm_cache_engine_kv_pool_tokens{e})",
+         target(f"sum by (target, model_name) (vllm_cache_engine_kv_pool_tokens{engines})",
                 "{{target}} {{model_name}} pool")]), 12, 8)
     layout.add(bargauge(
         "KV pool in use",
@@ -206,8 +210,8 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "of its engines). VllmCacheKVPoolNearFull fires above "
         f"{number(config.kv_pool_full_ratio * 100)}% for {config.kv_pool_full_for}.",
         "percentunit",
-        [target(f"sum by (target, model_name) (vllm_cache_engine_kv_used_tokens{e})\n/\n"
-                f"(sum by (target, model_name) (vllm_cache_engine_kv_pool_tokens{e}) > 0)",
+        [target(f"sum by (target, model_name) (vllm_cache_engine_kv_used_tokens{engines})\n/\n"
+                f"(sum by (target, model_name) (vllm_cache_engine_kv_pool_tokens{engines}) > 0)",
                 "{{target}} {{model_name}}")],
         thresholds=[("green", None), ("orange", 0.8), ("red", config.kv_pool_full_ratio)]),
         12, 8)
@@ -217,10 +221,10 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "recompute. When two conversations evict each other the cached share drops to 0 "
         "while the recomputed one jumps.",
         TOKENS_PER_SECOND,
-        [target(f"sum by (target, model_name) (rate({HITS}{e}[{RATE}]))",
+        [target(f"sum by (target, model_name) (rate({HITS}{engines}[{RATE}]))",
                 "{{target}} {{model_name}} from cache"),
-         target(f"sum by (target, model_name) (rate({QUERIES}{e}[{RATE}]))\n-\n"
-                f"sum by (target, model_name) (rate({HITS}{e}[{RATE}]))",
+         target(f"sum by (target, model_name) (rate({QUERIES}{engines}[{RATE}]))\n-\n"
+                f"sum by (target, model_name) (rate({HITS}{engines}[{RATE}]))",
                 "{{target}} {{model_name}} recomputed")],
         stacked=True), 8, 8)
     layout.add(timeseries(
@@ -228,16 +232,16 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Requests vLLM preempted per second: the running ones did not fit the KV pool, and a "
         "preempted request loses its blocks and is recomputed later.",
         "suffix: preemptions/s",
-        [target(f"sum by (target, model_name) (rate(vllm_cache_engine_preemptions_total{e}"
+        [target(f"sum by (target, model_name) (rate(vllm_cache_engine_preemptions_total{engines}"
                 f"[{RATE}]))", "{{target}} {{model_name}}")]), 8, 8)
     layout.add(timeseries(
         "Running and waiting requests",
         "Requests in vLLM's running batch and waiting in its queue. Waiting requests with a "
         "full KV pool mean the pool, not the scheduler, is the concurrency limit.",
         "short",
-        [target(f"sum by (target, model_name) (vllm_cache_engine_requests_running{e})",
+        [target(f"sum by (target, model_name) (vllm_cache_engine_requests_running{engines})",
                 "{{target}} {{model_name}} running"),
-         target(f"sum by (target, model_name) (vllm_cache_engine_requests_waiting{e})",
+         target(f"sum by (target, model_name) (vllm_cache_engine_requests_waiting{engines})",
                 "{{target}} {{model_name}} waiting")]), 8, 8)
 
     layout.row("Can the numbers be trusted")
@@ -246,7 +250,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Whether the exporter's last read of each vLLM /metrics succeeded "
         "(VllmCacheEngineDown).",
         "none",
-        [target(f"max by (target) (vllm_cache_engine_up{t})", "{{target}}")],
+        [target(f"max by (target) (vllm_cache_engine_up{vllm_targets})", "{{target}}")],
         mappings=value_mapping(("0", "Down", "red"), ("1", "Up", "green"))), 6, 6)
     layout.add(table(
         "vLLM metrics present",
@@ -254,7 +258,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Absent means renamed or dropped by a vLLM upgrade: its panels show nothing, never "
         "a reassuring 0 (VllmCacheEngineMetricAbsent).",
         "none",
-        [target(f"min by (target, signal) (vllm_cache_engine_metric_present{t})",
+        [target(f"min by (target, signal) (vllm_cache_engine_metric_present{vllm_targets})",
                 instant=True)],
         renames={"target": "vLLM", "signal": "Signal", "Value": "Present"},
         mappings=value_mapping(("0", "ABSENT", "red"), ("1", "present", "green"))), 6, 6)
@@ -263,20 +267,20 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Failed reads of each vLLM /metrics per second, by reason (connect, timeout, "
         "http_status, parse, ...); 0 when none.",
         "suffix: errors/s",
-        [target(f"sum by (target, reason) (rate(vllm_cache_engine_scrape_errors_total{t}"
-                f"[{RATE}]))\nor\nsum by (target) (vllm_cache_engine_up{t}) * 0",
+        [target(f"sum by (target, reason) (rate(vllm_cache_engine_scrape_errors_total{vllm_targets}"
+                f"[{RATE}]))\nor\nsum by (target) (vllm_cache_engine_up{vllm_targets}) * 0",
                 "{{target}} {{reason}}")]), 6, 6)
     layout.add(timeseries(
         "Usage events",
         "Per-request usage records accepted per second by each reader, those rejected (by "
         "reason; 0 when none), and those counted under the caller cap's overflow bucket.",
         "suffix: events/s",
-        [target(f"sum by (reader) (rate(vllm_cache_usage_events_total{j}[{RATE}]))",
+        [target(f"sum by (reader) (rate(vllm_cache_usage_events_total{jobs}[{RATE}]))",
                 "{{reader}} accepted"),
-         target(f"sum by (reader, reason) (rate(vllm_cache_usage_events_rejected_total{j}"
-                f"[{RATE}]))\nor\nsum by (reader) (rate(vllm_cache_usage_events_total{j}"
+         target(f"sum by (reader, reason) (rate(vllm_cache_usage_events_rejected_total{jobs}"
+                f"[{RATE}]))\nor\nsum by (reader) (rate(vllm_cache_usage_events_total{jobs}"
                 f"[{RATE}])) * 0", "{{reader}} rejected {{reason}}"),
-         target(f"sum(rate(vllm_cache_callers_overflowed_total{j}[{RATE}]))",
+         target(f"sum(rate(vllm_cache_callers_overflowed_total{jobs}[{RATE}]))",
                 "over the caller cap")]), 6, 6)
 
     return dashboard(

@@ -2,9 +2,10 @@
 
 Each factory takes the few things that differ between panels (title, description, unit,
 queries) and fixes the rest, so every panel gets the ``${datasource}`` variable, a unit and a
-description by construction rather than by review. grafanalib 0.7's BarGauge still emits the
-Grafana 6 ``fieldOptions`` layout, so the modern ``fieldConfig``/``reduceOptions`` keys are
-added through ``extraJson``.
+description by construction rather than by review. Options grafanalib 0.7 has no argument for
+(the bar gauge's and table's ``reduceOptions``/``fieldConfig``, the legend's ``showLegend``)
+are given through ``extraJson``; what grafanalib writes that the current schema does not have
+is removed afterwards, in one place: ``grafana.to_current_schema``.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from typing import Any
 from grafanalib import core as g
 
 from exporter.monitoring.config import MonitoringConfig
+from exporter.monitoring.dashboards.grafana import SCHEMA_VERSION
 from exporter.monitoring.promql import PromQL
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
 TOKENS = "suffix: tokens"
 TOKENS_PER_SECOND = "suffix: tokens/s"
-SCHEMA_VERSION = 38
 ALL = ".*"
 
 _REF_IDS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -38,22 +39,26 @@ class Filters:
     """Label matchers for dashboard queries: the configured selector plus the variables."""
 
     def __init__(self, config: MonitoringConfig) -> None:
-        self.q = PromQL(config)
+        self.promql = PromQL(config)
+
+    def selector(self, *extra: str) -> str:
+        """The configured selector alone (plus ``extra``): for the variables' own queries."""
+        return self.promql.sel(*extra)
 
     def engine(self, *extra: str) -> str:
-        return self.q.sel(JOB, TARGET, MODEL_NAME, *extra)
+        return self.promql.sel(JOB, TARGET, MODEL_NAME, *extra)
 
     def target(self, *extra: str) -> str:
-        return self.q.sel(JOB, TARGET, *extra)
+        return self.promql.sel(JOB, TARGET, *extra)
 
     def caller(self, *extra: str) -> str:
-        return self.q.sel(JOB, MODEL, CALLER, *extra)
+        return self.promql.sel(JOB, MODEL, CALLER, *extra)
 
     def model(self, *extra: str) -> str:
-        return self.q.sel(JOB, MODEL, *extra)
+        return self.promql.sel(JOB, MODEL, *extra)
 
     def job(self, *extra: str) -> str:
-        return self.q.sel(JOB, *extra)
+        return self.promql.sel(JOB, *extra)
 
 
 def target(expr: str, legend: str = "", instant: bool = False) -> g.Target:
@@ -131,8 +136,9 @@ def timeseries(title: str, description: str, unit: str, targets: list[g.Target],
         targets=_with_ref_ids(targets), legendDisplayMode="table", legendPlacement="right",
         legendCalcs=["lastNotNull", "max"], tooltipMode="multi", tooltipSort="desc",
         drawStyle="bars" if bars else "line", fillOpacity=60 if bars else 10,
-        stacking={"mode": "normal", "group": "A"} if stacked else {},
-        valueMin=min_value, valueMax=max_value, spanNulls=False)
+        stacking={"mode": "normal" if stacked else "none", "group": "A"},
+        valueMin=min_value, valueMax=max_value, spanNulls=False,
+        extraJson={"options": {"legend": {"showLegend": True}}})
 
 
 def stat(title: str, description: str, unit: str, targets: list[g.Target],
