@@ -56,14 +56,19 @@ async def serving(app: web.Application, ssl_context: ssl.SSLContext | None,
         await runner.cleanup()
 
 
+HITS = web.AppKey("hits", list)
+
+
 async def whoami(request: web.Request) -> web.Response:
     """Which client connection this request came on (its port): keep-alive proof."""
     peer = request.transport.get_extra_info("peername") if request.transport else None
+    request.app[HITS].append(request.path)
     return web.json_response({"client_port": peer[1] if peer else None, "path": request.path})
 
 
 def demo_app() -> web.Application:
     app = web.Application()
+    app[HITS] = []
     app.router.add_get("/{tail:.*}", whoami)
     app.router.add_post("/{tail:.*}", whoami)
     return app
