@@ -188,6 +188,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("web.listen-address", "Web", "Address to serve /metrics, /v1/usage and the status "
          f"page on (HOST:PORT). Default {DEFAULT_LISTEN}; use 0.0.0.0:{DEFAULT_PORT} in a "
          "container.", _to_str, DEFAULT_LISTEN, metavar="HOST:PORT", check=_host_port),
+    Flag("web.config.file", "Web", "exporter-toolkit web config file: TLS, client "
+         "certificates, basic auth and response headers for this listener (see Security). "
+         "Re-read when it or a file it names changes, and on SIGHUP.", _to_str, "",
+         metavar="FILE"),
     Flag("config.file", "Web", "YAML file with any of these settings (keys are the flag names "
          "without dashes, flat or nested).", _to_str, "", metavar="FILE"),
     Flag("log.level", "Web", "Log level.", _to_str, "info", metavar="LEVEL",
@@ -249,6 +253,10 @@ FLAGS: tuple[Flag, ...] = (
          "(off when empty).", _to_str, "", metavar="HOST:PORT", check=_optional_host_port),
     Flag("tap.upstream", "Tap proxy", "vLLM base URL the tap forwards to.", _to_str, "",
          metavar="URL", check=_optional_url),
+    Flag("tap.web-config.file", "Tap proxy", "Web config file for the tap's listener (same "
+         "format: TLS, client certificates, headers; not basic_auth_users, as the tap's "
+         "clients send their API key in the Authorization header).", _to_str, "",
+         metavar="FILE"),
     Flag("tap.caller-header", "Tap proxy", "Request header naming the caller.", _to_str,
          "X-Caller", metavar="HEADER"),
     Flag("tap.session-header", "Tap proxy", "Request header naming the conversation, so each "
@@ -270,6 +278,7 @@ FLAGS_BY_DEST = {flag.dest: flag for flag in FLAGS}
 @dataclass(frozen=True)
 class Config:
     web_listen_address: str = DEFAULT_LISTEN
+    web_config_file: str = ""
     config_file: str = ""
     log_level: str = "info"
     vllm_url: tuple[str, ...] = ()
@@ -294,6 +303,7 @@ class Config:
     signals_missing_cached_as_zero: bool = True
     tap_listen_address: str = ""
     tap_upstream: str = ""
+    tap_web_config_file: str = ""
     tap_caller_header: str = "X-Caller"
     tap_session_header: str = "X-Session-Id"
     tap_key_alias: tuple[tuple[str, str], ...] = ()
@@ -457,7 +467,26 @@ def _cross_checks(config: Config) -> Config:
         from exporter.usage.formats import load_mapping
 
         load_mapping(config.usage_mapping_file)
+    _check_web_configs(config)
     return config
+
+
+def _check_web_configs(config: Config) -> None:
+    """Load the web config files now (certificates included), as promtool check web-config
+    does, so that a bad one is a configuration error and --check-config catches it."""
+    if config.tap_web_config_file and not config.tap_listen_address:
+        raise ConfigError("--tap.web-config.file", "needs --tap.listen-address")
+    from exporter.web import WebConfigError, load
+
+    for option, path, basic_auth in (("--web.config.file", config.web_config_file, True),
+                                     ("--tap.web-config.file", config.tap_web_config_file,
+                                      False)):
+        if not path:
+            continue
+        try:
+            load(path, allow_basic_auth=basic_auth)
+        except WebConfigError as err:
+            raise ConfigError(option, str(err)) from None
 
 
 def flags_markdown() -> str:

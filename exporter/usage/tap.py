@@ -44,6 +44,7 @@ from exporter.usage.tap_usage import (
     Endpoint,
     usage_of,
 )
+from exporter.web import WebListener
 
 log = logging.getLogger(__name__)
 
@@ -530,9 +531,14 @@ def create_tap_app(config: Config, state: SignalsState,
     return app
 
 
-async def run_tap(config: Config, state: SignalsState) -> None:
-    """Serve the tap on --tap.listen-address until cancelled."""
+async def run_tap(config: Config, state: SignalsState,
+                  web_listener: WebListener | None = None) -> None:
+    """Serve the tap on --tap.listen-address until cancelled; with ``web_listener`` (from
+    --tap.web-config.file) over TLS, with its client-certificate checks and headers."""
     app = create_tap_app(config, state)
+    if web_listener is not None:
+        web_listener.install(app)
+    ssl_context = web_listener.ssl_context if web_listener is not None else None
     # handler_cancellation: a client that hangs up cancels its upstream call at once.
     runner = web.AppRunner(app, access_log=None, handle_signals=False,
                            handler_cancellation=True, shutdown_timeout=2.0)
@@ -540,13 +546,14 @@ async def run_tap(config: Config, state: SignalsState) -> None:
     host, _, port = config.tap_listen_address.rpartition(":")
     try:
         site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port),
-                           reuse_address=True)
+                           reuse_address=True, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError as err:
             log.error("tap: cannot listen on %s: %s", config.tap_listen_address, err.strerror)
             raise
-        log.info("tap listening on http://%s, forwarding to %s", config.tap_listen_address,
+        log.info("tap listening on %s://%s, forwarding to %s",
+                 "https" if ssl_context else "http", config.tap_listen_address,
                  config.tap_upstream)
         await asyncio.Event().wait()
     finally:
