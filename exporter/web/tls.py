@@ -22,6 +22,7 @@ import contextlib
 import os
 import ssl
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,8 +47,10 @@ def build_ssl_context(tls: TLSServerConfig, path: str) -> ssl.SSLContext:
     """A server context for ``tls`` (which must be enabled); errors name ``path`` and a key."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.minimum_version = VERSIONS[tls.min_version]
-        context.maximum_version = VERSIONS[tls.max_version]
+        with warnings.catch_warnings():  # TLS 1.0/1.1 are deprecated, and asked for here
+            warnings.simplefilter("ignore", DeprecationWarning)
+            context.minimum_version = VERSIONS[tls.min_version]
+            context.maximum_version = VERSIONS[tls.max_version]
     except (ValueError, ssl.SSLError) as err:
         raise WebConfigError(path, "tls_server_config.min_version",
                              f"this OpenSSL cannot use it: {err}") from None
