@@ -19,11 +19,15 @@ from tests.web.certs import Pki, issue, make_ca
 from tests.web.conftest import client_context, demo_app, serving
 from tests.web.test_tls_auth import basic, refused, tls_config, write_config
 
-CLOCK = [1_700_000_000.0]
 
+class Clock:
+    """Wall time the listener stamps reloads with, moved by the test."""
 
-def clock() -> float:
-    return CLOCK[0]
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def rotate_server_certificate(pki: Pki) -> ssl.SSLContext:
@@ -43,7 +47,7 @@ async def port_of(session: aiohttp.ClientSession, url: str, **kwargs: object) ->
 
 
 async def test_rotated_certificate_serves_new_connections_open_ones_keep_going(pki):
-    listener = WebListener.open(write_config(pki, tls_config()), "web", wall_clock=clock)
+    listener = WebListener.open(write_config(pki, tls_config()), "web")
     async with serving(demo_app(), listener.ssl_context) as url:
         connector = aiohttp.TCPConnector(limit=1, ssl=client_context(pki))
         async with aiohttp.ClientSession(connector=connector) as old_client:
@@ -94,6 +98,7 @@ async def test_a_bad_file_keeps_the_last_good_one_logs_once_and_is_counted(pki, 
                                                                             caplog):
     path = write_config(pki, tls_config() + f"basic_auth_users:\n  a: '{hash_of('pw')}'\n")
     seen: list[ReloadStatus] = []
+    clock = Clock()
     listener = WebListener.open(path, "web", wall_clock=clock, on_reload=seen.append)
     app = demo_app()
     listener.install(app)
@@ -110,7 +115,7 @@ async def test_a_bad_file_keeps_the_last_good_one_logs_once_and_is_counted(pki, 
             assert "not valid YAML" in errors[0].getMessage()
             assert listener.status().failures == 1 and seen[-1].failures == 1
             # Fixed: the next request picks it up.
-            CLOCK[0] += 60
+            clock.now += 60
             write_config(pki, tls_config() + f"basic_auth_users:\n  a: '{hash_of('pw2')}'\n")
             await port_of(client, url, ssl=client_context(pki), headers=basic("a", "pw2"))
     status = listener.status()
@@ -144,9 +149,9 @@ async def test_a_missing_file_that_appears_later_is_picked_up(pki):
 
 
 async def test_sighup_reloads_without_any_connection(pki):
-    listener = WebListener.open(write_config(pki, tls_config()), "web")
     reloaded = asyncio.Event()
-    listener._on_reload = lambda _status: reloaded.set()  # noqa: SLF001 - test hook
+    listener = WebListener.open(write_config(pki, tls_config()), "web",
+                                on_reload=lambda _status: reloaded.set())
     loop = asyncio.get_running_loop()
     assert install_sighup([listener])
     try:
@@ -158,6 +163,7 @@ async def test_sighup_reloads_without_any_connection(pki):
 
 
 def test_reload_series(pki):
+    clock = Clock()
     listener = WebListener.open(write_config(pki, tls_config()), "tap", wall_clock=clock)
     registry = CollectorRegistry()
     registry.register(WebConfigCollector(lambda: [listener.status()]))
@@ -170,4 +176,4 @@ def test_reload_series(pki):
                                      {**labels, "result": "success"}) == 0
     assert registry.get_sample_value(
         "vllm_cache_exporter_web_config_last_reload_success_timestamp_seconds",
-        labels) == CLOCK[0]
+        labels) == clock.now
