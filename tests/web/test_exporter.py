@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,6 +22,7 @@ from tests.helpers import value
 from tests.test_run_process import free_port
 from tests.web.test_tls_auth import basic, tls_config, write_config
 
+RELOADS = "vllm_cache_exporter_web_config_reloads_total"
 USAGE = {"caller": "agent-1", "model": "tiny-llama", "prompt_tokens": 1396,
          "cached_tokens": 1376}
 
@@ -126,8 +129,17 @@ async def test_exporter_listener_tls_basic_auth_probes_and_usage_token(pki, hash
                               headers=basic("prometheus", "s3cret")) as response:
             assert response.status == 200
             text = await response.text()
-    assert ('vllm_cache_exporter_web_config_reloads_total{listener="web",result="success"} 0.0'
-            in text)
+        assert value(text, RELOADS, listener="web", result="success") == 0
+        # SIGHUP reaches the runtime's listener: a reload with no file changed (which the
+        # change check would not do) shows in the counter.
+        os.kill(os.getpid(), signal.SIGHUP)
+        deadline = asyncio.get_running_loop().time() + 10
+        while value(text, RELOADS, listener="web", result="success") != 1:
+            assert asyncio.get_running_loop().time() < deadline, "SIGHUP did not reload"
+            await asyncio.sleep(0.05)  # the handler runs on this loop: let it
+            async with client.get(url + "/metrics", ssl=context,
+                                  headers=basic("prometheus", "s3cret")) as response:
+                text = await response.text()
     assert value(text, "vllm_cache_usage_events_total", reader="http") == 1  # once, not twice
 
 

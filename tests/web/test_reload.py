@@ -148,18 +148,27 @@ async def test_a_missing_file_that_appears_later_is_picked_up(pki):
     assert listener.config.tls.cert_file == str(pki.folder / "next.crt")
 
 
-async def test_sighup_reloads_without_any_connection(pki):
+async def test_sighup_reloads_before_any_new_connection_open_ones_keep_going(pki):
     reloaded = asyncio.Event()
     listener = WebListener.open(write_config(pki, tls_config()), "web",
                                 on_reload=lambda _status: reloaded.set())
     loop = asyncio.get_running_loop()
     assert install_sighup([listener])
     try:
-        os.kill(os.getpid(), signal.SIGHUP)
-        await asyncio.wait_for(reloaded.wait(), timeout=10)
+        async with serving(demo_app(), listener.ssl_context) as url:
+            connector = aiohttp.TCPConnector(limit=1, ssl=client_context(pki))
+            async with aiohttp.ClientSession(connector=connector) as old_client:
+                port = await port_of(old_client, url)
+                new_trust = rotate_server_certificate(pki)
+                os.kill(os.getpid(), signal.SIGHUP)
+                await asyncio.wait_for(reloaded.wait(), timeout=10)  # no connection made
+                assert listener.status().successes == 1
+                assert await port_of(old_client, url) == port
+                async with aiohttp.ClientSession() as new_client:
+                    await port_of(new_client, url, ssl=new_trust)
     finally:
         loop.remove_signal_handler(signal.SIGHUP)
-    assert listener.status().successes == 1
+    assert listener.status().successes == 1, "the new connection found nothing left to load"
 
 
 def test_reload_series(pki):
