@@ -99,16 +99,19 @@ def _load_certificate(context: ssl.SSLContext, tls: TLSServerConfig, path: str) 
     def no_passphrase() -> bytes:
         raise WebConfigError(path, key_key, "the key is encrypted; give an unencrypted key")
 
-    with _pem_file(cert_pem) as cert_path, _pem_file(key_pem) as key_path:
-        try:
+    try:
+        with _pem_file(cert_pem) as cert_path, _pem_file(key_pem) as key_path:
             context.load_cert_chain(cert_path, key_path, password=no_passphrase)
-        except ssl.SSLError as err:
-            reason = err.reason or str(err)
-            if reason == "KEY_VALUES_MISMATCH":
-                problem = "the key does not belong to the certificate"
-            else:
-                problem = f"cannot load the certificate and key: {reason}"
-            raise WebConfigError(path, cert_key, problem) from None
+    except ssl.SSLError as err:
+        reason = err.reason or str(err)
+        if reason == "KEY_VALUES_MISMATCH":
+            problem = "the key does not belong to the certificate"
+        else:
+            problem = f"cannot load the certificate and key: {reason}"
+        raise WebConfigError(path, cert_key, problem) from None
+    except OSError as err:  # no in-memory file and no writable temporary folder
+        raise WebConfigError(path, cert_key, f"cannot hand the certificate to OpenSSL: "
+                                             f"{err.strerror or err}") from None
 
 
 def _load_client_verification(context: ssl.SSLContext, tls: TLSServerConfig,

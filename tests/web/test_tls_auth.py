@@ -351,3 +351,17 @@ async def test_passwords_longer_than_72_bytes_match_as_in_go(hash_of):
                                  users) is Verdict.ALLOWED
     assert await verifier.verify(basic("a", "p" * 71)["Authorization"], users) \
         is Verdict.DENIED
+
+
+def test_without_in_memory_files_a_private_temporary_file_is_used_and_removed(
+        pki, monkeypatch, tmp_path):
+    import os
+    import tempfile
+
+    monkeypatch.delattr(os, "memfd_create", raising=False)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    listener = WebListener.open(write_config(pki, tls_config()), "web")
+    assert listener.ssl_context is not None
+    assert list(scratch.iterdir()) == [], "the key must not stay on disk"
