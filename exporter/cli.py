@@ -165,6 +165,8 @@ def run(config: Config) -> int:
         asyncio.run(serve(config))
     except KeyboardInterrupt:
         pass
+    except ConfigError as err:  # a web config file that broke after build_config read it
+        return config_error(err)
     except OSError as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 1

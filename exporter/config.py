@@ -30,6 +30,8 @@ import yaml
 from exporter.sim.scenario import DEFAULT_SCENARIO
 from exporter.sim.scenario import available as available_scenarios
 from exporter.usage.formats import MappingError, load_mapping
+from exporter.web import WebConfigError
+from exporter.web import load as load_web_config
 
 ENV_PREFIX = "VLLM_CACHE_EXPORTER_"
 # Not in the Prometheus default port allocations list as far as we could check; see README.
@@ -238,15 +240,19 @@ def _sim_flag(name: str, help_text: str, parse: Callable[[Any], Any], metavar: s
 FLAGS: tuple[Flag, ...] = (
     Flag("check-config", "General", "Validate the configuration, print it (secrets redacted) and "
          "exit: 0 if valid, 2 if not.", _to_bool, False, kind="bool", action=True),
+    Flag("config.file", "General", "YAML file with any of these settings (keys are the flag "
+         "names without dashes, flat or nested).", _to_str, "", metavar="FILE"),
+    Flag("log.level", "General", "Log level.", _to_str, "info", metavar="LEVEL",
+         check=_one_of(LOG_LEVELS), commands=frozenset({RUN, SIMULATE, DRIVE, DEMO}),
+         command_defaults={DEMO: "warning"}),
     # --- web -----------------------------------------------------------------------------
     Flag("web.listen-address", "Web", "Address to serve /metrics, /v1/usage and the status "
          f"page on (HOST:PORT). Default {DEFAULT_LISTEN}; use 0.0.0.0:{DEFAULT_PORT} in a "
          "container.", _to_str, DEFAULT_LISTEN, metavar="HOST:PORT", check=host_port),
-    Flag("config.file", "General", "YAML file with any of these settings (keys are the flag names "
-         "without dashes, flat or nested).", _to_str, "", metavar="FILE"),
-    Flag("log.level", "General", "Log level.", _to_str, "info", metavar="LEVEL",
-         check=_one_of(LOG_LEVELS), commands=frozenset({RUN, SIMULATE, DRIVE, DEMO}),
-         command_defaults={DEMO: "warning"}),
+    Flag("web.config.file", "Web", "exporter-toolkit web config file: TLS, client "
+         "certificates, basic auth and response headers for this listener (see Security). "
+         "Re-read when it or a file it names changes, and on SIGHUP.", _to_str, "",
+         metavar="FILE"),
     # --- vLLM engines ---------------------------------------------------------------------
     Flag("vllm.url", "vLLM engine", "vLLM server to read /metrics from (repeatable, one per "
          "server; /metrics is appended when the URL has no path).", _to_list, (), kind="list",
@@ -304,6 +310,10 @@ FLAGS: tuple[Flag, ...] = (
          "(off when empty).", _to_str, "", metavar="HOST:PORT", check=_optional_host_port),
     Flag("tap.upstream", "Tap proxy", "vLLM base URL the tap forwards to.", _to_str, "",
          metavar="URL", check=_optional_url),
+    Flag("tap.web-config.file", "Tap proxy", "Web config file for the tap's listener (same "
+         "format: TLS, client certificates, headers; not basic_auth_users, as the tap's "
+         "clients send their API key in the Authorization header).", _to_str, "",
+         metavar="FILE"),
     Flag("tap.caller-header", "Tap proxy", "Request header naming the caller.", _to_str,
          "X-Caller", metavar="HEADER"),
     Flag("tap.session-header", "Tap proxy", "Request header naming the conversation, so each "
@@ -412,6 +422,7 @@ class Config:
     """The ``run`` command's settings: one field per ``run`` flag, defaults from FLAGS."""
 
     web_listen_address: str = _default("web.listen-address")
+    web_config_file: str = _default("web.config.file")
     config_file: str = _default("config.file")
     log_level: str = _default("log.level")
     vllm_url: tuple[str, ...] = _default("vllm.url")
@@ -435,6 +446,7 @@ class Config:
     signals_missing_cached_as_zero: bool = _default("signals.missing-cached-as-zero")
     tap_listen_address: str = _default("tap.listen-address")
     tap_upstream: str = _default("tap.upstream")
+    tap_web_config_file: str = _default("tap.web-config.file")
     tap_caller_header: str = _default("tap.caller-header")
     tap_session_header: str = _default("tap.session-header")
     tap_key_alias: tuple[tuple[str, str], ...] = _default("tap.key-alias")
@@ -626,7 +638,24 @@ def _cross_checks(config: Config) -> Config:
             load_mapping(config.usage_mapping_file)
         except MappingError as err:
             raise ConfigError(err.where, err.problem) from None
+    _check_web_configs(config)
     return config
+
+
+def _check_web_configs(config: Config) -> None:
+    """Load the web config files now (certificates included), as promtool check web-config
+    does, so that a bad one is a configuration error and --check-config catches it."""
+    if config.tap_web_config_file and not config.tap_listen_address:
+        raise ConfigError("--tap.web-config.file", "needs --tap.listen-address")
+    for option, path, basic_auth in (("--web.config.file", config.web_config_file, True),
+                                     ("--tap.web-config.file", config.tap_web_config_file,
+                                      False)):
+        if not path:
+            continue
+        try:
+            load_web_config(path, allow_basic_auth=basic_auth)
+        except WebConfigError as err:
+            raise ConfigError(option, str(err)) from None
 
 
 def flags_markdown(command: str = RUN) -> str:

@@ -9,11 +9,13 @@ import signal
 from aiohttp import web
 
 from exporter import wiring
-from exporter.config import Config
-from exporter.server import create_app
+from exporter.config import Config, ConfigError
+from exporter.server import REGISTRY_KEY, create_app
 from exporter.signals.state import SignalsState
 from exporter.usage.tail import follow
 from exporter.usage.tap import run_tap
+from exporter.web import WebConfigError, WebListener, install_sighup
+from exporter.web.metrics import WebConfigCollector
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +32,27 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
             pass
     state = wiring.signals_state(config)
     app = create_app(config, state)
+    listeners = open_web_listeners(config)
+    web_listener = listeners.get("web")
+    if web_listener is not None:
+        secure_app(app, web_listener, config)
+    if listeners:
+        app[REGISTRY_KEY].register(WebConfigCollector(
+            lambda: [listener.status() for listener in listeners.values()]))
+    install_sighup(listeners.values())
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
     await runner.setup()
     host, port = config.listen_host_port
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True,
+                       ssl_context=web_listener.ssl_context if web_listener else None)
     try:
         await site.start()
     except OSError:
         await runner.cleanup()
         raise
-    background = start_background(config, state)
-    log.info("listening on http://%s:%d/metrics, reading %d vLLM target(s)", host, port,
+    background = start_background(config, state, listeners.get("tap"))
+    scheme = "https" if web_listener and web_listener.ssl_context else "http"
+    log.info("listening on %s://%s:%d/metrics, reading %d vLLM target(s)", scheme, host, port,
              len(config.engine_targets))
     if started is not None:
         started.set()
@@ -61,7 +73,32 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         await runner.cleanup()
 
 
-def start_background(config: Config, state: SignalsState) -> list[asyncio.Task[None]]:
+def open_web_listeners(config: Config) -> dict[str, WebListener]:
+    """The web configs of the exporter's listener ("web") and the tap's ("tap"), where set.
+    build_config has loaded them once already; a file broken since is a ConfigError."""
+    files = {"web": (config.web_config_file, "--web.config.file", True),
+             "tap": (config.tap_web_config_file, "--tap.web-config.file", False)}
+    listeners = {}
+    for name, (path, option, basic_auth) in files.items():
+        if not path:
+            continue
+        try:
+            listeners[name] = WebListener.open(path, name, allow_basic_auth=basic_auth)
+        except WebConfigError as err:
+            raise ConfigError(option, str(err)) from None
+    return listeners
+
+
+def secure_app(app: web.Application, listener: WebListener, config: Config) -> None:
+    """TLS-side checks, basic auth and headers on the exporter's app. The health probes
+    stay open (a kubelet probe cannot hold a password); /v1/usage keeps its own bearer
+    token when one is set, since one Authorization header cannot carry both."""
+    listener.install(app, open_paths=("/-/healthy", "/-/ready"),
+                     bearer_paths=("/v1/usage",) if config.usage_ingest_token else ())
+
+
+def start_background(config: Config, state: SignalsState,
+                     tap_listener: WebListener | None = None) -> list[asyncio.Task[None]]:
     """Long-running readers (file follower, tap proxy) that are not request handlers."""
     tasks: list[asyncio.Task[None]] = []
     if config.usage_file:
@@ -70,5 +107,7 @@ def start_background(config: Config, state: SignalsState) -> list[asyncio.Task[N
     if config.tap_listen_address:
         tasks.append(asyncio.ensure_future(run_tap(
             wiring.tap_settings(config), wiring.tap_record(state.usage),
-            wiring.tap_reject(state.usage))))
+            wiring.tap_reject(state.usage),
+            secure=tap_listener.install if tap_listener is not None else None,
+            ssl_context=tap_listener.ssl_context if tap_listener is not None else None)))
     return tasks

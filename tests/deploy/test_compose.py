@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from exporter import __version__
-from exporter.cli import _with_default_command, build_parser
+from exporter.cli import parse
 from exporter.config import build_config
 from exporter.monitoring.config import MonitoringConfig
 from tests.deploy.helpers import (
@@ -56,10 +56,9 @@ def service(name: str, **overrides: str) -> dict[str, Any]:
 
 def parse_our_command(svc: Mapping[str, Any]) -> Any:
     """The service's command through our real CLI parser: a renamed flag fails here."""
-    parser = build_parser()
     argv = command_args(svc)
     try:
-        return parser.parse_args(_with_default_command(argv))
+        return parse(argv)
     except SystemExit:
         pytest.fail(f"vllm-cache-exporter rejects the compose command {argv}")
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from exporter import __version__
-from exporter.cli import _with_default_command, build_parser
+from exporter.cli import parse
 from exporter.config import build_config
 from exporter.monitoring.config import MonitoringConfig, parse_selector
 from tests.deploy.helpers import K8S_DIR, ROOT, flag_value, raw_compose
@@ -247,8 +247,7 @@ def test_dashboards_configmaps_carry_every_committed_dashboard_for_the_sidecar()
 
 def sidecar_config() -> Any:
     sidecar = container("vllm-cache-exporter")
-    parser = build_parser()
-    args = parser.parse_args(_with_default_command(list(sidecar["args"])))
+    args = parse(list(sidecar["args"]))
     assert args.command == "run"
     env = {item["name"]: item["value"] for item in sidecar.get("env", []) if "value" in item}
     return build_config(args, environ=env)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -532,9 +533,17 @@ def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object]
 
 
 async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
-                  reject: Callable[[str], None]) -> None:
-    """Serve the tap on ``settings.listen_address`` until cancelled."""
+                  reject: Callable[[str], None],
+                  secure: Callable[[web.Application], None] | None = None,
+                  ssl_context: ssl.SSLContext | None = None) -> None:
+    """Serve the tap on ``settings.listen_address`` until cancelled.
+
+    ``secure`` (the --tap.web-config.file listener's) adds its client-certificate checks
+    and headers to the app; ``ssl_context`` serves it over TLS.
+    """
     app = create_tap_app(settings, record, reject)
+    if secure is not None:
+        secure(app)
     # handler_cancellation: a client that hangs up cancels its upstream call at once.
     runner = web.AppRunner(app, access_log=None, handle_signals=False,
                            handler_cancellation=True, shutdown_timeout=2.0)
@@ -542,13 +551,14 @@ async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
     host, _, port = settings.listen_address.rpartition(":")
     try:
         site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port),
-                           reuse_address=True)
+                           reuse_address=True, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError as err:
             log.error("tap: cannot listen on %s: %s", settings.listen_address, err.strerror)
             raise
-        log.info("tap listening on http://%s, forwarding to %s", settings.listen_address,
+        log.info("tap listening on %s://%s, forwarding to %s",
+                 "https" if ssl_context else "http", settings.listen_address,
                  URL(settings.upstream).with_user(None))
         await asyncio.Event().wait()
     finally:
