@@ -249,6 +249,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("web.listen-address", "Web", "Address to serve /metrics, /v1/usage and the status "
          f"page on (HOST:PORT). Default {DEFAULT_LISTEN}; use 0.0.0.0:{DEFAULT_PORT} in a "
          "container.", _to_str, DEFAULT_LISTEN, metavar="HOST:PORT", check=host_port),
+    Flag("web.max-connections", "Web", "Most client connections served at once; one more is "
+         "answered 503 and closed. Idle connections close after 30 s.", _to_int, 512,
+         metavar="N", check=_positive),
     Flag("web.config.file", "Web", "exporter-toolkit web config file: TLS, client "
          "certificates, basic auth and response headers for this listener (see Security). "
          "Re-read when it or a file it names changes, and on SIGHUP.", _to_str, "",
@@ -274,6 +277,10 @@ FLAGS: tuple[Flag, ...] = (
          metavar="TOKEN", secret=True, commands=frozenset({RUN, DRIVE})),
     Flag("usage.ingest.max-body-bytes", "Usage readers", "Largest POST /v1/usage body (413 "
          "above it).", _to_int, 16 * MiB, metavar="BYTES", check=_positive),
+    Flag("usage.ingest.max-concurrent-bodies", "Usage readers", "Most POST /v1/usage bodies "
+         "read at once; later requests wait up to 5 s for a slot, then get 503 with "
+         "Retry-After (memory for bodies stays under this times the body limit).", _to_int, 4,
+         metavar="N", check=_positive),
     Flag("usage.file", "Usage readers", "JSONL file(s) to follow (repeatable, globs allowed).",
          _to_list, (), kind="list", metavar="GLOB"),
     Flag("usage.file.format", "Usage readers", "Format of the followed files.", _to_str,
@@ -291,6 +298,10 @@ FLAGS: tuple[Flag, ...] = (
     # --- callers --------------------------------------------------------------------------
     Flag("callers.max", "Callers", "Most distinct caller label values; later callers are "
          "counted as __other__.", _to_int, 100, metavar="N", check=_positive),
+    Flag("callers.max-series", "Callers", "Most per-caller series exposed: each (caller, model) "
+         "pair is admitted only while its worst case (every state, every histogram) fits; "
+         "later pairs are counted under caller __other__ (see docs/metrics.md).", _to_int,
+         40_000, metavar="N", check=_positive),
     Flag("callers.allow", "Callers", "Callers that always get their own label, even past the "
          "cap (repeatable).", _to_list, (), kind="list", metavar="NAME"),
     Flag("callers.alias", "Callers", "Rename callers, NAME=ALIAS (repeatable; YAML: a "
@@ -314,6 +325,9 @@ FLAGS: tuple[Flag, ...] = (
          "format: TLS, client certificates, headers; not basic_auth_users, as the tap's "
          "clients send their API key in the Authorization header).", _to_str, "",
          metavar="FILE"),
+    Flag("tap.max-connections", "Tap proxy", "Most client connections the tap serves at once "
+         "(each also holds one to vLLM); one more is answered 503 and closed.", _to_int, 512,
+         metavar="N", check=_positive),
     Flag("tap.caller-header", "Tap proxy", "Request header naming the caller.", _to_str,
          "X-Caller", metavar="HEADER"),
     Flag("tap.session-header", "Tap proxy", "Request header naming the conversation, so each "
@@ -422,6 +436,7 @@ class Config:
     """The ``run`` command's settings: one field per ``run`` flag, defaults from FLAGS."""
 
     web_listen_address: str = _default("web.listen-address")
+    web_max_connections: int = _default("web.max-connections")
     web_config_file: str = _default("web.config.file")
     config_file: str = _default("config.file")
     log_level: str = _default("log.level")
@@ -432,6 +447,7 @@ class Config:
     usage_ingest_token_file: str = _default("usage.ingest.token-file")
     usage_ingest_token: str = field(default=_default("usage.ingest.token"), repr=False)
     usage_ingest_max_body_bytes: int = _default("usage.ingest.max-body-bytes")
+    usage_ingest_max_concurrent_bodies: int = _default("usage.ingest.max-concurrent-bodies")
     usage_file: tuple[str, ...] = _default("usage.file")
     usage_file_format: str = _default("usage.file.format")
     usage_file_from_start: bool = _default("usage.file.from-start")
@@ -439,6 +455,7 @@ class Config:
     usage_mapping_file: str = _default("usage.mapping.file")
     usage_litellm_caller_fields: tuple[str, ...] = _default("usage.litellm.caller-fields")
     callers_max: int = _default("callers.max")
+    callers_max_series: int = _default("callers.max-series")
     callers_allow: tuple[str, ...] = _default("callers.allow")
     callers_alias: tuple[tuple[str, str], ...] = _default("callers.alias")
     signals_granularity: int = _default("signals.granularity")
@@ -447,6 +464,7 @@ class Config:
     tap_listen_address: str = _default("tap.listen-address")
     tap_upstream: str = _default("tap.upstream")
     tap_web_config_file: str = _default("tap.web-config.file")
+    tap_max_connections: int = _default("tap.max-connections")
     tap_caller_header: str = _default("tap.caller-header")
     tap_session_header: str = _default("tap.session-header")
     tap_key_alias: tuple[tuple[str, str], ...] = _default("tap.key-alias")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 
@@ -10,6 +11,15 @@ from aiohttp import web
 
 from exporter import wiring
 from exporter.config import Config, ConfigError
+from exporter.limits import (
+    LimitedRunner,
+    LimitsCollector,
+    ListenerStats,
+    RateLimitedLogs,
+    connection_cap,
+    install_log_limits,
+    raise_fd_limit,
+)
 from exporter.server import REGISTRY_KEY, create_app
 from exporter.signals.state import SignalsState
 from exporter.usage.tail import follow
@@ -30,8 +40,15 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
+    logs = RateLimitedLogs()
+    install_log_limits(logs)
+    fd_limit = raise_fd_limit()
+    web_stats = ListenerStats("web", connection_cap(config.web_max_connections, fd_limit))
+    tap_stats = ListenerStats("tap", connection_cap(config.tap_max_connections, fd_limit))
     state = wiring.signals_state(config)
     app = create_app(config, state)
+    app[REGISTRY_KEY].register(LimitsCollector(
+        [web_stats, tap_stats] if config.tap_listen_address else [web_stats], logs))
     listeners = open_web_listeners(config)
     web_listener = listeners.get("web")
     if web_listener is not None:
@@ -40,7 +57,8 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         app[REGISTRY_KEY].register(WebConfigCollector(
             lambda: [listener.status() for listener in listeners.values()]))
     install_sighup(listeners.values())
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    runner = LimitedRunner(app, web_stats, access_log=None, handle_signals=False,
+                           shutdown_timeout=5.0)
     await runner.setup()
     host, port = config.listen_host_port
     site = web.TCPSite(runner, host, port, reuse_address=True,
@@ -50,7 +68,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     except OSError:
         await runner.cleanup()
         raise
-    background = start_background(config, state, listeners.get("tap"))
+    background = start_background(config, state, listeners.get("tap"), tap_stats)
     scheme = "https" if web_listener and web_listener.ssl_context else "http"
     log.info("listening on %s://%s:%d/metrics, reading %d vLLM target(s)", scheme, host, port,
              len(config.engine_targets))
@@ -98,7 +116,8 @@ def secure_app(app: web.Application, listener: WebListener, config: Config) -> N
 
 
 def start_background(config: Config, state: SignalsState,
-                     tap_listener: WebListener | None = None) -> list[asyncio.Task[None]]:
+                     tap_listener: WebListener | None = None,
+                     tap_stats: ListenerStats | None = None) -> list[asyncio.Task[None]]:
     """Long-running readers (file follower, tap proxy) that are not request handlers."""
     tasks: list[asyncio.Task[None]] = []
     if config.usage_file:
@@ -109,5 +128,7 @@ def start_background(config: Config, state: SignalsState,
             wiring.tap_settings(config), wiring.tap_record(state.usage),
             wiring.tap_reject(state.usage),
             secure=tap_listener.install if tap_listener is not None else None,
-            ssl_context=tap_listener.ssl_context if tap_listener is not None else None)))
+            ssl_context=tap_listener.ssl_context if tap_listener is not None else None,
+            runner=functools.partial(LimitedRunner, stats=tap_stats or ListenerStats(
+                "tap", config.tap_max_connections)))))
     return tasks

@@ -153,6 +153,6 @@ def status_is_error(status: int | str | None) -> bool:
     if type(status) is int:
         return not 200 <= status < 300
     text = str(status)
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         return not 200 <= int(text) < 300
     return text.lower() not in OK_STATUS_WORDS

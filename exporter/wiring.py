@@ -38,7 +38,8 @@ def usage_settings(config: Config) -> UsageSettings:
         callers_max=config.callers_max, callers_allow=config.callers_allow,
         callers_alias=dict(config.callers_alias), granularity=config.signals_granularity,
         warm_tail_granules=config.signals_warm_tail_granules,
-        missing_cached_as_zero=config.signals_missing_cached_as_zero, readers=tuple(readers))
+        missing_cached_as_zero=config.signals_missing_cached_as_zero, readers=tuple(readers),
+        max_series=config.callers_max_series)
 
 
 def signals_state(config: Config, clock: Callable[[], float] = time.time) -> SignalsState:
@@ -57,7 +58,8 @@ def usage_ingest(config: Config, usage: UsageState) -> UsageIngest:
         config.usage_ingest_max_body_bytes,
         record=lambda event: usage.record(event, HTTP_READER),
         reject=lambda reason: usage.reject(HTTP_READER, reason),
-        reject_request=usage.reject_request)
+        reject_request=usage.reject_request,
+        max_concurrent_bodies=config.usage_ingest_max_concurrent_bodies)
 
 
 def engine_poller(config: Config, state: SignalsState,

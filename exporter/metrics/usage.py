@@ -270,6 +270,11 @@ class UsageCollector:
             "Events counted under caller=\"__other__\" because the caller cap "
             "(--callers.max) was reached.")
         overflowed.add_metric([], usage.callers_overflowed)
+        folded = CounterMetricFamily(
+            "vllm_cache_callers_folded",
+            "Events counted under caller=\"__other__\" because their (caller, model) pair "
+            "would have gone over the series budget (--callers.max-series).")
+        folded.add_metric([], usage.series_folded)
 
         yield granularity
         yield events
@@ -277,3 +282,4 @@ class UsageCollector:
         yield last
         yield refused
         yield overflowed
+        yield folded

@@ -16,7 +16,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from exporter.signals.callers import LabelCap
+from exporter.signals.callers import OTHER, LabelCap
 from exporter.signals.classify import ERROR, STATES, classify
 from exporter.signals.engine import EngineState
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
@@ -33,10 +33,19 @@ QUEUE_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 MAX_MODELS = 32
 # Conversation histories kept for the "previous turn" bound (an LRU; ~100 bytes each).
 HISTORY_MAX = 10_000
+OVERFLOW_PAIR = (OTHER, OTHER)
 # Raw (caller, model) pairs memoized to their series (cleared when full).
 PAIR_MEMO_MAX = 10_000
 # Distinct (reader, reason) pairs counted; reasons come from code, this guards the tap's.
 MAX_REJECT_KEYS = 256
+# The most series one (caller, model) pair can ever have: the requests counter per state,
+# three token counters, a TTFT histogram per state that is timed (errors are not), and
+# the queue-wait histogram. A new pair is admitted only if its worst case still fits the
+# series budget, so the bound holds whatever states and histograms appear later.
+TIMED_STATES = tuple(state for state in STATES if state != ERROR)
+SERIES_PER_PAIR = (len(STATES) + 3 + len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3)
+                   + len(QUEUE_BUCKETS) + 3)
+
 SOURCE_CONFIGURED = "configured"
 SOURCE_LEARNED = "learned"
 SOURCE_BLOCK_SIZE = "block_size"
@@ -87,6 +96,9 @@ class UsageSettings:
     # Readers whose event counter exists (at 0) before their first event, so an alert can
     # tell "never sent anything" from "not configured".
     readers: Sequence[str] = ("http",)
+    # Most per-caller series (a pair's worst case counted when it is admitted); events of
+    # pairs beyond it are counted under caller "__other__" (and model "__other__").
+    max_series: int = 40_000
 
 
 class UsageState:
@@ -108,7 +120,10 @@ class UsageState:
         self.ingest_requests_rejected: dict[str, int] = {}
         self._model_names: dict[str, str] = {}  # model label -> a raw name, for block size
         self._history: dict[tuple[str, str, str | None], int] = {}
-        self._pairs: dict[tuple[str, str], tuple[Series, str, bool]] = {}
+        self._pairs: dict[tuple[str, str], tuple[Series, str, bool, bool]] = {}
+        # Pairs the budget admits; one is always left for (__other__, __other__).
+        self.max_pairs = max(1, settings.max_series // SERIES_PER_PAIR)
+        self.series_folded = 0  # events counted under __other__ because of the budget
         for reader in settings.readers:
             self.events[reader] = 0
 
@@ -127,9 +142,11 @@ class UsageState:
         pair = self._pairs.get((caller, model_name))
         if pair is None:
             pair = self._pair(caller, model_name)
-        series, model, overflowed = pair
+        series, model, overflowed, folded = pair
         if overflowed:
             self.callers.overflowed += 1
+        if folded:
+            self.series_folded += 1
         status = event.status
         if status is not None and status_is_error(status):
             series.requests[ERROR] += 1
@@ -181,7 +198,7 @@ class UsageState:
             series.queue.observe(queue)
         return state
 
-    def _pair(self, caller: str, model_name: str) -> tuple[Series, str, bool]:
+    def _pair(self, caller: str, model_name: str) -> tuple[Series, str, bool, bool]:
         """Resolve a raw (caller, model) to its series through the label caps, and memoize.
 
         The memo is bounded like the caps' own; an overflowed caller is memoized as such so
@@ -192,15 +209,30 @@ class UsageState:
         overflowed = self.callers.overflowed != before
         self.callers.overflowed = before  # record() counts it, for memo hits and misses alike
         model = self.models.label(model_name)
-        key = (caller_label, model)
+        key, folded = self._within_budget((caller_label, model))
+        model = key[1]
         series = self.series.get(key)
         if series is None:
             series = self.series[key] = Series()
             self._model_names.setdefault(model, model_name)
         if len(self._pairs) >= PAIR_MEMO_MAX:
             self._pairs.clear()
-        pair = self._pairs[(caller, model_name)] = (series, model, overflowed)
+        pair = self._pairs[(caller, model_name)] = (series, model, overflowed, folded)
         return pair
+
+    def _within_budget(self, key: tuple[str, str]) -> tuple[tuple[str, str], bool]:
+        """The pair a new (caller, model) is counted under: itself while the series budget
+        has room, else (__other__, model), else (__other__, __other__), which always has."""
+        series = self.series
+        if key in series:
+            return key, False
+        room = self.max_pairs - 1 - len(series) + (OVERFLOW_PAIR in series)
+        if room > 0 or key == OVERFLOW_PAIR:
+            return key, False
+        other_caller = (OTHER, key[1])
+        if other_caller in series:
+            return other_caller, True
+        return OVERFLOW_PAIR, True
 
     def reject(self, reader: str, reason: str) -> None:
         """Count one event a reader could not use, by a short machine reason."""

@@ -104,7 +104,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _read_json(request: web.Request) -> Any:
     try:
         return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deeply
         raise ApiError(400, "the request body is not valid JSON") from None
 
 

@@ -11,6 +11,7 @@ checks exact types first and only falls back to the slower general cases when th
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,8 @@ from exporter.values import UsageEvent, status_is_error
 MAX_TOKENS = 10_000_000
 # No single request waits or computes for more than a day; larger values are unit mistakes.
 MAX_SECONDS = 86_400.0
+# Unix time in seconds, up to the year 5138: beyond it a number is no timestamp.
+MAX_TIMESTAMP = 1e11
 MAX_CALLER_CHARS = 256
 MAX_MODEL_CHARS = 256
 MAX_SESSION_CHARS = 256
@@ -35,6 +38,18 @@ REASONS = (
     "bad_session", "missing_prompt_tokens", "not_a_number", "negative", "not_finite",
     "too_large", "cached_exceeds_prompt", "bad_status",
 )
+
+
+def loads(data: str | bytes | bytearray) -> Any:
+    """``json.loads`` whose every failure is a ValueError.
+
+    Outside input can nest arrays a thousand deep in two kilobytes; the decoder then raises
+    RecursionError, which is a malformed record like any other, not a crash.
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 class InvalidEvent(ValueError):
@@ -73,18 +88,20 @@ def token_count(obj: Mapping[str, Any], key: str, required: bool) -> int | None:
     raise InvalidEvent("too_large", f"{key} is larger than {MAX_TOKENS:,}")
 
 
-def _seconds(obj: Mapping[str, Any], key: str, limit: float | None) -> float | None:
+def _seconds(obj: Mapping[str, Any], key: str, limit: float) -> float | None:
+    """A number of seconds in [0, limit]. Compared before any float conversion: JSON
+    integers are unbounded, and float(2**1024) raises instead of giving a number."""
     value = obj.get(key)
     if value is None:
         return None
     kind = type(value)
     if kind is not float and kind is not int:
         raise InvalidEvent("not_a_number", f"{key} must be a number of seconds")
-    if not math.isfinite(value):
+    if kind is float and not math.isfinite(value):
         raise InvalidEvent("not_finite", f"{key} must be a finite number")
     if value < 0:
         raise InvalidEvent("negative", f"{key} must not be negative")
-    if limit is not None and value > limit:
+    if value > limit:
         raise InvalidEvent("too_large", f"{key} is larger than {limit:g} seconds")
     return float(value)
 
@@ -104,8 +121,10 @@ def _text(obj: Mapping[str, Any], key: str, limit: int, reason: str) -> str | No
 
 def _caller(obj: Mapping[str, Any]) -> str:
     caller = obj.get("caller")
-    if type(caller) is str and 0 < len(caller) <= MAX_CALLER_CHARS and caller.isprintable():
-        return caller
+    if type(caller) is str:
+        caller = caller.strip(" ")  # "alice " is alice; "   " names nobody
+        if 0 < len(caller) <= MAX_CALLER_CHARS and caller.isprintable():
+            return caller
     if caller is None or caller == "":
         raise InvalidEvent("missing_caller", "caller is required")
     if type(caller) is not str:
@@ -125,7 +144,7 @@ def _status(obj: Mapping[str, Any]) -> int | str | None:
             return status
         raise InvalidEvent("bad_status", "status must be an HTTP status (100-599) or a word")
     if type(status) is str and 0 < len(status) <= MAX_STATUS_CHARS and status.isprintable():
-        if status.isdigit():
+        if status.isascii() and status.isdigit():
             return _status({"status": int(status)})
         return status
     raise InvalidEvent("bad_status", "status must be an HTTP status (100-599) or a short word")
@@ -166,7 +185,7 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
     get = obj.get
     caller = get("caller")
     if not (type(caller) is str and 0 < len(caller) <= MAX_CALLER_CHARS
-            and caller.isprintable()):
+            and caller.isprintable() and caller[0] != " " and caller[-1] != " "):
         caller = _caller(obj)
     status = get("status")
     if status is not None and not (type(status) is int and 200 <= status < 300):
@@ -194,7 +213,7 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
         queue = _seconds(obj, "queue_seconds", MAX_SECONDS)
     when = get("time")
     if when is not None and not (type(when) is float and 0.0 <= when < math.inf):
-        when = _seconds(obj, "time", None)
+        when = _seconds(obj, "time", MAX_TIMESTAMP)
     model = get("model")
     if not (type(model) is str and len(model) <= MAX_MODEL_CHARS and model.isprintable()):
         model = _text(obj, "model", MAX_MODEL_CHARS, "bad_model") or ""

@@ -115,11 +115,11 @@ class LiteLLMFormat:
             "cached_tokens": usage.cached_tokens if usage else None,
             "completion_tokens": completion_tokens if completion_tokens is not None
             else usage.completion_tokens if usage else None,
-            "time": payload.get("startTime"),
             "status": status,
         }
         start, first, end = (_timestamp(payload.get(key)) for key in
                              ("startTime", "completionStartTime", "endTime"))
+        native_form["time"] = start
         stream = payload.get("stream")
         if start is not None and first is not None and (
                 stream is True or (stream is None and end is not None and first < end)):
@@ -238,17 +238,30 @@ class MappingFormat:
                 other = _first(record, minus)
                 if other is None:
                     continue
-                if not (_is_number(value) and _is_number(other)):
-                    raise InvalidEvent("not_a_number", f"{field} must be computed from numbers")
-                value = value - other
+                value = _operand(value, field) - _operand(other, field)
             if scale != 1.0:
-                if not _is_number(value):
-                    raise InvalidEvent("not_a_number", f"{field} must be a number")
-                value = value * scale
+                value = _operand(value, field) * scale
+                if not math.isfinite(value):
+                    raise InvalidEvent("not_finite", f"{field} must be a finite number")
                 if field in ("prompt_tokens", "cached_tokens", "completion_tokens"):
                     value = round(value)
             native_form[field] = value
         return validate(native_form)
+
+
+# Arithmetic takes numbers up to this magnitude: past it a token count or a time means
+# nothing, and a JSON integer can be too large for any float.
+MAX_OPERAND = 1e15
+
+
+def _operand(value: Any, field: str) -> float:
+    if not _is_number(value):
+        if isinstance(value, float):
+            raise InvalidEvent("not_finite", f"{field} must be a finite number")
+        raise InvalidEvent("not_a_number", f"{field} must be computed from numbers")
+    if not -MAX_OPERAND <= value <= MAX_OPERAND:
+        raise InvalidEvent("too_large", f"{field} is out of range")
+    return float(value)
 
 
 def _first(record: Mapping[str, Any], paths: list[list[str]]) -> Any:

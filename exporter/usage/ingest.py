@@ -5,9 +5,14 @@ named by ``?format=`` (default ``--usage.ingest.format``). A batch is never all-
 good events are counted even when others are rejected, and the reply lists each rejected
 event's index and reason. Only whole-request problems refuse the batch: a missing or wrong
 bearer token (401), a body over ``--usage.ingest.max-body-bytes`` (413, also when chunked),
-an unknown format or a body that is not JSON at all (400). Those count in
-``vllm_cache_usage_ingest_requests_rejected_total`` and nowhere else. A batch in which every
-event was rejected answers 422 (with the same reply), so a misconfigured sender notices.
+too many bodies at once (503 with ``Retry-After``), an unknown format or a body that is not
+JSON at all (400). Those count in ``vllm_cache_usage_ingest_requests_rejected_total`` and
+nowhere else. A batch in which every event was rejected answers 422 (with the same reply),
+so a misconfigured sender notices.
+
+Memory is bounded whatever the senders do: at most ``max_concurrent_bodies`` bodies are read
+at once (later requests wait a little for a slot, then get 503), each up to the body limit,
+and a body is decoded one event at a time, never as a whole list of Python objects.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import hmac
 import json
 import json.scanner
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +34,23 @@ from exporter.values import UsageEvent
 
 log = logging.getLogger(__name__)
 
-READER = "http"
 ROUTE = "/v1/usage"
 # The reply lists at most this many rejected events (the count is always complete).
 MAX_ERRORS_IN_REPLY = 1000
 # Events processed between yields to the event loop, so a 16 MiB batch does not stall
 # /metrics scrapes for its whole duration.
-EVENTS_PER_SLICE = 5000
+EVENTS_PER_SLICE = 2000
+# A request that finds every body slot taken waits this long for one, then gets 503; at
+# most this many wait at once (a waiting request holds no more than aiohttp's read buffer).
+SLOT_WAIT_SECONDS = 5.0
+MAX_WAITING = 64
+RETRY_AFTER_SECONDS = 1
+
+BOM = b"\xef\xbb\xbf"
+_LINE_BLANK = b" \t\r"
+_WHITESPACE = " \t\r\n"
+# The C scanner, without loads' checks (typeshed types make_scanner's argument oddly).
+_scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 
 
 class BodyError(ValueError):
@@ -67,73 +82,154 @@ class BatchResult:
 
 
 @dataclass
-class Batch:
-    """A decoded body: its values in order, and the NDJSON lines that could not be decoded.
+class Item:
+    """One event of a body: its decoded value, or why it could not be decoded."""
 
-    Kept as plain lists (no object per event): this is on the ingest hot path.
+    value: Any
+    line: int | None = None  # 1-based NDJSON line; None in a JSON document
+    bad: str | None = None  # the rejection reason when the value could not be decoded
+    message: str = ""
+
+
+
+
+def iter_body(body: bytes | bytearray) -> Iterator[Item]:
+    """A body's events, in order and one at a time: a JSON object, a JSON array, or NDJSON.
+
+    Only the current event is decoded, so a body costs about its own size in memory, not
+    the size of every event it holds as Python objects. NDJSON lines are decoded one by
+    one: an invalid UTF-8 byte, a byte-order mark or a line nested too deeply costs that
+    line only. Raises BodyError, before the first item, when the body is none of the three.
     """
+    start = len(BOM) if body.startswith(BOM) else 0
+    size = len(body)
+    while start < size and body[start] in b" \t\r\n":
+        start += 1
+    if start == size:
+        raise BodyError("bad_body", "the body is empty")
+    first_newline = body.find(b"\n", start)
+    if body[start] == ord("["):
+        try:
+            text = _decode(body, start)
+            for _value in _array_elements(text):  # a whole-array check that keeps nothing
+                pass
+        except BodyError:
+            if first_newline < 0:
+                raise
+            # NDJSON whose first line happens to be an array: the lines say what is bad.
+        else:
+            for value in _array_elements(text):
+                yield Item(value)
+            return
+    if body[start] == ord("{") and first_newline >= 0 and not _is_value(body, start,
+                                                                         first_newline):
+        # Not NDJSON (its first line is not a value): perhaps one pretty-printed object.
+        try:
+            text = body[start:].decode("utf-8")
+        except UnicodeDecodeError:
+            text = ""  # not one document; the lines will say which of them are bad
+        value, stop = _scan_value(text, 0)
+        if stop >= 0 and not text[stop:].strip(_WHITESPACE):
+            yield Item(value)
+            return
+    items = _iter_lines(body, start)
+    first = next(items)
+    if first.bad is not None and first_newline < 0:
+        raise BodyError("bad_body", "the body is not JSON, a JSON array, or NDJSON")
+    yield first
+    yield from items
 
-    values: list[Any]
-    lines: list[int] | None = None  # 1-based NDJSON line of each value, None for JSON
-    bad: dict[int, str] = field(default_factory=dict)  # index -> reason (value is None)
 
-
-# The C scanner, without loads' checks (typeshed types make_scanner's argument oddly).
-_scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
-_BLANK = " \t\r"
-
-
-def split_body(body: bytes) -> Batch:
-    """A body -> its events, in order: a JSON object, a JSON array, or NDJSON lines."""
+def _is_value(body: bytes | bytearray, start: int, end: int) -> bool:
+    """Whether ``body[start:end]`` is one complete JSON value (an NDJSON line)."""
     try:
-        text = body.decode("utf-8")
+        text = body[start:end].decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    _value, stop = _scan_value(text, 0)
+    return stop >= 0 and not text[stop:].strip(_WHITESPACE)
+
+
+def _decode(body: bytes | bytearray, start: int) -> str:
+    try:
+        return body[start:].decode("utf-8")
     except UnicodeDecodeError:
         raise BodyError("bad_body", "the body is not UTF-8") from None
-    stripped = text.strip()
-    if not stripped:
-        raise BodyError("bad_body", "the body is empty")
-    try:  # one object or array, perhaps pretty-printed; NDJSON fails after its first line
-        whole = json.loads(stripped)
-    except ValueError:
-        pass
-    else:
-        return Batch(whole if isinstance(whole, list) else [whole])
-    batch = _split_lines(stripped)
-    if len(batch.values) == 1 and batch.bad:
-        raise BodyError("bad_body", "the body is not JSON, a JSON array, or NDJSON")
-    return batch
 
 
-def _split_lines(text: str) -> Batch:
-    values: list[Any] = []
-    lines: list[int] = []
-    bad: dict[int, str] = {}
-    scan = _scan
-    find = text.find
+def _scan_value(text: str, position: int) -> tuple[Any, int]:
+    """One JSON value at ``position``: (value, end), or (None, -1) when there is none.
+
+    RecursionError is a malformed value like any other: outside input can nest a thousand
+    arrays in two kilobytes.
+    """
+    try:
+        return _scan(text, position)  # type: ignore[no-any-return]
+    except (StopIteration, ValueError, RecursionError):
+        return None, -1
+
+
+def _skip_whitespace(text: str, position: int) -> int:
     size = len(text)
-    position = 0
+    while position < size and text[position] in _WHITESPACE:
+        position += 1
+    return position
+
+
+def _array_elements(text: str) -> Iterator[Any]:
+    """The elements of the JSON array ``text``; BodyError where it breaks.
+
+    A JSON array is one document: a break anywhere in it (a truncated body) refuses it
+    whole, before any element counts, so a sender that retries it counts nothing twice.
+    ``iter_body`` runs through it once to check it, keeping nothing, then reads it again
+    one element at a time."""
+    position = _skip_whitespace(text, 1)  # after "["
+    if text[position:position + 1] == "]":
+        position += 1
+    else:
+        while True:
+            value, stop = _scan_value(text, position)
+            if stop < 0:
+                raise BodyError("bad_body", "the JSON array is malformed")
+            yield value
+            position = _skip_whitespace(text, stop)
+            separator = text[position:position + 1]
+            position += 1
+            if separator == "]":
+                break
+            if separator != ",":
+                raise BodyError("bad_body", "the JSON array is malformed")
+            position = _skip_whitespace(text, position)
+    if text[position:].strip(_WHITESPACE):
+        raise BodyError("bad_body", "text follows the JSON array")
+
+
+def _iter_lines(body: bytes | bytearray, start: int) -> Iterator[Item]:
+    find = body.find
+    size = len(body)
+    position = start
     number = 0
     while position < size:
-        end = find("\n", position)
+        end = find(b"\n", position)
         if end < 0:
             end = size
         number += 1
-        start = position
+        line = bytes(body[position:end]).strip(_LINE_BLANK)
         position = end + 1
-        while start < end and text[start] in _BLANK:
-            start += 1
-        if start == end:
+        if line.startswith(BOM):
+            line = line[len(BOM):]
+        if not line:
             continue
         try:
-            value, stop = scan(text, start)
-        except (StopIteration, ValueError):
-            stop = -1
-        if stop < 0 or stop > end or (stop < end and text[stop:end].strip()):
-            bad[len(values)] = "malformed_json"
-            value = None
-        values.append(value)
-        lines.append(number)
-    return Batch(values, lines, bad)
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            yield Item(None, number, "bad_encoding", "this line is not UTF-8")
+            continue
+        value, stop = _scan_value(text, 0)
+        if stop < 0 or text[stop:].strip(_WHITESPACE):
+            yield Item(None, number, "malformed_json", "this line is not valid JSON")
+            continue
+        yield Item(value, number)
 
 
 class UsageIngest:
@@ -145,8 +241,8 @@ class UsageIngest:
 
     def __init__(self, converters: Mapping[str, Converter], default_format: str, token: str,
                  max_body_bytes: int, record: Callable[[UsageEvent], object],
-                 reject: Callable[[str], None],
-                 reject_request: Callable[[str], None]) -> None:
+                 reject: Callable[[str], None], reject_request: Callable[[str], None],
+                 max_concurrent_bodies: int = 4) -> None:
         self.converters = dict(converters)
         self.default_format = default_format
         self.token = token.encode("utf-8")
@@ -154,6 +250,9 @@ class UsageIngest:
         self.record = record
         self.reject = reject
         self.reject_request = reject_request
+        self.max_concurrent_bodies = max_concurrent_bodies
+        self._slots = asyncio.Semaphore(max_concurrent_bodies)
+        self._waiting = 0
 
     def authorized(self, request: web.Request) -> bool:
         if not self.token:
@@ -163,36 +262,33 @@ class UsageIngest:
             return False
         return hmac.compare_digest(credentials.strip().encode("utf-8"), self.token)
 
-    async def process(self, batch: Batch, convert: Converter) -> BatchResult:
+    async def process(self, items: Iterator[Item], convert: Converter) -> BatchResult:
         result = BatchResult()
         record = self.record
         reject = self.reject
-        values, lines, bad = batch.values, batch.lines, batch.bad
         accepted = 0
-        for start in range(0, len(values), EVENTS_PER_SLICE):
-            if start:
+        index = -1
+        for index, item in enumerate(items):
+            if index and index % EVENTS_PER_SLICE == 0:
                 await asyncio.sleep(0)
-            for index in range(start, min(start + EVENTS_PER_SLICE, len(values))):
-                if bad and index in bad:
-                    reject(bad[index])
-                    result.add_error(index, bad[index], "this line is not valid JSON",
-                                     lines[index] if lines else None)
-                    continue
-                try:
-                    event = convert(values[index])
-                except InvalidEvent as err:
-                    reject(err.reason)
-                    result.add_error(index, err.reason, str(err),
-                                     lines[index] if lines else None)
-                    continue
-                except Exception:  # a converter bug must not cost the rest of the batch
-                    log.warning("usage event %d could not be converted", index, exc_info=True)
-                    reject("unprocessable")
-                    result.add_error(index, "unprocessable", "the event could not be read",
-                                     lines[index] if lines else None)
-                    continue
-                record(event)
-                accepted += 1
+            if item.bad is not None:
+                reject(item.bad)
+                result.add_error(index, item.bad, item.message, item.line)
+                continue
+            try:
+                event = convert(item.value)
+            except InvalidEvent as err:
+                reject(err.reason)
+                result.add_error(index, err.reason, str(err), item.line)
+                continue
+            except Exception:  # a converter bug must not cost the rest of the batch
+                log.warning("usage event %d could not be converted", index, exc_info=True)
+                reject("unprocessable")
+                result.add_error(index, "unprocessable", "the event could not be read",
+                                 item.line)
+                continue
+            record(event)
+            accepted += 1
         result.accepted = accepted
         return result
 
@@ -201,6 +297,25 @@ class UsageIngest:
         self.reject_request(reason)
         return web.json_response({"accepted": 0, "error": reason, "message": message},
                                  status=status, headers=headers)
+
+    def _overloaded(self) -> web.Response:
+        response = self._refuse(
+            503, "overloaded", f"{self.max_concurrent_bodies} usage bodies are being read "
+            "already; retry shortly", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        response.force_close()  # the unread body is not worth reading
+        return response
+
+    async def _take_slot(self) -> bool:
+        if self._waiting >= MAX_WAITING:
+            return False
+        self._waiting += 1
+        try:
+            await asyncio.wait_for(self._slots.acquire(), SLOT_WAIT_SECONDS)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self._waiting -= 1
 
     async def handle(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
@@ -219,22 +334,37 @@ class UsageIngest:
             response = self._refuse(413, "body_too_large", too_large)
             response.force_close()
             return response
+        if not await self._take_slot():
+            return self._overloaded()
+        try:
+            return await self._read_and_process(request, convert, limit, too_large)
+        finally:
+            self._slots.release()
+
+    async def _read_and_process(self, request: web.Request, convert: Converter, limit: int,
+                                too_large: str) -> web.Response:
         body = bytearray()
         while True:  # read ourselves: a chunked body has no Content-Length to check up front
             chunk = await request.content.readany()
             if not chunk:
                 break
-            body.extend(chunk)
+            body += chunk
             if len(body) > limit:
                 response = self._refuse(413, "body_too_large", too_large)
                 response.force_close()  # do not read the rest of an oversized body
                 return response
+        items = iter_body(body)
         try:
-            batch = split_body(bytes(body))
+            first = next(items)
         except BodyError as err:
             return self._refuse(400, err.reason, str(err))
-        result = await self.process(batch, convert)
+        result = await self.process(_chain(first, items), convert)
         # 422 only when nothing at all could be used, so a sender notices; a partly bad batch
         # is a success whose reply names the bad events.
         status = 422 if result.rejected and not result.accepted else 200
         return web.json_response(result.reply(), status=status)
+
+
+def _chain(first: Item, rest: Iterator[Item]) -> Iterator[Item]:
+    yield first
+    yield from rest

@@ -22,12 +22,11 @@ here reads a clock (the caller passes the time in).
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.usage.event import MAX_SECONDS, InvalidEvent, token_count
+from exporter.usage.event import MAX_SECONDS, InvalidEvent, loads, token_count
 
 
 class Endpoint(enum.Enum):
@@ -267,7 +266,7 @@ class StreamReader:
         if data is None or data == b"[DONE]":
             return False
         try:
-            obj: Any = json.loads(data)
+            obj: Any = loads(data)
         except ValueError:
             self.problems.append("stream_event_not_json")
             return False
@@ -320,7 +319,7 @@ def read_response(response: Any) -> ResponseRead:
         if stripped.startswith((b"data:", b"event:", b":")):
             return _read_stream(stripped)
         try:
-            response = json.loads(stripped)
+            response = loads(stripped)
         except ValueError:
             raise InvalidEvent("malformed_response",
                                "the response text is not JSON or SSE") from None

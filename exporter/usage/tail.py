@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import logging
 import os
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from exporter.usage.event import InvalidEvent
+from exporter.usage.event import InvalidEvent, loads
 from exporter.usage.formats import Converter
 from exporter.values import UsageEvent
 
@@ -44,9 +43,15 @@ READ_CHUNK_BYTES = 1024 * 1024
 POLL_BUDGET_BYTES = 8 * 1024 * 1024
 # Bytes remembered just before the read position, to notice truncate-and-refill.
 FINGERPRINT_BYTES = 64
-# Polls a file that no longer matches the globs (renamed away, deleted) is still drained,
-# for writers that finish their last line into the old file after the new one exists.
-GONE_GRACE_POLLS = 2
+# A file that no longer matches the globs (renamed away by rotation, or deleted) is still
+# drained through its descriptor, for writers that keep writing into it until they reopen
+# (on a signal, or at their next rotation check): it is let go only after this many polls
+# in a row without growth. At most MAX_GONE_FILES are kept so; beyond, the longest idle one
+# is let go first.
+GONE_IDLE_POLLS = 10
+# A deleted file (no name left) is let go sooner: nobody can reopen it by name.
+DELETED_IDLE_POLLS = 2
+MAX_GONE_FILES = 16
 
 
 @dataclass
@@ -129,13 +134,16 @@ class FileFollower:
             seen.add(identity)
             followed.gone_polls = 0
             more |= self._read(followed, budget)
-        for identity, followed in list(self.files.items()):
-            if identity in seen:
-                continue
+        gone = [followed for identity, followed in self.files.items() if identity not in seen]
+        for followed in gone:
             # Renamed out of the globs or deleted: our descriptor still reads it.
+            before = followed.offset
             more |= self._read(followed, budget)
-            followed.gone_polls += 1
-            if followed.gone_polls > GONE_GRACE_POLLS:
+            followed.gone_polls = 0 if followed.offset > before else followed.gone_polls + 1
+        gone.sort(key=lambda followed: followed.gone_polls, reverse=True)
+        for rank, followed in enumerate(gone):
+            idle_limit = GONE_IDLE_POLLS if self._linked(followed) else DELETED_IDLE_POLLS
+            if followed.gone_polls >= idle_limit or rank < len(gone) - MAX_GONE_FILES:
                 self._finish(followed)
         return more
 
@@ -226,8 +234,8 @@ class FileFollower:
         if not line:
             return
         try:
-            value = json.loads(line)
-        except ValueError:
+            value = loads(line)
+        except ValueError:  # also a line that is not UTF-8, or nested too deeply
             self.reject("malformed_json")
             return
         try:
@@ -240,6 +248,13 @@ class FileFollower:
             self.reject("unprocessable")
             return
         self.sink(event)
+
+    @staticmethod
+    def _linked(followed: _Followed) -> bool:
+        try:
+            return os.fstat(followed.handle).st_nlink > 0
+        except OSError:
+            return False
 
     def _finish(self, followed: _Followed) -> None:
         """Let go of a file that is gone for good: its last line is as complete as it gets."""

@@ -12,7 +12,7 @@ from exporter.metrics import build_registry
 from exporter.signals.callers import OTHER
 from exporter.signals.classify import STATES
 from exporter.usage.event import InvalidEvent, validate
-from exporter.usage.ingest import split_body
+from exporter.usage.ingest import iter_body
 from exporter.values import status_is_error
 from tests.usage.conftest import make_state, value
 
@@ -147,6 +147,7 @@ def test_ndjson_splitting_keeps_every_line_in_order(objs):
     body = "\n".join(lines).encode()
     if len(objs) < 2:
         return  # a single value is a JSON body, not NDJSON
-    batch = split_body(body)
-    assert batch.values == [json.loads(text) for text in lines]
-    assert batch.bad == {}
+    items = list(iter_body(body))
+    assert [item.value for item in items] == [json.loads(text) for text in lines]
+    assert [item.bad for item in items] == [None] * len(lines)
+    assert [item.line for item in items] == list(range(1, len(lines) + 1))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from exporter.config import Config
 from exporter.usage.event import validate
-from exporter.usage.tail import MAX_LINE_BYTES, FileFollower, follow
+from exporter.usage.tail import GONE_IDLE_POLLS, MAX_LINE_BYTES, FileFollower, follow
 from exporter.values import UsageEvent
 from exporter.wiring import file_follower
 from tests.usage.conftest import make_state
@@ -118,9 +118,8 @@ def test_rotation_rename_then_create_loses_nothing_counts_nothing_twice(tmp_path
     path.write_text(line(4))  # the writer's new file
     tail.poll()
     append(path, line(5))
-    tail.poll()
-    tail.poll()
-    tail.poll()  # past the grace polls: the old file is let go
+    for _ in range(GONE_IDLE_POLLS + 1):  # idle that long, the old file is let go
+        tail.poll()
     assert sorted(seen.seqs) == [1, 2, 3, 4, 5]
     assert len(tail.files) == 1
     assert tail.rotations == 0  # the old name left the glob: not a rename we follow

@@ -35,7 +35,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from exporter.usage.event import InvalidEvent, validate
+from exporter.usage.event import InvalidEvent, loads, validate
 from exporter.usage.openai import ENDPOINTS, USAGE_OPT_IN, Endpoint, StreamReader, usage_of
 from exporter.usage.tap.identity import KeyAliases, resolve_caller
 from exporter.values import UsageEvent
@@ -235,7 +235,7 @@ class Tap:
 
         request_json: Any = None
         try:
-            request_json = json.loads(body) if body else None
+            request_json = loads(body) if body else None
         except ValueError:
             pass  # vLLM answers it (400) and the tap records that answer
         if not isinstance(request_json, dict):
@@ -361,9 +361,9 @@ class Tap:
             return
         try:
             if len(body) > PARSE_INLINE_MAX_BYTES:
-                obj = await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
+                obj = await asyncio.get_running_loop().run_in_executor(None, loads, body)
             else:
-                obj = json.loads(body)
+                obj = loads(body)
             usage, model = usage_of(obj)
         except InvalidEvent as err:
             self.reject(err.reason)
@@ -401,12 +401,14 @@ class Tap:
             broken = _StreamBroken(request, response, 504 if timed_out else 502,
                                    "upstream stream " + ("timed out" if timed_out
                                                          else f"broke: {err!r}"))
+        if broken is not None:
+            # Counted once, as the error the client saw; its usage never came.
+            exchange.status = broken.status
         self.take_stream(reader, exchange)
         tail = reader.finish()
         if tail:
             await _write(response, tail)
         if broken is not None:
-            exchange.status = broken.status
             self.record(exchange)
             raise broken
         self.record(exchange)
@@ -535,22 +537,24 @@ def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object]
 async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
                   reject: Callable[[str], None],
                   secure: Callable[[web.Application], None] | None = None,
-                  ssl_context: ssl.SSLContext | None = None) -> None:
+                  ssl_context: ssl.SSLContext | None = None,
+                  runner: Callable[..., web.AppRunner] = web.AppRunner) -> None:
     """Serve the tap on ``settings.listen_address`` until cancelled.
 
     ``secure`` (the --tap.web-config.file listener's) adds its client-certificate checks
-    and headers to the app; ``ssl_context`` serves it over TLS.
+    and headers to the app; ``ssl_context`` serves it over TLS; ``runner`` makes the
+    aiohttp runner (the process's own caps connections and idle time).
     """
     app = create_tap_app(settings, record, reject)
     if secure is not None:
         secure(app)
     # handler_cancellation: a client that hangs up cancels its upstream call at once.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                           handler_cancellation=True, shutdown_timeout=2.0)
-    await runner.setup()
+    app_runner = runner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                        shutdown_timeout=2.0)
+    await app_runner.setup()
     host, _, port = settings.listen_address.rpartition(":")
     try:
-        site = web.TCPSite(runner, host.strip("[]") or "0.0.0.0", int(port),
+        site = web.TCPSite(app_runner, host.strip("[]") or "0.0.0.0", int(port),
                            reuse_address=True, ssl_context=ssl_context)
         try:
             await site.start()
@@ -562,4 +566,4 @@ async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
                  URL(settings.upstream).with_user(None))
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        await app_runner.cleanup()

@@ -1,0 +1,194 @@
+"""Bounds on what clients can take from the process: connections, idle time, log volume.
+
+- Connections: each listener serves at most ``max_connections`` at once; one more is
+  answered ``503`` and closed at once, and counted. The process's soft file-descriptor
+  limit is raised to its hard limit at start (as Go programs do), and the cap is kept
+  below it, so a flood of idle sockets can never exhaust descriptors (and with them
+  ``/metrics``).
+- Idle time: a connection that has not sent a complete request within ``IDLE_SECONDS`` of
+  opening, or of its last response, is closed (aiohttp's keep-alive timer, which also runs
+  while request headers trickle in).
+- Log volume: a message repeated within ``LOG_WINDOW_SECONDS`` is written
+  ``LOG_BURST`` times, then counted instead; the count is logged once the window passes,
+  and exported. A flood of bad input writes a counter, not megabytes of tracebacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger(__name__)
+
+IDLE_SECONDS = 30.0
+# File descriptors kept free of client connections (vLLM reads, the tap's upstream
+# connections, followed files, the listening sockets).
+RESERVED_FDS = 64
+LOG_WINDOW_SECONDS = 60.0
+LOG_BURST = 5
+LOG_KEYS_MAX = 1024
+REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\n"
+           b"Content-Type: text/plain\r\nContent-Length: 24\r\n\r\ntoo many connections now\n")
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; return the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def connection_cap(requested: int, fd_limit: int) -> int:
+    """The cap in force: what was asked, kept below the descriptors the process has."""
+    return max(1, min(requested, fd_limit - RESERVED_FDS))
+
+
+class ListenerStats:
+    """Connection counts of one listener, for the self collector."""
+
+    def __init__(self, name: str, cap: int) -> None:
+        self.name = name
+        self.cap = cap
+        self.open = 0
+        self.refused = 0
+
+
+def limit_connections(server: web.Server, stats: ListenerStats) -> None:
+    """Make aiohttp's connection manager refuse connections beyond ``stats.cap``.
+
+    It wraps the two public callbacks every connection goes through, so it holds whatever
+    aiohttp builds the server from.
+    """
+    made, lost = server.connection_made, server.connection_lost
+
+    def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
+        made(handler, transport)
+        stats.open += 1
+        if stats.open > stats.cap:
+            stats.refused += 1
+            transport.write(REFUSAL)
+            transport.close()
+
+    def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
+        lost(handler, exc)
+        stats.open -= 1
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
+    server.connection_lost = connection_lost  # type: ignore[method-assign]
+
+
+class LimitedRunner(web.AppRunner):
+    """An AppRunner whose server caps connections and closes idle ones."""
+
+    def __init__(self, app: web.Application, stats: ListenerStats, **kwargs: Any) -> None:
+        kwargs.setdefault("keepalive_timeout", IDLE_SECONDS)
+        super().__init__(app, **kwargs)
+        self.stats = stats
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        limit_connections(server, self.stats)
+        return server
+
+
+class RateLimitedLogs(logging.Filter):
+    """Lets a message through ``burst`` times per ``window``, then counts it.
+
+    Keyed by logger, level and the unformatted message, so one bad input repeated a
+    million times is one key. The clock is injected for tests.
+    """
+
+    def __init__(self, window: float = LOG_WINDOW_SECONDS, burst: int = LOG_BURST,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.window = window
+        self.burst = burst
+        self.clock = clock
+        self.suppressed_total = 0
+        self._keys: dict[tuple[str, int, str], list[float]] = {}  # key -> [start, count]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "rate_limited_summary", False):
+            return True
+        key = (record.name, record.levelno, str(record.msg))
+        now = self.clock()
+        entry = self._keys.get(key)
+        if entry is None or now - entry[0] >= self.window:
+            if entry is not None and entry[1] > self.burst:
+                self._summarize(record, int(entry[1]) - self.burst)
+            if entry is None and len(self._keys) >= LOG_KEYS_MAX:
+                self._keys.pop(next(iter(self._keys)))
+            self._keys[key] = [now, 1]
+            return True
+        entry[1] += 1
+        if entry[1] <= self.burst:
+            return True
+        self.suppressed_total += 1
+        return False
+
+    @staticmethod
+    def _summarize(record: logging.LogRecord, count: int) -> None:
+        logging.getLogger(record.name).log(
+            record.levelno, "%d more message(s) like %r were not logged in the last window",
+            count, str(record.msg)[:120], extra={"rate_limited_summary": True})
+
+
+def install_log_limits(filter_: RateLimitedLogs) -> None:
+    """Put the filter on every handler of the root logger (where records are written)."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(filter_)
+
+
+class LimitsCollector:
+    """``vllm_cache_exporter_connections``, ``_connections_refused_total`` and
+    ``_log_messages_suppressed_total``."""
+
+    def __init__(self, listeners: list[ListenerStats], logs: RateLimitedLogs | None) -> None:
+        self.listeners = listeners
+        self.logs = logs
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        open_now = GaugeMetricFamily(
+            "vllm_cache_exporter_connections",
+            "Client connections open on a listener (web: /metrics and /v1/usage; tap).",
+            labels=["listener"])
+        cap = GaugeMetricFamily(
+            "vllm_cache_exporter_connections_max",
+            "The most client connections a listener serves at once (--web.max-connections, "
+            "--tap.max-connections, kept below the file-descriptor limit).",
+            labels=["listener"])
+        refused = CounterMetricFamily(
+            "vllm_cache_exporter_connections_refused",
+            "Connections answered 503 and closed because the listener was at its cap.",
+            labels=["listener"])
+        for stats in self.listeners:
+            open_now.add_metric([stats.name], float(stats.open))
+            cap.add_metric([stats.name], float(stats.cap))
+            refused.add_metric([stats.name], float(stats.refused))
+        yield open_now
+        yield cap
+        yield refused
+        if self.logs is not None:
+            suppressed = CounterMetricFamily(
+                "vllm_cache_exporter_log_messages_suppressed",
+                "Log messages not written because the same message was logged more than "
+                f"{LOG_BURST} times in {LOG_WINDOW_SECONDS:g} s.")
+            suppressed.add_metric([], float(self.logs.suppressed_total))
+            yield suppressed
