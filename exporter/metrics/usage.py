@@ -214,15 +214,16 @@ class UsageCollector:
             pass
 
     def render_slices(self, out: list[str], fmt: Format,
-                      series_per_slice: int = SERIES_PER_SLICE) -> Iterator[None]:
+                      series_per_slice: int | None = None) -> Iterator[None]:
         """Append what ``encode_families(self.collect(), out, fmt)`` would, in slices.
 
         The per-caller families are written from cached label text (one f-string per
         sample; their sample lines are the same in both formats, only the HELP and TYPE
         lines differ); the small families go through the general encoder. Yields after every
-        ``series_per_slice`` series: the caller may let other tasks change the state
-        meanwhile. The series rendered are those that existed when it began (a snapshot of
-        the keys, sorted); each one's samples are read together, within one slice.
+        ``series_per_slice`` (default ``SERIES_PER_SLICE``) series: the caller may let other
+        tasks change the state meanwhile. The series rendered are those that existed when it
+        began (a snapshot of the keys, sorted); each one's samples are read together, within
+        one slice; the small families are read at the end.
         """
         usage = self.usage
         cache = self._text
@@ -235,6 +236,7 @@ class UsageCollector:
         ttft: list[str] = []
         queue: list[str] = []
         fmt_value = format_value
+        per_slice = series_per_slice or SERIES_PER_SLICE
         keys = sorted(usage.series)
         for index, key in enumerate(keys, 1):
             series = usage.series.get(key)
@@ -256,7 +258,7 @@ class UsageCollector:
                         _histogram_lines(ttft, text.ttft_text(state), hist, _TTFT_LE)
             if series.queue is not None:
                 _histogram_lines(queue, text.queue_text(), series.queue, _QUEUE_LE)
-            if index % series_per_slice == 0:
+            if index % per_slice == 0:
                 yield
         families = (requests, prompt, cached, unreported, ttft, queue)
         headers = _OPENMETRICS_HEADERS if fmt.openmetrics else _TEXT_HEADERS
