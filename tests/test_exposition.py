@@ -574,13 +574,14 @@ async def test_sliced_render_equals_one_shot(monkeypatch, fmt):
     state = hostile_state(120)
     registry = build_registry(state)
     monkeypatch.setattr(usage_metrics, "SERIES_PER_SLICE", 3)
-    monkeypatch.setattr(exposition, "LINES_PER_PIECE", 101)
+    monkeypatch.setattr(usage_metrics, "SERIES_PER_PIECE", 5)
     pauses = Pauses()
     body = await generate_async(registry, fmt, pauses)
     assert body == generate(registry, fmt)
     assert body == (openmetrics_latest if fmt.openmetrics else generate_latest)(registry)
     assert state.usage is not None
-    assert pauses.count > len(state.usage.series) // 3 + body.count(b"\n") // 101
+    series = len(state.usage.series)  # a slice per 3 series, a piece per 5 of each family
+    assert pauses.count > series // 3 + 4 * (series // 5)
 
 
 @pytest.mark.parametrize("fmt", [TEXT, OPENMETRICS], ids=["text", "openmetrics"])

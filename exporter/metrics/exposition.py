@@ -28,8 +28,8 @@ the event loop for most of a second per scrape. This module writes the same byte
   text, and yields between slices of its series (the per-caller collector does; see
   ``exporter.metrics.usage``). ``collect()`` stays the reference and serves
   ``registry.get_sample_value``.
-- ``generate`` renders at once; ``generate_async`` renders the same bytes slice by slice,
-  giving the event loop a turn between slices (what /metrics uses).
+- ``generate`` renders at once; ``render_pieces`` and ``generate_async`` render the same
+  bytes slice by slice, giving the event loop a turn between slices (what /metrics uses).
 
 client_python names used: ``exposition.choose_encoder``, ``exposition.generate_latest``,
 ``openmetrics.exposition.generate_latest``, ``utils.floatToGoString``, ``CollectorRegistry``,
@@ -55,9 +55,10 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["OPENMETRICS", "TEXT", "ExporterRegistry", "Format", "choose_format",
-           "encode_families", "escape_help", "escape_label_value", "format_value", "generate",
-           "generate_async", "generate_openmetrics", "generate_text", "header"]
+__all__ = ["OPENMETRICS", "TEXT", "ExporterRegistry", "Format",
+           "choose_format", "encode_families", "escape_help", "escape_label_value",
+           "format_value", "generate", "generate_async", "generate_openmetrics", "generate_text",
+           "header", "openmetrics_header", "render_pieces", "render_slices"]
 
 _NEG_INF = -math.inf
 _EXACT_INT = 2 ** 53  # ints of smaller magnitude are exact as floats and repr as "N.0"
@@ -78,10 +79,6 @@ _EOF = "# EOF\n"
 _PLAIN_ESCAPINGS = frozenset({"underscores", "allow-utf-8", "values"})
 _PLAIN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _plain_names: set[str] = set()
-
-# The event loop gets a turn after this many lines are joined and encoded.
-LINES_PER_PIECE = 8192
-
 
 def _is_plain(name: str) -> bool:
     """Whether ``name`` prints unchanged under every client_python release and escaping."""
@@ -341,26 +338,41 @@ async def _next_loop_turn() -> None:
     await asyncio.sleep(0)
 
 
-async def generate_async(registry: CollectorRegistry, fmt: Format = TEXT,
-                         pause: Callable[[], Awaitable[None]] = _next_loop_turn) -> bytes:
-    """``generate(registry, fmt)`` in slices, awaiting ``pause()`` between them.
+async def render_pieces(registry: CollectorRegistry, fmt: Format = TEXT,
+                        pause: Callable[[], Awaitable[None]] = _next_loop_turn) -> list[bytes]:
+    """``generate(registry, fmt)`` in slices, as encoded pieces, awaiting ``pause()`` between.
+
+    Each slice's lines are joined and encoded before the pause, so no step touches the whole
+    exposition on the event loop; joining the pieces (``generate_async``) or compressing them
+    is left to a worker thread.
 
     Other tasks (usage ingest) run between slices, so they may change the state while it
-    renders. What a body then holds: the per-caller series that existed when the render
-    began (one added later waits for the next scrape), each series' samples read together
-    in one slice, so from one instant, and different series possibly from instants a few
-    milliseconds apart; collectors without ``render_slices`` are read in one slice each.
-    When nothing changes, the bytes equal ``generate``'s. A format we do not write is
+    renders. What a body then holds: the per-caller series that existed when their
+    collector began (one added later waits for the next scrape), each series' samples read
+    together in one slice, so from one instant, and different series possibly from instants
+    a few milliseconds apart; collectors without ``render_slices`` are read in one slice
+    each. When nothing changes, the bytes equal ``generate``'s. A format we do not write is
     collected on the loop and encoded by client_python in a worker thread.
     """
     if not _ours(registry, fmt):
         families = list(registry.collect())
-        return await asyncio.to_thread(fmt.reference, _Families(families))  # type: ignore[arg-type]
+        return [await asyncio.to_thread(fmt.reference, _Families(families))]  # type: ignore[arg-type]
     out: list[str] = []
-    for _ in render_slices(registry, fmt, out):  # type: ignore[arg-type]
-        await pause()
     pieces: list[bytes] = []
-    for start in range(0, len(out), LINES_PER_PIECE):
-        pieces.append("".join(out[start:start + LINES_PER_PIECE]).encode("utf-8"))
+    for _ in render_slices(registry, fmt, out):  # type: ignore[arg-type]
+        if out:
+            pieces.append("".join(out).encode("utf-8"))
+            out.clear()
         await pause()
-    return b"".join(pieces)
+    pieces.append("".join(out).encode("utf-8"))
+    return pieces
+
+
+async def generate_async(registry: CollectorRegistry, fmt: Format = TEXT,
+                         pause: Callable[[], Awaitable[None]] = _next_loop_turn) -> bytes:
+    """``generate(registry, fmt)``, rendered by ``render_pieces``, joined in a worker thread
+    (``bytes.join`` lets go of the GIL for large bodies)."""
+    pieces = await render_pieces(registry, fmt, pause)
+    if len(pieces) == 1:
+        return pieces[0]
+    return await asyncio.to_thread(b"".join, pieces)

@@ -126,6 +126,10 @@ class MetricsBodies:
         self._generation = 0
         self._bodies: dict[tuple[str, ...], _Body] = {}
 
+    def held(self) -> int:
+        """Bodies kept for reuse now (at most ``MAX_BODIES``)."""
+        return len(self._bodies)
+
     async def body(self, fmt: Format, gzip: bool, timeout: float) -> bytes:
         """The body for one scrape: ``fmt``, gzipped or not, after a (shared) engine read."""
         generation = await self._engine_read(timeout)

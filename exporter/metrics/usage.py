@@ -86,8 +86,10 @@ _OPENMETRICS_HEADERS = tuple(OPENMETRICS.header(family.name, family.documentatio
                              for family in _per_caller_families())
 
 # Series rendered between two turns of the event loop: at 78 samples a series (every state
-# timed), a slice is a few milliseconds.
-SERIES_PER_SLICE = 64
+# timed), a slice is a millisecond or two.
+SERIES_PER_SLICE = 32
+# Series' lines of one family joined in one slice at the end (a few MB at most).
+SERIES_PER_PIECE = 256
 
 
 def _histogram(samples: list[Sample], name: str, labels: dict[str, str], hist: Histogram,
@@ -229,6 +231,9 @@ class UsageCollector:
         cache = self._text
         if len(cache) > len(usage.series):
             cache.clear()
+        # One string per series and family (its lines joined): few objects to hand over and
+        # free at the end, where one per line would cost tens of milliseconds at thousands
+        # of series.
         requests: list[str] = []
         prompt: list[str] = []
         cached: list[str] = []
@@ -246,25 +251,34 @@ class UsageCollector:
             if text is None:
                 text = cache[key] = _SeriesText(*key)
             counts = series.requests
-            for prefix, state in zip(text.requests, STATES, strict=True):
-                requests.append(f"{prefix}{fmt_value(counts[state])}\n")
+            requests.append("".join([f"{prefix}{fmt_value(counts[state])}\n"
+                                     for prefix, state in zip(text.requests, STATES,
+                                                              strict=True)]))
             prompt.append(f"{text.prompt}{fmt_value(series.prompt_tokens)}\n")
             cached.append(f"{text.cached}{fmt_value(series.cached_tokens)}\n")
             unreported.append(f"{text.unreported}{fmt_value(series.unreported_prompt_tokens)}\n")
             if series.ttft:
+                lines: list[str] = []
                 for state in STATES:
                     hist = series.ttft.get(state)
                     if hist is not None:
-                        _histogram_lines(ttft, text.ttft_text(state), hist, _TTFT_LE)
+                        _histogram_lines(lines, text.ttft_text(state), hist, _TTFT_LE)
+                ttft.append("".join(lines))
             if series.queue is not None:
-                _histogram_lines(queue, text.queue_text(), series.queue, _QUEUE_LE)
+                lines = []
+                _histogram_lines(lines, text.queue_text(), series.queue, _QUEUE_LE)
+                queue.append("".join(lines))
             if index % per_slice == 0:
                 yield
+        yield
         families = (requests, prompt, cached, unreported, ttft, queue)
         headers = _OPENMETRICS_HEADERS if fmt.openmetrics else _TEXT_HEADERS
-        for head, lines in zip(headers, families, strict=True):
+        piece = SERIES_PER_PIECE
+        for head, blocks in zip(headers, families, strict=True):
             out.append(head)
-            out.extend(lines)
+            for start in range(0, len(blocks), piece):
+                out.append("".join(blocks[start:start + piece]))
+                yield
         encode_families(self._other_families(), out, fmt)
 
     def _other_families(self) -> Iterator[Metric]:
