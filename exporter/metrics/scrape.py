@@ -26,12 +26,12 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from exporter.metrics.exposition import Format, generate_async
+from exporter.metrics.exposition import Format, render_pieces
 from exporter.signals.state import SignalsState
 from exporter.signals.usage import UsageState
 
@@ -83,10 +83,13 @@ def gzip_accepted(accept_encoding: str) -> bool:
     return wildcard is not None and wildcard > 0
 
 
-def gzip_compress(body: bytes, level: int = GZIP_LEVEL) -> bytes:
-    """``body`` as one gzip member, the same bytes for the same body (mtime 0)."""
+def gzip_compress(pieces: Iterable[bytes], level: int = GZIP_LEVEL) -> bytes:
+    """The concatenated ``pieces`` as one gzip member; the same bytes for the same input
+    (mtime 0). zlib lets go of the GIL while it compresses: run it in a worker thread."""
     compressor = zlib.compressobj(level, zlib.DEFLATED, _GZIP_WBITS)
-    return compressor.compress(body) + compressor.flush()
+    packed = [compressor.compress(piece) for piece in pieces]
+    packed.append(compressor.flush())
+    return b"".join(packed)
 
 
 def usage_version(usage: UsageState) -> tuple[int, int, int]:
@@ -192,7 +195,7 @@ class MetricsBodies:
 
     async def _render(self, fmt: Format, gzip: bool) -> bytes:
         self.renders += 1
-        body = await generate_async(self.registry, fmt, self.pause)
+        pieces = await render_pieces(self.registry, fmt, self.pause)
         if gzip:
-            body = await asyncio.to_thread(gzip_compress, body, self.gzip_level)
-        return body
+            return await asyncio.to_thread(gzip_compress, pieces, self.gzip_level)
+        return await asyncio.to_thread(b"".join, pieces)
