@@ -1,9 +1,10 @@
 """Text 0.0.4 and OpenMetrics 1.0.0 for our registry, byte for byte what client_python writes.
 
 client_python's encoders (``prometheus_client.exposition.generate_latest`` and
-``prometheus_client.openmetrics.exposition.generate_latest``) spend ~8 µs per sample (a dict
-sort, a ``str.format`` per label, ``floatToGoString`` per value), which at 1,000 callers held
-the event loop for most of a second per scrape. This module writes the same bytes faster:
+``prometheus_client.openmetrics.exposition.generate_latest``) do Python-level work per sample
+(a dict sort, a ``str.format`` per label, ``floatToGoString`` per value), which at many
+callers held the event loop for most of a second per scrape (docs/performance.md). This
+module writes the same bytes faster:
 
 - A ``Format`` is one negotiated exposition: 0.0.4 text or OpenMetrics, with the client_python
   encoder ``choose_encoder`` picked for the request's ``Accept`` header kept as the reference

@@ -35,8 +35,9 @@ from exporter.metrics.exposition import Format, render_pieces
 from exporter.signals.state import SignalsState
 from exporter.signals.usage import UsageState
 
-# zlib level for gzip answers: level 1 already shrinks the exposition ~20x and costs a
-# fraction of level 6's CPU (bench/bench_render.py, docs/performance.md).
+# zlib level for gzip answers: chosen by measurement (bench/bench_render.py; the figures are
+# in docs/performance.md): the exposition is so repetitive that level 1 already takes it
+# well under the size goal, for a fraction of the CPU of the higher levels.
 GZIP_LEVEL = 1
 REUSE_SECONDS = 1.0
 MAX_BODIES = 8
