@@ -422,6 +422,8 @@ def test_formats_we_write(accept, openmetrics):
 @pytest.mark.parametrize("accept", [
     "application/openmetrics-text;version=1.0.0;escaping=dots",
     "text/plain;version=1.0.0;escaping=dots",
+    "application/openmetrics-text;version=1.0.0;escaping=values",  # 0.26: U__vllm__cache__...
+    "text/plain;version=1.0.0;escaping=values",
     "application/openmetrics-text;version=2.0.0",
 ])
 async def test_formats_we_do_not_write_are_client_pythons(accept):

@@ -22,8 +22,8 @@ module writes the same bytes faster:
   metric, sample or label name outside ``[a-zA-Z_][a-zA-Z0-9_]*`` (client_python's escaping
   and quoting of such names changed between releases), exemplars or native histograms. A
   whole request goes to client_python when it asks for what we do not write at all (a name
-  escaping other than underscores, allow-utf-8 or values, an OpenMetrics version other than
-  1.0.0). So the output follows the installed client_python release.
+  escaping other than underscores or allow-utf-8, an OpenMetrics version other than 1.0.0).
+  So the output follows the installed client_python release.
 - A collector may offer ``render_slices(out, fmt)`` beside ``collect()``: a generator that
   appends the very lines ``encode_families(collect(), out, fmt)`` would, from cached label
   text, and yields between slices of its series (the per-caller collector does; see
@@ -77,7 +77,8 @@ _EOF = "# EOF\n"
 
 # Name escapings (client_python >= 0.23, from the Accept header) under which a name matching
 # _PLAIN prints unchanged, and so which our encoder writes. Before 0.23 there is no escaping.
-_PLAIN_ESCAPINGS = frozenset({"underscores", "allow-utf-8", "values"})
+# Not "values": client_python's OpenMetrics encoder rewrites even plain sample names under it.
+_PLAIN_ESCAPINGS = frozenset({"underscores", "allow-utf-8"})
 _PLAIN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _plain_names: set[str] = set()
 
