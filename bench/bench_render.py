@@ -1,28 +1,33 @@
-"""/metrics render time with 100 and 1,000 callers: our text encoder vs client_python's.
+"""/metrics at 100 and 1,000 callers: our encoders vs client_python's, both formats, gzip.
 
-    python bench/bench_render.py [--callers 100 1000] [--repeats 21]
+    python bench/bench_render.py [--callers 100 1000] [--models 1] [--repeats 11]
+                                 [--levels 1 3 6 9]
 
 For each caller count, the exporter's state is filled with a realistic mix (every caller
 has warm, partial and cold requests with TTFT, and a queue wait), then the same registry is
-rendered, alternately in each round, by:
+rendered, rounds interleaved, by:
 
-- ``generate_text``: the exporter's own 0.0.4 text encoder, what /metrics serves
-  (``exporter/metrics/exposition.py``), with its per-series label text cached from the
-  previous scrape (the steady state);
-- the same on a freshly built registry (nothing cached: the first scrape after start);
-- ``generate_latest``: client_python's text encoder over the same registry (what /metrics
-  served before, and the reference the bytes are checked against in every round);
-- the original baseline: the very same series held as plain ``prometheus_client``
-  Counter/Histogram objects (what a naive exporter would keep), rendered by
-  ``generate_latest``.
+- ``generate_text`` and ``generate_openmetrics``: the exporter's own encoders
+  (``exporter/metrics/exposition.py``), with the per-series label text cached from the
+  previous scrape (the steady state), and the text one again on a freshly built registry
+  (nothing cached: the first scrape after start);
+- client_python's ``generate_latest`` (0.0.4 text) and
+  ``openmetrics.exposition.generate_latest`` over the same registry: the baselines, and the
+  reference every body is checked equal to in every round;
+- ``render_pieces`` as /metrics runs it: in slices, on an event loop, with a turn of the loop
+  between slices (total time, number of slices, longest slice);
+- gzip of the text body at each zlib level: size on the wire and CPU time.
 
-Reported: medians, the speed-up of ``generate_text`` over ``generate_latest`` on the same
-registry, and the size of the exposition. One CPU.
+Reported: medians, speed-ups over client_python on the same registry, sizes. Times are the
+CPU time of the rendering thread (``time.thread_time``; gzip: of the process), which other
+work on a shared machine inflates less than wall time. One CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gzip
 import os
 import statistics
 import sys
@@ -30,87 +35,93 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exporter.config import Config  # noqa: E402
-from exporter.metrics import build_registry, generate_text  # noqa: E402
-from exporter.signals.classify import STATES  # noqa: E402
+from exporter.metrics import build_registry  # noqa: E402
+from exporter.metrics.exposition import (  # noqa: E402
+    TEXT,
+    Format,
+    generate_openmetrics,
+    generate_text,
+    render_pieces,
+)
+from exporter.metrics.scrape import GZIP_LEVEL, gzip_compress  # noqa: E402
 from exporter.signals.state import SignalsState  # noqa: E402
-from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS  # noqa: E402
+from exporter.signals.usage import SERIES_PER_PAIR  # noqa: E402
 from exporter.values import UsageEvent  # noqa: E402
-from exporter.wiring import signals_state
+from exporter.wiring import signals_state  # noqa: E402
 
 MODEL = "qwen3.8-27b"
 # (prompt, cached, ttft): one warm, one partial and one cold turn per caller at G = 2048.
 TURNS = ((91_070, 86_016, 6.1), (60_000, 30_720, 25.0), (40_000, 0, 74.0))
 
 
-def exporter_state(callers: int) -> SignalsState:
-    state = signals_state(Config(signals_granularity=2048, callers_max=callers),
+def exporter_state(callers: int, models: int = 1) -> SignalsState:
+    state = signals_state(Config(signals_granularity=2048, callers_max=callers,
+                                 callers_max_series=callers * models * SERIES_PER_PAIR),
                          clock=lambda: 1_800_000_000.0)
     assert state.usage is not None
+    names = [MODEL] + [f"{MODEL}-{index}" for index in range(1, models)]
     for index in range(callers):
-        for prompt, cached, ttft in TURNS:
-            state.usage.record(UsageEvent(f"agent-{index}", MODEL, prompt, cached,
-                                          ttft_seconds=ttft, queue_seconds=0.5), "http")
+        for model in names:
+            for prompt, cached, ttft in TURNS:
+                state.usage.record(UsageEvent(f"agent-{index}", model, prompt, cached,
+                                              ttft_seconds=ttft, queue_seconds=0.5), "http")
     return state
-
-
-def baseline_registry(callers: int) -> CollectorRegistry:
-    """The same series as client_python metric objects (without their _created samples,
-    which the exporter does not serve either)."""
-    disable_created_metrics()
-    registry = CollectorRegistry(auto_describe=False)
-    requests = Counter("vllm_cache_requests", "h", ["caller", "model", "state"],
-                       registry=registry)
-    prompt = Counter("vllm_cache_prompt_tokens", "h", ["caller", "model"], registry=registry)
-    cached = Counter("vllm_cache_cached_tokens", "h", ["caller", "model"], registry=registry)
-    unreported = Counter("vllm_cache_unreported_prompt_tokens", "h", ["caller", "model"],
-                         registry=registry)
-    ttft = Histogram("vllm_cache_ttft_seconds", "h", ["caller", "model", "state"],
-                     buckets=TTFT_BUCKETS, registry=registry)
-    queue = Histogram("vllm_cache_queue_wait_seconds", "h", ["caller", "model"],
-                      buckets=QUEUE_BUCKETS, registry=registry)
-    for index in range(callers):
-        caller = f"agent-{index}"
-        for state in STATES:
-            requests.labels(caller, MODEL, state)
-        for (prompt_tokens, cached_tokens, seconds), state in zip(
-                TURNS, ("warm", "partial", "cold"), strict=True):
-            requests.labels(caller, MODEL, state).inc()
-            prompt.labels(caller, MODEL).inc(prompt_tokens)
-            cached.labels(caller, MODEL).inc(cached_tokens)
-            unreported.labels(caller, MODEL)
-            ttft.labels(caller, MODEL, state).observe(seconds - 0.5)
-            queue.labels(caller, MODEL).observe(0.5)
-    return registry
 
 
 def timed(encoder: Callable[[CollectorRegistry], bytes],
           registry: CollectorRegistry) -> tuple[float, bytes]:
-    start = time.perf_counter()
+    start = time.thread_time()
     body = encoder(registry)
-    return time.perf_counter() - start, body
+    return time.thread_time() - start, body
 
 
-def measure(callers: int, repeats: int) -> dict[str, float | int]:
+def sliced(loop: asyncio.AbstractEventLoop, registry: CollectorRegistry,
+           fmt: Format) -> tuple[float, int, float, bytes]:
+    """``render_pieces`` on an event loop: total seconds, slices, longest slice, body."""
+    slices: list[float] = []
+
+    async def run() -> bytes:
+        last = time.thread_time()
+
+        async def pause() -> None:
+            nonlocal last
+            now = time.thread_time()
+            slices.append(now - last)
+            await asyncio.sleep(0)
+            last = time.thread_time()
+
+        pieces = await render_pieces(registry, fmt, pause)
+        slices.append(time.thread_time() - last)
+        return b"".join(pieces)
+
+    start = time.thread_time()
+    body = loop.run_until_complete(run())
+    return time.thread_time() - start, len(slices), max(slices), body
+
+
+def median_of(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def measure(callers: int, models: int, repeats: int,
+            levels: list[int]) -> dict[str, float | int]:
     """Median seconds per encoder, rounds interleaved; every body checked equal."""
-    state = exporter_state(callers)
+    state = exporter_state(callers, models)
     registry = build_registry(state)
-    baseline = baseline_registry(callers)
-    expected = generate_latest(registry)  # warm up, and the reference bytes
-    if generate_text(registry) != expected:
-        raise SystemExit(f"generate_text differs from generate_latest at {callers} callers")
-    generate_latest(baseline)
-    times: dict[str, list[float]] = {"text": [], "text_cold": [], "latest": [], "objects": []}
+    text = generate_latest(registry)  # warm up, and the reference bytes
+    openmetrics = openmetrics_latest(registry)
+    if generate_text(registry) != text or generate_openmetrics(registry) != openmetrics:
+        raise SystemExit(f"our encoders differ from client_python's at {callers} callers")
+    times: dict[str, list[float]] = {key: [] for key in (
+        "text", "text_cold", "latest", "om", "om_latest", "sliced", "longest_slice")}
+    slice_counts: list[int] = []
+    loop = asyncio.new_event_loop()
     for _ in range(repeats):
         seconds, body = timed(generate_text, registry)
         times["text"].append(seconds)
@@ -119,38 +130,72 @@ def measure(callers: int, repeats: int) -> dict[str, float | int]:
         times["text_cold"].append(seconds)
         seconds, reference = timed(generate_latest, registry)
         times["latest"].append(seconds)
-        if not body == cold == reference == expected:
-            raise SystemExit(f"encoders disagree at {callers} callers")
-        times["objects"].append(timed(generate_latest, baseline)[0])
-    out: dict[str, float | int] = {key: statistics.median(values)
-                                   for key, values in times.items()}
-    out["bytes"] = len(expected)
-    out["samples"] = sum(1 for line in expected.splitlines()
-                         if line and not line.startswith(b"#"))
-    out["baseline_samples"] = sum(1 for line in generate_latest(baseline).splitlines()
-                                  if line and not line.startswith(b"#"))
+        seconds, om_body = timed(generate_openmetrics, registry)
+        times["om"].append(seconds)
+        seconds, om_reference = timed(openmetrics_latest, registry)
+        times["om_latest"].append(seconds)
+        seconds, count, longest, sliced_body = sliced(loop, registry, TEXT)
+        times["sliced"].append(seconds)
+        times["longest_slice"].append(longest)
+        slice_counts.append(count)
+        if not body == cold == reference == sliced_body == text:
+            raise SystemExit(f"text encoders disagree at {callers} callers")
+        if not om_body == om_reference == openmetrics:
+            raise SystemExit(f"OpenMetrics encoders disagree at {callers} callers")
+    loop.close()
+    out: dict[str, float | int] = {key: median_of(values) for key, values in times.items()}
+    out["slices"] = int(median_of([float(count) for count in slice_counts]))
+    out["bytes"] = len(text)
+    out["om_bytes"] = len(openmetrics)
+    out["samples"] = sum(1 for line in text.splitlines() if line and not line.startswith(b"#"))
+    for level in levels:
+        runs = []
+        for _ in range(repeats):
+            start = time.process_time()
+            packed = gzip_compress([text], level)
+            runs.append(time.process_time() - start)
+        if gzip.decompress(packed) != text:
+            raise SystemExit("gzip round trip failed")
+        out[f"gzip{level}"] = median_of(runs)
+        out[f"gzip{level}_bytes"] = len(packed)
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--callers", type=int, nargs="+", default=[100, 1000])
-    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--models", type=int, default=1, help="models per caller")
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 3, 6, 9])
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
-    print(f"{'callers':>8} {'samples':>8} {'bytes':>10} {'generate_text ms':>17} "
-          f"{'(cold) ms':>10} {'generate_latest ms':>19} {'speed-up':>9} "
-          f"{'client_python objects ms':>25}")
-    for callers in args.callers:
-        m = measure(callers, args.repeats)
-        print(f"{callers:>8} {m['samples']:>8,} {m['bytes']:>10,} {m['text'] * 1000:>17.1f} "
-              f"{m['text_cold'] * 1000:>10.1f} {m['latest'] * 1000:>19.1f} "
-              f"{m['latest'] / m['text']:>8.1f}x {m['objects'] * 1000:>25.1f}")
-        if m["samples"] - m["baseline_samples"] != 5:  # the exporter's own series
-            print(f"  (sample counts differ: {m['samples']} vs {m['baseline_samples']})")
-    print("speed-up: generate_latest / generate_text on the same registry, same bytes "
-          "(checked every round)")
+    results = {callers: measure(callers, args.models, args.repeats, args.levels)
+               for callers in args.callers}
+
+    print("Encoders (ms, medians; speed-up = client_python / ours on the same registry)")
+    print(f"{'callers':>8} {'samples':>8} {'text bytes':>11} {'ours':>7} {'cold':>7} "
+          f"{'client_python':>14} {'speed-up':>9} | {'OM bytes':>10} {'ours':>7} "
+          f"{'client_python':>14} {'speed-up':>9}")
+    for callers, m in results.items():
+        print(f"{callers:>8} {m['samples']:>8,} {m['bytes']:>11,} {m['text'] * 1e3:>7.1f} "
+              f"{m['text_cold'] * 1e3:>7.1f} {m['latest'] * 1e3:>14.1f} "
+              f"{m['latest'] / m['text']:>8.1f}x | {m['om_bytes']:>10,} {m['om'] * 1e3:>7.1f} "
+              f"{m['om_latest'] * 1e3:>14.1f} {m['om_latest'] / m['om']:>8.1f}x")
+
+    print("\nSliced render on an event loop, text (ms, medians; sliced includes the final join)")
+    print(f"{'callers':>8} {'one-shot':>9} {'sliced':>8} {'slices':>7} {'longest slice':>14}")
+    for callers, m in results.items():
+        print(f"{callers:>8} {m['text'] * 1e3:>9.1f} {m['sliced'] * 1e3:>8.1f} "
+              f"{m['slices']:>7} {m['longest_slice'] * 1e3:>14.2f}")
+
+    print(f"\ngzip of the text body (CPU ms, medians; /metrics uses level {GZIP_LEVEL})")
+    print(f"{'callers':>8} {'level':>6} {'bytes':>10} {'ratio':>7} {'CPU ms':>8}")
+    for callers, m in results.items():
+        for level in args.levels:
+            size = int(m[f"gzip{level}_bytes"])
+            print(f"{callers:>8} {level:>6} {size:>10,} {m['bytes'] / size:>6.1f}x "
+                  f"{m[f'gzip{level}'] * 1e3:>8.1f}")
     return 0
 
 

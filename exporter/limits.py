@@ -153,6 +153,29 @@ def install_log_limits(filter_: RateLimitedLogs) -> None:
         handler.addFilter(filter_)
 
 
+class SendStats:
+    """What sending /metrics bodies cost: readers cut off for being too slow."""
+
+    def __init__(self) -> None:
+        self.cut = 0
+
+
+class SendStatsCollector:
+    def __init__(self, stats: SendStats) -> None:
+        self.stats = stats
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        cut = CounterMetricFamily(
+            "vllm_cache_exporter_scrapes_cut",
+            "Scrapes whose reader had not taken the whole /metrics body 30 s after it was "
+            "ready; the connection was closed.")
+        cut.add_metric([], float(self.stats.cut))
+        yield cut
+
+
 class LimitsCollector:
     """``vllm_cache_exporter_connections``, ``_connections_refused_total`` and
     ``_log_messages_suppressed_total``."""

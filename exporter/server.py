@@ -1,9 +1,11 @@
 """The aiohttp app: /metrics, /-/healthy, /-/ready, the landing page, and POST /v1/usage.
 
 /metrics first awaits a fresh read of every vLLM target (bounded by our timeout and by
-Prometheus' scrape timeout), then renders the registry synchronously: collectors never do
-I/O. The text format is written by exporter.metrics.exposition (byte-identical to
-client_python's, and faster: docs/performance.md); OpenMetrics by client_python.
+Prometheus' scrape timeout), then renders the registry in slices that leave the event loop
+free between them (collectors never do I/O), in the text format or OpenMetrics as
+negotiated, gzipped when asked: exporter.metrics.scrape (which shares the read and the body
+between scrapes that arrive together) and exporter.metrics.exposition (byte-identical to
+client_python's encoders, many times faster: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder, generate_latest
 
 from exporter import __version__, wiring
 from exporter.config import Config
 from exporter.engine.fetch import EnginePoller
-from exporter.metrics import build_registry, generate_text
+from exporter.limits import SendStats, SendStatsCollector
+from exporter.metrics import build_registry
+from exporter.metrics.exposition import choose_format
+from exporter.metrics.scrape import MetricsBodies, gzip_accepted
 from exporter.signals.state import SignalsState
 from exporter.usage.ingest import ROUTE as USAGE_ROUTE
 
@@ -31,6 +35,13 @@ STATE_KEY = web.AppKey("state", SignalsState)
 POLLER_KEY = web.AppKey("poller", EnginePoller)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 FIRST_READ_KEY = web.AppKey("first_read", asyncio.Task)
+BODIES_KEY = web.AppKey("metrics_bodies", MetricsBodies)
+SEND_KEY = web.AppKey("send_stats", SendStats)
+# A body goes out in chunks, each written only once the last has left (aiohttp drains its
+# buffer above 64 KiB), so a reader that never reads holds ~128 KiB, not a copy of the body;
+# one that has not taken the whole body within SEND_TIMEOUT_SECONDS is cut off.
+SEND_CHUNK_BYTES = 64 * 1024
+SEND_TIMEOUT_SECONDS = 30.0
 
 
 def create_app(config: Config, state: SignalsState | None = None,
@@ -43,6 +54,9 @@ def create_app(config: Config, state: SignalsState | None = None,
     app[STATE_KEY] = state
     app[POLLER_KEY] = poller
     app[REGISTRY_KEY] = build_registry(state)
+    app[BODIES_KEY] = MetricsBodies(app[REGISTRY_KEY], state, poller.refresh)
+    app[SEND_KEY] = SendStats()
+    app[REGISTRY_KEY].register(SendStatsCollector(app[SEND_KEY]))
     app.router.add_get("/", landing)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/-/healthy", healthy)
@@ -72,17 +86,42 @@ def _default_session() -> aiohttp.ClientSession:
     )
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics(request: web.Request) -> web.StreamResponse:
     poller = request.app[POLLER_KEY]
     timeout = poller.effective_timeout(
         request.headers.get("X-Prometheus-Scrape-Timeout-Seconds"))
-    await poller.refresh(timeout)
-    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-    registry = request.app[REGISTRY_KEY]
-    # The 0.0.4 text format is written by our own encoder (the same bytes, several times
-    # faster at many callers: docs/performance.md); OpenMetrics by client_python's.
-    body = generate_text(registry) if encoder is generate_latest else encoder(registry)
-    return web.Response(body=body, headers={"Content-Type": content_type})
+    fmt = choose_format(request.headers.get("Accept", ""))
+    gzip = gzip_accepted(request.headers.get("Accept-Encoding", ""))
+    # Reads vLLM, then renders (both shared with scrapes that arrive together).
+    body = await request.app[BODIES_KEY].body(fmt, gzip, timeout)
+    headers = {"Content-Type": fmt.content_type, "Vary": "Accept, Accept-Encoding"}
+    if gzip:
+        headers["Content-Encoding"] = "gzip"
+    return await send(request, body, headers)
+
+
+async def send(request: web.Request, body: bytes,
+               headers: dict[str, str]) -> web.StreamResponse:
+    """Write ``body`` chunk by chunk, bounded in buffered bytes and in time."""
+    response = web.StreamResponse(headers=headers)
+    response.content_length = len(body)
+    await response.prepare(request)
+    view = memoryview(body)
+
+    async def write_all() -> None:
+        for start in range(0, len(view), SEND_CHUNK_BYTES):
+            await response.write(view[start:start + SEND_CHUNK_BYTES])
+        await response.write_eof()
+
+    try:
+        await asyncio.wait_for(write_all(), SEND_TIMEOUT_SECONDS)
+    except asyncio.TimeoutError:
+        request.app[SEND_KEY].cut += 1
+        if request.transport is not None:
+            request.transport.close()
+    except ConnectionError:
+        pass  # the reader went away; nothing is left to send
+    return response
 
 
 async def healthy(_request: web.Request) -> web.Response:

@@ -1,14 +1,19 @@
-"""Our text encoder writes the very bytes of client_python's ``generate_latest``.
+"""Our encoders write the very bytes of client_python's, in both formats.
 
-``exporter.metrics.exposition.generate_text`` (what /metrics serves in the 0.0.4 text format)
-is compared byte for byte with ``prometheus_client.exposition.generate_latest`` over the same
-registry: real vLLM scrapes through the fake vLLM, many callers with hostile label values,
-every request state, histograms with and without observations, odd floats, the general
-encoder over every metric type, and hypothesis-drawn label and float values.
+``exporter.metrics.exposition.generate_text`` and ``generate_openmetrics`` (what /metrics
+serves, through ``generate_async``) are compared byte for byte with client_python's
+``prometheus_client.exposition.generate_latest`` (0.0.4 text) and
+``prometheus_client.openmetrics.exposition.generate_latest`` (OpenMetrics 1.0.0) over the same
+registry: real vLLM scrapes through the fake vLLM (and what the handler served), many callers
+with hostile label values, every request state, histograms with and without observations, odd
+floats, the general encoder over every metric type (info, stateset, gaugehistogram, units,
+exemplars, timestamps, _created), and hypothesis-drawn label and float values and families.
+The sliced render equals the one-shot render, and survives the state changing between slices.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -26,13 +31,25 @@ from prometheus_client.core import (
     SummaryMetricFamily,
     UnknownMetricFamily,
 )
-from prometheus_client.exposition import generate_latest
+from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from exporter.config import Config
 from exporter.metrics import build_registry, exposition, generate_text
 from exporter.metrics import usage as usage_metrics
-from exporter.metrics.exposition import ExporterRegistry, encode_families, format_value
+from exporter.metrics.exposition import (
+    OPENMETRICS,
+    TEXT,
+    ExporterRegistry,
+    choose_format,
+    encode_families,
+    format_value,
+    generate,
+    generate_async,
+    generate_openmetrics,
+)
 from exporter.server import REGISTRY_KEY
 from exporter.signals.callers import OTHER
 from exporter.signals.classify import STATES
@@ -41,6 +58,11 @@ from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, Serie
 from exporter.values import UsageEvent
 from exporter.wiring import signals_state
 from tests.helpers import FIXTURES
+
+# What Prometheus 2.x sends (scrape_protocols default): OpenMetrics first.
+PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,"
+                       "application/openmetrics-text;version=0.0.1;q=0.75,"
+                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
 
 ENGINE_FIXTURES = sorted(path.relative_to(FIXTURES).as_posix()
                          for path in FIXTURES.rglob("*.prom"))
@@ -73,13 +95,18 @@ class Clock:
         return self.now
 
 
-def assert_same(registry: CollectorRegistry) -> bytes:
-    expected = generate_latest(registry)
-    got = generate_text(registry)
+def assert_equal(got: bytes, expected: bytes) -> None:
     if got != expected:  # the first differing line, not two 7 MB blobs
         for ours, theirs in zip(got.splitlines(), expected.splitlines(), strict=False):
             assert ours == theirs
     assert got == expected
+
+
+def assert_same(registry: CollectorRegistry) -> bytes:
+    """Both formats equal client_python's; the text body, for more checks."""
+    got = generate_text(registry)
+    assert_equal(got, generate_latest(registry))
+    assert_equal(generate_openmetrics(registry), openmetrics_latest(registry))
     return got
 
 
@@ -157,6 +184,11 @@ async def test_engine_fixtures_render_identically(fixture, fake_vllm, exporter_f
     assert body == generate_latest(registry)  # what the handler served is client_python's
     assert b"vllm_cache_engine_up" in body and b"# TYPE vllm_cache_ttft_seconds histogram" in body
     assert_same(registry)
+    response = await client.get("/metrics", headers={"Accept": PROMETHEUS_2_ACCEPT})
+    assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+    body = await response.read()
+    assert body == openmetrics_latest(registry)  # served in OpenMetrics: client_python's bytes
+    assert b"# TYPE vllm_cache_requests counter" in body and body.endswith(b"# EOF\n")
 
 
 async def test_engine_down_and_failing_targets_render_identically(fake_vllm, exporter_for,
@@ -181,6 +213,8 @@ async def test_usage_over_http_renders_identically(fake_vllm, exporter_for):
     assert b'caller="q\\"uote"' in body  # JSON q\"uote is q"uote
     assert b'caller="back\\\\slash"' in body  # JSON back\\slash is back\slash
     assert body == generate_latest(client.app[REGISTRY_KEY])
+    response = await client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert await response.read() == openmetrics_latest(client.app[REGISTRY_KEY])
 
 
 # ---- many callers, hostile values, every state, odd floats -------------------------------
@@ -233,6 +267,30 @@ def test_divergence_is_caught(monkeypatch):
     assert_same(registry)
     monkeypatch.setattr(usage_metrics, "format_value", lambda value: floatToGoString(value) + " ")
     assert generate_text(registry) != generate_latest(registry)
+    assert generate_openmetrics(registry) != openmetrics_latest(registry)
+
+
+def test_one_byte_in_an_openmetrics_header_is_caught(monkeypatch):
+    """The per-caller families' OpenMetrics HELP/TYPE lines are compared, not assumed."""
+    state = hostile_state(40)
+    registry = build_registry(state)
+    assert_same(registry)
+    headers = list(usage_metrics._OPENMETRICS_HEADERS)
+    assert "# TYPE vllm_cache_requests counter\n" in headers[0]  # no _total in OpenMetrics
+    headers[0] = headers[0].replace("counter", "gauge")
+    monkeypatch.setattr(usage_metrics, "_OPENMETRICS_HEADERS", tuple(headers))
+    assert generate_text(registry) == generate_latest(registry)  # the text format untouched
+    assert generate_openmetrics(registry) != openmetrics_latest(registry)
+
+
+def test_one_byte_in_the_general_openmetrics_encoder_is_caught(monkeypatch):
+    registry = ExporterRegistry()
+    registry.register(FamiliesCollector(every_type()))
+    assert_same(registry)
+    original = exposition.openmetrics_header
+    monkeypatch.setattr(exposition, "openmetrics_header",
+                        lambda *args: original(*args).replace("# TYPE", "# TYPE "))
+    assert generate_openmetrics(registry) != openmetrics_latest(registry)
 
 
 # ---- the general encoder, over every metric type -----------------------------------------
@@ -263,15 +321,33 @@ def every_type() -> list[Metric]:
                                        buckets=[("1.0", 4), ("+Inf", 5)], gsum_value=7.0)
     summary = SummaryMetricFamily("sm", "summary", count_value=3, sum_value=1.25)
     unknown = UnknownMetricFamily("u", "unknown", value=1_234_567.0)
-    dotted = GaugeMetricFamily("dotted.name", "utf-8 names", labels=["la.bel"])
-    dotted.add_metric(["v"], 1.0)
+    with_unit = GaugeMetricFamily("room_temperature_celsius", 'a "unit"', unit="celsius")
+    with_unit.add_metric([], 21.5, timestamp=1_700_000_000)
+    # Exemplars (OpenMetrics prints them, the text format drops them): client_python's job.
+    exemplars = HistogramMetricFamily(
+        "hx", "exemplars", buckets=[("1.0", 1, Exemplar({"trace_id": 'a"b\n'}, 0.5, 12.0)),
+                                    ("+Inf", 2, Exemplar({}, 7.0))], sum_value=7.5)
+    counted = Metric("cx", "counter with an exemplar", "counter")
+    counted.add_sample("cx_total", {"a": "b"}, 2.0, exemplar=Exemplar({"span": "1"}, 1.0))
     nothing = CounterMetricFamily("nothing", "")
     # OpenMetrics-only samples out of order: they print as their own families, sorted.
     mixed = Metric("mx", "om samples", "gaugehistogram")
     for suffix, number in (("_gsum", 2.5), ("_bucket", 1), ("_created", 3.0), ("_gcount", 1)):
         mixed.add_sample("mx" + suffix, {"le": "+Inf"} if suffix == "_bucket" else {}, number)
-    return [counter, gauge, info, stateset, hist, empty_hist, ghist, summary, unknown,
-            dotted, nothing, mixed]
+    families = [counter, gauge, info, stateset, hist, empty_hist, ghist, summary, unknown,
+                with_unit, exemplars, counted, nothing, mixed]
+    try:  # UTF-8 names: client_python >= 0.22 accepts them, and escapes them per release
+        dotted = GaugeMetricFamily("dotted.name", "utf-8 names", labels=["la.bel"])
+        dotted.add_metric(["v"], 1.0)
+        colon = GaugeMetricFamily("colon:name", "a legacy name client_python 0.23+ rewrites")
+        colon.add_metric([], 2.0)
+    except ValueError:
+        return families
+    return [*families, dotted, colon]
+
+
+# Families of every_type() our encoder hands to client_python, and why.
+HANDED_OVER = {"hx": "exemplars", "cx": "exemplar", "dotted.name": "name", "colon:name": "name"}
 
 
 def test_general_encoder_matches_every_metric_type():
@@ -289,6 +365,78 @@ def test_plain_registry_falls_back_to_client_python():
     registry = CollectorRegistry(auto_describe=False)
     registry.register(FamiliesCollector(every_type()))
     assert generate_text(registry) == generate_latest(registry)
+    assert generate_openmetrics(registry) == openmetrics_latest(registry)
+
+
+@pytest.mark.parametrize("fmt", [TEXT, OPENMETRICS], ids=["text", "openmetrics"])
+def test_only_what_we_do_not_write_goes_to_client_python(monkeypatch, fmt):
+    """The equality above is not client_python compared with itself: plain families are ours."""
+    handed: list[str] = []
+    original = exposition.Format.reference_family
+
+    def spy(self, metric):
+        handed.append(metric.name)
+        return original(self, metric)
+
+    monkeypatch.setattr(exposition.Format, "reference_family", spy)
+    families = every_type()
+    out: list[str] = []
+    encode_families(families, out, fmt)
+    assert set(handed) == {family.name for family in families} & set(HANDED_OVER)
+    assert "hx" in handed and "cx" in handed
+
+
+def test_a_misplaced_exemplar_fails_as_in_client_python():
+    """An exemplar on a summary is refused by client_python's OpenMetrics encoder: ours too."""
+    bad = Metric("s_ex", "summary with an exemplar", "summary")
+    bad.add_sample("s_ex_count", {}, 1.0, exemplar=Exemplar({"a": "b"}, 1.0))
+    registry = ExporterRegistry()
+    registry.register(FamiliesCollector([bad]))
+    with pytest.raises(ValueError):
+        openmetrics_latest(registry)
+    with pytest.raises(ValueError):
+        generate_openmetrics(registry)
+    assert generate_text(registry) == generate_latest(registry)  # text drops exemplars
+
+
+# ---- negotiation ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("accept", "openmetrics"), [
+    ("", False),
+    ("text/plain;version=0.0.4", False),
+    ("*/*", False),
+    (PROMETHEUS_2_ACCEPT, True),
+    ("application/openmetrics-text", True),
+    ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+     "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.5", True),  # Prometheus 3.x
+    ("text/plain;version=1.0.0;escaping=underscores", False),
+])
+def test_formats_we_write(accept, openmetrics):
+    fmt = choose_format(accept)
+    assert fmt.openmetrics is openmetrics
+    assert fmt.ours
+    assert fmt.content_type == choose_encoder(accept)[1]
+    registry = build_registry(hostile_state(60))
+    assert generate(registry, fmt) == choose_encoder(accept)[0](registry)
+
+
+@pytest.mark.parametrize("accept", [
+    "application/openmetrics-text;version=1.0.0;escaping=dots",
+    "text/plain;version=1.0.0;escaping=dots",
+    "application/openmetrics-text;version=1.0.0;escaping=values",  # 0.26: U__vllm__cache__...
+    "text/plain;version=1.0.0;escaping=values",
+    "application/openmetrics-text;version=2.0.0",
+])
+async def test_formats_we_do_not_write_are_client_pythons(accept):
+    encoder, content_type = choose_encoder(accept)
+    fmt = choose_format(accept)
+    registry = build_registry(hostile_state(60))
+    expected = encoder(registry)
+    assert fmt.content_type == content_type
+    assert generate(registry, fmt) == expected
+    assert await generate_async(registry, fmt) == expected
+    if isinstance(encoder, functools.partial):  # client_python >= 0.23 honours these
+        assert not fmt.ours
 
 
 def test_format_value_matches_float_to_go_string():
@@ -342,5 +490,137 @@ def test_registry_property(series_specs, rejected, now):
     assert_same(registry)  # second render: from the cached label text
 
 
+plain_names = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,6}", fullmatch=True)
+# Legal in client_python's Metric (every release) but not plain: handed to client_python.
+legacy_names = st.from_regex(r"[a-zA-Z_:][a-zA-Z0-9_:]{0,6}", fullmatch=True)
+timestamps = st.one_of(st.none(), st.floats(min_value=0, max_value=4e9), st.integers(0, 2 ** 40))
+
+
+@st.composite
+def families(draw) -> Metric:
+    """A family of a drawn type, name, labels, values and timestamps, as collectors build."""
+    kind = draw(st.sampled_from(["gauge", "counter", "unknown", "histogram", "summary",
+                                 "info", "stateset", "gaugehistogram"]))
+    name = draw(st.one_of(plain_names, legacy_names))
+    documentation = draw(label_values)
+    label_names = draw(st.lists(plain_names.filter(lambda n: n not in ("le", "quantile")),
+                                max_size=3, unique=True))
+    rows = draw(st.lists(st.tuples(st.lists(label_values, min_size=len(label_names),
+                                            max_size=len(label_names)),
+                                   any_float, timestamps), max_size=4))
+    if kind in ("gauge", "counter", "unknown"):
+        family_type = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily,
+                       "unknown": UnknownMetricFamily}[kind]
+        family = family_type(name, documentation, labels=label_names)
+        for labels, number, stamp in rows:
+            if kind == "counter":
+                family.add_metric(labels, number, created=stamp, timestamp=stamp)
+            else:
+                family.add_metric(labels, number, timestamp=stamp)
+        return family
+    if kind in ("histogram", "gaugehistogram"):
+        family = (HistogramMetricFamily if kind == "histogram"
+                  else GaugeHistogramMetricFamily)(name, documentation, labels=label_names)
+        for labels, number, stamp in rows:
+            buckets = [("1.0", 1), ("+Inf", 2)]
+            if kind == "histogram":
+                family.add_metric(labels, buckets, number, timestamp=stamp)
+            else:
+                family.add_metric(labels, buckets, number, timestamp=stamp)
+        return family
+    if kind == "summary":
+        family = SummaryMetricFamily(name, documentation, labels=label_names)
+        for labels, number, stamp in rows:
+            family.add_metric(labels, 3, number, timestamp=stamp)
+        return family
+    if kind == "info":
+        family = InfoMetricFamily(name, documentation, labels=label_names)
+        for labels, _, stamp in rows:
+            family.add_metric(labels, {"version": draw(label_values)}, timestamp=stamp)
+        return family
+    family = StateSetMetricFamily(name, documentation, labels=label_names)
+    for labels, number, stamp in rows:
+        family.add_metric(labels, {"a": number > 0, "b": number <= 0}, timestamp=stamp)
+    return family
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(families(), max_size=5))
+def test_general_encoder_property(drawn):
+    registry = ExporterRegistry()
+    registry.register(FamiliesCollector(drawn))
+    assert_same(registry)
+
+
 def test_module_exports_are_what_the_handler_uses():
     assert exposition.generate_text is generate_text
+
+
+# ---- the sliced render ------------------------------------------------------------------
+
+
+class Pauses:
+    """A pause between slices that counts them and may change the state meanwhile."""
+
+    def __init__(self, change=None) -> None:
+        self.count = 0
+        self.change = change
+
+    async def __call__(self) -> None:
+        self.count += 1
+        if self.change is not None:
+            self.change(self.count)
+
+
+@pytest.mark.parametrize("fmt", [TEXT, OPENMETRICS], ids=["text", "openmetrics"])
+async def test_sliced_render_equals_one_shot(monkeypatch, fmt):
+    state = hostile_state(120)
+    registry = build_registry(state)
+    monkeypatch.setattr(usage_metrics, "SERIES_PER_SLICE", 3)
+    monkeypatch.setattr(usage_metrics, "SERIES_PER_PIECE", 5)
+    pauses = Pauses()
+    body = await generate_async(registry, fmt, pauses)
+    assert body == generate(registry, fmt)
+    assert body == (openmetrics_latest if fmt.openmetrics else generate_latest)(registry)
+    assert state.usage is not None
+    series = len(state.usage.series)  # a slice per 3 series, a piece per 5 of each family
+    assert pauses.count > series // 3 + 4 * (series // 5)
+
+
+@pytest.mark.parametrize("fmt", [TEXT, OPENMETRICS], ids=["text", "openmetrics"])
+async def test_state_changing_between_slices(monkeypatch, fmt):
+    """New series and new events between slices: no error, a well-formed body, and what a
+    scrape is documented to see (series that existed when it began; later ones next time)."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
+    from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+    state = signals_state(Config(signals_granularity=2048, callers_max=500), clock=Clock())
+    for index in range(100):
+        record_all_states(state, f"{HOSTILE[index % len(HOSTILE)]}-{index}", "qwen3.8-27b")
+    usage = state.usage
+    assert usage is not None
+    registry = build_registry(state)
+    monkeypatch.setattr(usage_metrics, "SERIES_PER_SLICE", 2)
+    began: set[tuple[str, str]] = set()  # the series when the per-caller render began
+    render_slices = usage_metrics.UsageCollector.render_slices
+
+    def spy(collector, out, fmt, series_per_slice=None):
+        began.update(collector.usage.series)
+        yield from render_slices(collector, out, fmt, series_per_slice)
+
+    monkeypatch.setattr(usage_metrics.UsageCollector, "render_slices", spy)
+
+    def change(count: int) -> None:
+        record_all_states(state, f"late-{count}", "qwen3.8-27b")  # a new series
+        record_all_states(state, f"{HOSTILE[1]}-1", "qwen3.8-27b")  # more on one that exists
+
+    pauses = Pauses(change)
+    body = (await generate_async(registry, fmt, pauses)).decode()
+    assert pauses.count > 10 and len(began) >= 100
+    parse = parse_om if fmt.openmetrics else parse_text
+    rendered = {(sample.labels["caller"], sample.labels["model"])
+                for family in parse(body) for sample in family.samples
+                if family.name == "vllm_cache_requests"}
+    assert rendered == began  # every series that existed, none added during the render
+    assert set(usage.series) - began  # (there were some)
+    assert_same(registry)  # the next render has them all

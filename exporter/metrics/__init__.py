@@ -1,9 +1,10 @@
 """The exposition contract: collectors that render SignalsState, and nothing else.
 
 Collectors never do I/O and never change state; every scrape yields fresh metric families.
-The registry is private (never the global one), so registration does no work. Its text
-exposition is ``exporter.metrics.exposition.generate_text``: the same bytes as client_python's
-``generate_latest``, several times faster at many callers.
+The registry is private (never the global one), so registration does no work. Its
+exposition, in the text format or OpenMetrics, is written by ``exporter.metrics.exposition``:
+the same bytes as client_python's encoders, many times faster at many callers; /metrics gets
+its bodies from ``exporter.metrics.scrape``.
 """
 
 from __future__ import annotations

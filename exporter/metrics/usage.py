@@ -19,7 +19,14 @@ from prometheus_client.core import (
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from exporter.metrics.exposition import encode_families, escape_label_value, format_value, header
+from exporter.metrics.exposition import (
+    OPENMETRICS,
+    TEXT,
+    Format,
+    encode_families,
+    escape_label_value,
+    format_value,
+)
 from exporter.signals.classify import STATES
 from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, UsageState
 
@@ -71,9 +78,18 @@ def _per_caller_families() -> tuple[Metric, ...]:
     )
 
 
-# HELP and TYPE lines of the per-caller families, printed by the general encoder once.
-_HEADERS = tuple(header(family.name, family.documentation, family.type)
-                 for family in _per_caller_families())
+# HELP and TYPE lines of the per-caller families, in each format, built once.
+_TEXT_HEADERS = tuple(TEXT.header(family.name, family.documentation, family.type)
+                      for family in _per_caller_families())
+_OPENMETRICS_HEADERS = tuple(OPENMETRICS.header(family.name, family.documentation, family.type,
+                                                family.unit)
+                             for family in _per_caller_families())
+
+# Series rendered between two turns of the event loop: at 78 samples a series (every state
+# timed), a slice is a millisecond or two.
+SERIES_PER_SLICE = 32
+# Series' lines of one family joined in one slice at the end (a few MB at most).
+SERIES_PER_PIECE = 256
 
 
 def _histogram(samples: list[Sample], name: str, labels: dict[str, str], hist: Histogram,
@@ -155,7 +171,7 @@ class UsageCollector:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        """The reference rendering (registry.get_sample_value, OpenMetrics, tests)."""
+        """The reference rendering (registry.get_sample_value, client_python's encoders, tests)."""
         usage = self.usage
         requests, prompt, cached, unreported, ttft, queue = families = _per_caller_families()
 
@@ -190,44 +206,80 @@ class UsageCollector:
         yield from self._other_families()
 
     def render_text(self, out: list[str]) -> None:
-        """Append exactly what ``encode_families(self.collect(), out)`` would, faster.
+        """Append exactly what ``encode_families(self.collect(), out)`` would, faster."""
+        for _ in self.render_slices(out, TEXT):
+            pass
+
+    def render_openmetrics(self, out: list[str]) -> None:
+        """Append exactly what ``encode_families(self.collect(), out, OPENMETRICS)`` would."""
+        for _ in self.render_slices(out, OPENMETRICS):
+            pass
+
+    def render_slices(self, out: list[str], fmt: Format,
+                      series_per_slice: int | None = None) -> Iterator[None]:
+        """Append what ``encode_families(self.collect(), out, fmt)`` would, in slices.
 
         The per-caller families are written from cached label text (one f-string per
-        sample); the small families go through the general encoder.
+        sample; their sample lines are the same in both formats, only the HELP and TYPE
+        lines differ); the small families go through the general encoder. Yields after every
+        ``series_per_slice`` (default ``SERIES_PER_SLICE``) series: the caller may let other
+        tasks change the state meanwhile. The series rendered are those that existed when it
+        began (a snapshot of the keys, sorted); each one's samples are read together, within
+        one slice; the small families are read at the end.
         """
         usage = self.usage
         cache = self._text
         if len(cache) > len(usage.series):
             cache.clear()
+        # One string per series and family (its lines joined): few objects to hand over and
+        # free at the end, where one per line would cost tens of milliseconds at thousands
+        # of series.
         requests: list[str] = []
         prompt: list[str] = []
         cached: list[str] = []
         unreported: list[str] = []
         ttft: list[str] = []
         queue: list[str] = []
-        fmt = format_value
-        for key, series in sorted(usage.series.items()):
+        fmt_value = format_value
+        per_slice = series_per_slice or SERIES_PER_SLICE
+        keys = sorted(usage.series)
+        for index, key in enumerate(keys, 1):
+            series = usage.series.get(key)
+            if series is None:  # series are never removed today; a removed one is skipped
+                continue
             text = cache.get(key)
             if text is None:
                 text = cache[key] = _SeriesText(*key)
             counts = series.requests
-            for prefix, state in zip(text.requests, STATES, strict=True):
-                requests.append(f"{prefix}{fmt(counts[state])}\n")
-            prompt.append(f"{text.prompt}{fmt(series.prompt_tokens)}\n")
-            cached.append(f"{text.cached}{fmt(series.cached_tokens)}\n")
-            unreported.append(f"{text.unreported}{fmt(series.unreported_prompt_tokens)}\n")
+            requests.append("".join([f"{prefix}{fmt_value(counts[state])}\n"
+                                     for prefix, state in zip(text.requests, STATES,
+                                                              strict=True)]))
+            prompt.append(f"{text.prompt}{fmt_value(series.prompt_tokens)}\n")
+            cached.append(f"{text.cached}{fmt_value(series.cached_tokens)}\n")
+            unreported.append(f"{text.unreported}{fmt_value(series.unreported_prompt_tokens)}\n")
             if series.ttft:
+                lines: list[str] = []
                 for state in STATES:
                     hist = series.ttft.get(state)
                     if hist is not None:
-                        _histogram_lines(ttft, text.ttft_text(state), hist, _TTFT_LE)
+                        _histogram_lines(lines, text.ttft_text(state), hist, _TTFT_LE)
+                ttft.append("".join(lines))
             if series.queue is not None:
-                _histogram_lines(queue, text.queue_text(), series.queue, _QUEUE_LE)
+                lines = []
+                _histogram_lines(lines, text.queue_text(), series.queue, _QUEUE_LE)
+                queue.append("".join(lines))
+            if index % per_slice == 0:
+                yield
+        yield
         families = (requests, prompt, cached, unreported, ttft, queue)
-        for head, lines in zip(_HEADERS, families, strict=True):
+        headers = _OPENMETRICS_HEADERS if fmt.openmetrics else _TEXT_HEADERS
+        piece = SERIES_PER_PIECE
+        for head, blocks in zip(headers, families, strict=True):
             out.append(head)
-            out.extend(lines)
-        encode_families(self._other_families(), out)
+            for start in range(0, len(blocks), piece):
+                out.append("".join(blocks[start:start + piece]))
+                yield
+        encode_families(self._other_families(), out, fmt)
 
     def _other_families(self) -> Iterator[Metric]:
         usage = self.usage
