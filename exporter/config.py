@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from exporter.signals.callers import DEFAULT_MODEL_PATTERN, DEFAULT_NAME_PATTERN
 from exporter.sim.scenario import DEFAULT_SCENARIO
 from exporter.sim.scenario import available as available_scenarios
 from exporter.usage.formats import MappingError, load_mapping
@@ -201,6 +203,13 @@ def _one_of(choices: Sequence[str]) -> Callable[[str], None]:
     return run
 
 
+def _regex(value: str) -> None:
+    try:
+        re.compile(value)
+    except re.error as err:
+        raise ValueError(f"not a regular expression: {err}") from None
+
+
 def _optional_host_port(value: str) -> None:
     if value:
         host_port(value)
@@ -302,6 +311,14 @@ FLAGS: tuple[Flag, ...] = (
          "pair is admitted only while its worst case (every state, every histogram) fits; "
          "later pairs are counted under caller __other__ (see docs/metrics.md).", _to_int,
          40_000, metavar="N", check=_positive),
+    Flag("callers.name-pattern", "Callers", "Caller names that may be labels as they are "
+         "(a regular expression matched against the whole name); any other name, and any "
+         "name that looks like a secret, is shown as key-<12 hex of its SHA-256>.", _to_str,
+         DEFAULT_NAME_PATTERN, metavar="REGEX", check=_regex),
+    Flag("callers.model-pattern", "Callers", "The same for model names.", _to_str,
+         DEFAULT_MODEL_PATTERN, metavar="REGEX", check=_regex),
+    Flag("callers.keep-emails", "Callers", "Show e-mail addresses as caller names instead of "
+         "their hash (personal data in your metrics).", _to_bool, False, kind="bool"),
     Flag("callers.allow", "Callers", "Callers that always get their own label, even past the "
          "cap (repeatable).", _to_list, (), kind="list", metavar="NAME"),
     Flag("callers.alias", "Callers", "Rename callers, NAME=ALIAS (repeatable; YAML: a "
@@ -456,6 +473,9 @@ class Config:
     usage_litellm_caller_fields: tuple[str, ...] = _default("usage.litellm.caller-fields")
     callers_max: int = _default("callers.max")
     callers_max_series: int = _default("callers.max-series")
+    callers_name_pattern: str = _default("callers.name-pattern")
+    callers_model_pattern: str = _default("callers.model-pattern")
+    callers_keep_emails: bool = _default("callers.keep-emails")
     callers_allow: tuple[str, ...] = _default("callers.allow")
     callers_alias: tuple[tuple[str, str], ...] = _default("callers.alias")
     signals_granularity: int = _default("signals.granularity")

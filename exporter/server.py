@@ -118,7 +118,7 @@ async def send(request: web.Request, body: bytes,
     except asyncio.TimeoutError:
         request.app[SEND_KEY].cut += 1
         if request.transport is not None:
-            request.transport.close()
+            request.transport.abort()  # close() would wait for the unread buffer to drain
     except ConnectionError:
         pass  # the reader went away; nothing is left to send
     return response

@@ -16,7 +16,13 @@ from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from exporter.signals.callers import OTHER, LabelCap
+from exporter.signals.callers import (
+    DEFAULT_MODEL_PATTERN,
+    DEFAULT_NAME_PATTERN,
+    OTHER,
+    LabelCap,
+    NamePolicy,
+)
 from exporter.signals.classify import ERROR, STATES, classify
 from exporter.signals.engine import EngineState
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
@@ -99,6 +105,10 @@ class UsageSettings:
     # Most per-caller series (a pair's worst case counted when it is admitted); events of
     # pairs beyond it are counted under caller "__other__" (and model "__other__").
     max_series: int = 40_000
+    # Names that may be labels as they are; anything else becomes its hash (callers.py).
+    name_pattern: str = DEFAULT_NAME_PATTERN
+    model_pattern: str = DEFAULT_MODEL_PATTERN
+    keep_emails: bool = False
 
 
 class UsageState:
@@ -107,8 +117,9 @@ class UsageState:
         self.engine = engine
         self._clock = clock
         self.callers = LabelCap(settings.callers_max, settings.callers_allow,
-                                dict(settings.callers_alias))
-        self.models = LabelCap(MAX_MODELS)
+                                dict(settings.callers_alias),
+                                policy=NamePolicy(settings.name_pattern, settings.keep_emails))
+        self.models = LabelCap(MAX_MODELS, policy=NamePolicy(settings.model_pattern))
         self.learner = GranularityLearner()
         self.configured_granularity = settings.granularity
         self.warm_tail_granules = settings.warm_tail_granules

@@ -6,7 +6,7 @@ import pytest
 
 from exporter.metrics import build_registry
 from exporter.redaction import key_label
-from exporter.signals.callers import OTHER, LabelCap, looks_like_key
+from exporter.signals.callers import OTHER, LabelCap, NamePolicy, looks_like_key
 from exporter.values import UsageEvent
 from tests.usage.conftest import make_state, value
 
@@ -23,19 +23,20 @@ KEYS = [
     "0123456789abcdef0123456789abcdef",  # a hex digest
     "Zx8Kq2Lm9Vb4Nc7Xs1Dw5Fe3Gr6Ht0Yj",  # random base62
 ]
-NAMES = ["agent-1", "team-search-agent-2", "claude-code", "jan@example.com", "Agent Smith",
-         "nightly-batch-2024-10-01", "6f1e2a0c-7b1d-4a58-9a3e-1c2b3d4e5f60",
-         "MyServiceProductionAgent"]
+NAMES = ["agent-1", "team-search-agent-2", "claude-code", "nightly-batch-2024-10-01",
+         "6f1e2a0c-7b1d-4a58-9a3e-1c2b3d4e5f60", "MyServiceProductionAgent", "pk-search",
+         "sess-caller", "rk-7"]
 
 
 @pytest.mark.parametrize("name", KEYS)
-def test_key_like_names_are_detected(name):
-    assert looks_like_key(name)
+def test_key_like_names_are_shown_only_as_their_hash(name):
+    assert NamePolicy().label(name) == key_label(name)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_ordinary_names_are_kept(name):
     assert not looks_like_key(name)
+    assert NamePolicy().label(name) == name
 
 
 def test_a_key_is_never_a_label_only_its_short_hash():

@@ -1,0 +1,165 @@
+"""What one client can take from the exporter is bounded: connections, idle time, the memory
+of a reader that never reads, and the log. Each case is sent as a client would send it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from exporter import limits, server
+from exporter.config import Config
+from exporter.limits import (
+    LimitedRunner,
+    LimitsCollector,
+    ListenerStats,
+    RateLimitedLogs,
+    connection_cap,
+)
+from exporter.server import REGISTRY_KEY, create_app
+from exporter.values import UsageEvent
+from exporter.wiring import signals_state
+from tests.helpers import value
+
+
+async def start(app: web.Application, stats: ListenerStats, **kwargs) -> tuple[LimitedRunner,
+                                                                                int]:
+    runner = LimitedRunner(app, stats, access_log=None, handle_signals=False, **kwargs)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, port
+
+
+async def wait_for(condition, seconds: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not condition():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)  # connection bookkeeping has no event to await
+
+
+async def test_connections_beyond_the_cap_get_503_and_the_rest_still_work():
+    config = Config()
+    app = create_app(config, initial_refresh=False)
+    stats = ListenerStats("web", cap=3)
+    app[REGISTRY_KEY].register(LimitsCollector([stats], None))
+    runner, port = await start(app, stats)
+    try:
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await wait_for(lambda: stats.open == 3)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answer = await asyncio.wait_for(reader.read(), 10)  # refused, then closed by us
+        assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
+        writer.close()
+        for _, idle_writer in idle:
+            idle_writer.close()
+        await wait_for(lambda: stats.open == 0)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+                text = await response.text()
+        assert value(text, "vllm_cache_exporter_connections_refused_total",
+                     listener="web") == 1
+        assert value(text, "vllm_cache_exporter_connections_max", listener="web") == 3
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("partial", [b"", b"GET /metrics HTTP/1.1\r\nHost: x\r\n"],
+                         ids=["silent", "headers-trickling"])
+async def test_a_connection_without_a_whole_request_is_closed_after_the_idle_time(partial):
+    app = web.Application()
+
+    async def hello(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/", hello)
+    stats = ListenerStats("web", cap=10)
+    runner, port = await start(app, stats, keepalive_timeout=0.5)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        loop = asyncio.get_running_loop()
+        opened = loop.time()
+        for _ in range(3):  # a byte now and then does not keep it open
+            writer.write(partial[:1])
+            partial = partial[1:]
+            await asyncio.sleep(0.2)
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+        assert loop.time() - opened < 5
+        writer.close()
+        await wait_for(lambda: stats.open == 0)
+    finally:
+        await runner.cleanup()
+
+
+def test_the_cap_stays_below_the_descriptors_the_process_has():
+    assert connection_cap(512, 1024) == 512
+    assert connection_cap(2048, 1024) == 1024 - limits.RESERVED_FDS
+    assert connection_cap(512, 10) == 1
+
+
+async def test_a_reader_that_never_reads_holds_a_bounded_buffer_and_is_cut(monkeypatch):
+    monkeypatch.setattr(server, "SEND_TIMEOUT_SECONDS", 1.0)
+    config = Config(callers_max=2000, callers_max_series=10_000_000)
+    state = signals_state(config)
+    for index in range(2000):  # a body of several MB
+        state.usage.record(UsageEvent(f"caller-{index:05d}", "m", 9000, 8192,
+                                      ttft_seconds=1.0, queue_seconds=0.1), "http")
+    app = create_app(config, state, initial_refresh=False)
+    stats = ListenerStats("web", cap=10)
+    runner, port = await start(app, stats)
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: identity\r\n\r\n")
+        await wait_for(lambda: app[server.SEND_KEY].cut == 1, 30)
+        await wait_for(lambda: stats.open == 0)
+        received = b""
+        sock.setblocking(False)
+        try:
+            while chunk := sock.recv(1 << 20):
+                received += chunk
+        except BlockingIOError:
+            pass
+        sock.close()
+        # It never had the whole body, and the server never buffered it all for it either.
+        header_end = received.find(b"\r\n\r\n")
+        declared = int(received[:header_end].split(b"Content-Length: ")[1].split(b"\r\n")[0])
+        assert declared > 4 * 1024 * 1024
+        assert len(received) - header_end - 4 < declared
+    finally:
+        await runner.cleanup()
+
+
+def test_a_flood_of_one_message_is_counted_not_written():
+    now = [0.0]
+    logs = RateLimitedLogs(window=60, burst=3, clock=lambda: now[0])
+    logger = logging.getLogger("tests.flood")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    handler.addFilter(logs)
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        for attempt in range(10_000):
+            try:
+                raise ValueError(attempt)
+            except ValueError:
+                logger.warning("a usage line could not be converted", exc_info=True)
+        logger.warning("something else")
+        assert len(records) == 4 and logs.suppressed_total == 9_997
+        now[0] = 61.0
+        logger.warning("a usage line could not be converted")
+        summary = [record.getMessage() for record in records if "more message" in
+                   record.getMessage()]
+        assert summary == ["9997 more message(s) like 'a usage line could not be converted' "
+                           "were not logged in the last window"]
+    finally:
+        logger.removeHandler(handler)
