@@ -100,21 +100,26 @@ class LiteLLMFormat:
       ``prompt_tokens_details.cached_tokens``.
     - TTFT: ``completionStartTime - startTime``, for streamed requests only: LiteLLM sets
       ``completionStartTime`` to ``endTime`` when the response was not streamed, and its own
-      TTFT metric is streaming-only for the same reason.
+      TTFT metric is streaming-only for the same reason. A non-streamed response keeps
+      vLLM's own ``metrics`` object (``--enable-per-request-metrics``), whose
+      ``time_to_first_token_ms`` is engine-side; LiteLLM drops it from streams.
+    - session: the first non-empty of ``SESSION_FIELDS``. ``session_id`` is filled (from the
+      ``x-litellm-session-id`` header, ``metadata.session_id`` or ``litellm_session_id``)
+      only under ``request_correlation_in_logs: true``; without it, the header and
+      ``metadata.session_id`` still reach ``metadata.requester_metadata.session_id``.
+      ``trace_id`` is never read: it is a fresh id per call when the client sent none, which
+      would make every call a conversation of its own.
     - status: ``status`` ("success" / "failure"); failures count as errors.
     """
+
+    SESSION_FIELDS = (("session_id",), ("metadata", "requester_metadata", "session_id"))
 
     def __init__(self, caller_fields: Sequence[str]) -> None:
         self.caller_fields = [field.split(".") for field in caller_fields]
 
     def __call__(self, obj: Any) -> UsageEvent:
         payload = _object(obj)
-        caller = None
-        for path in self.caller_fields:
-            value = get_path(payload, path)
-            if value not in (None, ""):
-                caller = value
-                break
+        caller = _first_text(payload, self.caller_fields)
         usage_object = (get_path(payload, ("metadata", "usage_object"))
                         or get_path(payload, ("hidden_params", "usage_object"))
                         or get_path(payload, ("response", "usage")))
@@ -130,18 +135,37 @@ class LiteLLMFormat:
             "cached_tokens": numbers.get("cached_tokens"),
             "completion_tokens": payload.get("completion_tokens",
                                              numbers.get("completion_tokens")),
+            "session": _first_text(payload, self.SESSION_FIELDS),
             "time": payload.get("startTime"),
             "status": payload.get("status"),
         }
         if native_form["prompt_tokens"] is None:
             native_form["prompt_tokens"] = numbers.get("prompt_tokens")
-        start, first, end = (payload.get(key) for key in
-                             ("startTime", "completionStartTime", "endTime"))
-        stream = payload.get("stream")
-        if _is_number(start) and _is_number(first) and (
-                stream is True or (stream is None and _is_number(end) and first < end)):
-            native_form["ttft_seconds"] = max(0.0, first - start)
+        native_form["ttft_seconds"] = _litellm_ttft(payload)
         return validate(native_form)
+
+
+def _litellm_ttft(payload: Mapping[str, Any]) -> float | None:
+    """Streamed: LiteLLM's first-chunk time; not streamed: vLLM's own per-request TTFT."""
+    start, first, end = (payload.get(key) for key in
+                         ("startTime", "completionStartTime", "endTime"))
+    stream = payload.get("stream")
+    if _is_number(start) and _is_number(first) and (
+            stream is True or (stream is None and _is_number(end) and first < end)):
+        return max(0.0, first - start)
+    engine_ttft_ms = get_path(payload, ("response", "metrics", "time_to_first_token_ms"))
+    if stream is not True and _is_number(engine_ttft_ms) and engine_ttft_ms >= 0:
+        return engine_ttft_ms / 1000.0
+    return None
+
+
+def _first_text(payload: Mapping[str, Any], paths: Sequence[Sequence[str]]) -> Any:
+    """The first present, non-empty value of ``paths`` (LiteLLM writes "" for none)."""
+    for path in paths:
+        value = get_path(payload, path)
+        if value not in (None, ""):
+            return value
+    return None
 
 
 def _is_number(value: Any) -> bool:
