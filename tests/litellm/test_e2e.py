@@ -71,6 +71,11 @@ def callers(master_key: str) -> tuple[list[Caller], dict[str, dict[str, str]]]:
     ], keys
 
 
+def events_expected(all_callers: list[Caller]) -> int:
+    """Every turn of every caller, and the one failed call."""
+    return len(all_callers) * len(MODES_A + MODES_B) + 1
+
+
 def conversations_of(caller: Caller, number: int) -> list[Conversation]:
     methods = ("header", "metadata", "body")
     return [Conversation(caller, f"{caller.name}-conv-a", methods[number % 3], MODES_A,
@@ -102,6 +107,27 @@ async def wait_for_events(session: aiohttp.ClientSession, exporter_url: str,
         await asyncio.sleep(0.5)
 
 
+async def drive(proxy_url: str, simulator_url: str, exporter_url: str, model: str,
+                all_callers: list[Caller]) -> tuple[dict[str, tuple[float, float]], str]:
+    """Each caller's conversations in turn, then one failed call. Returns the increase of
+    the simulator's (prefix-cache hits, prompt tokens) during each caller's turns, and the
+    exporter's /metrics once it has every event."""
+    expected = {}
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+        for number, caller in enumerate(all_callers):
+            before = await metrics_text(session, simulator_url)
+            await interleaved(session, proxy_url, model, conversations_of(caller, number))
+            after = await metrics_text(session, simulator_url)
+            expected[caller.name] = (
+                counter_sum(after, "vllm:prefix_cache_hits_total")
+                - counter_sum(before, "vllm:prefix_cache_hits_total"),
+                counter_sum(after, "vllm:prompt_tokens_total")
+                - counter_sum(before, "vllm:prompt_tokens_total"))
+        await fail_once(session, proxy_url, model, all_callers[0])
+        text = await wait_for_events(session, exporter_url, events_expected(all_callers))
+    return expected, text
+
+
 async def test_per_caller_cache_signals_through_litellm_match_the_simulator(
         litellm_venv: Path, tmp_path: Path):
     started = time.monotonic()
@@ -110,32 +136,21 @@ async def test_per_caller_cache_signals_through_litellm_match_the_simulator(
                                       "GENERIC_LOGGER_HEADERS": usage_token})
     all_callers, keys = callers(environment["LITELLM_MASTER_KEY"])
     environment[KEYS_ENV] = json.dumps(keys)
-    config = proxy_config("http://vllm:8000", "http://vllm-cache-exporter:10123")
-    client_model = config["model_list"][0]["model_name"]
-    served_model = config["model_list"][0]["litellm_params"]["model"].removeprefix(
-        "hosted_vllm/")
+    readme_model = proxy_config("http://vllm:8000", "http://vllm-cache-exporter:10123")[
+        "model_list"][0]
+    client_model = readme_model["model_name"]
+    served_model = readme_model["litellm_params"]["model"].removeprefix("hosted_vllm/")
 
     servers = await start_servers(served_model, usage_token)
     config = proxy_config(servers.simulator_url, servers.exporter_url)
     config.setdefault("general_settings", {})["custom_auth"] = "keys_auth.user_api_key_auth"
     shutil.copy(HERE / "keys_auth.py", tmp_path / "keys_auth.py")
     proxy = LiteLLMProxy(litellm_venv, config, tmp_path, environment)
-    expected: dict[str, tuple[float, float]] = {}
     try:
         proxy.start()
         boot_seconds = await asyncio.to_thread(proxy.wait_ready)
-        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
-            for number, caller in enumerate(all_callers):
-                before = await metrics_text(session, servers.simulator_url)
-                await interleaved(session, proxy.url, client_model,
-                                  conversations_of(caller, number))
-                after = await metrics_text(session, servers.simulator_url)
-                expected[caller.name] = tuple(
-                    counter_sum(after, name) - counter_sum(before, name)
-                    for name in ("vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"))
-            await fail_once(session, proxy.url, client_model, all_callers[0])
-            turns = 2 * len(MODES_A) * len(all_callers)
-            text = await wait_for_events(session, servers.exporter_url, turns + 1)
+        expected, text = await drive(proxy.url, servers.simulator_url, servers.exporter_url,
+                                     client_model, all_callers)
     except BaseException:
         print(f"\n----- last lines of {proxy.log_path} -----\n{proxy.log_tail()}")
         raise
@@ -145,7 +160,8 @@ async def test_per_caller_cache_signals_through_litellm_match_the_simulator(
     print(f"LiteLLM live after {boot_seconds:.1f}s; test took "
           f"{time.monotonic() - started:.1f}s")
 
-    assert metric(text, "vllm_cache_usage_events_total", reader="http") == turns + 1
+    assert metric(text, "vllm_cache_usage_events_total", reader="http") == events_expected(
+        all_callers)
     assert not [line for line in text.splitlines()
                 if line.startswith("vllm_cache_usage_events_rejected_total{")
                 and not line.endswith(" 0.0")], "LiteLLM sent events the exporter rejected"
