@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from exporter.usage.event import FIELDS, InvalidEvent, validate
-from exporter.usage.openai import parse_usage, read_response
+from exporter.usage.openai import engine_ttft_seconds, parse_usage, read_response
 from exporter.values import UsageEvent, status_is_error
 
 Converter = Callable[[Any], UsageEvent]
@@ -78,21 +78,26 @@ class LiteLLMFormat:
       ``prompt_tokens_details.cached_tokens``.
     - TTFT: ``completionStartTime - startTime``, for streamed requests only: LiteLLM sets
       ``completionStartTime`` to ``endTime`` when the response was not streamed, and its own
-      TTFT metric is streaming-only for the same reason.
+      TTFT metric is streaming-only for the same reason. A non-streamed response keeps
+      vLLM's own ``metrics`` object (``--enable-per-request-metrics``), whose
+      ``time_to_first_token_ms`` is engine-side; LiteLLM drops it from streams.
+    - session: the first non-empty of ``SESSION_FIELDS``. ``session_id`` is filled (from the
+      ``x-litellm-session-id`` header, ``metadata.session_id`` or ``litellm_session_id``)
+      only under ``request_correlation_in_logs: true``; without it, the header and
+      ``metadata.session_id`` still reach ``metadata.requester_metadata.session_id``.
+      ``trace_id`` is never read: it is a fresh id per call when the client sent none, which
+      would make every call a conversation of its own.
     - status: ``status`` ("success" / "failure"); failures count as errors.
     """
+
+    SESSION_FIELDS = (("session_id",), ("metadata", "requester_metadata", "session_id"))
 
     def __init__(self, caller_fields: Sequence[str]) -> None:
         self.caller_fields = [field.split(".") for field in caller_fields]
 
     def __call__(self, obj: Any) -> UsageEvent:
         payload = _object(obj)
-        caller = None
-        for path in self.caller_fields:
-            value = get_path(payload, path)
-            if value not in (None, ""):
-                caller = value
-                break
+        caller = _first_text(payload, self.caller_fields)
         status = payload.get("status")
         usage = None
         if not (type(status) in (int, str) and status_is_error(status)):
@@ -115,16 +120,26 @@ class LiteLLMFormat:
             "cached_tokens": usage.cached_tokens if usage else None,
             "completion_tokens": completion_tokens if completion_tokens is not None
             else usage.completion_tokens if usage else None,
+            "session": _first_text(payload, self.SESSION_FIELDS),
             "status": status,
         }
-        start, first, end = (_timestamp(payload.get(key)) for key in
-                             ("startTime", "completionStartTime", "endTime"))
-        native_form["time"] = start
-        stream = payload.get("stream")
-        if start is not None and first is not None and (
-                stream is True or (stream is None and end is not None and first < end)):
-            native_form["ttft_seconds"] = max(0.0, first - start)
+        native_form["time"] = _timestamp(payload.get("startTime"))
+        native_form["ttft_seconds"] = _litellm_ttft(payload)
         return validate(native_form)
+
+
+def _litellm_ttft(payload: Mapping[str, Any]) -> float | None:
+    """Streamed: LiteLLM's first-chunk time; not streamed: vLLM's own per-request TTFT."""
+    start, first, end = (_timestamp(payload.get(key)) for key in
+                         ("startTime", "completionStartTime", "endTime"))
+    stream = payload.get("stream")
+    if start is not None and first is not None and (
+            stream is True or (stream is None and end is not None and first < end)):
+        return max(0.0, first - start)
+    response = payload.get("response")
+    if stream is not True and isinstance(response, Mapping):
+        return engine_ttft_seconds(response)
+    return None
 
 
 # Unix seconds: beyond this a value is no timestamp (and a huge int would overflow a float).
@@ -138,6 +153,15 @@ def _timestamp(value: Any) -> float | None:
     if not -MAX_TIMESTAMP <= value <= MAX_TIMESTAMP:  # also false for NaN
         return None
     return float(value)
+
+
+def _first_text(payload: Mapping[str, Any], paths: Sequence[Sequence[str]]) -> Any:
+    """The first present, non-empty value of ``paths`` (LiteLLM writes "" for none)."""
+    for path in paths:
+        value = get_path(payload, path)
+        if value not in (None, ""):
+            return value
+    return None
 
 
 def _is_number(value: Any) -> bool:

@@ -326,7 +326,7 @@ def read_response(response: Any) -> ResponseRead:
     if not isinstance(response, Mapping):
         return ResponseRead(None, None, None)
     usage, model = usage_of(response)
-    return ResponseRead(usage, model, _engine_ttft(response))
+    return ResponseRead(usage, model, engine_ttft_seconds(response))
 
 
 def _read_stream(text: bytes) -> ResponseRead:
@@ -340,7 +340,7 @@ def _read_stream(text: bytes) -> ResponseRead:
     return ResponseRead(reader.usage, reader.model, None)
 
 
-def _engine_ttft(response: Mapping[str, Any]) -> float | None:
+def engine_ttft_seconds(response: Mapping[str, Any]) -> float | None:
     """vLLM's per-request ``metrics.time_to_first_token_ms`` (``--enable-per-request-metrics``)."""
     metrics = response.get("metrics")
     if not isinstance(metrics, Mapping):

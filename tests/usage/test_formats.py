@@ -1,4 +1,5 @@
-"""Each format, from real (vLLM 0.32) or type-faithful (LiteLLM) bodies, through the app."""
+"""Each format, from real bodies (vLLM 0.32, LiteLLM 1.108.7) or type-faithful ones, through
+the app."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.helpers import FIXTURES, fixture_text
 from tests.usage.conftest import value
 
 VLLM = "vllm-0.32.0-cpu/"
+LITELLM_RECORDED = "litellm/1.108.7/"
 LITELLM_FIELDS = ("metadata.user_api_key_alias", "metadata.user_api_key_team_alias",
                   "end_user")
 
@@ -31,6 +33,12 @@ def litellm_payloads() -> list[dict]:
 
 def vllm_json(name: str) -> dict:
     return json.loads(fixture_text(VLLM + name))
+
+
+def recorded_litellm(name: str) -> list[dict]:
+    """A body LiteLLM 1.108.7's generic_api callback posted (NDJSON), one dict per payload."""
+    text = fixture_text(f"{LITELLM_RECORDED}{name}.ndjson")
+    return [json.loads(line) for line in text.splitlines()]
 
 
 # ---- LiteLLM ---------------------------------------------------------------------------
@@ -92,6 +100,80 @@ async def test_litellm_generic_api_log_formats(usage_client, log_format):
                  model="tiny-llama", state="unknown") == 1
     assert value(registry, "vllm_cache_ttft_seconds_sum", caller="agent-research",
                  model="tiny-llama", state="warm") == 0.5
+
+
+# ---- LiteLLM 1.108.7, recorded from a real proxy (tests/fixtures/litellm/README.md) ---------
+
+
+def test_recorded_litellm_payloads_convert():
+    """The README's configuration: callers by `user`, by header and by key alias; the
+    conversation from each of the three ways a client can name it."""
+    convert = LiteLLMFormat(LITELLM_FIELDS)
+    by_user, by_header, by_header_again, by_key, failed = (
+        convert(p) for p in recorded_litellm("readme-config"))
+    assert by_user == UsageEvent("batch-summarizer", "Qwen/Qwen3-8B", 173, 0, 4, None, None,
+                                 "conv-a-0001", 1796039881.622595, "success")
+    assert (by_header.caller, by_header.session, by_header.cached_tokens) == (
+        "ide-assistant", "conv-b-0001", 160)
+    assert by_header.ttft_seconds == pytest.approx(1796039882.612504 - 1796039882.551432)
+    assert (by_header_again.session, by_header_again.prompt_tokens) == ("conv-b-0001", 184)
+    # The key alias wins over the team alias; the session came as litellm_session_id.
+    assert (by_key.caller, by_key.session, by_key.ttft_seconds) == (
+        "research-agent", "conv-c-0001", None)
+    assert status_is_error(failed.status) and (failed.caller, failed.session) == (
+        "batch-summarizer", "conv-a-0001")
+
+
+def test_litellm_session_without_request_correlation_in_logs():
+    """Without the setting LiteLLM leaves session_id empty: metadata.session_id still reaches
+    requester_metadata, but a litellm_session_id only lands in trace_id, which is not read."""
+    with_metadata, with_body_field = recorded_litellm("no-request-correlation")
+    assert with_metadata["session_id"] == "" and with_body_field["trace_id"] == "conv-a-0003"
+    convert = LiteLLMFormat(LITELLM_FIELDS)
+    assert convert(with_metadata).session == "conv-a-0002"
+    assert convert(with_body_field).session is None
+
+
+def test_litellm_trace_id_is_not_a_session():
+    payload = recorded_litellm("readme-config")[3]
+    payload["session_id"] = ""
+    assert payload["trace_id"]  # a fresh id LiteLLM made for this call alone
+    assert LiteLLMFormat(LITELLM_FIELDS)(payload).session is None
+
+
+def test_litellm_keeps_vllms_per_request_ttft_for_whole_answers_only():
+    """An upstream answering with vLLM's `metrics` object (--enable-per-request-metrics):
+    LiteLLM keeps it in `response` when not streamed and drops it from streams."""
+    whole, streamed = recorded_litellm("vllm-metrics")
+    assert whole["response"]["metrics"]["time_to_first_token_ms"] == 123.5
+    assert "metrics" not in streamed["response"]
+    convert = LiteLLMFormat(LITELLM_FIELDS)
+    assert convert(whole).ttft_seconds == pytest.approx(0.1235)
+    assert convert(streamed).ttft_seconds == pytest.approx(
+        streamed["completionStartTime"] - streamed["startTime"])
+    whole["response"]["metrics"]["time_to_first_token_ms"] = None  # vLLM had no timestamps
+    assert convert(whole).ttft_seconds is None
+
+
+async def test_recorded_litellm_batch_through_the_app(usage_client):
+    """The body exactly as LiteLLM posted it: NDJSON under Content-Type application/json."""
+    client, state = await usage_client(signals_granularity=16, usage_ingest_token="tok")
+    body = fixture_text(LITELLM_RECORDED + "readme-config.ndjson")
+    response = await client.post("/v1/usage?format=litellm", data=body,
+                                 headers={"Authorization": "Bearer tok",
+                                          "Content-Type": "application/json"})
+    assert response.status == 200, await response.text()
+    assert (await response.json())["accepted"] == 5
+    registry = build_registry(state)
+    model = "Qwen/Qwen3-8B"
+    for caller, state_name, count in (("batch-summarizer", "cold", 1),
+                                      ("batch-summarizer", "error", 1),
+                                      ("ide-assistant", "warm", 2),
+                                      ("research-agent", "warm", 1)):
+        assert value(registry, "vllm_cache_requests_total", caller=caller, model=model,
+                     state=state_name) == count, (caller, state_name)
+    assert value(registry, "vllm_cache_cached_tokens_total", caller="ide-assistant",
+                 model=model) == 320
 
 
 # ---- OpenAI response records -----------------------------------------------------------
