@@ -26,3 +26,18 @@ async def test_every_served_family_is_documented(fake_vllm, aiohttp_client):
         if not any(f"`{candidate}`" in DOC for candidate in documented):
             missing.append(name)
     assert missing == [], f"series missing from docs/metrics.md: {missing}"
+
+
+def test_series_the_runtime_adds_are_documented():
+    """The collectors `run` registers beside the app's own (connection limits, log limits,
+    web config reloads) are part of the contract too."""
+    from exporter.limits import LimitsCollector, ListenerStats, RateLimitedLogs
+    from exporter.web.metrics import WebConfigCollector
+
+    collectors = [LimitsCollector([ListenerStats("web", 1)], RateLimitedLogs()),
+                  WebConfigCollector(lambda: [])]
+    names = [family.name for collector in collectors for family in collector.collect()]
+    assert names
+    missing = [name for name in names
+               if f"`{name}`" not in DOC and f"`{name}_total`" not in DOC]
+    assert missing == [], f"series missing from docs/metrics.md: {missing}"

@@ -133,7 +133,9 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
             yield Item(value)
             return
     items = _iter_lines(body, start)
-    first = next(items)
+    first = next(items, None)
+    if first is None:  # nothing but blank lines and byte-order marks
+        raise BodyError("bad_body", "the body is empty")
     if first.bad is not None and first_newline < 0:
         raise BodyError("bad_body", "the body is not JSON, a JSON array, or NDJSON")
     yield first
@@ -355,10 +357,12 @@ class UsageIngest:
                 return response
         items = iter_body(body)
         try:
-            first = next(items)
+            first = next(items, None)
         except BodyError as err:
             return self._refuse(400, err.reason, str(err))
-        result = await self.process(_chain(first, items), convert)
+        result = BatchResult()
+        if first is not None:  # else an empty JSON array: nothing to count, nothing wrong
+            result = await self.process(_chain(first, items), convert)
         # 422 only when nothing at all could be used, so a sender notices; a partly bad batch
         # is a success whose reply names the bad events.
         status = 422 if result.rejected and not result.accepted else 200

@@ -1,0 +1,79 @@
+"""The per-caller exposition is bounded as a whole: filled adversarially at the defaults, it
+stays within the series and bytes docs/metrics.md promises, in both formats."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from exporter.config import Config
+from exporter.metrics import build_registry
+from exporter.metrics.exposition import generate_openmetrics, generate_text
+from exporter.signals.callers import OTHER
+from exporter.signals.usage import SERIES_PER_PAIR
+from exporter.values import UsageEvent
+from exporter.wiring import signals_state
+from tests.helpers import value
+
+DOC = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text("utf-8")
+PER_CALLER = ("vllm_cache_requests_total", "vllm_cache_prompt_tokens_total",
+              "vllm_cache_cached_tokens_total", "vllm_cache_unreported_prompt_tokens_total",
+              "vllm_cache_ttft_seconds_", "vllm_cache_queue_wait_seconds_")
+# One turn per state, the unreported one first so that it stays unreported.
+TURNS = ((5000, None, None), (91_070, 86_016, None), (60_000, 30_720, None),
+         (40_000, 0, None), (100, 0, None), (5000, 0, 500))
+
+
+def documented(label: str) -> int:
+    """A bound as docs/metrics.md states it in bold: '**40,000 per-caller series**'."""
+    match = re.search(r"\*\*([\d,]+) " + re.escape(label) + r"\*\*", DOC)
+    assert match, f"docs/metrics.md states no bound for {label}"
+    return int(match.group(1).replace(",", ""))
+
+
+def fill_adversarially() -> tuple[Config, object]:
+    # The defaults for every bound; a fixed G and no missing-as-zero so that every state
+    # (and so every TTFT histogram) appears for every pair.
+    config = Config(signals_granularity=2048, signals_missing_cached_as_zero=False)
+    state = signals_state(config)
+    for caller_index in range(400):  # past the caller cap and the series budget
+        caller = (f"c{caller_index:03d}" + "-abcdefghijklmn" * 5)[:64]
+        for model_index in range(40):  # past the model cap
+            model = (f"m{model_index:02d}" + "/abcdefghijklmn" * 10)[:128]
+            for prompt, cached, status in TURNS:
+                state.usage.record(UsageEvent(
+                    caller, model, prompt, cached, ttft_seconds=86_399.123456789,
+                    queue_seconds=86_398.987654321, status=status), "http")
+    return config, state
+
+
+def test_the_worst_case_stays_within_the_documented_bounds():
+    config, state = fill_adversarially()
+    registry = build_registry(state)
+    max_series = documented("per-caller series")
+    max_bytes = documented("bytes")
+    assert max_series == config.callers_max_series
+    for body in (generate_text(registry), generate_openmetrics(registry)):
+        lines = [line for line in body.decode().splitlines()
+                 if line.startswith(PER_CALLER)]
+        assert len(lines) <= max_series
+        assert len(lines) >= max_series - SERIES_PER_PAIR  # the fill did reach the bound
+        assert len(body) <= max_bytes
+    text = generate_text(registry).decode()
+    folded = value(text, "vllm_cache_callers_folded_total")
+    assert folded and folded > 0
+    # Nothing was lost: every event is counted, folded ones under __other__.
+    requests = sum(series.requests[state_name] for series in state.usage.series.values()
+                   for state_name in series.requests)
+    assert requests == 400 * 40 * len(TURNS)
+    assert (OTHER, OTHER) in state.usage.series
+
+
+def test_pairs_within_the_budget_keep_their_own_series():
+    state = signals_state(Config(callers_max_series=3 * SERIES_PER_PAIR))
+    for caller in ("a", "b", "c", "d"):
+        state.usage.record(UsageEvent(caller, "m", 100, 0), "http")
+    assert set(state.usage.series) == {("a", "m"), ("b", "m"), (OTHER, OTHER)}
+    assert state.usage.series_folded == 2
+    state.usage.record(UsageEvent("a", "m", 100, 0), "http")  # admitted before: its own
+    assert state.usage.series_folded == 2
