@@ -238,8 +238,8 @@ def report(run: SoakRun, sampler: MemorySampler, alive: bool,
     after_warmup = [(s.at - measured, s.rss) for s in sampler.samples if s.at >= measured]
     rss_start = sampler.rss_at(measured)
     minutes = []
-    for minute in range(1, int((end - measured) // 60) + 1):
-        value = sampler.rss_at(measured + minute * 60)
+    for minute in range(1, round((end - measured) / 60) + 1):
+        value = sampler.rss_at(min(measured + minute * 60, end))
         minutes.append(round(value / MiB, 1) if value is not None else None)
     rss_end = sampler.rss_at(end)
     text = run.final_metrics or ""
