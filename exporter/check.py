@@ -20,6 +20,7 @@ import aiohttp
 from exporter.config import metrics_url
 from exporter.engine import names
 from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
+from exporter.redaction import redact_text, redact_url
 from exporter.values import EngineSnapshot
 
 # Signals whose absence breaks the cache signals (a problem), and those that only exist in
@@ -59,12 +60,13 @@ async def check_all(urls: list[str], timeout: float, max_bytes: int) -> list[Rep
 
 async def check_one(session: aiohttp.ClientSession, url: str, timeout: float,
                     max_bytes: int) -> Report:
-    report = Report(url)
+    report = Report(redact_url(url))
     try:
         body = await fetch_body(session, url, timeout, max_bytes=max_bytes)
         snapshot = await decode_and_parse(body)
     except FetchError as err:
-        report.problems.append(f"cannot read vLLM's /metrics ({err.reason}): {err}")
+        report.problems.append(f"cannot read vLLM's /metrics ({err.reason}): "
+                               f"{redact_text(str(err))}")
         return report
     describe(snapshot, report)
     return report

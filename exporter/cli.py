@@ -29,6 +29,7 @@ from exporter.config import (
     build_config,
     settings,
 )
+from exporter.redaction import RedactingLogs
 
 PROG = "vllm-cache-exporter"
 
@@ -129,6 +130,8 @@ def setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingLogs())
 
 
 def config_error(err: ConfigError, command: str = RUN) -> int:

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from exporter.redaction import redact_text, redact_url
 from exporter.signals.callers import DEFAULT_MODEL_PATTERN, DEFAULT_NAME_PATTERN
 from exporter.sim.scenario import DEFAULT_SCENARIO
 from exporter.sim.scenario import available as available_scenarios
@@ -434,6 +435,8 @@ FLAGS: tuple[Flag, ...] = (
          "instead of stdout.", _to_str, "", metavar="FILE", commands=frozenset({GENERATE})),
 )
 
+# Flags holding URLs, shown with their credentials redacted.
+URL_FLAGS = frozenset({"vllm.url", "tap.upstream", "drive.base-url", "drive.exporter-url"})
 # The run command's settings (the fields of Config).
 FLAGS_BY_DEST = {flag.dest: flag for flag in FLAGS if RUN in flag.commands and not flag.action}
 
@@ -507,6 +510,9 @@ class Config:
             value = getattr(self, flag.dest)
             if flag.secret and value:
                 value = "<redacted>"
+            elif flag.name in URL_FLAGS:
+                value = (tuple(redact_url(url) for url in value) if isinstance(value, tuple)
+                         else redact_url(value))
             out[flag.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -596,7 +602,8 @@ def _parse(flag: Flag, source: str, value: Any) -> Any:
         if flag.check is not None:
             flag.check(parsed)
     except ValueError as err:
-        raise ConfigError(source, str(err) if not flag.secret else "invalid value") from None
+        problem = redact_text(str(err)) if not flag.secret else "invalid value"
+        raise ConfigError(source, problem) from None
     return parsed
 
 

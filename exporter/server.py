@@ -132,7 +132,7 @@ async def ready(request: web.Request) -> web.Response:
     engine = request.app[STATE_KEY].engine
     if engine.ready:
         return web.Response(text="vllm-cache-exporter is ready.\n")
-    waiting = [t for t, s in engine.targets.items() if not s.attempted]
+    waiting = [state.shown for state in engine.targets.values() if not state.attempted]
     return web.Response(status=503, text="waiting for a first read of: " + ", ".join(waiting)
                         + "\n")
 
@@ -140,10 +140,10 @@ async def ready(request: web.Request) -> web.Response:
 async def landing(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     rows = []
-    for target, target_state in sorted(state.engine.targets.items()):
+    for target_state in sorted(state.engine.targets.values(), key=lambda state: state.shown):
         status = "up" if target_state.up else ("down" if target_state.attempted else "not read yet")
         error = f" ({html.escape(target_state.last_error)})" if target_state.last_error else ""
-        rows.append(f"<li><code>{html.escape(target)}</code>: {status}{error}</li>")
+        rows.append(f"<li><code>{html.escape(target_state.shown)}</code>: {status}{error}</li>")
     targets = "\n".join(rows) or "<li>none configured (--vllm.url)</li>"
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>vllm-cache-exporter</title></head>

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 
 from exporter.engine.parse import ParseError, parse
+from exporter.redaction import redact_text, redact_url
 from exporter.values import EngineSnapshot
 
 log = logging.getLogger(__name__)
@@ -139,12 +140,14 @@ class EnginePoller:
             snapshot = await decode_and_parse(body)
         except FetchError as err:
             duration = self._monotonic() - started
-            log.warning("vLLM target %s unreadable (%s): %s", target, err.reason, err)
-            self._record_failure(target, err.reason, str(err), duration)
+            message = redact_text(str(err))
+            log.warning("vLLM target %s unreadable (%s): %s", redact_url(target), err.reason,
+                        message)
+            self._record_failure(target, err.reason, message, duration)
             return
         except Exception as err:  # never let one target take the scrape down
             duration = self._monotonic() - started
-            log.exception("unexpected error reading %s", target)
-            self._record_failure(target, "internal", repr(err), duration)
+            log.exception("unexpected error reading %s", redact_url(target))
+            self._record_failure(target, "internal", redact_text(repr(err)), duration)
             return
         self._record_success(target, snapshot, self._monotonic() - started, self._clock())

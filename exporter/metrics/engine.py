@@ -167,10 +167,10 @@ class EngineCollector:
     def collect(self) -> Iterator[Metric]:
         targets = _TargetFamilies()
         rows = _RowFamilies()
-        for target, state in sorted(self.engine.targets.items()):
-            targets.add(target, state)
+        for state in sorted(self.engine.targets.values(), key=lambda state: state.shown):
+            targets.add(state.shown, state)
             if state.up:
                 for row in state.rows:
-                    rows.add(target, row)
+                    rows.add(state.shown, row)
         yield from targets.families()
         yield from rows.families()

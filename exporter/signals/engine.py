@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from exporter.redaction import redact_url
 from exporter.values import COUNTER_SIGNALS, CacheConfig, EngineSnapshot
 
 
@@ -47,6 +48,7 @@ class EngineRow:
 @dataclass
 class TargetState:
     target: str
+    shown: str = ""  # the target as labels and pages show it: credentials redacted
     attempted: bool = False
     up: bool = False
     last_duration_seconds: float = 0.0
@@ -62,7 +64,16 @@ class TargetState:
 
 class EngineState:
     def __init__(self, targets: tuple[str, ...]) -> None:
-        self.targets: dict[str, TargetState] = {t: TargetState(target=t) for t in targets}
+        self.targets: dict[str, TargetState] = {}
+        shown_already: set[str] = set()
+        for target in targets:
+            shown = redact_url(target)
+            number = 1
+            while shown in shown_already:  # two URLs that differ only in their credentials
+                number += 1
+                shown = f"{redact_url(target)}#{number}"
+            shown_already.add(shown)
+            self.targets[target] = TargetState(target=target, shown=shown)
 
     @property
     def ready(self) -> bool:

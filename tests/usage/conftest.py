@@ -15,6 +15,7 @@ from exporter.metrics import build_registry
 from exporter.server import STATE_KEY, create_app
 from exporter.signals.state import SignalsState
 from exporter.wiring import signals_state
+from tests.tap.conftest import start_tap, upstream  # noqa: F401 (the tap's fixtures, here too)
 
 
 class FakeClock:

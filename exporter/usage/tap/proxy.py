@@ -22,6 +22,7 @@ format uses.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import ssl
@@ -35,6 +36,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from exporter.redaction import redact_url
 from exporter.usage.event import InvalidEvent, loads, validate
 from exporter.usage.openai import ENDPOINTS, USAGE_OPT_IN, Endpoint, StreamReader, usage_of
 from exporter.usage.tap.identity import KeyAliases, resolve_caller
@@ -168,9 +170,15 @@ class Tap:
         self.session = session
         if session is not None:
             no_retries(session)
-        self.upstream = URL(settings.upstream.rstrip("/"))
-        # What error messages name: never the credentials an upstream URL may carry.
-        self.upstream_shown = str(self.upstream.with_user(None))
+        upstream = URL(settings.upstream.rstrip("/"))
+        # Credentials in the upstream URL are the upstream's own: sent as its Basic auth when
+        # the client sends no Authorization, never combined with the client's, never shown.
+        self.upstream_auth = None
+        if upstream.user is not None or upstream.password is not None:
+            pair = f"{upstream.user or ''}:{upstream.password or ''}".encode()
+            self.upstream_auth = "Basic " + base64.b64encode(pair).decode("ascii")
+        self.upstream = upstream.with_user(None)
+        self.upstream_shown = redact_url(settings.upstream)
         self.aliases = KeyAliases(settings.key_alias)
         self.timeout = aiohttp.ClientTimeout(total=settings.timeout)
         self.clock = clock
@@ -230,6 +238,8 @@ class Tap:
                               f"({self.settings.max_request_bytes} bytes)",
                               "request_too_large")
         headers = forward_headers(request.headers, REQUEST_DROP)
+        if self.upstream_auth is not None and "Authorization" not in headers:
+            headers["Authorization"] = self.upstream_auth
         if endpoint is None:
             return await self.forward(request, body, headers, None, started)
 
@@ -563,7 +573,7 @@ async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
             raise
         log.info("tap listening on %s://%s, forwarding to %s",
                  "https" if ssl_context else "http", settings.listen_address,
-                 URL(settings.upstream).with_user(None))
+                 redact_url(settings.upstream))
         await asyncio.Event().wait()
     finally:
         await app_runner.cleanup()
