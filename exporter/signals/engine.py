@@ -17,6 +17,12 @@ from exporter.redaction import redact_url
 from exporter.values import COUNTER_SIGNALS, CacheConfig, EngineSnapshot
 
 
+# Counter tracks kept per target: (model_name, engine, signal) triples ever seen. vLLM has
+# one engine label per data-parallel rank and one model_name per served model, so this is
+# far above any real engine; it bounds a target whose labels churn.
+MAX_TRACKS = 1024
+
+
 @dataclass
 class CounterTrack:
     last_raw: float
@@ -24,13 +30,18 @@ class CounterTrack:
     total: float
 
     def update(self, raw: float, created: float | None) -> bool:
-        """Fold a new raw reading in; return True when it shows a restart."""
+        """Fold a new raw reading in; return True when it shows a restart.
+
+        The total only ever grows: a drop, or a new ``_created`` time, is a restart whose
+        count is added on top. A read without a ``_created`` time keeps the last one known.
+        """
         restarted = raw < self.last_raw or (
             created is not None and self.last_created is not None
             and created != self.last_created)
         self.total += raw if restarted else raw - self.last_raw
         self.last_raw = raw
-        self.last_created = created
+        if created is not None:
+            self.last_created = created
         return restarted
 
 
@@ -127,7 +138,13 @@ class EngineState:
                 rows.append(EngineRow("", engine, {}, {}, config))
         if restarted:
             state.restarts += 1
-        for key in [k for k in state.tracks if k not in seen]:
-            del state.tracks[key]
+        # A counter missing from one read (NaN, absent, a partial exposition) keeps its track:
+        # forgetting it would restart its total from the next raw value, and Prometheus would
+        # see the exported counter go back. Tracks of rows gone for good are let go only past
+        # the bound, least recently seen first.
+        for key in seen:
+            state.tracks[key] = state.tracks.pop(key)  # most recently seen last
+        while len(state.tracks) > MAX_TRACKS:
+            del state.tracks[next(iter(state.tracks))]
         state.rows = rows
 
