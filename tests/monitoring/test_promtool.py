@@ -25,6 +25,9 @@ from tests.monitoring.common import (
     RULES_FILE,
     require_tool,
 )
+from tests.monitoring.workloads import SCENARIOS
+
+DAY_LONG_SCENARIOS = {name for name, build in SCENARIOS.items() if build()[1] >= 24 * 60}
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -49,8 +52,11 @@ def test_committed_rules_pass_promtool_tests() -> None:
 
 
 def test_freshly_generated_rules_pass_promtool(tmp_path: Path) -> None:
+    """Byte-identical rule files are the inputs the committed-file test already ran, so then
+    the day-long scenarios are not run a second time; any difference runs them all."""
     promtool = require_tool("promtool")
-    for relative, content in prometheus_files(MonitoringConfig()).items():
+    files = prometheus_files(MonitoringConfig())
+    for relative, content in files.items():
         path = tmp_path / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content, encoding="utf-8")
@@ -59,7 +65,11 @@ def test_freshly_generated_rules_pass_promtool(tmp_path: Path) -> None:
     check = run(promtool, "check", "rules", str(generated / RULES_FILE.name),
                 str(generated / ALERTS_FILE.name))
     assert check.returncode == 0, check.stdout + check.stderr
-    tests = sorted(str(p) for p in (generated / "tests").glob("*.yaml"))
+    unchanged = all(files[relative] == (ROOT / relative).read_text(encoding="utf-8")
+                    for relative in (RULES_PATH, ALERTS_PATH))
+    tests = sorted(str(path) for path in (generated / "tests").glob("*.yaml")
+                   if not (unchanged and path.name in DAY_LONG_SCENARIOS))
+    assert tests
     result = run(promtool, "test", "rules", *tests, cwd=generated)
     assert result.returncode == 0, result.stdout + result.stderr
 
