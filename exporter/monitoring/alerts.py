@@ -104,12 +104,12 @@ and {names.caller_prompt[short]}{selector} > {caller_floor}
 and {names.caller_prompt[short]}{selector} offset {config.short_window} > {caller_floor}"""
         engine_baseline = self.query_value(
             names.target_hit_ratio[baseline], TARGET, "humanizePercentage")
-        engine_now_long = self.query_value(
+        engine_long_ratio = self.query_value(
             names.target_hit_ratio[long], TARGET, "humanizePercentage")
         engine_traffic = self.query_value(names.target_queries[short], TARGET, "humanize")
         caller_baseline = self.query_value(
             names.caller_hit_ratio[baseline], CALLER, "humanizePercentage")
-        caller_now_long = self.query_value(
+        caller_long_ratio = self.query_value(
             names.caller_hit_ratio[long], CALLER, "humanizePercentage")
         caller_traffic = self.query_value(names.caller_prompt[short], CALLER, "humanize")
         return [
@@ -120,12 +120,12 @@ and {names.caller_prompt[short]}{selector} offset {config.short_window} > {calle
                 "continues.",
                 f"""vLLM {{{{ $labels.target }}}} ({{{{ $labels.model_name }}}}) served
                 {{{{ $value | humanizePercentage }}}} of looked-up prompt tokens from its prefix
-                cache over the last {config.short_window} ({engine_now_long} over the last
+                cache over the last {config.short_window} ({engine_long_ratio} over the last
                 {config.long_window}), against its baseline of {engine_baseline} (over the last
                 {config.baseline_window}), while still looking up {engine_traffic} prompt
                 tokens/s.""",
                 self.dashboard_link(config.overview_uid, TARGET), {"scope": "engine"},
-                config.collapse_keep_firing_for),
+                keep_firing_for=config.collapse_keep_firing_for),
             self.alert(
                 "VllmCachePrefixCollapse", caller_expr, config.collapse_for,
                 config.collapse_severity,
@@ -133,12 +133,12 @@ and {names.caller_prompt[short]}{selector} offset {config.short_window} > {calle
                 "continues.",
                 f"""Caller {{{{ $labels.caller }}}} on {{{{ $labels.model }}}} got
                 {{{{ $value | humanizePercentage }}}} of its prompt tokens from the prefix cache
-                over the last {config.short_window} ({caller_now_long} over the last
+                over the last {config.short_window} ({caller_long_ratio} over the last
                 {config.long_window}), against its baseline of {caller_baseline} (over the last
                 {config.baseline_window}), while still sending {caller_traffic} prompt
                 tokens/s.""",
                 self.dashboard_link(config.caller_uid, CALLER), {"scope": "caller"},
-                config.collapse_keep_firing_for),
+                keep_firing_for=config.collapse_keep_firing_for),
         ]
 
     def warm_ttft_collapse(self) -> dict[str, Any]:
