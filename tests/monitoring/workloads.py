@@ -13,7 +13,6 @@ and these builders ever disagree, so the comments in the YAML describe the data 
 
 from __future__ import annotations
 
-import itertools
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -96,69 +95,76 @@ def decode(text: str) -> list[int | None]:
 # --- turns -> counters ----------------------------------------------------------------------
 
 
-def _cumulative(increments: dict[int, int], first_minute: int, minutes: int) -> list[int | None]:
-    """A counter that appears at 0 the minute before its first increment."""
-    samples: list[int | None] = []
-    total = 0
-    for minute in range(minutes + 1):
-        if minute < first_minute:
-            samples.append(None)
-            continue
-        total += increments.get(minute, 0)
-        samples.append(total)
-    return samples
+class _Counters:
+    """Per-minute increments of each series, and the minute each series appears (at 0: the
+    exporter serves a new series from zero before its first increment)."""
+
+    def __init__(self) -> None:
+        self.increments: dict[str, dict[int, int]] = {}
+        self.appears: dict[str, int] = {}
+
+    def add(self, series: str, minute: int, amount: int, appears: int) -> None:
+        per_minute = self.increments.setdefault(series, {})
+        per_minute[minute] = per_minute.get(minute, 0) + amount
+        self.appears[series] = min(self.appears.get(series, appears), appears)
+
+    def samples(self, series: str, minutes: int) -> list[int | None]:
+        samples: list[int | None] = []
+        total = 0
+        for minute in range(minutes + 1):
+            if minute < self.appears[series]:
+                samples.append(None)
+                continue
+            total += self.increments[series].get(minute, 0)
+            samples.append(total)
+        return samples
 
 
-def _le(bound: float) -> str:
-    return f"{bound:g}"
+def _count_caller(counters: _Counters, caller: str, turns: list[Turn]) -> None:
+    """Prompt and cached tokens, requests by state, and the TTFT histogram of the states
+    that classify the cache (not ``short``), every state the caller ever uses from its start."""
+    appears = turns[0].minute - STEP_MINUTES
+    labels = f'{JOB}, caller="{caller}", model="{MODEL}"'
+    states = sorted({turn.state for turn in turns})
+    bounds = [(f"{bound:g}", bound) for bound in TTFT_BOUNDS] + [("+Inf", float("inf"))]
+    for turn in turns:
+        counters.add(f"vllm_cache_prompt_tokens_total{{{labels}}}", turn.minute,
+                     turn.prompt_tokens, appears)
+        counters.add(f"vllm_cache_cached_tokens_total{{{labels}}}", turn.minute,
+                     turn.cached_tokens, appears)
+        for state in states:
+            this_state = turn.state == state
+            counters.add(f'vllm_cache_requests_total{{{labels}, state="{state}"}}',
+                         turn.minute, int(this_state), appears)
+            if state not in CLASSIFIED:
+                continue
+            for le, bound in bounds:
+                counters.add(f'vllm_cache_ttft_seconds_bucket{{{labels}, state="{state}", '
+                             f'le="{le}"}}', turn.minute,
+                             int(this_state and turn.ttft_seconds <= bound), appears)
+
+
+def _count_engine(counters: _Counters, turns: list[Turn]) -> None:
+    """vLLM's prefix-cache counters: every caller's turns on the one engine."""
+    labels = f'{JOB}, {TARGET}, model_name="{MODEL}", engine="0"'
+    appears = turns[0].minute - STEP_MINUTES
+    for turn in turns:
+        counters.add(f"vllm_cache_engine_prefix_cache_queries_tokens_total{{{labels}}}",
+                     turn.minute, turn.prompt_tokens, appears)
+        counters.add(f"vllm_cache_engine_prefix_cache_hits_tokens_total{{{labels}}}",
+                     turn.minute, turn.cached_tokens, appears)
 
 
 def counters(turns: Iterable[Turn], minutes: int) -> dict[str, str]:
-    """``{series: values}`` for every counter the exporter would serve, minute 0..minutes."""
-    turns = sorted(turns, key=lambda turn: (turn.minute, turn.caller))
-    increments: dict[str, dict[int, int]] = {}
-    first_seen: dict[str, int] = {}
-
-    def add(series: str, minute: int, amount: int, appears: int) -> None:
-        per_minute = increments.setdefault(series, {})
-        per_minute[minute] = per_minute.get(minute, 0) + amount
-        first_seen[series] = min(first_seen.get(series, appears), appears)
-
-    engine = f'{JOB}, {TARGET}, model_name="{MODEL}", engine="0"'
-    for caller, caller_turns in itertools.groupby(
-            sorted(turns, key=lambda turn: turn.caller), key=lambda turn: turn.caller):
-        caller_turns = list(caller_turns)
-        appears = caller_turns[0].minute - STEP_MINUTES
-        labels = f'{JOB}, caller="{caller}", model="{MODEL}"'
-        states = sorted({turn.state for turn in caller_turns})
-        for turn in caller_turns:
-            add(f"vllm_cache_prompt_tokens_total{{{labels}}}", turn.minute,
-                turn.prompt_tokens, appears)
-            add(f"vllm_cache_cached_tokens_total{{{labels}}}", turn.minute,
-                turn.cached_tokens, appears)
-            for state in states:
-                add(f'vllm_cache_requests_total{{{labels}, state="{state}"}}', turn.minute,
-                    int(turn.state == state), appears)
-                if state not in CLASSIFIED:
-                    continue
-                for bound in (*TTFT_BOUNDS, float("inf")):
-                    le = "+Inf" if bound == float("inf") else _le(bound)
-                    within = turn.state == state and turn.ttft_seconds <= bound
-                    add(f'vllm_cache_ttft_seconds_bucket{{{labels}, state="{state}", '
-                        f'le="{le}"}}', turn.minute, int(within), appears)
-    first_turn = turns[0].minute - STEP_MINUTES
-    for turn in turns:
-        add(f"vllm_cache_engine_prefix_cache_queries_tokens_total{{{engine}}}", turn.minute,
-            turn.prompt_tokens, first_turn)
-        add(f"vllm_cache_engine_prefix_cache_hits_tokens_total{{{engine}}}", turn.minute,
-            turn.cached_tokens, first_turn)
-    return {series: encode(_cumulative(increments[series], first_seen[series], minutes))
-            for series in sorted(increments, key=_series_order)}
-
-
-def _series_order(series: str) -> tuple[int, str]:
-    """Engine counters first, then each caller's, in a stable and readable order."""
-    return (0 if "_engine_" in series else 1, series)
+    """``{series: values}`` for every counter the exporter would serve, minute 0..minutes;
+    vLLM's first, then each caller's, in a stable order."""
+    ordered = sorted(turns, key=lambda turn: (turn.minute, turn.caller))
+    counted = _Counters()
+    _count_engine(counted, ordered)
+    callers = sorted({turn.caller for turn in ordered})
+    for caller in callers:
+        _count_caller(counted, caller, [turn for turn in ordered if turn.caller == caller])
+    return {series: encode(counted.samples(series, minutes)) for series in counted.increments}
 
 
 # --- the scenarios --------------------------------------------------------------------------
