@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from exporter.monitoring.config import MonitoringConfig
+from exporter.monitoring.config import MonitoringConfig, duration_seconds
 from exporter.monitoring.promql import PromQL, number
 from exporter.monitoring.rules import CALLER, TARGET, Names
 
@@ -39,13 +39,13 @@ def runbook_anchor(alertname: str) -> str:
 class _Alerts:
     def __init__(self, config: MonitoringConfig) -> None:
         self.config = config
-        self.q = PromQL(config)
-        self.n = Names(config)
+        self.promql = PromQL(config)
+        self.names = Names(config)
 
     # --- annotation helpers -------------------------------------------------------------------
     def query_value(self, metric: str, level: tuple[str, ...], fmt: str) -> str:
         """Template text that looks up one recorded series with the alert's own labels."""
-        labels = self.q.labels(*level)
+        labels = self.promql.labels(*level)
         matchers = ",".join(f"{label}=%q" for label in labels)
         args = " ".join(f"$labels.{label}" for label in labels)
         return (f'{{{{ with printf "{metric}{{{matchers}}}" {args} | query }}}}'
@@ -54,181 +54,204 @@ class _Alerts:
     def dashboard_link(self, uid: str, labels: tuple[str, ...]) -> str:
         params = []
         for label in dict.fromkeys((*self.config.group_labels, *labels)):
-            var = _DASHBOARD_VARS.get(label)
-            if var is not None:
-                params.append(f"var-{var}={{{{ $labels.{label} | urlquery }}}}")
+            variable = _DASHBOARD_VARS.get(label)
+            if variable is not None:
+                params.append(f"var-{variable}={{{{ $labels.{label} | urlquery }}}}")
         query = "?" + "&".join(params) if params else ""
         return f"{self.config.dashboard_url.rstrip('/')}/d/{uid}{query}"
 
     def alert(self, name: str, expr: str, duration: str, severity: str, summary: str,
               description: str, dashboard: str,
-              extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+              extra_labels: dict[str, str] | None = None,
+              keep_firing_for: str = "0s") -> dict[str, Any]:
         labels = {"severity": severity, **(extra_labels or {})}
-        return {
-            "alert": name,
-            "expr": expr.strip(),
-            "for": duration,
-            "labels": labels,
-            "annotations": {
-                "summary": summary,
-                "description": " ".join(description.split()),
-                "runbook_url": f"{self.config.runbook_url}#{runbook_anchor(name)}",
-                "dashboard_url": dashboard,
-            },
+        rule: dict[str, Any] = {"alert": name, "expr": expr.strip(), "for": duration}
+        if duration_seconds(keep_firing_for) > 0:
+            rule["keep_firing_for"] = keep_firing_for
+        rule["labels"] = labels
+        rule["annotations"] = {
+            "summary": summary,
+            "description": " ".join(description.split()),
+            "runbook_url": f"{self.config.runbook_url}#{runbook_anchor(name)}",
+            "dashboard_url": dashboard,
         }
+        return rule
 
     # --- the alerts ---------------------------------------------------------------------------
     def prefix_collapse(self) -> list[dict[str, Any]]:
-        c, q, n = self.config, self.q, self.n
-        s, lw = n.short, n.long
-        factor, baseline = number(c.collapse_drop_factor), number(c.collapse_min_baseline)
-        engine_floor = number(c.collapse_engine_min_tokens_per_second)
-        caller_floor = number(c.collapse_caller_min_tokens_per_second)
-        # Traffic above the floor now AND one window earlier: a collapse happens while
+        config, promql, names = self.config, self.promql, self.names
+        short, long, baseline = names.short, names.long, names.baseline
+        factor = number(config.collapse_drop_factor)
+        min_baseline = number(config.collapse_min_baseline)
+        engine_floor = number(config.collapse_engine_min_tokens_per_second)
+        caller_floor = number(config.collapse_caller_min_tokens_per_second)
+        selector = promql.sel()
+        # The short-window ratio against the baseline the cache holds when it works (not
+        # against the long-window ratio, which a collapse drags down with it within the
+        # hour). Traffic above the floor now AND one window earlier: a collapse happens while
         # traffic continues, so one cold turn after a quiet spell can never page.
         engine_expr = f"""
-{n.target_hit_ratio[s]}{q.sel()}
-  < {factor} * {n.target_hit_ratio[lw]}{q.sel()}
-and {n.target_hit_ratio[lw]}{q.sel()} > {baseline}
-and {n.target_queries[s]}{q.sel()} > {engine_floor}
-and {n.target_queries[s]}{q.sel()} offset {c.short_window} > {engine_floor}"""
+{names.target_hit_ratio[short]}{selector}
+  < {factor} * {names.target_hit_ratio[baseline]}{selector}
+and {names.target_hit_ratio[baseline]}{selector} > {min_baseline}
+and {names.target_queries[short]}{selector} > {engine_floor}
+and {names.target_queries[short]}{selector} offset {config.short_window} > {engine_floor}"""
         caller_expr = f"""
-{n.caller_hit_ratio[s]}{q.sel()}
-  < {factor} * {n.caller_hit_ratio[lw]}{q.sel()}
-and {n.caller_hit_ratio[lw]}{q.sel()} > {baseline}
-and {n.caller_prompt[s]}{q.sel()} > {caller_floor}
-and {n.caller_prompt[s]}{q.sel()} offset {c.short_window} > {caller_floor}"""
-        engine_baseline = self.query_value(n.target_hit_ratio[lw], TARGET, "humanizePercentage")
-        engine_traffic = self.query_value(n.target_queries[s], TARGET, "humanize")
-        caller_baseline = self.query_value(n.caller_hit_ratio[lw], CALLER, "humanizePercentage")
-        caller_traffic = self.query_value(n.caller_prompt[s], CALLER, "humanize")
+{names.caller_hit_ratio[short]}{selector}
+  < {factor} * {names.caller_hit_ratio[baseline]}{selector}
+and {names.caller_hit_ratio[baseline]}{selector} > {min_baseline}
+and {names.caller_prompt[short]}{selector} > {caller_floor}
+and {names.caller_prompt[short]}{selector} offset {config.short_window} > {caller_floor}"""
+        engine_baseline = self.query_value(
+            names.target_hit_ratio[baseline], TARGET, "humanizePercentage")
+        engine_long_ratio = self.query_value(
+            names.target_hit_ratio[long], TARGET, "humanizePercentage")
+        engine_traffic = self.query_value(names.target_queries[short], TARGET, "humanize")
+        caller_baseline = self.query_value(
+            names.caller_hit_ratio[baseline], CALLER, "humanizePercentage")
+        caller_long_ratio = self.query_value(
+            names.caller_hit_ratio[long], CALLER, "humanizePercentage")
+        caller_traffic = self.query_value(names.caller_prompt[short], CALLER, "humanize")
         return [
             self.alert(
-                "VllmCachePrefixCollapse", engine_expr, c.collapse_for, c.collapse_severity,
+                "VllmCachePrefixCollapse", engine_expr, config.collapse_for,
+                config.collapse_severity,
                 "The prefix-cache hit ratio of a vLLM engine collapsed while prompt traffic "
                 "continues.",
                 f"""vLLM {{{{ $labels.target }}}} ({{{{ $labels.model_name }}}}) served
                 {{{{ $value | humanizePercentage }}}} of looked-up prompt tokens from its prefix
-                cache over the last {c.short_window}, against {engine_baseline} over the last
-                {c.long_window}, while still looking up {engine_traffic} prompt tokens/s.""",
-                self.dashboard_link(c.overview_uid, TARGET), {"scope": "engine"}),
+                cache over the last {config.short_window} ({engine_long_ratio} over the last
+                {config.long_window}), against its baseline of {engine_baseline} (over the last
+                {config.baseline_window}), while still looking up {engine_traffic} prompt
+                tokens/s.""",
+                self.dashboard_link(config.overview_uid, TARGET), {"scope": "engine"},
+                keep_firing_for=config.collapse_keep_firing_for),
             self.alert(
-                "VllmCachePrefixCollapse", caller_expr, c.collapse_for, c.collapse_severity,
+                "VllmCachePrefixCollapse", caller_expr, config.collapse_for,
+                config.collapse_severity,
                 "The prefix-cache hit ratio of a caller collapsed while its prompt traffic "
                 "continues.",
                 f"""Caller {{{{ $labels.caller }}}} on {{{{ $labels.model }}}} got
                 {{{{ $value | humanizePercentage }}}} of its prompt tokens from the prefix cache
-                over the last {c.short_window}, against {caller_baseline} over the last
-                {c.long_window}, while still sending {caller_traffic} prompt tokens/s.""",
-                self.dashboard_link(c.caller_uid, CALLER), {"scope": "caller"}),
+                over the last {config.short_window} ({caller_long_ratio} over the last
+                {config.long_window}), against its baseline of {caller_baseline} (over the last
+                {config.baseline_window}), while still sending {caller_traffic} prompt
+                tokens/s.""",
+                self.dashboard_link(config.caller_uid, CALLER), {"scope": "caller"},
+                keep_firing_for=config.collapse_keep_firing_for),
         ]
 
     def warm_ttft_collapse(self) -> dict[str, Any]:
-        c, q, n = self.config, self.q, self.n
+        config, promql, names = self.config, self.promql, self.names
+        warm_share = names.caller_warm_share[names.baseline]
         expr = f"""
-{n.caller_ttft['p50']}{q.sel()} > {number(c.warm_ttft_seconds)}
-and {n.caller_warm_share[n.long]}{q.sel()} > {number(c.warm_ttft_min_warm_share)}
-and sum {q.by(*CALLER)} ({n.caller_state_requests}{q.sel(q.states_matcher())})
-  > {number(c.warm_ttft_min_requests_per_second)}"""
-        share = self.query_value(n.caller_warm_share[n.long], CALLER, "humanizePercentage")
+{names.caller_ttft['p50']}{promql.sel()} > {number(config.warm_ttft_seconds)}
+and {warm_share}{promql.sel()} > {number(config.warm_ttft_min_warm_share)}
+and sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(promql.states_matcher())})
+  > {number(config.warm_ttft_min_requests_per_second)}"""
+        share = self.query_value(warm_share, CALLER, "humanizePercentage")
         return self.alert(
-            "VllmCacheWarmTTFTCollapse", expr, c.warm_ttft_for, c.warm_ttft_severity,
+            "VllmCacheWarmTTFTCollapse", expr, config.warm_ttft_for, config.warm_ttft_severity,
             "Turns that should be warm take a minute or more to their first token.",
             f"""Caller {{{{ $labels.caller }}}} on {{{{ $labels.model }}}}: the median
-            engine-side time to first token of its turns over the last {c.short_window} is
-            {{{{ $value | humanizeDuration }}}}, although {share} of its turns were warm over
-            the last {c.long_window}. Seconds means the cache held; a minute means it was
-            evicted or the engine is shared too widely.""",
-            self.dashboard_link(c.caller_uid, CALLER))
+            engine-side time to first token of its turns over the last {config.short_window}
+            is {{{{ $value | humanizeDuration }}}}, although its baseline warm share is {share}
+            (over the last {config.baseline_window}). Seconds means the cache held; a minute
+            means it was evicted or the engine is shared too widely.""",
+            self.dashboard_link(config.caller_uid, CALLER),
+            keep_firing_for=config.warm_ttft_keep_firing_for)
 
     def prefix_caching_disabled(self) -> dict[str, Any]:
-        c, q = self.config, self.q
-        expr = f"max {q.by(*TARGET)} (vllm_cache_engine_prefix_caching_enabled{q.sel()}) == 0"
+        config, promql = self.config, self.promql
+        expr = (f"max {promql.by(*TARGET)} "
+                f"(vllm_cache_engine_prefix_caching_enabled{promql.sel()}) == 0")
         return self.alert(
-            "VllmCachePrefixCachingDisabled", expr, c.prefix_caching_disabled_for,
-            c.prefix_caching_disabled_severity,
+            "VllmCachePrefixCachingDisabled", expr, config.prefix_caching_disabled_for,
+            config.prefix_caching_disabled_severity,
             "vLLM runs with prefix caching off.",
             """vLLM {{ $labels.target }} serves {{ $labels.model_name }} with
             enable_prefix_caching=False, so every turn re-reads its whole prompt. Hybrid
             models often default to off; start vLLM with --enable-prefix-caching.""",
-            self.dashboard_link(c.overview_uid, TARGET))
+            self.dashboard_link(config.overview_uid, TARGET))
 
     def cached_tokens_not_reported(self) -> dict[str, Any]:
-        c, q, n = self.config, self.q, self.n
+        config, promql, names = self.config, self.promql, self.names
         expr = f"""
-{n.caller_unreported[n.long]}{q.sel()} > 0
+{names.caller_unreported[names.long]}{promql.sel()} > 0
 unless
-{n.caller_prompt[n.long]}{q.sel()} > 0"""
+{names.caller_prompt[names.long]}{promql.sel()} > 0"""
         return self.alert(
-            "VllmCacheCachedTokensNotReported", expr, c.not_reported_for,
-            c.not_reported_severity,
+            "VllmCacheCachedTokensNotReported", expr, config.not_reported_for,
+            config.not_reported_severity,
             "vLLM does not report cached tokens per request, so this caller's hit ratio is "
             "unknown.",
             f"""Caller {{{{ $labels.caller }}}} on {{{{ $labels.model }}}} sent
-            {{{{ $value | humanize }}}} prompt tokens/s over the last {c.long_window} without
+            {{{{ $value | humanize }}}} prompt tokens/s over the last {config.long_window} without
             prompt_tokens_details.cached_tokens in the usage, and none with it. Start vLLM
             with --enable-prompt-tokens-details (streaming clients also need
             stream_options.include_usage).""",
-            self.dashboard_link(c.caller_uid, CALLER))
+            self.dashboard_link(config.caller_uid, CALLER))
 
     def preemptions(self) -> dict[str, Any]:
-        c, q, n = self.config, self.q, self.n
-        expr = f"{n.target_preemptions}{q.sel()} * 60 > {number(c.preemptions_per_minute)}"
+        config, promql, names = self.config, self.promql, self.names
+        expr = (f"{names.target_preemptions}{promql.sel()} * 60 > "
+                f"{number(config.preemptions_per_minute)}")
         return self.alert(
-            "VllmCachePreemptions", expr, c.preemptions_for, c.preemptions_severity,
+            "VllmCachePreemptions", expr, config.preemptions_for, config.preemptions_severity,
             "vLLM keeps preempting requests because the running ones do not fit its KV pool.",
             f"""vLLM {{{{ $labels.target }}}} ({{{{ $labels.model_name }}}}) preempted
-            {{{{ $value | humanize }}}} requests per minute over the last {c.short_window}; a
-            preempted request loses its KV blocks and is recomputed later.""",
-            self.dashboard_link(c.overview_uid, TARGET))
+            {{{{ $value | humanize }}}} requests per minute over the last {config.short_window};
+            a preempted request loses its KV blocks and is recomputed later.""",
+            self.dashboard_link(config.overview_uid, TARGET))
 
     def kv_pool_near_full(self) -> dict[str, Any]:
-        c, q, n = self.config, self.q, self.n
-        expr = f"{n.target_kv_used_ratio}{q.sel()} > {number(c.kv_pool_full_ratio)}"
-        pool = self.query_value(n.target_kv_pool_tokens, TARGET, "humanize")
+        config, promql, names = self.config, self.promql, self.names
+        expr = f"{names.target_kv_used_ratio}{promql.sel()} > {number(config.kv_pool_full_ratio)}"
+        pool = self.query_value(names.target_kv_pool_tokens, TARGET, "humanize")
         return self.alert(
-            "VllmCacheKVPoolNearFull", expr, c.kv_pool_full_for, c.kv_pool_full_severity,
+            "VllmCacheKVPoolNearFull", expr, config.kv_pool_full_for,
+            config.kv_pool_full_severity,
             "The KV-cache pool of a vLLM engine is nearly full.",
             f"""vLLM {{{{ $labels.target }}}} ({{{{ $labels.model_name }}}}) has
             {{{{ $value | humanizePercentage }}}} of its {pool}-token KV pool in use: the
             conversations it runs at once barely fit, and the next one will evict or preempt
             another.""",
-            self.dashboard_link(c.overview_uid, TARGET))
+            self.dashboard_link(config.overview_uid, TARGET))
 
     def engine_down(self) -> dict[str, Any]:
-        c, q = self.config, self.q
+        config, promql = self.config, self.promql
         return self.alert(
-            "VllmCacheEngineDown", f"vllm_cache_engine_up{q.sel()} == 0",
-            c.engine_down_for, c.engine_down_severity,
+            "VllmCacheEngineDown", f"vllm_cache_engine_up{promql.sel()} == 0",
+            config.engine_down_for, config.engine_down_severity,
             "The exporter cannot read a vLLM engine's metrics.",
             f"""Exporter {{{{ $labels.instance }}}} has failed to read
-            {{{{ $labels.target }}}} for {c.engine_down_for}: vLLM is down, restarting, or
+            {{{{ $labels.target }}}} for {config.engine_down_for}: vLLM is down, restarting, or
             unreachable from the exporter. Its cache signals are absent meanwhile.""",
-            self.dashboard_link(c.overview_uid, ("target",)))
+            self.dashboard_link(config.overview_uid, ("target",)))
 
     def exporter_down(self) -> dict[str, Any]:
-        c, q = self.config, self.q
+        config, promql = self.config, self.promql
         return self.alert(
-            "VllmCacheExporterDown", f"up{q.sel()} == 0", c.exporter_down_for,
-            c.exporter_down_severity,
+            "VllmCacheExporterDown", f"up{promql.sel()} == 0", config.exporter_down_for,
+            config.exporter_down_severity,
             "Prometheus cannot scrape vllm-cache-exporter, so no cache alert can fire.",
             f"""Prometheus has failed to scrape {{{{ $labels.instance }}}} (job
-            {{{{ $labels.job }}}}) for {c.exporter_down_for}; every prefix-cache alert is
+            {{{{ $labels.job }}}}) for {config.exporter_down_for}; every prefix-cache alert is
             blind until it is back.""",
-            self.dashboard_link(c.overview_uid, ()))
+            self.dashboard_link(config.overview_uid, ()))
 
     def engine_metric_absent(self) -> dict[str, Any]:
-        c, q = self.config, self.q
-        signals = 'signal=~"' + "|".join(c.required_signals) + '"'
+        config, promql = self.config, self.promql
+        signals = 'signal=~"' + "|".join(config.required_signals) + '"'
         return self.alert(
             "VllmCacheEngineMetricAbsent",
-            f"vllm_cache_engine_metric_present{q.sel(signals)} == 0",
-            c.metric_absent_for, c.metric_absent_severity,
+            f"vllm_cache_engine_metric_present{promql.sel(signals)} == 0",
+            config.metric_absent_for, config.metric_absent_severity,
             "vLLM no longer exposes a metric the cache rules depend on.",
             """vLLM {{ $labels.target }} exposes no metric for the {{ $labels.signal }}
             signal under any name the exporter knows: a vLLM upgrade renamed or dropped it.
             Panels and alerts built on it show nothing, not a reassuring 0.""",
-            self.dashboard_link(c.overview_uid, ("target",)))
+            self.dashboard_link(config.overview_uid, ("target",)))
 
 
 def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:

@@ -48,6 +48,10 @@ class MonitoringConfig:
     extra_group_labels: tuple[str, ...] = ()
     short_window: str = "5m"
     long_window: str = "1h"
+    # How far back the collapse alerts' baseline remembers what the cache does when it works.
+    # A collapse becomes the new normal only after lasting most of this; a day covers a
+    # workload's daily rhythm. Longer costs Prometheus more samples read per evaluation.
+    baseline_window: str = "1d"
     # Evaluation interval of the generated groups; empty: Prometheus' global one.
     rule_interval: str = ""
     # --- links ------------------------------------------------------------------------------
@@ -62,12 +66,17 @@ class MonitoringConfig:
     collapse_engine_min_tokens_per_second: float = 100.0  # traffic floor, per vLLM target
     collapse_caller_min_tokens_per_second: float = 100.0  # traffic floor, per caller
     collapse_for: str = "5m"
+    # Once firing, keep firing while the condition is briefly false (a gap in a slow caller's
+    # traffic, one lucky warm turn): a page resolves when the cache recovers, not in a gap.
+    # Resolution comes this much after recovery; "0s" turns it off.
+    collapse_keep_firing_for: str = "10m"
     collapse_severity: str = "critical"
     # --- VllmCacheWarmTTFTCollapse ----------------------------------------------------------
     warm_ttft_seconds: float = 60.0  # median TTFT of turns that should be warm, above this
-    warm_ttft_min_warm_share: float = 0.5  # "should be warm": long-window warm share above this
+    warm_ttft_min_warm_share: float = 0.5  # "should be warm": baseline warm share above this
     warm_ttft_min_requests_per_second: float = 0.005  # ~2 turns per 5m before a median counts
     warm_ttft_for: str = "5m"
+    warm_ttft_keep_firing_for: str = "10m"
     warm_ttft_severity: str = "warning"
     # --- VllmCachePrefixCachingDisabled -----------------------------------------------------
     prefix_caching_disabled_for: str = "5m"
@@ -118,6 +127,10 @@ class MonitoringConfig:
     @property
     def long_seconds(self) -> float:
         return duration_seconds(self.long_window)
+
+    @property
+    def baseline_seconds(self) -> float:
+        return duration_seconds(self.baseline_window)
 
 
 def parse_selector(selector: str) -> list[tuple[str, str, str]]:
@@ -175,6 +188,8 @@ def _validate(config: MonitoringConfig) -> None:
             fail(item.name, f"must not be negative, got {value}")
     if config.short_seconds >= config.long_seconds:
         fail("short_window", f"must be shorter than long_window ({config.long_window})")
+    if config.long_seconds >= config.baseline_seconds:
+        fail("long_window", f"must be shorter than baseline_window ({config.baseline_window})")
     for name in ("collapse_drop_factor", "collapse_min_baseline", "warm_ttft_min_warm_share",
                  "kv_pool_full_ratio"):
         if not 0 < getattr(config, name) <= 1:

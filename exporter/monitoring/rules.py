@@ -28,142 +28,194 @@ MODEL = ("model_name",)
 CALLER_MODEL = ("model",)
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95))
+# The collapse alerts' baseline: this quantile, over ``baseline_window``, of the long-window
+# ratio. High enough that the baseline is what the cache does when it works, low enough that
+# one unusually good hour does not raise the bar.
+BASELINE_QUANTILE = ("p90", 0.9)
 
 
 class Names:
     """The recorded series' names for one configuration (windows are part of the names)."""
 
     def __init__(self, config: MonitoringConfig) -> None:
-        s = PromQL.window_suffix(config.short_window)
-        lw = PromQL.window_suffix(config.long_window)
-        self.short, self.long = s, lw
+        short = PromQL.window_suffix(config.short_window)
+        long = PromQL.window_suffix(config.long_window)
+        both = (short, long)
+        # "p90_1d_rate1h": newest operation first, as Prometheus names recorded series.
+        baseline = f"{BASELINE_QUANTILE[0]}_{config.baseline_window}_{long}"
+        self.short, self.long, self.baseline = short, long, baseline
         # per caller
-        self.caller_prompt = {w: f"caller_model:vllm_cache_prompt_tokens:{w}" for w in (s, lw)}
-        self.caller_cached = {w: f"caller_model:vllm_cache_cached_tokens:{w}" for w in (s, lw)}
-        self.caller_hit_ratio = {w: f"caller_model:vllm_cache_hit_ratio:{w}" for w in (s, lw)}
+        self.caller_prompt = {
+            window: f"caller_model:vllm_cache_prompt_tokens:{window}" for window in both}
+        self.caller_cached = {
+            window: f"caller_model:vllm_cache_cached_tokens:{window}" for window in both}
+        self.caller_hit_ratio = {
+            window: f"caller_model:vllm_cache_hit_ratio:{window}" for window in (*both, baseline)}
         self.caller_unreported = {
-            w: f"caller_model:vllm_cache_unreported_prompt_tokens:{w}" for w in (s, lw)}
-        self.caller_state_requests = f"caller_model_state:vllm_cache_requests:{s}"
+            window: f"caller_model:vllm_cache_unreported_prompt_tokens:{window}"
+            for window in both}
+        self.caller_state_requests = f"caller_model_state:vllm_cache_requests:{short}"
         self.caller_warm_share = {
-            w: f"caller_model:vllm_cache_warm_request_share:{w}" for w in (s, lw)}
-        self.caller_state_ttft_bucket = f"caller_model_state:vllm_cache_ttft_seconds_bucket:{s}"
+            window: f"caller_model:vllm_cache_warm_request_share:{window}"
+            for window in (*both, baseline)}
+        self.caller_state_ttft_bucket = (
+            f"caller_model_state:vllm_cache_ttft_seconds_bucket:{short}")
         self.caller_state_ttft = {
-            q: f"caller_model_state:vllm_cache_ttft_seconds:{q}_{s}" for q, _ in QUANTILES}
+            quantile: f"caller_model_state:vllm_cache_ttft_seconds:{quantile}_{short}"
+            for quantile, _ in QUANTILES}
         # all classified turns of a caller: "turns that should be warm" when its baseline is
         self.caller_ttft = {
-            q: f"caller_model:vllm_cache_ttft_seconds:{q}_{s}" for q, _ in QUANTILES}
+            quantile: f"caller_model:vllm_cache_ttft_seconds:{quantile}_{short}"
+            for quantile, _ in QUANTILES}
         self.model_state_ttft = {
-            q: f"model_state:vllm_cache_ttft_seconds:{q}_{s}" for q, _ in QUANTILES}
+            quantile: f"model_state:vllm_cache_ttft_seconds:{quantile}_{short}"
+            for quantile, _ in QUANTILES}
         # per vLLM target (and fleet-wide per model)
         self.target_queries = {
-            w: f"target_model:vllm_cache_engine_prefix_cache_queries_tokens:{w}" for w in (s, lw)}
+            window: f"target_model:vllm_cache_engine_prefix_cache_queries_tokens:{window}"
+            for window in both}
         self.target_hits = {
-            w: f"target_model:vllm_cache_engine_prefix_cache_hits_tokens:{w}" for w in (s, lw)}
+            window: f"target_model:vllm_cache_engine_prefix_cache_hits_tokens:{window}"
+            for window in both}
         self.target_hit_ratio = {
-            w: f"target_model:vllm_cache_engine_hit_ratio:{w}" for w in (s, lw)}
-        self.model_hit_ratio = {w: f"model:vllm_cache_engine_hit_ratio:{w}" for w in (s, lw)}
+            window: f"target_model:vllm_cache_engine_hit_ratio:{window}"
+            for window in (*both, baseline)}
+        self.model_hit_ratio = {
+            window: f"model:vllm_cache_engine_hit_ratio:{window}" for window in both}
         self.target_kv_used_tokens = "target_model:vllm_cache_engine_kv_used_tokens:sum"
         self.target_kv_pool_tokens = "target_model:vllm_cache_engine_kv_pool_tokens:sum"
         self.target_kv_used_ratio = "target_model:vllm_cache_engine_kv_used:ratio"
         self.model_kv_used_ratio = "model:vllm_cache_engine_kv_used:ratio"
-        self.target_preemptions = f"target_model:vllm_cache_engine_preemptions:{s}"
-        self.model_preemptions = f"model:vllm_cache_engine_preemptions:{s}"
+        self.target_preemptions = f"target_model:vllm_cache_engine_preemptions:{short}"
+        self.model_preemptions = f"model:vllm_cache_engine_preemptions:{short}"
 
 
 def _rule(record: str, expr: str) -> dict[str, Any]:
     return {"record": record, "expr": expr.strip()}
 
 
-def _ratio(q: PromQL, numerator: str, denominator: str) -> str:
+def _ratio(promql: PromQL, numerator: str, denominator: str) -> str:
     """numerator / denominator of two recorded series with the same labels, 0/0 guarded."""
-    return (f"(\n  {numerator}{q.sel()}\n  or\n  {denominator}{q.sel()} * 0\n)\n/\n"
-            f"({denominator}{q.sel()} > 0)")
+    return (f"(\n  {numerator}{promql.sel()}\n  or\n  {denominator}{promql.sel()} * 0\n)\n/\n"
+            f"({denominator}{promql.sel()} > 0)")
 
 
-def _caller_rules(config: MonitoringConfig, q: PromQL, n: Names) -> list[dict[str, Any]]:
+def _baseline(config: MonitoringConfig, promql: PromQL, ratio: str) -> str:
+    """The ratio the cache holds when it works: a high quantile of the long-window ratio over
+    ``baseline_window``.
+
+    A collapse cannot become its own baseline until it has lasted most of that window (90%
+    of its samples), so a page lasts as long as the collapse does; the long-window ratio it
+    is taken from already smooths single cold turns, and hours without traffic have no ratio
+    and no say. A plain long-window ratio as baseline absorbs a collapse within the hour.
+    """
+    return (f"quantile_over_time({BASELINE_QUANTILE[1]}, "
+            f"{ratio}{promql.sel()}[{config.baseline_window}])")
+
+
+def _caller_rules(config: MonitoringConfig, promql: PromQL,
+                  names: Names) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
-    windows = ((n.short, config.short_window), (n.long, config.long_window))
+    windows = ((names.short, config.short_window), (names.long, config.long_window))
     for suffix, window in windows:
-        rules.append(_rule(n.caller_prompt[suffix],
-                           f"sum {q.by(*CALLER)} (rate(vllm_cache_prompt_tokens_total"
-                           f"{q.sel()}[{window}]))"))
-        rules.append(_rule(n.caller_cached[suffix],
-                           f"sum {q.by(*CALLER)} (rate(vllm_cache_cached_tokens_total"
-                           f"{q.sel()}[{window}]))"))
-        rules.append(_rule(n.caller_hit_ratio[suffix],
-                           _ratio(q, n.caller_cached[suffix], n.caller_prompt[suffix])))
-        rules.append(_rule(n.caller_unreported[suffix],
-                           f"sum {q.by(*CALLER)} (rate(vllm_cache_unreported_prompt_tokens_total"
-                           f"{q.sel()}[{window}]))"))
-    rules.append(_rule(n.caller_state_requests,
-                       f"sum {q.by(*CALLER_STATE)} (rate(vllm_cache_requests_total{q.sel()}"
-                       f"[{config.short_window}]))"))
-    classified = q.states_matcher()
+        rules.append(_rule(names.caller_prompt[suffix],
+                           f"sum {promql.by(*CALLER)} (rate(vllm_cache_prompt_tokens_total"
+                           f"{promql.sel()}[{window}]))"))
+        rules.append(_rule(names.caller_cached[suffix],
+                           f"sum {promql.by(*CALLER)} (rate(vllm_cache_cached_tokens_total"
+                           f"{promql.sel()}[{window}]))"))
+        rules.append(_rule(names.caller_hit_ratio[suffix],
+                           _ratio(promql, names.caller_cached[suffix],
+                                  names.caller_prompt[suffix])))
+        rules.append(_rule(names.caller_unreported[suffix],
+                           f"sum {promql.by(*CALLER)} ("
+                           f"rate(vllm_cache_unreported_prompt_tokens_total"
+                           f"{promql.sel()}[{window}]))"))
+    rules.append(_rule(names.caller_state_requests,
+                       f"sum {promql.by(*CALLER_STATE)} (rate(vllm_cache_requests_total"
+                       f"{promql.sel()}[{config.short_window}]))"))
+    classified = promql.states_matcher()
     warm_only = 'state="warm"'
     for suffix, window in windows:
-        if suffix == n.short:
-            warm = f"sum {q.by(*CALLER)} ({n.caller_state_requests}{q.sel(warm_only)})"
-            total = f"sum {q.by(*CALLER)} ({n.caller_state_requests}{q.sel(classified)})"
+        if suffix == names.short:
+            warm = (f"sum {promql.by(*CALLER)} "
+                    f"({names.caller_state_requests}{promql.sel(warm_only)})")
+            total = (f"sum {promql.by(*CALLER)} "
+                     f"({names.caller_state_requests}{promql.sel(classified)})")
         else:
-            warm = (f"sum {q.by(*CALLER)} (rate(vllm_cache_requests_total"
-                    f"{q.sel(warm_only)}[{window}]))")
-            total = (f"sum {q.by(*CALLER)} (rate(vllm_cache_requests_total"
-                     f"{q.sel(classified)}[{window}]))")
+            warm = (f"sum {promql.by(*CALLER)} (rate(vllm_cache_requests_total"
+                    f"{promql.sel(warm_only)}[{window}]))")
+            total = (f"sum {promql.by(*CALLER)} (rate(vllm_cache_requests_total"
+                     f"{promql.sel(classified)}[{window}]))")
         # Short (too small for one granule), unknown (cached tokens not reported) and error
         # turns say nothing about the cache, so they are out of the denominator.
-        rules.append(_rule(n.caller_warm_share[suffix],
+        rules.append(_rule(names.caller_warm_share[suffix],
                            f"(\n  {warm}\n  or\n  {total} * 0\n)\n/\n({total} > 0)"))
-    rules.append(_rule(n.caller_state_ttft_bucket,
-                       f"sum {q.by(*CALLER_STATE, 'le')} (rate(vllm_cache_ttft_seconds_bucket"
-                       f"{q.sel(classified)}[{config.short_window}]))"))
+    rules.append(_rule(names.caller_hit_ratio[names.baseline],
+                       _baseline(config, promql, names.caller_hit_ratio[names.long])))
+    rules.append(_rule(names.caller_warm_share[names.baseline],
+                       _baseline(config, promql, names.caller_warm_share[names.long])))
+    rules.append(_rule(names.caller_state_ttft_bucket,
+                       f"sum {promql.by(*CALLER_STATE, 'le')} ("
+                       f"rate(vllm_cache_ttft_seconds_bucket"
+                       f"{promql.sel(classified)}[{config.short_window}]))"))
     # ">= 0" drops the NaN histogram_quantile returns for a window without requests.
     for name, quantile in QUANTILES:
-        rules.append(_rule(n.caller_state_ttft[name],
+        rules.append(_rule(names.caller_state_ttft[name],
                            f"histogram_quantile({quantile}, "
-                           f"{n.caller_state_ttft_bucket}{q.sel()}) >= 0"))
+                           f"{names.caller_state_ttft_bucket}{promql.sel()}) >= 0"))
     for name, quantile in QUANTILES:
-        rules.append(_rule(n.caller_ttft[name],
-                           f"histogram_quantile({quantile}, sum {q.by(*CALLER, 'le')} "
-                           f"({n.caller_state_ttft_bucket}{q.sel()})) >= 0"))
+        rules.append(_rule(names.caller_ttft[name],
+                           f"histogram_quantile({quantile}, sum {promql.by(*CALLER, 'le')} "
+                           f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0"))
     for name, quantile in QUANTILES:
-        rules.append(_rule(n.model_state_ttft[name],
-                           f"histogram_quantile({quantile}, sum {q.by('model', 'state', 'le')} "
-                           f"({n.caller_state_ttft_bucket}{q.sel()})) >= 0"))
+        rules.append(_rule(names.model_state_ttft[name],
+                           f"histogram_quantile({quantile}, "
+                           f"sum {promql.by('model', 'state', 'le')} "
+                           f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0"))
     return rules
 
 
-def _engine_rules(config: MonitoringConfig, q: PromQL, n: Names) -> list[dict[str, Any]]:
+def _engine_rules(config: MonitoringConfig, promql: PromQL,
+                  names: Names) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
-    for suffix, window in ((n.short, config.short_window), (n.long, config.long_window)):
-        rules.append(_rule(n.target_queries[suffix],
-                           f"sum {q.by(*TARGET)} (rate("
-                           f"vllm_cache_engine_prefix_cache_queries_tokens_total{q.sel()}"
+    for suffix, window in ((names.short, config.short_window),
+                           (names.long, config.long_window)):
+        rules.append(_rule(names.target_queries[suffix],
+                           f"sum {promql.by(*TARGET)} (rate("
+                           f"vllm_cache_engine_prefix_cache_queries_tokens_total{promql.sel()}"
                            f"[{window}]))"))
-        rules.append(_rule(n.target_hits[suffix],
-                           f"sum {q.by(*TARGET)} (rate("
-                           f"vllm_cache_engine_prefix_cache_hits_tokens_total{q.sel()}"
+        rules.append(_rule(names.target_hits[suffix],
+                           f"sum {promql.by(*TARGET)} (rate("
+                           f"vllm_cache_engine_prefix_cache_hits_tokens_total{promql.sel()}"
                            f"[{window}]))"))
-        rules.append(_rule(n.target_hit_ratio[suffix],
-                           _ratio(q, n.target_hits[suffix], n.target_queries[suffix])))
-        hits = f"sum {q.by(*MODEL)} ({n.target_hits[suffix]}{q.sel()})"
-        queries = f"sum {q.by(*MODEL)} ({n.target_queries[suffix]}{q.sel()})"
-        rules.append(_rule(n.model_hit_ratio[suffix],
+        rules.append(_rule(names.target_hit_ratio[suffix],
+                           _ratio(promql, names.target_hits[suffix],
+                                  names.target_queries[suffix])))
+        hits = f"sum {promql.by(*MODEL)} ({names.target_hits[suffix]}{promql.sel()})"
+        queries = f"sum {promql.by(*MODEL)} ({names.target_queries[suffix]}{promql.sel()})"
+        rules.append(_rule(names.model_hit_ratio[suffix],
                            f"(\n  {hits}\n  or\n  {queries} * 0\n)\n/\n({queries} > 0)"))
-    rules.append(_rule(n.target_kv_used_tokens,
-                       f"sum {q.by(*TARGET)} (vllm_cache_engine_kv_used_tokens{q.sel()})"))
-    rules.append(_rule(n.target_kv_pool_tokens,
-                       f"sum {q.by(*TARGET)} (vllm_cache_engine_kv_pool_tokens{q.sel()})"))
-    rules.append(_rule(n.target_kv_used_ratio,
-                       f"{n.target_kv_used_tokens}{q.sel()}\n/\n"
-                       f"({n.target_kv_pool_tokens}{q.sel()} > 0)"))
-    rules.append(_rule(n.model_kv_used_ratio,
-                       f"sum {q.by(*MODEL)} ({n.target_kv_used_tokens}{q.sel()})\n/\n"
-                       f"(sum {q.by(*MODEL)} ({n.target_kv_pool_tokens}{q.sel()}) > 0)"))
-    rules.append(_rule(n.target_preemptions,
-                       f"sum {q.by(*TARGET)} (rate(vllm_cache_engine_preemptions_total"
-                       f"{q.sel()}[{config.short_window}]))"))
-    rules.append(_rule(n.model_preemptions,
-                       f"sum {q.by(*MODEL)} ({n.target_preemptions}{q.sel()})"))
+    rules.append(_rule(names.target_hit_ratio[names.baseline],
+                       _baseline(config, promql, names.target_hit_ratio[names.long])))
+    rules.append(_rule(names.target_kv_used_tokens,
+                       f"sum {promql.by(*TARGET)} "
+                       f"(vllm_cache_engine_kv_used_tokens{promql.sel()})"))
+    rules.append(_rule(names.target_kv_pool_tokens,
+                       f"sum {promql.by(*TARGET)} "
+                       f"(vllm_cache_engine_kv_pool_tokens{promql.sel()})"))
+    rules.append(_rule(names.target_kv_used_ratio,
+                       f"{names.target_kv_used_tokens}{promql.sel()}\n/\n"
+                       f"({names.target_kv_pool_tokens}{promql.sel()} > 0)"))
+    rules.append(_rule(names.model_kv_used_ratio,
+                       f"sum {promql.by(*MODEL)} ({names.target_kv_used_tokens}{promql.sel()})"
+                       f"\n/\n(sum {promql.by(*MODEL)} "
+                       f"({names.target_kv_pool_tokens}{promql.sel()}) > 0)"))
+    rules.append(_rule(names.target_preemptions,
+                       f"sum {promql.by(*TARGET)} (rate(vllm_cache_engine_preemptions_total"
+                       f"{promql.sel()}[{config.short_window}]))"))
+    rules.append(_rule(names.model_preemptions,
+                       f"sum {promql.by(*MODEL)} ({names.target_preemptions}{promql.sel()})"))
     return rules
 
 
@@ -176,11 +228,11 @@ def _group(config: MonitoringConfig, name: str, rules: list[dict[str, Any]]) -> 
 
 
 def recording_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
-    q = PromQL(config)
-    n = Names(config)
+    promql = PromQL(config)
+    names = Names(config)
     return [
-        _group(config, "vllm-cache-caller.rules", _caller_rules(config, q, n)),
-        _group(config, "vllm-cache-engine.rules", _engine_rules(config, q, n)),
+        _group(config, "vllm-cache-caller.rules", _caller_rules(config, promql, names)),
+        _group(config, "vllm-cache-engine.rules", _engine_rules(config, promql, names)),
     ]
 
 

@@ -43,12 +43,16 @@ from tests.monitoring.common import DASHBOARD_DIR, ROOT, require_tool
 
 pytestmark = pytest.mark.e2e
 
-# Windows in real seconds for scenarios played 10-20x faster (the defaults are 5m / 1h).
+# Windows in real seconds for scenarios played 10-20x faster (the defaults are 5m / 1h / 1d,
+# keep_firing_for 10m).
 E2E_RULES = {
     "short_window": "15s",
     "long_window": "2m",
+    "baseline_window": "10m",
     "collapse_for": "10s",
+    "collapse_keep_firing_for": "30s",
     "warm_ttft_for": "10s",
+    "warm_ttft_keep_firing_for": "30s",
     "extra_group_labels": ["instance"],
 }
 COLLAPSE, FIT = "two-agents-collapse", "two-agents-fit"
@@ -336,7 +340,9 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         assert page in hook.alerts("/page"), "critical alert not routed to the page receiver"
         description = page["annotations"]["description"]
         assert description.startswith(f"vLLM {target['collapse']} (qwen3.8-27b) served ")
-        assert " over the last 15s, against " in description, description
+        assert " over the last 15s (" in description, description
+        assert " over the last 2m), against its baseline of " in description, description
+        assert " (over the last 10m), while still looking up " in description, description
         assert page["annotations"]["runbook_url"].endswith("#vllmcacheprefixcollapse")
 
         # 2. Every dashboard query returns data from this Prometheus, while traffic flows.

@@ -86,8 +86,11 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
         "extra_group_labels": ["namespace"],
         "short_window": "10m",
         "long_window": "2h",
+        "baseline_window": "7d",
         "collapse_severity": "warning",
         "collapse_for": "15m",
+        "collapse_keep_firing_for": "0s",
+        "warm_ttft_keep_firing_for": "20m",
         "runbook_url": "https://runbooks.example/vllm.md",
         "dashboard_url": "https://grafana.example/",
         "caller_uid": "my-callers",
@@ -102,7 +105,7 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
             assert 'job="llm-cache"' in selector.matchers, (expr, selector)
             assert 'cluster="eu-1"' in selector.matchers, (expr, selector)
         for window in windows:
-            assert window in ("10m", "2h", "$__rate_interval"), (expr, window)
+            assert window in ("10m", "2h", "7d", "$__rate_interval"), (expr, window)
     # Rules keep the selector's labels and the extra ones in every aggregation, so two
     # clusters are never summed into one ratio.
     rule_exprs = generated_exprs({k: v for k, v in files.items() if k.startswith("alerts/")})
@@ -117,7 +120,13 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
     assert {rule["labels"]["severity"] for rule in collapse} == {"warning"}
     assert {rule["for"] for rule in collapse} == {"15m"}
     assert "caller_model:vllm_cache_hit_ratio:rate10m" in collapse[1]["expr"]
-    assert "caller_model:vllm_cache_hit_ratio:rate2h" in collapse[1]["expr"]
+    assert "caller_model:vllm_cache_hit_ratio:p90_7d_rate2h" in collapse[1]["expr"]
+    # keep_firing_for: "0s" leaves the key out (Prometheus' default); others are written.
+    assert all("keep_firing_for" not in rule for rule in collapse)
+    (warm_ttft,) = [rule for rule in alerts if rule["alert"] == "VllmCacheWarmTTFTCollapse"]
+    assert warm_ttft["keep_firing_for"] == "20m"
+    assert [rule["alert"] for rule in alerts if "keep_firing_for" in rule] == \
+        ["VllmCacheWarmTTFTCollapse"]
     for rule in alerts:
         assert rule["annotations"]["runbook_url"].startswith("https://runbooks.example/vllm.md#")
         assert rule["annotations"]["dashboard_url"].startswith("https://grafana.example/d/")
@@ -131,6 +140,9 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
     ({"collapse_for": "five minutes"}, "collapse_for: expected a Prometheus duration"),
     ({"collapse_severity": "page"}, "collapse_severity: must be one of critical, warning, info"),
     ({"short_window": "2h"}, "short_window: must be shorter than long_window"),
+    ({"baseline_window": "30m"}, "long_window: must be shorter than baseline_window"),
+    ({"collapse_keep_firing_for": "soon"},
+     "collapse_keep_firing_for: expected a Prometheus duration"),
     ({"collapse_drop_factor": 2}, "collapse_drop_factor: must be in (0, 1]"),
     ({"collapse_drop_factor": "half"}, "collapse_drop_factor: expected a number"),
     ({"selector": "job=vllm"}, "selector: expected label matchers"),

@@ -86,10 +86,18 @@ def test_recording_rules_are_level_metric_operations() -> None:
 
 
 def test_ratios_are_guarded_against_zero_denominators() -> None:
-    for rule in rules(RULES_FILE):
-        if re.search(r"(ratio|share)", rule["record"]):
-            denominator = rule["expr"].rsplit("/", 1)[1]
-            assert denominator.strip().endswith("> 0)"), rule["record"]
+    recorded = {rule["record"]: rule["expr"] for rule in rules(RULES_FILE)}
+    for name, expr in recorded.items():
+        if not re.search(r"(ratio|share)", name):
+            continue
+        if "/" not in expr:  # a baseline: a quantile over time of a ratio recorded before it
+            source = re.fullmatch(r"quantile_over_time\([0-9.]+, ([\w:]+)\{[^}]*\}\[\w+\]\)",
+                                  expr)
+            assert source and source.group(1) in recorded, name
+            assert list(recorded).index(source.group(1)) < list(recorded).index(name), name
+            expr = recorded[source.group(1)]
+        denominator = expr.rsplit("/", 1)[1]
+        assert denominator.strip().endswith("> 0)"), name
 
 
 def test_runbook_has_a_section_per_alert_with_a_silence_example() -> None:
