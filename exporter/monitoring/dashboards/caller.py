@@ -50,7 +50,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
     names = Names(config)
     callers = filters.caller()
     warm_callers, classified_callers = filters.caller(WARM), filters.caller(CLASSIFIED)
-    long_baseline = names.caller_hit_ratio[names.long]
+    baseline = names.caller_hit_ratio[names.baseline]
     layout = Layout()
 
     def ttft_median(state: str) -> str:
@@ -102,8 +102,9 @@ def build(config: MonitoringConfig) -> g.Dashboard:
     layout.add(timeseries(
         "Hit ratio against its baseline",
         f"What VllmCachePrefixCollapse compares: the recorded {config.short_window} hit ratio "
-        f"must stay under {number(config.collapse_drop_factor)} x the {config.long_window} "
-        f"baseline (the 'alert below' line) for {config.collapse_for}, with the baseline above "
+        f"must stay under {number(config.collapse_drop_factor)} x the baseline (the 90th "
+        f"percentile over {config.baseline_window} of the {config.long_window} ratio; the "
+        f"'alert below' line) for {config.collapse_for}, with the baseline above "
         f"{number(config.collapse_min_baseline)} and the caller still sending prompt tokens. "
         "The thin line is the ratio at the dashboard's own resolution.",
         "percentunit",
@@ -112,9 +113,8 @@ def build(config: MonitoringConfig) -> g.Dashboard:
                 f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
          target(f"{names.caller_hit_ratio[names.short]}{callers}",
                 f"{{{{caller}}}} {{{{model}}}} {config.short_window}"),
-         target(f"{long_baseline}{callers}",
-                f"{{{{caller}}}} {{{{model}}}} {config.long_window}"),
-         target(f"{number(config.collapse_drop_factor)} * {long_baseline}{callers}",
+         target(f"{baseline}{callers}", "{{caller}} {{model}} baseline"),
+         target(f"{number(config.collapse_drop_factor)} * {baseline}{callers}",
                 "{{caller}} {{model}} alert below")],
         min_value=0, max_value=1), 24, 9)
     layout.add(timeseries(

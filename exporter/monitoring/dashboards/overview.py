@@ -114,28 +114,30 @@ def build(config: MonitoringConfig) -> g.Dashboard:
                 "{{model}} ({{source}})")]), 6, 5)
     layout.add(timeseries(
         "Hit ratio per vLLM engine",
-        f"Prefix-cache hit ratio of each vLLM (summed over its engines), and its "
-        f"{config.long_window} baseline as recorded by the rules. VllmCachePrefixCollapse fires "
-        f"when the {config.short_window} ratio stays below {number(config.collapse_drop_factor)}"
-        f" x the baseline while traffic continues.",
+        f"Prefix-cache hit ratio of each vLLM (summed over its engines), and its baseline as "
+        f"recorded by the rules: the 90th percentile over {config.baseline_window} of the "
+        f"{config.long_window} ratio, which a collapse cannot drag down within hours. "
+        f"VllmCachePrefixCollapse fires when the {config.short_window} ratio stays below "
+        f"{number(config.collapse_drop_factor)} x the baseline while traffic continues.",
         "percentunit",
         [target(f"sum by (target, model_name) (rate({HITS}{engines}[{RATE}]))\n/\n"
                 f"(sum by (target, model_name) (rate({QUERIES}{engines}[{RATE}])) > 0)",
                 "{{target}} {{model_name}}"),
-         target(f"{names.target_hit_ratio[names.long]}{filters.engine()}",
-                f"{{{{target}}}} {{{{model_name}}}} baseline {config.long_window}")],
+         target(f"{names.target_hit_ratio[names.baseline]}{filters.engine()}",
+                "{{target}} {{model_name}} baseline")],
         min_value=0, max_value=1), 12, 8)
     layout.add(timeseries(
         "Hit ratio per caller",
-        f"Share of each caller's prompt tokens served from the prefix cache, and its "
-        f"{config.long_window} baseline. Two conversations that no longer fit the KV pool "
-        "evict each other: both lines fall to ~0 together.",
+        f"Share of each caller's prompt tokens served from the prefix cache, and its baseline "
+        f"(the 90th percentile over {config.baseline_window} of its {config.long_window} "
+        "ratio). Two conversations that no longer fit the KV pool evict each other: both "
+        "lines fall to ~0 together.",
         "percentunit",
         [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))"
                 f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{callers}"
                 f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
-         target(f"{names.caller_hit_ratio[names.long]}{callers}",
-                f"{{{{caller}}}} {{{{model}}}} baseline {config.long_window}")],
+         target(f"{names.caller_hit_ratio[names.baseline]}{callers}",
+                "{{caller}} {{model}} baseline")],
         min_value=0, max_value=1), 12, 8)
 
     layout.row("Turns and time to first token")
