@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from exporter.redaction import redact_url
 from exporter.values import COUNTER_SIGNALS, CacheConfig, EngineSnapshot
 
-
 # Counter tracks kept per target: (model_name, engine, signal) triples ever seen. vLLM has
 # one engine label per data-parallel rank and one model_name per served model, so this is
 # far above any real engine; it bounds a target whose labels churn.
