@@ -291,6 +291,11 @@ FLAGS: tuple[Flag, ...] = (
          "read at once; later requests wait up to 5 s for a slot, then get 503 with "
          "Retry-After (memory for bodies stays under this times the body limit).", _to_int, 4,
          metavar="N", check=_positive),
+    Flag("usage.new-series-hold", "Usage readers", "Seconds a new per-caller series is exposed "
+         "at zero before its counts show, so that every Prometheus scraping it sees it start "
+         "at zero and rate() counts its first requests; at least your longest scrape interval "
+         "(0: counts show at once, and Prometheus misses each series' first increase).",
+         _to_float, 60.0, metavar="SECONDS", check=_non_negative),
     Flag("usage.file", "Usage readers", "JSONL file(s) to follow (repeatable, globs allowed).",
          _to_list, (), kind="list", metavar="GLOB"),
     Flag("usage.file.format", "Usage readers", "Format of the followed files.", _to_str,
@@ -468,6 +473,7 @@ class Config:
     usage_ingest_token: str = field(default=_default("usage.ingest.token"), repr=False)
     usage_ingest_max_body_bytes: int = _default("usage.ingest.max-body-bytes")
     usage_ingest_max_concurrent_bodies: int = _default("usage.ingest.max-concurrent-bodies")
+    usage_new_series_hold: float = _default("usage.new-series-hold")
     usage_file: tuple[str, ...] = _default("usage.file")
     usage_file_format: str = _default("usage.file.format")
     usage_file_from_start: bool = _default("usage.file.from-start")

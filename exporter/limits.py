@@ -1,10 +1,13 @@
 """Bounds on what clients can take from the process: connections, idle time, log volume.
 
-- Connections: each listener serves at most ``max_connections`` at once; one more is
-  answered ``503`` and closed at once, and counted. The process's soft file-descriptor
-  limit is raised to its hard limit at start (as Go programs do), and the cap is kept
-  below it, so a flood of idle sockets can never exhaust descriptors (and with them
-  ``/metrics``).
+- Connections: each listener keeps at most ``max_connections`` open. A new one beyond that
+  makes the oldest close once its current request (if any) is answered, so a flood of idle
+  sockets cannot lock out Prometheus: the newest connections, which are about to send a
+  request, are served, and the oldest, mostly idle ones, go. Past ``HARD_SLACK`` more (closes
+  still in progress) a connection is answered ``503`` and closed. Both are counted. The
+  process's soft file-descriptor limit is raised to its hard limit at start (as Go programs
+  do), and the caps are kept below it, so descriptors (and with them ``/metrics``) never
+  run out.
 - Idle time: a connection that has not sent a complete request within ``IDLE_SECONDS`` of
   opening, or of its last response, is closed (aiohttp's keep-alive timer, which also runs
   while request headers trickle in).
@@ -52,9 +55,14 @@ def raise_fd_limit() -> int:
     return soft
 
 
+# Connections open beyond the cap while the oldest ones finish their requests.
+HARD_SLACK = 64
+
+
 def connection_cap(requested: int, fd_limit: int) -> int:
-    """The cap in force: what was asked, kept below the descriptors the process has."""
-    return max(1, min(requested, fd_limit - RESERVED_FDS))
+    """The cap in force: what was asked, kept below the descriptors the process has (with
+    room for the slack)."""
+    return max(1, min(requested, fd_limit - RESERVED_FDS - HARD_SLACK))
 
 
 class ListenerStats:
@@ -64,31 +72,55 @@ class ListenerStats:
         self.name = name
         self.cap = cap
         self.open = 0
+        self.evicted = 0
         self.refused = 0
 
 
-def limit_connections(server: web.Server, stats: ListenerStats) -> None:
+def limit_connections(server: web.Server, stats: ListenerStats,
+                      busy: set[object] | None = None) -> None:
     """Make aiohttp's connection manager refuse connections beyond ``stats.cap``.
 
     It wraps the two public callbacks every connection goes through, so it holds whatever
     aiohttp builds the server from.
     """
     made, lost = server.connection_made, server.connection_lost
+    oldest_first: dict[RequestHandler, None] = {}  # open connections, in order of arrival
+    closing: set[RequestHandler] = set()
+    busy = busy if busy is not None else set()  # connections with a request being answered
 
     def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
         made(handler, transport)
         stats.open += 1
-        if stats.open > stats.cap:
+        if stats.open > stats.cap + HARD_SLACK:
             stats.refused += 1
-            transport.write(REFUSAL)
-            transport.close()
+            # After aiohttp has started serving it (closing within connection_made would
+            # leave its request task without a manager).
+            asyncio.get_running_loop().call_soon(_refuse, transport)
+            return
+        oldest_first[handler] = None
+        while len(oldest_first) - len(closing) > stats.cap:
+            oldest = next(handler for handler in oldest_first if handler not in closing)
+            closing.add(oldest)
+            stats.evicted += 1
+            if oldest in busy:
+                oldest.close()  # once its request is answered
+            else:
+                oldest.force_close()  # idle, or still sending its request line
 
     def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
         lost(handler, exc)
         stats.open -= 1
+        oldest_first.pop(handler, None)
+        closing.discard(handler)
 
     server.connection_made = connection_made  # type: ignore[method-assign]
     server.connection_lost = connection_lost  # type: ignore[method-assign]
+
+
+def _refuse(transport: asyncio.Transport) -> None:
+    if not transport.is_closing():
+        transport.write(REFUSAL)
+        transport.close()
 
 
 class LimitedRunner(web.AppRunner):
@@ -98,10 +130,24 @@ class LimitedRunner(web.AppRunner):
         kwargs.setdefault("keepalive_timeout", IDLE_SECONDS)
         super().__init__(app, **kwargs)
         self.stats = stats
+        self.busy: set[object] = set()
+        app.middlewares.append(self._mark_busy)
+
+    @web.middleware
+    async def _mark_busy(self, request: web.Request,
+                         handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        """Which connections are answering a request (an evicted one finishes it)."""
+        protocol = request.protocol
+        self.busy.add(protocol)
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        finally:
+            self.busy.discard(protocol)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
-        limit_connections(server, self.stats)
+        limit_connections(server, self.stats, self.busy)
         return server
 
 
@@ -124,7 +170,8 @@ class RateLimitedLogs(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "rate_limited_summary", False):
             return True
-        key = (record.name, record.levelno, str(record.msg))
+        # The first line only: asyncio puts each task's repr after it, one key per task.
+        key = (record.name, record.levelno, str(record.msg).split("\n", 1)[0][:200])
         now = self.clock()
         entry = self._keys.get(key)
         if entry is None or now - entry[0] >= self.window:
@@ -197,16 +244,22 @@ class LimitsCollector:
             "The most client connections a listener serves at once (--web.max-connections, "
             "--tap.max-connections, kept below the file-descriptor limit).",
             labels=["listener"])
+        evicted = CounterMetricFamily(
+            "vllm_cache_exporter_connections_evicted",
+            "Oldest connections closed (after their current request) to make room for a new "
+            "one at the cap.", labels=["listener"])
         refused = CounterMetricFamily(
             "vllm_cache_exporter_connections_refused",
-            "Connections answered 503 and closed because the listener was at its cap.",
-            labels=["listener"])
+            "Connections answered 503 and closed because the listener was past its cap and "
+            "the slack for closes in progress.", labels=["listener"])
         for stats in self.listeners:
             open_now.add_metric([stats.name], float(stats.open))
             cap.add_metric([stats.name], float(stats.cap))
+            evicted.add_metric([stats.name], float(stats.evicted))
             refused.add_metric([stats.name], float(stats.refused))
         yield open_now
         yield cap
+        yield evicted
         yield refused
         if self.logs is not None:
             suppressed = CounterMetricFamily(

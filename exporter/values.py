@@ -32,6 +32,11 @@ ENGINE_SIGNALS = (
 COUNTER_SIGNALS = frozenset(
     {PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, PROMPT_TOKENS, PROMPT_TOKENS_CACHED})
 
+# Why a read of a vLLM's /metrics failed: the ``reason`` of its error counter, every one of
+# which exists at 0 from the start so that the first failure shows in increase().
+SCRAPE_ERROR_REASONS = ("connect", "timeout", "http_status", "truncated", "body_too_large",
+                        "parse", "http_error", "internal")
+
 # The labels of vllm:cache_config_info the exporter reads (the full set changes per release).
 CACHE_CONFIG_KEYS = (
     "block_size", "num_gpu_blocks", "kv_cache_size_tokens", "enable_prefix_caching",

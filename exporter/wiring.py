@@ -40,7 +40,8 @@ def usage_settings(config: Config) -> UsageSettings:
         warm_tail_granules=config.signals_warm_tail_granules,
         missing_cached_as_zero=config.signals_missing_cached_as_zero, readers=tuple(readers),
         max_series=config.callers_max_series, name_pattern=config.callers_name_pattern,
-        model_pattern=config.callers_model_pattern, keep_emails=config.callers_keep_emails)
+        model_pattern=config.callers_model_pattern, keep_emails=config.callers_keep_emails,
+        new_series_hold=config.usage_new_series_hold)
 
 
 def signals_state(config: Config, clock: Callable[[], float] = time.time) -> SignalsState:

@@ -2,15 +2,48 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import ProcessCollector
 
+from exporter import metrics, wiring
 from exporter.config import Config
 from exporter.server import create_app
 from tests.helpers import FakeVllm
+
+
+@pytest.fixture(autouse=True)
+def no_new_series_hold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most tests read a count right after sending it, which the hold (60 s by default, so
+    that Prometheus sees every new series at zero first) would show as 0. The tests of the
+    hold itself, and the end-to-end tests that give it their own value, are marked
+    ``new_series_hold``; exporter processes the tests start inherit the variable."""
+    if request.node.get_closest_marker("new_series_hold"):
+        return
+    real = wiring.usage_settings
+    monkeypatch.setattr(wiring, "usage_settings", lambda config: dataclasses.replace(
+        real(config), new_series_hold=0.0))
+    monkeypatch.setenv("VLLM_CACHE_EXPORTER_USAGE_NEW_SERIES_HOLD", "0")
+
+
+FAKE_PROC = str(Path(__file__).resolve().parent / "fixtures" / "proc")
+
+
+@pytest.fixture(autouse=True)
+def fixed_process_metrics(request: pytest.FixtureRequest,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process_* series read a recorded /proc (tests/fixtures/proc), so that expositions
+    compare byte for byte; tests marked ``real_process_metrics`` read the real one."""
+    if request.node.get_closest_marker("real_process_metrics"):
+        return
+    monkeypatch.setattr(metrics, "ProcessCollector", functools.partial(
+        ProcessCollector, proc=FAKE_PROC))
 
 
 @pytest.fixture

@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from exporter.config import Config
 from exporter.server import create_app
-from tests.helpers import scrape
+from tests.helpers import scrape, value
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text("utf-8")
 
@@ -41,3 +43,13 @@ def test_series_the_runtime_adds_are_documented():
     missing = [name for name in names
                if f"`{name}`" not in DOC and f"`{name}_total`" not in DOC]
     assert missing == [], f"series missing from docs/metrics.md: {missing}"
+
+
+@pytest.mark.real_process_metrics
+async def test_the_process_start_time_is_the_real_one(aiohttp_client):
+    import time
+
+    client = await aiohttp_client(create_app(Config(), initial_refresh=False))
+    text = await scrape(client)
+    started = value(text, "process_start_time_seconds")
+    assert started is not None and 0 < time.time() - started < 24 * 3600

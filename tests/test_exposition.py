@@ -128,10 +128,15 @@ def record_all_states(state: SignalsState, caller: str, model: str) -> None:
                                       status=status), "http")
 
 
+# Label values the encoders must escape only reach them when the name policy lets any name
+# through (a key is still hashed): these tests are about the encoders, not the policy.
+ANY_NAME = {"callers_name_pattern": r"(?s).{1,256}", "callers_model_pattern": r"(?s).{1,256}"}
+
+
 def hostile_state(callers: int = 300) -> SignalsState:
     clock = Clock()
     state = signals_state(Config(signals_granularity=2048, callers_max=callers - 20,
-                                usage_file=("/x/*.jsonl",)), clock=clock)
+                                usage_file=("/x/*.jsonl",), **ANY_NAME), clock=clock)
     usage = state.usage
     assert usage is not None
     models = ["qwen3.8-27b", 'mo"del', "mod\\el\n", "ünï"]
@@ -204,7 +209,7 @@ async def test_engine_down_and_failing_targets_render_identically(fake_vllm, exp
 
 
 async def test_usage_over_http_renders_identically(fake_vllm, exporter_for):
-    client = await exporter_for(fake_vllm.url, signals_granularity=2048)
+    client = await exporter_for(fake_vllm.url, signals_granularity=2048, **ANY_NAME)
     lines = [f'{{"caller": "{c}", "model": "m", "prompt_tokens": 90000, '
              f'"cached_tokens": 86016, "ttft_seconds": 1.5, "queue_seconds": 0.25}}'
              for c in ("alpha", 'q\\"uote', "back\\\\slash", "日本")]

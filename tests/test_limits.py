@@ -44,7 +44,9 @@ async def wait_for(condition, seconds: float = 10.0) -> None:
         await asyncio.sleep(0.01)  # connection bookkeeping has no event to await
 
 
-async def test_connections_beyond_the_cap_get_503_and_the_rest_still_work():
+async def test_at_the_cap_the_oldest_idle_connection_makes_room(monkeypatch):
+    """A flood of idle sockets cannot lock Prometheus out: its new connection is served and
+    the oldest idle one goes."""
     config = Config()
     app = create_app(config, initial_refresh=False)
     stats = ListenerStats("web", cap=3)
@@ -53,19 +55,40 @@ async def test_connections_beyond_the_cap_get_503_and_the_rest_still_work():
     try:
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
         await wait_for(lambda: stats.open == 3)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        answer = await asyncio.wait_for(reader.read(), 10)  # refused, then closed by us
-        assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
-        writer.close()
-        for _, idle_writer in idle:
-            idle_writer.close()
-        await wait_for(lambda: stats.open == 0)
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+                assert response.status == 200
                 text = await response.text()
-        assert value(text, "vllm_cache_exporter_connections_refused_total",
+        assert await asyncio.wait_for(idle[0][0].read(), 10) == b""  # the oldest: closed
+        assert value(text, "vllm_cache_exporter_connections_evicted_total",
                      listener="web") == 1
-        assert value(text, "vllm_cache_exporter_connections_max", listener="web") == 3
+        for _, writer in idle:
+            writer.close()
+        await wait_for(lambda: stats.open == 0)
+    finally:
+        await runner.cleanup()
+
+
+async def test_past_the_slack_a_connection_gets_503_and_the_log_stays_quiet(monkeypatch,
+                                                                          caplog):
+    monkeypatch.setattr(limits, "HARD_SLACK", 0)
+    app = create_app(Config(), initial_refresh=False)
+    stats = ListenerStats("web", cap=2)
+    runner, port = await start(app, stats)
+    try:
+        caplog.set_level(logging.DEBUG)
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        await wait_for(lambda: stats.open == 2)
+        for _ in range(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answer = await asyncio.wait_for(reader.read(), 10)
+            assert answer.startswith(b"HTTP/1.1 503") and b"too many connections" in answer
+            writer.close()
+        assert stats.refused == 20
+        for _, writer in idle:
+            writer.close()
+        await wait_for(lambda: stats.open == 0)
+        assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
     finally:
         await runner.cleanup()
 
@@ -99,7 +122,7 @@ async def test_a_connection_without_a_whole_request_is_closed_after_the_idle_tim
 
 def test_the_cap_stays_below_the_descriptors_the_process_has():
     assert connection_cap(512, 1024) == 512
-    assert connection_cap(2048, 1024) == 1024 - limits.RESERVED_FDS
+    assert connection_cap(2048, 1024) == 1024 - limits.RESERVED_FDS - limits.HARD_SLACK
     assert connection_cap(512, 10) == 1
 
 

@@ -46,8 +46,9 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
     clock = SimClock(speed)
     sim = build_simulator(scenario.engine_config(), clock)
     sim_runner, sim_port = await start_site(create_sim_app(sim), HOST, 0)
+    # No new-series hold: the view reads /metrics itself, it is no Prometheus.
     config = Config(web_listen_address=f"{HOST}:0", vllm_url=(f"http://{HOST}:{sim_port}",),
-                    log_level="warning")
+                    log_level="warning", usage_new_series_hold=0.0)
     exporter_runner, exporter_port = await start_site(create_app(config), HOST, 0)
     base = f"http://{HOST}:{exporter_port}"
     metrics_url = f"{base}/metrics"

@@ -28,7 +28,7 @@ from exporter.metrics.exposition import (
     format_value,
 )
 from exporter.signals.classify import STATES
-from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, UsageState
+from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, Series, UsageState
 
 _TTFT_LE = [floatToGoString(b) for b in TTFT_BUCKETS] + ["+Inf"]
 _QUEUE_LE = [floatToGoString(b) for b in QUEUE_BUCKETS] + ["+Inf"]
@@ -161,6 +161,22 @@ def _histogram_lines(out: list[str], text: _HistogramText, hist: Histogram,
     out.append(f"{text.sum}{format_value(hist.total)}\n")
 
 
+# What a series still held at zero shows (see UsageSettings.new_series_hold).
+_ZERO_COUNTS = dict.fromkeys(STATES, 0)
+_ZERO_TTFT = Histogram(TTFT_BUCKETS)
+_ZERO_QUEUE = Histogram(QUEUE_BUCKETS)
+_HELD = Series()
+
+
+def _shown(series: Series, now: float) -> Series:
+    """The series, or all zeros while it is still held (its histograms are decided alone)."""
+    return _HELD if series.shown_from > now else series
+
+
+def _shown_histogram(hist: Histogram, zero: Histogram, now: float) -> Histogram:
+    return zero if hist.shown_from > now else hist
+
+
 class UsageCollector:
     def __init__(self, usage: UsageState) -> None:
         self.usage = usage
@@ -180,8 +196,10 @@ class UsageCollector:
         # of the render time (bench/bench_render.py).
         requests_samples, prompt_samples = requests.samples, prompt.samples
         cached_samples, unreported_samples = cached.samples, unreported.samples
-        for (caller, model), series in sorted(usage.series.items()):
+        now = usage.now()
+        for (caller, model), real in sorted(usage.series.items()):
             pair = {"caller": caller, "model": model}
+            series = _shown(real, now)
             counts = series.requests
             for state in STATES:
                 requests_samples.append(Sample(
@@ -194,14 +212,14 @@ class UsageCollector:
             unreported_samples.append(Sample("vllm_cache_unreported_prompt_tokens_total", pair,
                                              series.unreported_prompt_tokens))
             for state in STATES:
-                hist = series.ttft.get(state)
+                hist = real.ttft.get(state)
                 if hist is not None:
                     _histogram(ttft.samples, "vllm_cache_ttft_seconds",
-                               {"caller": caller, "model": model, "state": state}, hist,
-                               _TTFT_LE)
-            if series.queue is not None:
-                _histogram(queue.samples, "vllm_cache_queue_wait_seconds", pair, series.queue,
-                           _QUEUE_LE)
+                               {"caller": caller, "model": model, "state": state},
+                               _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
+            if real.queue is not None:
+                _histogram(queue.samples, "vllm_cache_queue_wait_seconds", pair,
+                           _shown_histogram(real.queue, _ZERO_QUEUE, now), _QUEUE_LE)
         yield from families
         yield from self._other_families()
 
@@ -243,10 +261,12 @@ class UsageCollector:
         fmt_value = format_value
         per_slice = series_per_slice or SERIES_PER_SLICE
         keys = sorted(usage.series)
+        now = usage.now()
         for index, key in enumerate(keys, 1):
-            series = usage.series.get(key)
-            if series is None:  # series are never removed today; a removed one is skipped
+            real = usage.series.get(key)
+            if real is None:  # series are never removed today; a removed one is skipped
                 continue
+            series = _shown(real, now)
             text = cache.get(key)
             if text is None:
                 text = cache[key] = _SeriesText(*key)
@@ -257,16 +277,18 @@ class UsageCollector:
             prompt.append(f"{text.prompt}{fmt_value(series.prompt_tokens)}\n")
             cached.append(f"{text.cached}{fmt_value(series.cached_tokens)}\n")
             unreported.append(f"{text.unreported}{fmt_value(series.unreported_prompt_tokens)}\n")
-            if series.ttft:
+            if real.ttft:
                 lines: list[str] = []
                 for state in STATES:
-                    hist = series.ttft.get(state)
+                    hist = real.ttft.get(state)
                     if hist is not None:
-                        _histogram_lines(lines, text.ttft_text(state), hist, _TTFT_LE)
+                        _histogram_lines(lines, text.ttft_text(state),
+                                         _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
                 ttft.append("".join(lines))
-            if series.queue is not None:
+            if real.queue is not None:
                 lines = []
-                _histogram_lines(lines, text.queue_text(), series.queue, _QUEUE_LE)
+                _histogram_lines(lines, text.queue_text(),
+                                 _shown_histogram(real.queue, _ZERO_QUEUE, now), _QUEUE_LE)
                 queue.append("".join(lines))
             if index % per_slice == 0:
                 yield
@@ -302,8 +324,11 @@ class UsageCollector:
             "vllm_cache_usage_events_rejected",
             "Usage events a reader could not use, by reader and reason (see docs/metrics.md).",
             labels=["reader", "reason"])
+        now = usage.now()
+        shown_from = usage.rejected_shown_from
         for (reader, reason), count in sorted(usage.rejected.items()):
-            rejected.add_metric([reader, reason], count)
+            held = shown_from.get((reader, reason), 0.0) > now
+            rejected.add_metric([reader, reason], 0 if held else count)
         last = GaugeMetricFamily(
             "vllm_cache_usage_last_event_timestamp_seconds",
             "Unix time the exporter last accepted an event from this reader.",

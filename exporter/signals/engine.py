@@ -14,7 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from exporter.redaction import redact_url
-from exporter.values import COUNTER_SIGNALS, CacheConfig, EngineSnapshot
+from exporter.values import (
+    COUNTER_SIGNALS,
+    SCRAPE_ERROR_REASONS,
+    CacheConfig,
+    EngineSnapshot,
+)
 
 # Counter tracks kept per target: (model_name, engine, signal) triples ever seen. vLLM has
 # one engine label per data-parallel rank and one model_name per served model, so this is
@@ -83,7 +88,8 @@ class EngineState:
                 number += 1
                 shown = f"{redact_url(target)}#{number}"
             shown_already.add(shown)
-            self.targets[target] = TargetState(target=target, shown=shown)
+            self.targets[target] = TargetState(
+                target=target, shown=shown, errors=dict.fromkeys(SCRAPE_ERROR_REASONS, 0))
 
     @property
     def ready(self) -> bool:

@@ -40,6 +40,9 @@ MAX_MODELS = 32
 # Conversation histories kept for the "previous turn" bound (an LRU; ~100 bytes each).
 HISTORY_MAX = 10_000
 OVERFLOW_PAIR = (OTHER, OTHER)
+# Why POST /v1/usage refuses a request as a whole (its reply's "error").
+INGEST_REFUSALS = ("unauthorized", "body_too_large", "bad_body", "bad_format", "overloaded",
+                   "abandoned")
 # Raw (caller, model) pairs memoized to their series (cleared when full).
 PAIR_MEMO_MAX = 10_000
 # Distinct (reader, reason) pairs counted; reasons come from code, this guards the tap's.
@@ -61,12 +64,13 @@ SOURCE_NONE = "none"
 class Histogram:
     """Per-bucket (non-cumulative) counts plus the sum; the collector accumulates."""
 
-    __slots__ = ("bounds", "counts", "total")
+    __slots__ = ("bounds", "counts", "total", "shown_from")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
+    def __init__(self, bounds: tuple[float, ...], shown_from: float = 0.0) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # last slot: above the largest bound (+Inf)
         self.total = 0.0
+        self.shown_from = shown_from  # before this time it is exposed at zero
 
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1
@@ -77,9 +81,9 @@ class Series:
     """Everything counted for one (caller, model) label pair."""
 
     __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
-                 "ttft", "queue", "reported_cached")
+                 "ttft", "queue", "reported_cached", "shown_from")
 
-    def __init__(self) -> None:
+    def __init__(self, shown_from: float = 0.0) -> None:
         self.requests = dict.fromkeys(STATES, 0)
         self.prompt_tokens = 0  # only events that reported cached tokens
         self.cached_tokens = 0
@@ -87,6 +91,8 @@ class Series:
         self.ttft: dict[str, Histogram] = {}  # by state, created on first observation
         self.queue: Histogram | None = None
         self.reported_cached = False  # has an event of this pair ever carried cached_tokens
+        # Before this time the pair is exposed with every counter at zero (see UsageState).
+        self.shown_from = shown_from
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,10 @@ class UsageSettings:
     name_pattern: str = DEFAULT_NAME_PATTERN
     model_pattern: str = DEFAULT_MODEL_PATTERN
     keep_emails: bool = False
+    # A new series is exposed at zero for this long before its counts show, so that every
+    # Prometheus scraping it (an HA pair too) sees it start from zero and rate() counts its
+    # first increments. At least the longest scrape interval; 0 shows counts at once.
+    new_series_hold: float = 0.0
 
 
 class UsageState:
@@ -128,13 +138,17 @@ class UsageState:
         self.events: dict[str, int] = {}
         self.last_event_time: dict[str, float] = {}
         self.rejected: dict[tuple[str, str], int] = {}
-        self.ingest_requests_rejected: dict[str, int] = {}
+        # Whole requests refused, by reason: every reason exists at 0 from the start.
+        self.ingest_requests_rejected: dict[str, int] = dict.fromkeys(INGEST_REFUSALS, 0)
         self._model_names: dict[str, str] = {}  # model label -> a raw name, for block size
         self._history: dict[tuple[str, str, str | None], int] = {}
         self._pairs: dict[tuple[str, str], tuple[Series, str, bool, bool]] = {}
         # Pairs the budget admits; one is always left for (__other__, __other__).
         self.max_pairs = max(1, settings.max_series // SERIES_PER_PAIR)
         self.series_folded = 0  # events counted under __other__ because of the budget
+        self.new_series_hold = settings.new_series_hold
+        # (reader, reason) -> time from which its rejection counter shows (as for series).
+        self.rejected_shown_from: dict[tuple[str, str], float] = {}
         for reader in settings.readers:
             self.events[reader] = 0
 
@@ -201,11 +215,11 @@ class UsageState:
                 ttft = ttft - queue if ttft > queue else 0.0
             hist = series.ttft.get(state)
             if hist is None:
-                hist = series.ttft[state] = Histogram(TTFT_BUCKETS)
+                hist = series.ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
             hist.observe(ttft)
         if queue is not None:
             if series.queue is None:
-                series.queue = Histogram(QUEUE_BUCKETS)
+                series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
             series.queue.observe(queue)
         return state
 
@@ -224,7 +238,7 @@ class UsageState:
         model = key[1]
         series = self.series.get(key)
         if series is None:
-            series = self.series[key] = Series()
+            series = self.series[key] = Series(self._shown_from())
             self._model_names.setdefault(model, model_name)
         if len(self._pairs) >= PAIR_MEMO_MAX:
             self._pairs.clear()
@@ -248,9 +262,21 @@ class UsageState:
     def reject(self, reader: str, reason: str) -> None:
         """Count one event a reader could not use, by a short machine reason."""
         key = (reader, reason)
-        if key not in self.rejected and len(self.rejected) >= MAX_REJECT_KEYS:
-            key = (reader, "other")
+        if key not in self.rejected:
+            if len(self.rejected) >= MAX_REJECT_KEYS:
+                key = (reader, "other")
+            if key not in self.rejected:
+                self.rejected_shown_from[key] = self._shown_from()
         self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    # ---- what Prometheus may see ----------------------------------------------------------
+
+    def _shown_from(self) -> float:
+        return self._clock() + self.new_series_hold if self.new_series_hold else 0.0
+
+    def now(self) -> float:
+        """The injected clock, for the collector deciding which series still show zero."""
+        return self._clock()
 
     def reject_request(self, reason: str) -> None:
         """Count one POST /v1/usage refused as a whole (unauthorized, too large, ...)."""

@@ -45,6 +45,10 @@ EVENTS_PER_SLICE = 2000
 SLOT_WAIT_SECONDS = 5.0
 MAX_WAITING = 64
 RETRY_AFTER_SECONDS = 1
+# A body whose first this-many events are all rejected is garbage, or a sender that has the
+# format wrong: the rest of it is not read (422, counted as "abandoned"), so that one bad
+# sender cannot hold a body slot for minutes.
+ABANDON_AFTER_REJECTIONS = 10_000
 
 BOM = b"\xef\xbb\xbf"
 _LINE_BLANK = b" \t\r"
@@ -64,6 +68,7 @@ class BatchResult:
     accepted: int = 0
     rejected: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
+    abandoned: bool = False
 
     def add_error(self, index: int, reason: str, message: str, line: int | None) -> None:
         self.rejected += 1
@@ -78,6 +83,10 @@ class BatchResult:
                                "errors": self.errors}
         if self.rejected > len(self.errors):
             out["errors_truncated"] = True
+        if self.abandoned:
+            out["abandoned"] = True
+            out["message"] = (f"the first {self.rejected} events were all rejected; the rest "
+                              "of the body was not read")
         return out
 
 
@@ -273,6 +282,10 @@ class UsageIngest:
         for index, item in enumerate(items):
             if index and index % EVENTS_PER_SLICE == 0:
                 await asyncio.sleep(0)
+                if not accepted and result.rejected >= ABANDON_AFTER_REJECTIONS:
+                    result.abandoned = True
+                    self.reject_request("abandoned")
+                    break
             if item.bad is not None:
                 reject(item.bad)
                 result.add_error(index, item.bad, item.message, item.line)

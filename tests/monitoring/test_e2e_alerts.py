@@ -354,7 +354,10 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
             'sum(rate(vllm_cache_queue_wait_seconds_count{caller="gated-agent"}[1m])) > 0'))
         await check_dashboards(session, addr["prometheus"], files)
 
-        # 3. The healthy scenario ran its course without a page.
+        # 3. Every recorded series is what its expression gives on the raw samples.
+        await check_recording_rules(session, addr["prometheus"], files)
+
+        # 4. The healthy scenario ran its course without a page.
         while drivers["fit"].poll() is None:
             processes.assert_alive()
             assert loop.time() - started < PAGE_DEADLINE + 60, processes.logs()
@@ -384,6 +387,47 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
             f'target="{target["fit"]}"}}[5m])'))
         assert fit_ratio and float(fit_ratio[0]["value"][1]) > 0.6, fit_ratio
     print(f"collapse paged {paged_after:.1f}s after the drivers started")
+
+
+async def query_at(session: aiohttp.ClientSession, prometheus: str, expr: str,
+                   time: float) -> list[dict[str, Any]]:
+    async with session.post(f"http://{prometheus}/api/v1/query",
+                            data={"query": expr, "time": repr(time)}) as response:
+        body = await response.json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def by_labels(results: list[dict[str, Any]]) -> dict[frozenset[tuple[str, str]], float]:
+    return {frozenset((k, v) for k, v in item["metric"].items() if k != "__name__"):
+            float(item["value"][1]) for item in results}
+
+
+async def check_recording_rules(session: aiohttp.ClientSession, prometheus: str,
+                                files: dict[str, str]) -> None:
+    """Recompute every recording rule from the raw scraped samples, at instants Prometheus
+    evaluated it (seconds ago, so that every scrape of those instants has landed), and
+    compare: the recorded series and the expression agree to 1e-9, label set by label set."""
+    groups = yaml.safe_load(files["alerts/vllm-cache-rules.yaml"])["groups"]
+    checked = 0
+    for group in groups:
+        for rule in group["rules"]:
+            raw = await instant_query(session, prometheus, f"{rule['record']}[20s] offset 5s")
+            stamps = sorted({float(time) for series in raw for time, _ in series["values"]})
+            if not stamps:
+                continue  # nothing recorded yet (e.g. a baseline over a longer window)
+            for stamp in stamps[-3:]:
+                recorded = by_labels(await query_at(session, prometheus, rule["record"],
+                                                    stamp))
+                computed = by_labels(await query_at(session, prometheus, rule["expr"], stamp))
+                assert recorded.keys() == computed.keys(), (rule["record"], stamp)
+                for labels, value in recorded.items():
+                    expected = computed[labels]
+                    assert value == pytest.approx(expected, rel=1e-9, abs=1e-12), (
+                        rule["record"], dict(labels), stamp, value, expected)
+                checked += 1
+    rule_count = sum(len(group["rules"]) for group in groups)
+    assert checked >= 3 * (rule_count - 3), f"only {checked} checks for {rule_count} rules"
 
 
 async def post_gated_turn(session: aiohttp.ClientSession, exporter: str) -> None:

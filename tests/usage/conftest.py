@@ -54,3 +54,9 @@ def usage_client(aiohttp_client: Callable[..., Awaitable[TestClient]]):
         return client, state
 
     return start
+
+
+def refused(state: SignalsState) -> dict[str, int]:
+    """POST /v1/usage requests refused as a whole, by reason (those that happened)."""
+    return {reason: count for reason, count in state.usage.ingest_requests_rejected.items()
+            if count}

@@ -14,6 +14,7 @@ import pytest
 from exporter.usage import ingest
 from exporter.usage.event import validate
 from exporter.usage.formats import LiteLLMFormat, MappingFormat, OpenAIFormat
+from tests.usage.conftest import refused
 from tests.usage.test_tail import append, follower, line
 
 GOOD = {"caller": "alice", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048}
@@ -55,7 +56,7 @@ async def test_deeply_nested_single_body_is_a_clear_400(usage_client):
     response = await client.post("/v1/usage", data=NESTED_OBJECT.encode())
     assert response.status == 400
     assert (await response.json())["error"] == "bad_body"
-    assert state.usage.ingest_requests_rejected == {"bad_body": 1}
+    assert refused(state) == {"bad_body": 1}
     assert accepted(state) == 0
 
 
@@ -201,16 +202,16 @@ async def test_bodies_beyond_the_concurrency_limit_wait_then_get_503(usage_clien
     deadline = loop.time() + 10
     while not ingest_slots_busy(client) and loop.time() < deadline:
         await asyncio.sleep(0.01)  # the holder's request reaching the handler has no event
-    refused = await client.post("/v1/usage", data=ndjson(GOOD))
-    assert refused.status == 503
-    assert refused.headers["Retry-After"] == "1"
-    assert (await refused.json())["error"] == "overloaded"
+    turned_away = await client.post("/v1/usage", data=ndjson(GOOD))
+    assert turned_away.status == 503
+    assert turned_away.headers["Retry-After"] == "1"
+    assert (await turned_away.json())["error"] == "overloaded"
     release.set()
     held = await holder
     assert held.status == 200 and (await held.json())["accepted"] == 2
     after = await client.post("/v1/usage", data=ndjson(GOOD))
     assert after.status == 200
-    assert state.usage.ingest_requests_rejected == {"overloaded": 1}
+    assert refused(state) == {"overloaded": 1}
     assert accepted(state) == 3
 
 
@@ -274,3 +275,20 @@ def test_a_file_renamed_away_is_drained_while_its_writer_goes_on(tmp_path):
         tail.poll()
     assert len(tail.files) == 1
     tail.close()
+
+
+async def test_a_body_of_nothing_but_garbage_is_abandoned_early(usage_client):
+    """One sender with bodies of junk must not hold a body slot for minutes."""
+    client, state = await usage_client()
+    body = b"1\n" * 2_000_000  # 4 MB, two million lines that are not events
+    response = await client.post("/v1/usage", data=body)
+    reply = await response.json()
+    assert response.status == 422 and reply["abandoned"] is True
+    assert reply["accepted"] == 0 and 10_000 <= reply["rejected"] < 20_000
+    assert refused(state) == {"abandoned": 1}
+    assert rejected(state, "not_an_object") == reply["rejected"]
+    # A body with good events among the bad is read to its end.
+    mixed = ndjson(GOOD, *([1] * 15_000), GOOD)
+    reply = await (await client.post("/v1/usage", data=mixed)).json()
+    assert (reply["accepted"], reply["rejected"]) == (2, 15_000)
+    assert "abandoned" not in reply

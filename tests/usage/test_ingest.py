@@ -8,7 +8,7 @@ import pytest
 
 from exporter.metrics import build_registry
 from tests.helpers import scrape
-from tests.usage.conftest import value
+from tests.usage.conftest import refused, value
 
 GOOD = {"caller": "agent-1", "model": "tiny-llama", "prompt_tokens": 1396,
         "cached_tokens": 1376, "ttft_seconds": 0.4}
@@ -119,7 +119,7 @@ async def test_a_body_that_is_not_json_is_400(usage_client, body):
     assert response.status == 400
     reply = await response.json()
     assert reply["error"] == "bad_body" and reply["accepted"] == 0
-    assert state.usage.ingest_requests_rejected == {"bad_body": 1}
+    assert refused(state) == {"bad_body": 1}
     assert accepted(state) == 0
 
 
@@ -143,7 +143,7 @@ async def test_token_required_when_set(usage_client):
         assert (await response.json())["error"] == "unauthorized"
     assert accepted(state) == 0
     assert state.usage.series == {}
-    assert state.usage.ingest_requests_rejected == {"unauthorized": 5}
+    assert refused(state) == {"unauthorized": 5}
     response = await client.post("/v1/usage", json=GOOD,
                                  headers={"Authorization": "bearer s3cret-token"})
     assert response.status == 200
@@ -180,7 +180,7 @@ async def test_chunked_body_over_the_cap_is_413(usage_client):
     assert response.status == 413
     assert (await response.json())["error"] == "body_too_large"
     assert accepted(state) == 0
-    assert state.usage.ingest_requests_rejected == {"body_too_large": 1}
+    assert refused(state) == {"body_too_large": 1}
     # The server is still fine for the next sender.
     response = await client.post("/v1/usage", json=GOOD)
     assert response.status == 200
