@@ -24,6 +24,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "": frozenset(),
     "values": frozenset(),
     "redaction": frozenset(),
+    "limits": frozenset(),
     "engine": frozenset({"values", "redaction"}),
     "usage": frozenset({"values", "redaction"}),
     "signals": frozenset({"values", "redaction"}),
