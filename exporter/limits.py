@@ -9,8 +9,9 @@
   do), and the caps are kept below it, so descriptors (and with them ``/metrics``) never
   run out.
 - Idle time: a connection that has not sent a complete request within ``IDLE_SECONDS`` of
-  opening, or of its last response, is closed (aiohttp's keep-alive timer, which also runs
-  while request headers trickle in).
+  opening, or of its last response, is closed, also while its request line and headers
+  trickle in byte by byte (recent aiohttp does this itself; the exporter's own timer does it
+  whatever aiohttp's version).
 - Log volume: a message repeated within ``LOG_WINDOW_SECONDS`` is written
   ``LOG_BURST`` times, then counted instead; the count is logged once the window passes,
   and exported. A flood of bad input writes a counter, not megabytes of tracebacks.
@@ -74,10 +75,13 @@ class ListenerStats:
         self.open = 0
         self.evicted = 0
         self.refused = 0
+        self.idle_closed = 0
 
 
 def limit_connections(server: web.Server, stats: ListenerStats,
-                      busy: set[object] | None = None) -> None:
+                      busy: set[object] | None = None,
+                      last_done: dict[object, float] | None = None,
+                      idle_seconds: float | None = None) -> None:
     """Make aiohttp's connection manager refuse connections beyond ``stats.cap``.
 
     It wraps the two public callbacks every connection goes through, so it holds whatever
@@ -87,6 +91,20 @@ def limit_connections(server: web.Server, stats: ListenerStats,
     oldest_first: dict[RequestHandler, None] = {}  # open connections, in order of arrival
     closing: set[RequestHandler] = set()
     busy = busy if busy is not None else set()  # connections with a request being answered
+    last_done = last_done if last_done is not None else {}  # when each last finished one
+    idle = IDLE_SECONDS if idle_seconds is None else idle_seconds
+    loop = asyncio.get_running_loop()
+
+    def expire(handler: RequestHandler) -> None:
+        if handler not in oldest_first or handler in closing:
+            return
+        quiet = loop.time() - last_done.get(handler, 0.0)
+        if handler in busy or quiet < idle:
+            loop.call_later(idle if handler in busy else idle - quiet, expire, handler)
+            return
+        stats.idle_closed += 1
+        closing.add(handler)
+        handler.force_close()
 
     def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
         made(handler, transport)
@@ -98,6 +116,8 @@ def limit_connections(server: web.Server, stats: ListenerStats,
             asyncio.get_running_loop().call_soon(_refuse, transport)
             return
         oldest_first[handler] = None
+        last_done[handler] = loop.time()
+        loop.call_later(idle, expire, handler)
         while len(oldest_first) - len(closing) > stats.cap:
             oldest = next(handler for handler in oldest_first if handler not in closing)
             closing.add(oldest)
@@ -112,6 +132,7 @@ def limit_connections(server: web.Server, stats: ListenerStats,
         stats.open -= 1
         oldest_first.pop(handler, None)
         closing.discard(handler)
+        last_done.pop(handler, None)
 
     server.connection_made = connection_made  # type: ignore[method-assign]
     server.connection_lost = connection_lost  # type: ignore[method-assign]
@@ -130,7 +151,9 @@ class LimitedRunner(web.AppRunner):
         kwargs.setdefault("keepalive_timeout", IDLE_SECONDS)
         super().__init__(app, **kwargs)
         self.stats = stats
+        self.idle_seconds = float(kwargs["keepalive_timeout"])
         self.busy: set[object] = set()
+        self.last_done: dict[object, float] = {}
         app.middlewares.append(self._mark_busy)
 
     @web.middleware
@@ -144,10 +167,12 @@ class LimitedRunner(web.AppRunner):
             return response
         finally:
             self.busy.discard(protocol)
+            if protocol in self.last_done:
+                self.last_done[protocol] = asyncio.get_running_loop().time()
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
-        limit_connections(server, self.stats, self.busy)
+        limit_connections(server, self.stats, self.busy, self.last_done, self.idle_seconds)
         return server
 
 
