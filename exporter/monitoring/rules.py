@@ -25,7 +25,6 @@ CALLER = ("caller", "model")
 CALLER_STATE = ("caller", "model", "state")
 TARGET = ("target", "model_name")
 MODEL = ("model_name",)
-CALLER_MODEL = ("model",)
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95))
 # The collapse alerts' baseline: this quantile, over ``baseline_window``, of the long-window
