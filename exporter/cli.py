@@ -171,6 +171,7 @@ def run(config: Config) -> int:
     except ConfigError as err:  # a web config file that broke after build_config read it
         return config_error(err)
     except OSError as err:
-        print(f"{PROG}: {err}", file=sys.stderr)
+        print(f"{PROG}: {err.strerror or err}" if err.errno else f"{PROG}: {err}",
+              file=sys.stderr)
         return 1
     return 0

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 import signal
+from collections.abc import Awaitable
 
 from aiohttp import web
 
@@ -65,9 +66,12 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
                        ssl_context=web_listener.ssl_context if web_listener else None)
     try:
         await site.start()
-    except OSError:
+    except OSError as err:
         await runner.cleanup()
-        raise
+        raise listen_error(err, config.web_listen_address, "--web.listen-address") from None
+    if not config.engine_targets:
+        log.warning("no --vllm.url: reading no vLLM, so only the per-caller usage signals are "
+                    "served (give --vllm.url http://HOST:8000 for the engine's)")
     background = start_background(config, state, listeners.get("tap"), tap_stats)
     scheme = "https" if web_listener and web_listener.ssl_context else "http"
     log.info("listening on %s://%s:%d/metrics, reading %d vLLM target(s)", scheme, host, port,
@@ -124,11 +128,26 @@ def start_background(config: Config, state: SignalsState,
         follower = wiring.file_follower(config, state.usage)
         tasks.append(asyncio.ensure_future(follow(follower, config.usage_file_poll_interval)))
     if config.tap_listen_address:
-        tasks.append(asyncio.ensure_future(run_tap(
+        serving = run_tap(
             wiring.tap_settings(config), wiring.tap_record(state.usage),
             wiring.tap_reject(state.usage),
             secure=tap_listener.install if tap_listener is not None else None,
             ssl_context=tap_listener.ssl_context if tap_listener is not None else None,
             runner=functools.partial(LimitedRunner, stats=tap_stats or ListenerStats(
-                "tap", config.tap_max_connections)))))
+                "tap", config.tap_max_connections)))
+        tasks.append(asyncio.ensure_future(naming_the_flag(
+            config.tap_listen_address, "--tap.listen-address", serving)))
     return tasks
+
+
+def listen_error(err: OSError, address: str, flag: str) -> OSError:
+    """The OS error, naming the address and the flag that chose it."""
+    return OSError(err.errno, f"cannot listen on {address} ({flag}): "
+                              f"{err.strerror or err}")
+
+
+async def naming_the_flag(address: str, flag: str, serving: Awaitable[None]) -> None:
+    try:
+        await serving
+    except OSError as err:
+        raise listen_error(err, address, flag) from None

@@ -62,3 +62,32 @@ async def test_busy_ports_fail_fast_with_a_clear_error(fake_vllm):
             _out, err = await asyncio.wait_for(process.communicate(), timeout=30)
             assert process.returncode == 1, err.decode()
             assert str(busy_port) in err.decode().strip().splitlines()[-1]
+
+
+async def test_a_busy_port_names_the_flag_that_chose_it(fake_vllm):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "exporter", "--vllm.url", fake_vllm.url,
+            "--web.listen-address", f"127.0.0.1:{port}",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+    last = err.decode().strip().splitlines()[-1]
+    assert process.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port} (--web.listen-address)" in last, last
+
+
+async def test_run_without_a_vllm_url_says_so(unused_tcp_port):
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "exporter", "--web.listen-address", f"127.0.0.1:{unused_tcp_port}",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(process.stderr.readline(), timeout=30)
+        while b"--vllm.url" not in line:
+            line = await asyncio.wait_for(process.stderr.readline(), timeout=30)
+        assert b"no --vllm.url" in line
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.communicate(), timeout=20)

@@ -88,6 +88,10 @@ def drift(root: Path, files: dict[str, str]) -> list[tuple[str, str]]:
 
 
 def check(root: Path, files: dict[str, str]) -> int:
+    if not any((root / folder).is_dir() for folder in ("alerts", "dashboards")):
+        print(f"generate --check: {root.resolve()} holds no alerts/ or dashboards/ to check; "
+              "run it from the repository's root or pass --output-dir", file=sys.stderr)
+        return 2
     problems = drift(root, files)
     if not problems:
         print(f"generate --check: {len(files)} file(s) up to date")

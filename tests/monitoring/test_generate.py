@@ -208,3 +208,10 @@ def test_prometheus_operator_manifest(tmp_path: Path, capsys) -> None:
     assert main([*args, "--check"]) == 0
     output.write_text("stale\n", "utf-8")
     assert main([*args, "--check"]) == 1
+
+
+def test_check_outside_the_repository_says_where_it_looked(tmp_path, capsys):
+    assert main(["generate", "--check", "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "--output-dir" in err
+    assert "missing" not in err
