@@ -82,7 +82,8 @@ def read_exporter(text: str) -> ExporterView:
             pair = (labels.get("caller", ""), labels.get("model", ""))
             name = sample.name
             if name == "vllm_cache_engine_kv_pool_min_tokens":
-                view.smallest_pools[(*where, labels.get("engine", ""))] = sample.value
+                view.smallest_pools[(where[0], where[1], labels.get("engine", ""))] = \
+                    sample.value
             elif name == "vllm_cache_engine_kv_pool_tokens":
                 view.pools[where] = view.pools.get(where, 0.0) + sample.value
             elif name == "vllm_cache_engine_conversations_active":

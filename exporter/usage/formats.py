@@ -185,9 +185,9 @@ class OpenAIFormat:
     response, or the final chunk of a stream, the one with ``choices: []`` and the usage),
     or its raw text (JSON, or the SSE stream, in which the last chunk with a usage wins).
     The record's own ``model``, ``ttft_seconds``, ``queue_seconds``, ``session``, ``time``,
-    ``status`` and ``max_tokens`` keys are taken as they are. Without ``ttft_seconds``, vLLM's per-request
-    ``metrics.time_to_first_token_ms`` (``--enable-per-request-metrics``) is used; it is
-    already engine-side.
+    ``status`` and ``max_tokens`` keys are taken as they are. Without ``ttft_seconds``,
+    vLLM's per-request ``metrics.time_to_first_token_ms`` (``--enable-per-request-metrics``)
+    is used; it is already engine-side.
     """
 
     def __call__(self, obj: Any) -> UsageEvent:
