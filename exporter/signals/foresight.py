@@ -20,7 +20,7 @@ Pure: times are handed in, nothing is read from a clock or a socket.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from exporter.signals.engine import EngineState
@@ -221,18 +221,3 @@ def admission_budget(smallest_pool_tokens: int, headroom_tokens: int) -> int:
     """
     return max(0, smallest_pool_tokens - headroom_tokens)
 
-
-def fit_ratio(demand_tokens: int, pool_tokens: int | None) -> float | None:
-    """Live demand over the pool; None without a pool to compare with."""
-    if not pool_tokens or pool_tokens <= 0:
-        return None
-    return demand_tokens / pool_tokens
-
-
-def sum_demand(demands: Iterable[Demand]) -> Demand:
-    total = Demand()
-    for demand in demands:
-        total.conversations += demand.conversations
-        total.context_tokens += demand.context_tokens
-        total.state_tokens += demand.state_tokens
-    return total
