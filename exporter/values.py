@@ -137,6 +137,10 @@ class UsageEvent:
     ``queue_seconds`` is the admission wait at the proxy, included in ``ttft_seconds``.
     ``status`` is an HTTP status (int) or a short word; None means success.
     ``time`` is unix seconds; None means "when it arrived".
+    ``engine_ttft_seconds`` and ``engine_queue_seconds`` are vLLM's own measurements of the
+    request (its per-request ``metrics``, ``--enable-per-request-metrics``): scheduled to
+    first token, and queued to scheduled, inside the engine. They are kept apart from the
+    proxy's figures, which include whatever waited in front of and inside vLLM.
     """
 
     caller: str
@@ -149,6 +153,9 @@ class UsageEvent:
     session: str | None = None
     time: float | None = None
     status: int | str | None = None
+    # ---- vLLM's per-request timings (engine-measured) ----
+    engine_ttft_seconds: float | None = None
+    engine_queue_seconds: float | None = None
 
 
 def status_is_error(status: int | str | None) -> bool:
