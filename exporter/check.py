@@ -5,6 +5,10 @@ silently off (the hybrid default in older vLLM), a renamed counter that a dashbo
 reassuring 0, a KV pool too small for the conversations it has to hold. This command reads
 each vLLM once through the exporter's own engine reader and says what it finds, before any
 Prometheus or Grafana is set up. Exit status: 0 nothing wrong, 1 a problem found, 2 bad flags.
+
+Two flags of vLLM's API server decide what the per-request readers see and show in no metric:
+``--enable-prompt-tokens-details`` and ``--enable-per-request-metrics``. The report names both
+(the tap logs when an answer lacks the second).
 """
 
 from __future__ import annotations
@@ -137,4 +141,9 @@ def render(report: Report) -> Iterator[str]:
         yield f"  PROBLEM: {problem}"
     yield ("  hint: per-request cached tokens cannot be seen from /metrics: start vLLM with "
            "--enable-prompt-tokens-details so your proxy sees them.")
+    # Nor can vLLM's per-request metrics (a flag of its API server, in no metric or config
+    # info): the tap says it in its log at the first answer without them.
+    yield ("  hint: nor can vLLM's own TTFT and queue wait per request: start vLLM with "
+           "--enable-per-request-metrics too, so that TTFT is measured by the engine, not the "
+           "proxy (the tap logs a warning at the first answer without them).")
     yield "  " + ("problems found" if report.problems else "OK")
