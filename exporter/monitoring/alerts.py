@@ -164,9 +164,10 @@ sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(promql.states
             f"""Caller {{{{ $labels.caller }}}} on {{{{ $labels.model }}}}: the median
             engine-side time to first token of its turns{{{{ if eq $labels.source "proxy" }}}}
             (measured at the proxy, vLLM's own queue included){{{{ end }}}} over the last
-            {config.short_window} is {{{{ $value | humanizeDuration }}}}, although its baseline warm share is {share}
-            (over the last {config.baseline_window}). Seconds means the cache held; a minute
-            means it was evicted or the engine is shared too widely.""",
+            {config.short_window} is {{{{ $value | humanizeDuration }}}}, although its
+            baseline warm share is {share} (over the last {config.baseline_window}). Seconds
+            means the cache held; a minute means it was evicted or the engine is shared too
+            widely.""",
             self.dashboard_link(config.caller_uid, CALLER),
             keep_firing_for=config.warm_ttft_keep_firing_for)
 

@@ -58,7 +58,8 @@ def usage_event(caller: str, session: str | None, completion: Completion,
                            ("queue_time_ms", "engine_queue_seconds")):
             value = metrics.get(key)
             # As sent (the exporter checks the range), if it is a number a float can hold.
-            if type(value) in (int, float) and -1e15 < value < 1e15:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and -1e15 < value < 1e15:
                 event[field] = value / 1000
     event["status"] = completion.status
     return event
