@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gzip
 import os
 import statistics
@@ -35,11 +36,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from exporter import metrics  # noqa: E402
 from exporter.config import Config  # noqa: E402
 from exporter.metrics import build_registry  # noqa: E402
 from exporter.metrics.exposition import (  # noqa: E402
@@ -54,6 +56,12 @@ from exporter.signals.state import SignalsState  # noqa: E402
 from exporter.signals.usage import SERIES_PER_PAIR  # noqa: E402
 from exporter.values import UsageEvent  # noqa: E402
 from exporter.wiring import signals_state  # noqa: E402
+
+# The process_* series read a recorded /proc, as in the tests: the real one changes between
+# two renders of the same registry (the renders allocate), and every body is compared.
+metrics.ProcessCollector = functools.partial(  # type: ignore[misc]
+    ProcessCollector, proc=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+                               / "proc"))
 
 MODEL = "qwen3.8-27b"
 # (prompt, cached, ttft): one warm, one partial and one cold turn per caller at G = 2048.

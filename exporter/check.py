@@ -11,6 +11,10 @@ the admission budget under it; and, given ``--exporter.url`` (a running exporter
 seen the usage and every vLLM boot since it started), whether the live conversations fit and
 what each caller declares against what it uses. The sentences come from
 ``exporter.signals.advice``, shared with the other surfaces that say the same.
+
+Two flags of vLLM's API server decide what the per-request readers see and show in no metric:
+``--enable-prompt-tokens-details`` and ``--enable-per-request-metrics``. The report names both
+(the tap logs when an answer lacks the second).
 """
 
 from __future__ import annotations
@@ -268,4 +272,9 @@ def render(report: Report) -> Iterator[str]:
         yield f"  PROBLEM: {problem}"
     yield ("  hint: per-request cached tokens cannot be seen from /metrics: start vLLM with "
            "--enable-prompt-tokens-details so your proxy sees them.")
+    # Nor can vLLM's per-request metrics (a flag of its API server, in no metric or config
+    # info): the tap says it in its log at the first answer without them.
+    yield ("  hint: nor can vLLM's own TTFT and queue wait per request: start vLLM with "
+           "--enable-per-request-metrics too, so that TTFT is measured by the engine, not the "
+           "proxy (the tap logs a warning at the first answer without them).")
     yield "  " + ("problems found" if report.problems else "OK")

@@ -466,6 +466,9 @@ FLAGS: tuple[Flag, ...] = (
               "in vLLM before 0.26).", _to_bool, None, kind="bool"),
     _sim_flag("enable-prompt-tokens-details", "Report prompt_tokens_details.cached_tokens in "
               "usage (default: off, as in vLLM).", _to_bool, None, kind="bool"),
+    _sim_flag("enable-per-request-metrics", "Add vLLM's per-request metrics object (TTFT, "
+              "queue time, ...) to every response and to a stream's usage chunk (default: "
+              "off, as in vLLM).", _to_bool, None, kind="bool"),
     # --- generate -------------------------------------------------------------------------
     Flag("output-dir", "Generate", "Directory that holds alerts/ and dashboards/.", _to_str,
          ".", metavar="DIR", commands=frozenset({GENERATE})),

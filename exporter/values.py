@@ -137,6 +137,10 @@ class UsageEvent:
     ``queue_seconds`` is the admission wait at the proxy, included in ``ttft_seconds``.
     ``status`` is an HTTP status (int) or a short word; None means success.
     ``time`` is unix seconds; None means "when it arrived".
+    ``engine_ttft_seconds`` and ``engine_queue_seconds`` are vLLM's own measurements of the
+    request (its per-request ``metrics``, ``--enable-per-request-metrics``): scheduled to
+    first token, and queued to scheduled, inside the engine. They are kept apart from the
+    proxy's figures, which include whatever waited in front of and inside vLLM.
     ``max_tokens`` is the completion budget the request declared (``max_tokens`` or
     ``max_completion_tokens``), where the reader sees the request; None when unknown. Set
     against ``completion_tokens`` it shows how far callers overstate what they use.
@@ -152,6 +156,9 @@ class UsageEvent:
     session: str | None = None
     time: float | None = None
     status: int | str | None = None
+    # ---- vLLM's per-request timings (engine-measured) ----
+    engine_ttft_seconds: float | None = None
+    engine_queue_seconds: float | None = None
     # ---- foresight (optional; readers fill them where their input has them) ----
     max_tokens: int | None = None
 

@@ -72,6 +72,10 @@ async def test_command_exit_codes(fake_vllm, unused_tcp_port):
     code, out, _ = await run_check(fake_vllm.url)
     assert code == 0, out
     assert out.splitlines()[0] == fake_vllm.url and "  OK" in out.splitlines()
+    # What /metrics cannot tell is named, never guessed: both per-request flags.
+    hints = [line for line in out.splitlines() if line.startswith("  hint: ")]
+    assert ["--enable-prompt-tokens-details" in hints[0],
+            "--enable-per-request-metrics" in hints[1]] == [True, True], hints
 
     fake_vllm.body = REAL.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
     code, out, _ = await run_check(fake_vllm.url)

@@ -78,3 +78,29 @@ async def test_demo_stops_cleanly_on_ctrl_c():
     output = out.decode()
     assert "cached_tokens not reported: start vLLM with --enable-prompt-tokens-details" in output
     assert "Traceback" not in errors.decode()
+
+
+def test_the_view_shows_the_engines_ttft_where_vllm_measured_it():
+    """The two sources are never added up: vLLM's own TTFT where it sent one, else the
+    proxy's."""
+    from exporter.demo.view import parse_snapshot
+
+    def histogram(caller: str, state: str, source: str, counts: list[int]) -> str:
+        labels = f'caller="{caller}",model="m",source="{source}",state="{state}"'
+        lines = [f'vllm_cache_ttft_seconds_bucket{{{labels},le="{le}"}} {count}'
+                 for le, count in zip(("1.0", "10.0", "100.0", "+Inf"), counts, strict=True)]
+        return "\n".join([*lines, f"vllm_cache_ttft_seconds_count{{{labels}}} {counts[-1]}",
+                          f"vllm_cache_ttft_seconds_sum{{{labels}}} 1.0"])
+
+    text = "\n".join([
+        "# TYPE vllm_cache_ttft_seconds histogram",
+        histogram("both", "warm", "engine", [4, 4, 4, 4]),  # under a second
+        histogram("both", "warm", "proxy", [0, 0, 4, 4]),  # the queue in it: ~a minute
+        histogram("proxy-only", "warm", "proxy", [0, 0, 4, 4]),
+        histogram("engine-idle", "warm", "engine", [0, 0, 0, 0]),
+        histogram("engine-idle", "warm", "proxy", [0, 4, 4, 4]),
+    ]) + "\n"
+    callers = parse_snapshot(text, 0.0).callers
+    assert callers["both"].ttft_p50("warm") == 0.5
+    assert callers["proxy-only"].ttft_p50("warm") == 55.0
+    assert callers["engine-idle"].ttft_p50("warm") == 5.5

@@ -111,7 +111,8 @@ def assert_same(registry: CollectorRegistry) -> bytes:
 
 
 def record_all_states(state: SignalsState, caller: str, model: str) -> None:
-    """One event of every state at G = 2048, all timed (error is never timed)."""
+    """Two events of every state at G = 2048, all timed (error is never timed): one timed
+    by the proxy, one by vLLM (source="proxy" and source="engine")."""
     assert state.usage is not None
     turns = [
         (91_070, 86_016, None),  # warm
@@ -126,6 +127,11 @@ def record_all_states(state: SignalsState, caller: str, model: str) -> None:
                                       ttft_seconds=0.04 + index * 7.3,
                                       queue_seconds=0.001 * index if index % 2 else None,
                                       status=status), "http")
+        state.usage.record(UsageEvent(caller, model, prompt, cached,
+                                      ttft_seconds=9.5, status=status,
+                                      engine_ttft_seconds=0.03 + index * 5.1,
+                                      engine_queue_seconds=0.002 * index if index % 3 else None),
+                           "http")
 
 
 # Label values the encoders must escape only reach them when the name policy lets any name
@@ -136,7 +142,8 @@ ANY_NAME = {"callers_name_pattern": r"(?s).{1,256}", "callers_model_pattern": r"
 def hostile_state(callers: int = 300) -> SignalsState:
     clock = Clock()
     state = signals_state(Config(signals_granularity=2048, callers_max=callers - 20,
-                                usage_file=("/x/*.jsonl",), **ANY_NAME), clock=clock)
+                                callers_max_series=10_000_000, usage_file=("/x/*.jsonl",),
+                                **ANY_NAME), clock=clock)
     usage = state.usage
     assert usage is not None
     models = ["qwen3.8-27b", 'mo"del', "mod\\el\n", "ünï"]
@@ -151,6 +158,11 @@ def hostile_state(callers: int = 300) -> SignalsState:
     quiet = usage.series.setdefault(("quiet", "qwen3.8-27b"), Series())
     quiet.ttft["warm"] = Histogram(TTFT_BUCKETS)
     quiet.queue = Histogram(QUEUE_BUCKETS)
+    quiet.engine_ttft["cold"] = Histogram(TTFT_BUCKETS)
+    quiet.engine_queue = Histogram(QUEUE_BUCKETS)
+    engine_only = usage.series.setdefault(("engine-only", "qwen3.8-27b"), Series())
+    engine_only.engine_ttft["partial"] = Histogram(TTFT_BUCKETS)
+    engine_only.engine_queue = Histogram(QUEUE_BUCKETS)
     usage.series.setdefault(("untimed", "qwen3.8-27b"), Series())
     # Odd values in every place a value is printed.
     for index, number in enumerate(ODD_FLOATS):
@@ -160,6 +172,11 @@ def hostile_state(callers: int = 300) -> SignalsState:
         hist.total = number
         series.queue = Histogram(QUEUE_BUCKETS)
         series.queue.counts[-1] = 2_000_000 + index  # cumulative counts past 1e6
+        engine = series.engine_ttft["cold"] = Histogram(TTFT_BUCKETS)
+        engine.counts[index % len(engine.counts)] = 1_999_999 + index
+        engine.total = number
+        series.engine_queue = Histogram(QUEUE_BUCKETS)
+        series.engine_queue.total = -number if number == number else number
     for index, number in enumerate(ODD_INTS):
         series = usage.series.setdefault((f"int-{index:02d}", "m"), Series())
         series.prompt_tokens = series.cached_tokens = number
@@ -240,6 +257,9 @@ def test_many_hostile_callers_render_identically():
     assert 'caller="__other__"' in text and 'caller="key-' in text
     for state_name in STATES:
         assert f'state="{state_name}"}} ' in text
+    for source in ("engine", "proxy"):
+        assert f'source="{source}",state="warm"}} ' in text
+        assert f'source="{source}"}} ' in text  # the queue waits
     assert "NaN\n" in text and "+Inf\n" in text and "-Inf\n" in text
     assert "e+06\n" in text and "e-300\n" in text
 

@@ -29,7 +29,15 @@ class CallerStats:
     prompt_tokens: float = 0.0
     cached_tokens: float = 0.0
     unreported_tokens: float = 0.0
-    ttft_buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # state -> le
+    # (state, source) -> le -> count; source is who measured it, vLLM ("engine") or the
+    # proxy ("proxy"): never added up, the engine's is shown where there is one.
+    ttft_buckets: dict[tuple[str, str], dict[float, float]] = field(default_factory=dict)
+
+    def ttft_p50(self, state: str) -> float | None:
+        engine = self.ttft_buckets.get((state, "engine"), {})
+        if engine and max(engine.values()) > 0:
+            return quantile(0.5, engine)
+        return quantile(0.5, self.ttft_buckets.get((state, "proxy"), {}))
 
     @property
     def total(self) -> float:
@@ -71,7 +79,8 @@ def parse_snapshot(text: str, time: float) -> Snapshot:
                 elif name == "vllm_cache_unreported_prompt_tokens_total":
                     stats.unreported_tokens += value
                 elif name == "vllm_cache_ttft_seconds_bucket":
-                    buckets = stats.ttft_buckets.setdefault(labels.get("state", ""), {})
+                    buckets = stats.ttft_buckets.setdefault(
+                        (labels.get("state", ""), labels.get("source", "proxy")), {})
                     bound = float(labels["le"])
                     buckets[bound] = buckets.get(bound, 0.0) + value
                 continue
@@ -190,8 +199,7 @@ class DemoView:
                 caller, int(stats.total), window, ratio(stats.cached_tokens, stats.prompt_tokens),
                 int(requests.get("warm", 0)), int(requests.get("partial", 0)),
                 int(requests.get("cold", 0)), int(other),
-                quantile(0.5, stats.ttft_buckets.get("warm", {})),
-                quantile(0.5, stats.ttft_buckets.get("cold", {}))))
+                stats.ttft_p50("warm"), stats.ttft_p50("cold")))
         return Summary(rows, now.engine_up, now.prefix_caching, now.kv_used_tokens,
                        now.kv_pool_tokens, int(now.preemptions),
                        int(now.preemptions - first.preemptions), now.running, now.waiting,

@@ -28,7 +28,15 @@ from exporter.metrics.exposition import (
     format_value,
 )
 from exporter.signals.classify import STATES
-from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, Series, UsageState
+from exporter.signals.usage import (
+    ENGINE,
+    PROXY,
+    QUEUE_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+    Series,
+    UsageState,
+)
 
 _TTFT_LE = [floatToGoString(b) for b in TTFT_BUCKETS] + ["+Inf"]
 _QUEUE_LE = [floatToGoString(b) for b in QUEUE_BUCKETS] + ["+Inf"]
@@ -68,13 +76,17 @@ def _per_caller_families() -> tuple[Metric, ...]:
             labels=["caller", "model"]),
         HistogramMetricFamily(
             TTFT,
-            "Engine-side time to first token (the proxy's TTFT minus its admission queue wait "
-            "when known), by cache outcome.",
-            labels=["caller", "model", "state"]),
+            "Time to first token without the waits in front of it, by cache outcome and by "
+            "who measured it: source=engine is vLLM's own (scheduled to first token, "
+            "--enable-per-request-metrics), source=proxy the proxy's TTFT minus its "
+            "admission wait when known (vLLM's own queue still in it). One per request.",
+            labels=["caller", "model", "state", "source"]),
         HistogramMetricFamily(
             QUEUE,
-            "Admission wait at the proxy before the request reached vLLM.",
-            labels=["caller", "model"]),
+            "Time waited before vLLM read the prompt: source=proxy is the proxy's admission "
+            "gate, source=engine vLLM's own scheduler queue. Two queues one after the "
+            "other, never to be summed.",
+            labels=["caller", "model", "source"]),
     )
 
 
@@ -85,8 +97,8 @@ _OPENMETRICS_HEADERS = tuple(OPENMETRICS.header(family.name, family.documentatio
                                                 family.unit)
                              for family in _per_caller_families())
 
-# Series rendered between two turns of the event loop: at 78 samples a series (every state
-# timed), a slice is a millisecond or two.
+# Series rendered between two turns of the event loop (a series is up to SERIES_PER_PAIR
+# samples: every state timed by both sources), so that no slice holds the loop for long.
 SERIES_PER_SLICE = 32
 # Series' lines of one family joined in one slice at the end (a few MB at most).
 SERIES_PER_PIECE = 256
@@ -110,7 +122,7 @@ class _HistogramText:
     __slots__ = ("head", "tail", "count", "sum")
 
     def __init__(self, name: str, caller: str, rest: str) -> None:
-        # Labels print sorted by name: caller, le, model, state.
+        # Labels print sorted by name: caller, le, model, source, state.
         self.head = f'{name}_bucket{{{caller},le="'
         self.tail = f'",{rest}}} '
         self.count = f"{name}_count{{{caller},{rest}}} "
@@ -131,20 +143,22 @@ class _SeriesText:
         self.prompt = f"{PROMPT}_total{{{pair}}} "
         self.cached = f"{CACHED}_total{{{pair}}} "
         self.unreported = f"{UNREPORTED}_total{{{pair}}} "
-        self.ttft: dict[str, _HistogramText] = {}
-        self.queue: _HistogramText | None = None
+        self.ttft: dict[tuple[str, str], _HistogramText] = {}  # by (state, source)
+        self.queue: dict[str, _HistogramText] = {}  # by source
 
-    def ttft_text(self, state: str) -> _HistogramText:
-        text = self.ttft.get(state)
+    def ttft_text(self, state: str, source: str) -> _HistogramText:
+        text = self.ttft.get((state, source))
         if text is None:
-            text = self.ttft[state] = _HistogramText(TTFT, self._caller,
-                                                     f'{self._model},state="{state}"')
+            text = self.ttft[(state, source)] = _HistogramText(
+                TTFT, self._caller, f'{self._model},source="{source}",state="{state}"')
         return text
 
-    def queue_text(self) -> _HistogramText:
-        if self.queue is None:
-            self.queue = _HistogramText(QUEUE, self._caller, self._model)
-        return self.queue
+    def queue_text(self, source: str) -> _HistogramText:
+        text = self.queue.get(source)
+        if text is None:
+            text = self.queue[source] = _HistogramText(QUEUE, self._caller,
+                                                       f'{self._model},source="{source}"')
+        return text
 
 
 def _histogram_lines(out: list[str], text: _HistogramText, hist: Histogram,
@@ -175,6 +189,23 @@ def _shown(series: Series, now: float) -> Series:
 
 def _shown_histogram(hist: Histogram, zero: Histogram, now: float) -> Histogram:
     return zero if hist.shown_from > now else hist
+
+
+def _ttft_histograms(series: Series, state: str) -> Iterator[tuple[str, Histogram]]:
+    """(source, histogram) of one state, in exposition order (engine before proxy)."""
+    hist = series.engine_ttft.get(state)
+    if hist is not None:
+        yield ENGINE, hist
+    hist = series.ttft.get(state)
+    if hist is not None:
+        yield PROXY, hist
+
+
+def _queue_histograms(series: Series) -> Iterator[tuple[str, Histogram]]:
+    if series.engine_queue is not None:
+        yield ENGINE, series.engine_queue
+    if series.queue is not None:
+        yield PROXY, series.queue
 
 
 class UsageCollector:
@@ -212,14 +243,15 @@ class UsageCollector:
             unreported_samples.append(Sample("vllm_cache_unreported_prompt_tokens_total", pair,
                                              series.unreported_prompt_tokens))
             for state in STATES:
-                hist = real.ttft.get(state)
-                if hist is not None:
+                for source, hist in _ttft_histograms(real, state):
                     _histogram(ttft.samples, "vllm_cache_ttft_seconds",
-                               {"caller": caller, "model": model, "state": state},
+                               {"caller": caller, "model": model, "state": state,
+                                "source": source},
                                _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
-            if real.queue is not None:
-                _histogram(queue.samples, "vllm_cache_queue_wait_seconds", pair,
-                           _shown_histogram(real.queue, _ZERO_QUEUE, now), _QUEUE_LE)
+            for source, hist in _queue_histograms(real):
+                _histogram(queue.samples, "vllm_cache_queue_wait_seconds",
+                           {"caller": caller, "model": model, "source": source},
+                           _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
         yield from families
         yield from self._other_families()
 
@@ -277,18 +309,24 @@ class UsageCollector:
             prompt.append(f"{text.prompt}{fmt_value(series.prompt_tokens)}\n")
             cached.append(f"{text.cached}{fmt_value(series.cached_tokens)}\n")
             unreported.append(f"{text.unreported}{fmt_value(series.unreported_prompt_tokens)}\n")
-            if real.ttft:
+            engine_ttft, proxy_ttft = real.engine_ttft, real.ttft
+            if proxy_ttft or engine_ttft:
                 lines: list[str] = []
-                for state in STATES:
-                    hist = real.ttft.get(state)
+                for state in STATES:  # as _ttft_histograms, inlined: once per series
+                    hist = engine_ttft.get(state)
                     if hist is not None:
-                        _histogram_lines(lines, text.ttft_text(state),
+                        _histogram_lines(lines, text.ttft_text(state, ENGINE),
+                                         _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
+                    hist = proxy_ttft.get(state)
+                    if hist is not None:
+                        _histogram_lines(lines, text.ttft_text(state, PROXY),
                                          _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
                 ttft.append("".join(lines))
-            if real.queue is not None:
+            if real.queue is not None or real.engine_queue is not None:
                 lines = []
-                _histogram_lines(lines, text.queue_text(),
-                                 _shown_histogram(real.queue, _ZERO_QUEUE, now), _QUEUE_LE)
+                for source, hist in _queue_histograms(real):
+                    _histogram_lines(lines, text.queue_text(source),
+                                     _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
                 queue.append("".join(lines))
             if index % per_slice == 0:
                 yield

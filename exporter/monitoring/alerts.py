@@ -145,20 +145,30 @@ and {names.caller_prompt[short]}{selector} offset {config.short_window} > {calle
     def warm_ttft_collapse(self) -> dict[str, Any]:
         config, promql, names = self.config, self.promql, self.names
         warm_share = names.caller_warm_share[names.baseline]
+        median = names.caller_ttft['p50']
+        # vLLM's own TTFT where it measured the caller's turns in the window, else the
+        # proxy's: a proxy's figure still holds vLLM's queue, which is not the cache.
         expr = f"""
-{names.caller_ttft['p50']}{promql.sel()} > {number(config.warm_ttft_seconds)}
-and {warm_share}{promql.sel()} > {number(config.warm_ttft_min_warm_share)}
-and sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(promql.states_matcher())})
+(
+  {median}{promql.sel('source="engine"')}
+  or ignoring (source)
+  {median}{promql.sel('source!="engine"')}
+) > {number(config.warm_ttft_seconds)}
+and {promql.on(*CALLER)} {warm_share}{promql.sel()} > {number(config.warm_ttft_min_warm_share)}
+and {promql.on(*CALLER)}
+sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(promql.states_matcher())})
   > {number(config.warm_ttft_min_requests_per_second)}"""
         share = self.query_value(warm_share, CALLER, "humanizePercentage")
         return self.alert(
             "VllmCacheWarmTTFTCollapse", expr, config.warm_ttft_for, config.warm_ttft_severity,
             "Turns that should be warm take a minute or more to their first token.",
             f"""Caller {{{{ $labels.caller }}}} on {{{{ $labels.model }}}}: the median
-            engine-side time to first token of its turns over the last {config.short_window}
-            is {{{{ $value | humanizeDuration }}}}, although its baseline warm share is {share}
-            (over the last {config.baseline_window}). Seconds means the cache held; a minute
-            means it was evicted or the engine is shared too widely.""",
+            engine-side time to first token of its turns{{{{ if eq $labels.source "proxy" }}}}
+            (measured at the proxy, vLLM's own queue included){{{{ end }}}} over the last
+            {config.short_window} is {{{{ $value | humanizeDuration }}}}, although its
+            baseline warm share is {share} (over the last {config.baseline_window}). Seconds
+            means the cache held; a minute means it was evicted or the engine is shared too
+            widely.""",
             self.dashboard_link(config.caller_uid, CALLER),
             keep_firing_for=config.warm_ttft_keep_firing_for)
 

@@ -29,6 +29,9 @@ class PromQL:
     def by(self, *level: str) -> str:
         return "by (" + ", ".join(self.labels(*level)) + ")"
 
+    def on(self, *level: str) -> str:
+        return "on (" + ", ".join(self.labels(*level)) + ")"
+
     @staticmethod
     def window_suffix(window: str) -> str:
         return "rate" + window

@@ -174,8 +174,10 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
                        _baseline(config, promql, names.caller_hit_ratio[names.long])))
     rules.append(_rule(names.caller_warm_share[names.baseline],
                        _baseline(config, promql, names.caller_warm_share[names.long])))
+    # TTFT keeps its source (vLLM's own, or the proxy's): two ways of measuring, never
+    # summed into one distribution.
     rules.append(_rule(names.caller_state_ttft_bucket,
-                       f"sum {promql.by(*CALLER_STATE, 'le')} ("
+                       f"sum {promql.by(*CALLER_STATE, 'source', 'le')} ("
                        f"rate(vllm_cache_ttft_seconds_bucket"
                        f"{promql.sel(classified)}[{config.short_window}]))"))
     # ">= 0" drops the NaN histogram_quantile returns for a window without requests.
@@ -185,12 +187,13 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
                            f"{names.caller_state_ttft_bucket}{promql.sel()}) >= 0"))
     for name, quantile in QUANTILES:
         rules.append(_rule(names.caller_ttft[name],
-                           f"histogram_quantile({quantile}, sum {promql.by(*CALLER, 'le')} "
+                           f"histogram_quantile({quantile}, "
+                           f"sum {promql.by(*CALLER, 'source', 'le')} "
                            f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0"))
     for name, quantile in QUANTILES:
         rules.append(_rule(names.model_state_ttft[name],
                            f"histogram_quantile({quantile}, "
-                           f"sum {promql.by('model', 'state', 'le')} "
+                           f"sum {promql.by('model', 'state', 'source', 'le')} "
                            f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0"))
     rules.extend(_completion_rules(config, promql, names))
     return rules

@@ -29,11 +29,16 @@ from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
 from exporter.values import UsageEvent, status_is_error
 
+# Who measured a TTFT or a queue wait: vLLM itself (its per-request metrics) or the proxy in
+# front of it. The ``source`` label of both histograms: the two never share a series.
+ENGINE, PROXY = "engine", "proxy"
+TIMING_SOURCES = (ENGINE, PROXY)
 # Engine-side time to first token: 50 ms (a warm short turn) to 10 min (a cold 180k prompt
 # on one consumer card read at ~300 tokens/s).
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
                 600.0)
-# Admission wait at the proxy: mostly zero, minutes when a long request holds the card.
+# Waits before the prompt is read (the proxy's admission gate, vLLM's scheduler queue):
+# mostly zero, minutes when a long request holds the card.
 QUEUE_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                  300.0, 600.0)
 # Completion tokens used by requests that declared a max_tokens: a short tool call (tens) to
@@ -53,14 +58,16 @@ PAIR_MEMO_MAX = 10_000
 # Distinct (reader, reason) pairs counted; reasons come from code, this guards the tap's.
 MAX_REJECT_KEYS = 256
 # The most series one (caller, model) pair can ever have: the requests counter per state,
-# three token counters, a TTFT histogram per state that is timed (errors are not), and
-# the queue-wait histogram; then (foresight) the completion-tokens-used histogram and the
-# declared-completion-tokens counter. A new pair is admitted only if its worst case still
-# fits the series budget, so the bound holds whatever states and histograms appear later.
+# three token counters, and per timing source a TTFT histogram per state that is timed
+# (errors are not) and a queue-wait histogram; then (foresight) the completion-tokens-used
+# histogram and the declared-completion-tokens counter. A new pair is admitted only if its
+# worst case still fits the series budget, so the bound holds whatever states, sources and
+# histograms appear later.
 TIMED_STATES = tuple(state for state in STATES if state != ERROR)
 COMPLETION_SERIES = len(COMPLETION_BUCKETS) + 3 + 1
-SERIES_PER_PAIR = (len(STATES) + 3 + len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3)
-                   + len(QUEUE_BUCKETS) + 3 + COMPLETION_SERIES)
+SERIES_PER_PAIR = (len(STATES) + 3 + len(TIMING_SOURCES) * (
+    len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3) + len(QUEUE_BUCKETS) + 3)
+    + COMPLETION_SERIES)
 
 SOURCE_CONFIGURED = "configured"
 SOURCE_LEARNED = "learned"
@@ -88,16 +95,20 @@ class Series:
     """Everything counted for one (caller, model) label pair."""
 
     __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
-                 "ttft", "queue", "reported_cached", "shown_from",
-                 "completion", "declared_completion_tokens")
+                 "ttft", "queue", "engine_ttft", "engine_queue", "reported_cached",
+                 "shown_from", "completion", "declared_completion_tokens")
 
     def __init__(self, shown_from: float = 0.0) -> None:
         self.requests = dict.fromkeys(STATES, 0)
         self.prompt_tokens = 0  # only events that reported cached tokens
         self.cached_tokens = 0
         self.unreported_prompt_tokens = 0
-        self.ttft: dict[str, Histogram] = {}  # by state, created on first observation
+        # Proxy-measured (the proxy's TTFT minus its admission wait; that wait), and
+        # engine-measured (vLLM's per-request metrics): by state, created on first use.
+        self.ttft: dict[str, Histogram] = {}
         self.queue: Histogram | None = None
+        self.engine_ttft: dict[str, Histogram] = {}
+        self.engine_queue: Histogram | None = None
         self.reported_cached = False  # has an event of this pair ever carried cached_tokens
         # Before this time the pair is exposed with every counter at zero (see UsageState).
         self.shown_from = shown_from
@@ -221,21 +232,36 @@ class UsageState:
         else:
             series.prompt_tokens += prompt_tokens
             series.cached_tokens += cached
-        ttft = event.ttft_seconds
         queue = event.queue_seconds
-        if ttft is not None:
-            if queue is not None:
-                # Proxy clocks can disagree by a few ms; a wait longer than the TTFT means
-                # the engine part was too short to measure, not negative.
-                ttft = ttft - queue if ttft > queue else 0.0
-            hist = series.ttft.get(state)
+        engine_ttft = event.engine_ttft_seconds
+        if engine_ttft is not None:
+            # vLLM's own: from scheduling to the first token, no wait in it. The proxy's
+            # figure of the same request is not counted a second time.
+            hist = series.engine_ttft.get(state)
             if hist is None:
-                hist = series.ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
-            hist.observe(ttft)
+                hist = series.engine_ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
+            hist.observe(engine_ttft)
+        else:
+            ttft = event.ttft_seconds
+            if ttft is not None:
+                if queue is not None:
+                    # Proxy clocks can disagree by a few ms; a wait longer than the TTFT
+                    # means the engine part was too short to measure, not negative.
+                    ttft = ttft - queue if ttft > queue else 0.0
+                hist = series.ttft.get(state)
+                if hist is None:
+                    hist = series.ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
+                hist.observe(ttft)
         if queue is not None:
             if series.queue is None:
                 series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
             series.queue.observe(queue)
+        engine_queue = event.engine_queue_seconds
+        if engine_queue is not None:
+            # A second queue, after the proxy's: a request can wait in both.
+            if series.engine_queue is None:
+                series.engine_queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+            series.engine_queue.observe(engine_queue)
         self._foresight(event, series, model, now)
         return state
 

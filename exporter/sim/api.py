@@ -5,6 +5,13 @@ anything unusable) and responses carry vLLM 0.32.0's usage block exactly:
 ``prompt_tokens_details`` only with ``--enable-prompt-tokens-details`` (else ``null``),
 ``created_cache_tokens`` only on chat, and in a stream the usage only in a final chunk whose
 ``choices`` is empty, and only when ``stream_options.include_usage`` asks for it.
+
+With ``enable_per_request_metrics`` they carry vLLM's ``metrics`` object too, computed as
+vLLM computes it (``build_per_request_timing_metrics`` in
+``vllm/entrypoints/generate/base/serving.py``) from the simulated engine's timestamps:
+queued (arrival), scheduled (first admission; a preempted request keeps it), first token,
+last token (the finish), in scenario seconds. A whole response has every key, nulls included
+(``model_dump()``); a stream's usage chunk only the non-null ones (``exclude_none``).
 """
 
 from __future__ import annotations
@@ -63,6 +70,11 @@ class Outcome:
     created_cache_tokens: int
     completion_tokens: int
     finish_reason: str
+    # The engine's timestamps (scenario seconds), for vLLM's per-request metrics.
+    queued_at: float
+    scheduled_at: float | None
+    first_token_at: float | None
+    last_token_at: float
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -235,7 +247,8 @@ class SimService:
         seq = end.seq
         return Outcome(seq.request_id, running.request.kind, running.created,
                        seq.prompt_tokens, seq.hit_tokens, seq.new_cached_tokens,
-                       seq.generated_tokens, end.reason)
+                       seq.generated_tokens, end.reason, seq.arrival, seq.admitted_at,
+                       seq.first_token_at, end.time)
 
     def abort(self, running: Running) -> None:
         self.runner.abort(running.request_id)
@@ -264,13 +277,15 @@ class SimService:
         return usage
 
     def response(self, running: Running, outcome: Outcome) -> dict[str, Any]:
-        """The non-streamed body, with every key vLLM 0.32.0 sends (nulls included)."""
+        """The non-streamed body, with every key vLLM 0.32.0 sends (nulls included), in its
+        order."""
         text = running.reply.text(0, outcome.completion_tokens)
         choice: dict[str, Any]
-        body: dict[str, Any] = {"id": outcome.request_id, "created": outcome.created,
-                                "model": self.model}
+        body: dict[str, Any] = {"id": outcome.request_id,
+                                "object": "chat.completion" if outcome.kind == CHAT
+                                else "text_completion",
+                                "created": outcome.created, "model": self.model}
         if outcome.kind == CHAT:
-            body["object"] = "chat.completion"
             choice = {"index": 0,
                       "message": {"role": "assistant", "content": text, "refusal": None,
                                   "annotations": None, "audio": None, "function_call": None,
@@ -278,7 +293,6 @@ class SimService:
                       "logprobs": None, "finish_reason": outcome.finish_reason,
                       "stop_reason": None, "token_ids": None, "routed_experts": None}
         else:
-            body["object"] = "text_completion"
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": outcome.finish_reason, "stop_reason": None,
                       "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
@@ -289,8 +303,15 @@ class SimService:
         if outcome.kind == CHAT:
             body.update({"prompt_logprobs": None, "prompt_token_ids": None,
                          "prompt_text": None})
-        body.update({"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None})
+        body.update({"kv_transfer_params": None, "ec_transfer_params": None,
+                     "metrics": self.per_request_metrics(outcome)})
         return body
+
+    def per_request_metrics(self, outcome: Outcome) -> dict[str, Any] | None:
+        """vLLM's ``metrics`` object of a whole response: None without the flag."""
+        if not self.config.enable_per_request_metrics:
+            return None
+        return {**per_request_timings(outcome), "speculative_decoding": None}
 
     def chunk(self, running: Running, text: str | None, finish_reason: str | None = None,
               role: bool = False) -> dict[str, Any]:
@@ -313,6 +334,34 @@ class SimService:
 
     def usage_chunk(self, running: Running, outcome: Outcome) -> dict[str, Any]:
         obj = "chat.completion.chunk" if running.request.kind == CHAT else "text_completion"
-        return {"id": running.request_id, "object": obj, "created": running.created,
-                "model": self.model, "choices": [], "usage": self.usage(outcome, stream=True),
-                "system_fingerprint": FINGERPRINT}
+        chunk = {"id": running.request_id, "object": obj, "created": running.created,
+                 "model": self.model, "choices": [], "usage": self.usage(outcome, stream=True),
+                 "system_fingerprint": FINGERPRINT}
+        if self.config.enable_per_request_metrics:
+            timings = per_request_timings(outcome)
+            chunk["metrics"] = {key: value for key, value in timings.items()
+                                if value is not None}
+        return chunk
+
+
+def per_request_timings(outcome: Outcome) -> dict[str, float | None]:
+    """The five timings of vLLM's PerRequestMetrics, in its key order, each None where vLLM
+    would lack a timestamp (vLLM tests a timestamp for > 0, meaning "set": here None)."""
+    queued, scheduled = outcome.queued_at, outcome.scheduled_at
+    first, last = outcome.first_token_at, outcome.last_token_at
+    tokens = outcome.completion_tokens
+    ttft = generation = queue = mean_itl = tokens_per_second = None
+    if scheduled is not None and first is not None:
+        ttft = (first - scheduled) * 1000
+    if first is not None:
+        generation = (last - first) * 1000
+        if tokens > 1:
+            mean_itl = (last - first) / (tokens - 1) * 1000
+    if scheduled is not None:
+        queue = (scheduled - queued) * 1000
+        inference_ms = (last - scheduled) * 1000
+        if inference_ms > 0:
+            tokens_per_second = tokens / inference_ms * 1000
+    return {"time_to_first_token_ms": ttft, "generation_time_ms": generation,
+            "queue_time_ms": queue, "mean_itl_ms": mean_itl,
+            "tokens_per_second": tokens_per_second}

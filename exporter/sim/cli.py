@@ -63,10 +63,12 @@ async def serve(config: EngineConfig, host: str, port: int, speed: float) -> int
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     log.info("simulated vLLM serving %s on http://%s:%d (pool %d tokens, block %d, granule "
-             "%d, prefix caching %s, prompt token details %s, speed x%g)",
+             "%d, prefix caching %s, prompt token details %s, per-request metrics %s, "
+             "speed x%g)",
              config.served_model_name, host, bound, config.pool_tokens, config.block_size,
              config.granule, "on" if config.prefix_caching else "off",
-             "on" if config.enable_prompt_tokens_details else "off", speed)
+             "on" if config.enable_prompt_tokens_details else "off",
+             "on" if config.enable_per_request_metrics else "off", speed)
     try:
         await stop.wait()
     finally:

@@ -1,8 +1,9 @@
 """Clients the traffic driver sends through: OpenAI HTTP (any vLLM), or the simulator in-process.
 
-Both read a response the way a proxy does: the text of the choices, the usage from the body
-or, in a stream, from the final chunk whose ``choices`` is empty, and the time to first token
-measured at the client (first chunk carrying a choice). A non-streamed response has no
+Both read a response the way a proxy does: the text of the choices, the usage (and vLLM's
+per-request ``metrics``, when the server sends them) from the body or, in a stream, from the
+final chunk whose ``choices`` is empty, and the time to first token measured at the client
+(first chunk carrying a choice). A non-streamed response has no
 measurable TTFT and reports none. The HTTP client converts what it measures into scenario
 seconds when the server says it runs faster than real time (``X-Simulator-Speed``); a real
 vLLM sends no such header and its TTFT is taken as measured.
@@ -36,6 +37,7 @@ class Completion:
     ttft_seconds: float | None = None
     text: str = ""
     error: str | None = None
+    metrics: Mapping[str, Any] | None = None  # vLLM's per-request metrics, as sent
 
     @property
     def ok(self) -> bool:
@@ -54,6 +56,7 @@ class StreamReader:
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.usage: Mapping[str, Any] | None = None
+        self.metrics: Mapping[str, Any] | None = None
         self.model: str | None = None
         self.started = False
 
@@ -65,6 +68,8 @@ class StreamReader:
             self.model = chunk["model"]
         if isinstance(chunk.get("usage"), Mapping):
             self.usage = chunk["usage"]
+        if isinstance(chunk.get("metrics"), Mapping):
+            self.metrics = chunk["metrics"]
         choices = chunk.get("choices")
         if not isinstance(choices, list) or not choices:
             return False
@@ -154,9 +159,11 @@ class HttpClient:
                     if not isinstance(payload, Mapping):
                         return Completion("bad_response", error="response is not JSON")
                     usage = payload.get("usage")
+                    metrics = payload.get("metrics")
                     return Completion(response.status, payload.get("model"),
                                       usage if isinstance(usage, Mapping) else None, None,
-                                      response_text(payload))
+                                      response_text(payload), metrics=metrics if isinstance(
+                                          metrics, Mapping) else None)
                 reader = StreamReader()
                 ttft: float | None = None
                 async for data in _sse_data(response):
@@ -168,7 +175,8 @@ class HttpClient:
                         continue
                     if reader.feed(chunk):
                         ttft = (loop.time() - started) * scale
-                return Completion(response.status, reader.model, reader.usage, ttft, reader.text)
+                return Completion(response.status, reader.model, reader.usage, ttft,
+                                  reader.text, metrics=reader.metrics)
         except asyncio.TimeoutError:
             return Completion("timeout", error=f"no complete answer within {self.timeout:g}s")
         except aiohttp.ClientConnectorError as err:
@@ -241,7 +249,7 @@ class InProcessClient:
         if not request.stream:
             payload = service.response(running, outcome)
             return Completion(200, payload["model"], payload["usage"], None,
-                              response_text(payload))
+                              response_text(payload), metrics=payload["metrics"])
         reader = StreamReader()
         chunks: list[dict[str, Any]] = []
         if kind == CHAT:
@@ -253,4 +261,5 @@ class InProcessClient:
         for chunk in chunks:
             reader.feed(json.loads(json.dumps(chunk)))
         ttft = first_at - started if got_first else None
-        return Completion(200, reader.model, reader.usage, ttft, reader.text)
+        return Completion(200, reader.model, reader.usage, ttft, reader.text,
+                          metrics=reader.metrics)

@@ -49,6 +49,7 @@ class EngineConfig:
     hybrid: bool = False
     enable_prefix_caching: bool | None = None  # None: vLLM's default (off for hybrid here)
     enable_prompt_tokens_details: bool = False
+    enable_per_request_metrics: bool = False
     max_model_len: int = 0  # 0: the pool size, capped at 131,072
     max_num_seqs: int = 256
     prefill_rate: float = 9_500.0  # prompt tokens/s, one prompt at a time

@@ -2,8 +2,9 @@
 
 The driver reports what a proxy in front of vLLM would: the caller, the model the response
 names, the usage the response carried (``cached_tokens`` null when the response had no
-``prompt_tokens_details``: never a made-up 0), the TTFT measured at the client, the session,
-when it finished and how it ended.
+``prompt_tokens_details``: never a made-up 0), the TTFT measured at the client, vLLM's own
+TTFT and queue wait when the response carried its per-request ``metrics``
+(``--enable-per-request-metrics``), the session, when it finished and how it ended.
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def usage_event(caller: str, session: str | None, completion: Completion,
         event["max_tokens"] = max_tokens
     if completion.ttft_seconds is not None:
         event["ttft_seconds"] = round(completion.ttft_seconds, 6)
+    metrics = completion.metrics
+    if metrics is not None:
+        for key, field in (("time_to_first_token_ms", "engine_ttft_seconds"),
+                           ("queue_time_ms", "engine_queue_seconds")):
+            value = metrics.get(key)
+            # As sent (the exporter checks the range), if it is a number a float can hold.
+            if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and -1e15 < value < 1e15:
+                event[field] = value / 1000
     event["status"] = completion.status
     return event
 

@@ -219,6 +219,7 @@ async def landing(request: web.Request) -> web.Response:
         f"KV pool {cfg.pool_tokens} tokens in blocks of {cfg.block_size}, granule "
         f"{cfg.granule}, prefix caching {'on' if cfg.prefix_caching else 'off'}, "
         f"prompt token details {'on' if cfg.enable_prompt_tokens_details else 'off'}, "
+        f"per-request metrics {'on' if cfg.enable_per_request_metrics else 'off'}, "
         f"speed x{sim.clock.speed:g}\n"
         "Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, "
         "/metrics\n"))

@@ -31,6 +31,7 @@ MAX_STATUS_CHARS = 32
 
 FIELDS = ("caller", "model", "prompt_tokens", "cached_tokens", "completion_tokens",
           "ttft_seconds", "queue_seconds", "session", "time", "status",
+          "engine_ttft_seconds", "engine_queue_seconds",
           # foresight
           "max_tokens")
 
@@ -155,7 +156,9 @@ def _status(obj: Mapping[str, Any]) -> int | str | None:
 def _make(caller: str, model: str, prompt_tokens: int, cached_tokens: int | None,
           completion_tokens: int | None, ttft_seconds: float | None,
           queue_seconds: float | None, session: str | None, time: float | None,
-          status: int | str | None, max_tokens: int | None = None) -> UsageEvent:
+          status: int | str | None, engine_ttft_seconds: float | None = None,
+          engine_queue_seconds: float | None = None,
+          max_tokens: int | None = None) -> UsageEvent:
     """Build a UsageEvent from values already checked, without the frozen ``__init__``.
 
     A frozen dataclass sets each field through ``object.__setattr__``; filling ``__dict__``
@@ -166,6 +169,8 @@ def _make(caller: str, model: str, prompt_tokens: int, cached_tokens: int | None
                           cached_tokens=cached_tokens, completion_tokens=completion_tokens,
                           ttft_seconds=ttft_seconds, queue_seconds=queue_seconds,
                           session=session, time=time, status=status,
+                          engine_ttft_seconds=engine_ttft_seconds,
+                          engine_queue_seconds=engine_queue_seconds,
                           max_tokens=max_tokens)
     return event
 
@@ -224,6 +229,15 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
     if session is not None and not (type(session) is str and len(session) <= MAX_SESSION_CHARS
                                     and session.isprintable()):
         session = _text(obj, "session", MAX_SESSION_CHARS, "bad_session")
+    # vLLM's own per-request timings, when the reader found them.
+    engine_ttft = get("engine_ttft_seconds")
+    if engine_ttft is not None and not (type(engine_ttft) is float
+                                        and 0.0 <= engine_ttft <= MAX_SECONDS):
+        engine_ttft = _seconds(obj, "engine_ttft_seconds", MAX_SECONDS)
+    engine_queue = get("engine_queue_seconds")
+    if engine_queue is not None and not (type(engine_queue) is float
+                                         and 0.0 <= engine_queue <= MAX_SECONDS):
+        engine_queue = _seconds(obj, "engine_queue_seconds", MAX_SECONDS)
     # foresight: the completion budget the request declared (range-checked as a token count
     # before any conversion, like the others).
     max_tokens = get("max_tokens")
@@ -231,4 +245,4 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
                                        and 0 <= max_tokens <= MAX_TOKENS):
         max_tokens = token_count(obj, "max_tokens", required=False)
     return _make(caller, model, prompt_tokens, cached_tokens, completion_tokens, ttft, queue,
-                 session, when, status, max_tokens)
+                 session, when, status, engine_ttft, engine_queue, max_tokens)

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from exporter.usage.event import FIELDS, InvalidEvent, validate
-from exporter.usage.openai import engine_ttft_seconds, parse_usage, read_response
+from exporter.usage.openai import engine_timings_of, parse_usage, read_response
 from exporter.values import UsageEvent, status_is_error
 
 Converter = Callable[[Any], UsageEvent]
@@ -76,11 +76,12 @@ class LiteLLMFormat:
     - cached tokens: the provider's usage object (``metadata.usage_object``, else
       ``hidden_params.usage_object``, else ``response.usage``),
       ``prompt_tokens_details.cached_tokens``.
-    - TTFT: ``completionStartTime - startTime``, for streamed requests only: LiteLLM sets
-      ``completionStartTime`` to ``endTime`` when the response was not streamed, and its own
-      TTFT metric is streaming-only for the same reason. A non-streamed response keeps
-      vLLM's own ``metrics`` object (``--enable-per-request-metrics``), whose
-      ``time_to_first_token_ms`` is engine-side; LiteLLM drops it from streams.
+    - TTFT (proxy-measured): ``completionStartTime - startTime``, for streamed requests
+      only: LiteLLM sets ``completionStartTime`` to ``endTime`` when the response was not
+      streamed, and its own TTFT metric is streaming-only for the same reason.
+    - TTFT and queue wait (engine-measured): a non-streamed response keeps vLLM's own
+      ``metrics`` object (``--enable-per-request-metrics``) in ``response``, read wherever
+      it is present; LiteLLM drops it from streams. The payload has no admission wait.
     - session: the first non-empty of ``SESSION_FIELDS``. ``session_id`` is filled (from the
       ``x-litellm-session-id`` header, ``metadata.session_id`` or ``litellm_session_id``)
       only under ``request_correlation_in_logs: true``; without it, the header and
@@ -130,20 +131,21 @@ class LiteLLMFormat:
         native_form["time"] = _timestamp(payload.get("startTime"))
         native_form["ttft_seconds"] = _litellm_ttft(payload)
         native_form["max_tokens"] = _first_text(payload, self.MAX_TOKENS_FIELDS)
+        timings = engine_timings_of(payload.get("response"))
+        if timings is not None:
+            native_form["engine_ttft_seconds"] = timings.ttft_seconds
+            native_form["engine_queue_seconds"] = timings.queue_seconds
         return validate(native_form)
 
 
 def _litellm_ttft(payload: Mapping[str, Any]) -> float | None:
-    """Streamed: LiteLLM's first-chunk time; not streamed: vLLM's own per-request TTFT."""
+    """LiteLLM's own first-chunk time, which only a streamed request has."""
     start, first, end = (_timestamp(payload.get(key)) for key in
                          ("startTime", "completionStartTime", "endTime"))
     stream = payload.get("stream")
     if start is not None and first is not None and (
             stream is True or (stream is None and end is not None and first < end)):
         return max(0.0, first - start)
-    response = payload.get("response")
-    if stream is not True and isinstance(response, Mapping):
-        return engine_ttft_seconds(response)
     return None
 
 
@@ -185,9 +187,9 @@ class OpenAIFormat:
     response, or the final chunk of a stream, the one with ``choices: []`` and the usage),
     or its raw text (JSON, or the SSE stream, in which the last chunk with a usage wins).
     The record's own ``model``, ``ttft_seconds``, ``queue_seconds``, ``session``, ``time``,
-    ``status`` and ``max_tokens`` keys are taken as they are. Without ``ttft_seconds``,
-    vLLM's per-request ``metrics.time_to_first_token_ms`` (``--enable-per-request-metrics``)
-    is used; it is already engine-side.
+    ``status`` and ``max_tokens`` keys are taken as they are (the proxy's measurements).
+    vLLM's per-request ``metrics`` (``--enable-per-request-metrics``) in the response give
+    the engine's own TTFT and queue wait, kept apart from the proxy's.
     """
 
     def __call__(self, obj: Any) -> UsageEvent:
@@ -207,8 +209,9 @@ class OpenAIFormat:
         native_form.setdefault("completion_tokens", read.usage.completion_tokens)
         if not native_form.get("model"):
             native_form["model"] = read.model
-        if "ttft_seconds" not in native_form and read.engine_ttft_seconds is not None:
-            native_form["ttft_seconds"] = read.engine_ttft_seconds
+        if read.engine is not None:
+            native_form.setdefault("engine_ttft_seconds", read.engine.ttft_seconds)
+            native_form.setdefault("engine_queue_seconds", read.engine.queue_seconds)
         return validate(native_form)
 
 

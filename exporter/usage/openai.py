@@ -15,6 +15,15 @@ tap (the live response, whole or streamed), so both read the same fields the sam
 A missing or null cached count means "not reported", never 0. Counts are checked with the
 same rules and rejection reasons as every other usage record (``exporter.usage.event``).
 
+vLLM started with ``--enable-per-request-metrics`` adds its own timings of the request: a
+top-level ``metrics`` object on a whole response, and on the final usage chunk of a stream
+(on the Responses API, on the response object). ``time_to_first_token_ms`` runs from the
+request being scheduled to its first token and ``queue_time_ms`` from being queued in the
+engine to being scheduled (``vllm/entrypoints/generate/base/protocol.py``,
+``PerRequestMetrics``); either is null when vLLM lacks the timestamps, and the object is
+absent for ``n > 1``. They are read as ``EngineTimings``, the engine's figures, which a
+proxy's own clock cannot give.
+
 Streams are read by ``StreamReader``, event by event whatever the chunk boundaries; nothing
 here reads a clock (the caller passes the time in).
 """
@@ -22,6 +31,7 @@ here reads a clock (the caller passes the time in).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -85,11 +95,59 @@ def usage_of(obj: Any) -> tuple[Usage | None, str | None]:
     """(usage, model) of a whole response body or of one stream event's JSON."""
     if not isinstance(obj, Mapping):
         return None, None
-    response = obj.get("response")
-    if isinstance(response, Mapping) and "usage" in response:  # Responses API stream event
-        obj = response
+    obj = _response_object(obj)
     model = obj.get("model")
     return parse_usage(obj.get("usage")), model if isinstance(model, str) else None
+
+
+def _response_object(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The object that holds usage and metrics: a Responses API stream event wraps it."""
+    response = obj.get("response")
+    if isinstance(response, Mapping) and "usage" in response:
+        return response
+    return obj
+
+
+@dataclass(frozen=True)
+class EngineTimings:
+    """vLLM's own timings of one request, in seconds (None: vLLM had no figure)."""
+
+    ttft_seconds: float | None
+    queue_seconds: float | None
+
+
+def engine_timings_of(obj: Any) -> EngineTimings | None:
+    """vLLM's per-request ``metrics`` of a whole response or of a stream's usage event.
+
+    None when there is no ``metrics`` object (vLLM without ``--enable-per-request-metrics``,
+    or ``n > 1``). A figure that is there but not a usable number of milliseconds raises
+    InvalidEvent with the reason any other unusable number gets.
+    """
+    if not isinstance(obj, Mapping):
+        return None
+    metrics = _response_object(obj).get("metrics")
+    if not isinstance(metrics, Mapping):
+        return None
+    return EngineTimings(_milliseconds(metrics, "time_to_first_token_ms"),
+                         _milliseconds(metrics, "queue_time_ms"))
+
+
+def _milliseconds(metrics: Mapping[str, Any], key: str) -> float | None:
+    """A duration in [0, a day], in seconds. Compared before any float arithmetic: JSON
+    integers are unbounded, and a huge one would overflow."""
+    value = metrics.get(key)
+    if value is None:
+        return None
+    kind = type(value)
+    if kind is not float and kind is not int:
+        raise InvalidEvent("not_a_number", f"metrics.{key} must be a number of milliseconds")
+    if kind is float and not math.isfinite(value):
+        raise InvalidEvent("not_finite", f"metrics.{key} must be a finite number")
+    if value < 0:
+        raise InvalidEvent("negative", f"metrics.{key} must not be negative")
+    if value > MAX_SECONDS * 1000:
+        raise InvalidEvent("too_large", f"metrics.{key} is longer than a day")
+    return value / 1000.0
 
 
 def is_usage_only_chunk(obj: Any) -> bool:
@@ -191,6 +249,7 @@ class StreamReader:
         self.usage: Usage | None = None
         self.final_usage = False  # usage came from the choices: [] chunk (authoritative)
         self.model: str | None = None
+        self.engine: EngineTimings | None = None  # vLLM's own, from the final usage chunk
         self.ttft_seconds: float | None = None
         self.error_status: int | None = None
         self.problems: list[str] = []  # rejection reasons of events that could not be read
@@ -277,21 +336,25 @@ class StreamReader:
             self.error_status = status
         if not isinstance(obj, dict) or ("usage" not in obj and "response" not in obj):
             return False
+        only_usage = is_usage_only_chunk(obj)
         try:
             usage, model = usage_of(obj)
+            timings = engine_timings_of(obj)
         except InvalidEvent as err:
             self.problems.append(err.reason)
-            return False
+            return self.strip and only_usage  # unreadable, but still the tap's own chunk
         if model is not None:
             self.model = model
         if usage is None:
             return False
-        only_usage = is_usage_only_chunk(obj)
         if only_usage or not self.final_usage:
             # continuous_usage_stats puts usage on every chunk without the details; the
-            # final choices: [] chunk (or the Responses API's completed event) is the truth.
+            # final choices: [] chunk (or the Responses API's completed event) is the truth,
+            # and the only one vLLM puts its per-request metrics on.
             self.usage = usage
             self.final_usage = only_usage or "response" in obj
+            if timings is not None:
+                self.engine = timings
         return self.strip and only_usage
 
 
@@ -304,7 +367,7 @@ class ResponseRead:
 
     usage: Usage | None
     model: str | None
-    engine_ttft_seconds: float | None  # vLLM's per-request metrics, when it sent them
+    engine: EngineTimings | None  # vLLM's per-request metrics, when it sent them
 
 
 def read_response(response: Any) -> ResponseRead:
@@ -326,7 +389,7 @@ def read_response(response: Any) -> ResponseRead:
     if not isinstance(response, Mapping):
         return ResponseRead(None, None, None)
     usage, model = usage_of(response)
-    return ResponseRead(usage, model, engine_ttft_seconds(response))
+    return ResponseRead(usage, model, engine_timings_of(response))
 
 
 def _read_stream(text: bytes) -> ResponseRead:
@@ -337,19 +400,5 @@ def _read_stream(text: bytes) -> ResponseRead:
         if bad_counts:
             raise InvalidEvent(bad_counts[-1], "the stream's usage chunk has unusable numbers")
         raise InvalidEvent("missing_usage", "the stream has no chunk with a usage object")
-    return ResponseRead(reader.usage, reader.model, None)
+    return ResponseRead(reader.usage, reader.model, reader.engine)
 
-
-def engine_ttft_seconds(response: Mapping[str, Any]) -> float | None:
-    """vLLM's per-request ``metrics.time_to_first_token_ms`` (``--enable-per-request-metrics``)."""
-    metrics = response.get("metrics")
-    if not isinstance(metrics, Mapping):
-        return None
-    ttft_ms = metrics.get("time_to_first_token_ms")
-    if isinstance(ttft_ms, bool) or not isinstance(ttft_ms, (int, float)):
-        return None
-    if not 0 <= ttft_ms:  # NaN or negative: no figure
-        return None
-    if ttft_ms > MAX_SECONDS * 1000:  # compared before float(): a huge int would overflow
-        raise InvalidEvent("too_large", "metrics.time_to_first_token_ms is larger than a day")
-    return float(ttft_ms) / 1000.0

@@ -43,7 +43,8 @@ class Servers:
 async def start_servers(served_model_name: str, usage_token: str) -> Servers:
     sim = build_simulator(EngineConfig(served_model_name=served_model_name,
                                        block_size=BLOCK_SIZE,
-                                       enable_prompt_tokens_details=True))
+                                       enable_prompt_tokens_details=True,
+                                       enable_per_request_metrics=True))
     sim_runner, sim_port = await start_site(create_sim_app(sim), "127.0.0.1", 0)
     simulator_url = f"http://127.0.0.1:{sim_port}"
     exporter_port = free_port()
@@ -110,6 +111,8 @@ class Conversation:
     system_words: int
     seed: int
     messages: list[dict[str, str]] = field(default_factory=list)
+    # vLLM's per-request metrics of the whole answers, as the client got them through LiteLLM
+    whole_metrics: list[dict[str, Any]] = field(default_factory=list)
     rng: random.Random = field(init=False)
 
     def __post_init__(self) -> None:
@@ -123,13 +126,16 @@ class Conversation:
                    index: int) -> None:
         self.messages.append({"role": "user",
                               "content": f"step {index}: " + self.prose(USER_TURN_WORDS)})
-        answer = await chat(session, proxy_url, model, self, self.modes[index])
+        answer, metrics = await chat(session, proxy_url, model, self, self.modes[index])
+        if metrics is not None:
+            self.whole_metrics.append(metrics)
         self.messages.append({"role": "assistant", "content": answer})
 
 
 async def chat(session: aiohttp.ClientSession, proxy_url: str, model: str,
-               conversation: Conversation, mode: str) -> str:
-    """One call through LiteLLM; the assistant's text."""
+               conversation: Conversation, mode: str) -> tuple[str, dict[str, Any] | None]:
+    """One call through LiteLLM; the assistant's text, and vLLM's per-request metrics when
+    the client got them (a whole answer)."""
     caller = conversation.caller
     extra_body, session_headers = session_fields(conversation.session_method,
                                                  conversation.session_id)
@@ -146,14 +152,15 @@ async def chat(session: aiohttp.ClientSession, proxy_url: str, model: str,
         raw = await response.read()
         assert response.status == 200, raw[:500]
     if mode == "whole":
-        return json.loads(raw)["choices"][0]["message"]["content"]
+        answer = json.loads(raw)
+        return answer["choices"][0]["message"]["content"], answer.get("metrics")
     text = ""
     for event in raw.split(b"\n\n"):
         if event.startswith(b"data: {"):
             for choice in json.loads(event[len(b"data: "):]).get("choices") or []:
                 text += (choice.get("delta") or {}).get("content") or ""
     assert raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
-    return text
+    return text, None
 
 
 async def interleaved(session: aiohttp.ClientSession, proxy_url: str, model: str,

@@ -15,7 +15,9 @@ simulator's ``vllm:prefix_cache_hits_total`` and ``vllm:prompt_tokens_total`` du
 caller's turns; first turns are cold and every later turn warm (judged against its own
 conversation: without the session the second conversation's turns read as partial); each
 streamed turn has a TTFT; a failed call is an error of its caller; nothing LiteLLM sent was
-rejected.
+rejected. The simulator answers as vLLM with ``--enable-per-request-metrics``: each whole
+answer's TTFT and queue wait are vLLM's own (``source="engine"``), equal to the metrics object
+the client got, and each streamed turn's is LiteLLM's (``source="proxy"``): never one series.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ STATES = ("warm", "partial", "cold", "short", "unknown", "error")
 MODES_A = ["whole", "stream", "stream_usage"]
 MODES_B = ["stream", "whole", "stream"]
 STREAMED_TURNS = sum(mode != "whole" for mode in MODES_A + MODES_B)
+WHOLE_TURNS = len(MODES_A + MODES_B) - STREAMED_TURNS
+TIMED_STATES = ("warm", "partial", "cold", "short", "unknown")
 
 
 def callers(master_key: str) -> tuple[list[Caller], dict[str, dict[str, str]]]:
@@ -108,15 +112,21 @@ async def wait_for_events(session: aiohttp.ClientSession, exporter_url: str,
 
 
 async def drive(proxy_url: str, simulator_url: str, exporter_url: str, model: str,
-                all_callers: list[Caller]) -> tuple[dict[str, tuple[float, float]], str]:
+                all_callers: list[Caller]
+                ) -> tuple[dict[str, tuple[float, float]], str, dict[str, list[dict]]]:
     """Each caller's conversations in turn, then one failed call. Returns the increase of
-    the simulator's (prefix-cache hits, prompt tokens) during each caller's turns, and the
-    exporter's /metrics once it has every event."""
+    the simulator's (prefix-cache hits, prompt tokens) during each caller's turns, the
+    exporter's /metrics once it has every event, and the per-request metrics each caller's
+    whole answers carried."""
     expected = {}
+    whole_metrics: dict[str, list[dict]] = {}
     async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
         for number, caller in enumerate(all_callers):
             before = await metrics_text(session, simulator_url)
-            await interleaved(session, proxy_url, model, conversations_of(caller, number))
+            conversations = conversations_of(caller, number)
+            await interleaved(session, proxy_url, model, conversations)
+            whole_metrics[caller.name] = [metrics for conversation in conversations
+                                          for metrics in conversation.whole_metrics]
             after = await metrics_text(session, simulator_url)
             expected[caller.name] = (
                 counter_sum(after, "vllm:prefix_cache_hits_total")
@@ -125,7 +135,7 @@ async def drive(proxy_url: str, simulator_url: str, exporter_url: str, model: st
                 - counter_sum(before, "vllm:prompt_tokens_total"))
         await fail_once(session, proxy_url, model, all_callers[0])
         text = await wait_for_events(session, exporter_url, events_expected(all_callers))
-    return expected, text
+    return expected, text, whole_metrics
 
 
 async def test_per_caller_cache_signals_through_litellm_match_the_simulator(
@@ -149,8 +159,8 @@ async def test_per_caller_cache_signals_through_litellm_match_the_simulator(
     try:
         proxy.start()
         boot_seconds = await asyncio.to_thread(proxy.wait_ready)
-        expected, text = await drive(proxy.url, servers.simulator_url, servers.exporter_url,
-                                     client_model, all_callers)
+        expected, text, whole_metrics = await drive(
+            proxy.url, servers.simulator_url, servers.exporter_url, client_model, all_callers)
     except BaseException:
         print(f"\n----- last lines of {proxy.log_path} -----\n{proxy.log_tail()}")
         raise
@@ -177,6 +187,20 @@ async def test_per_caller_cache_signals_through_litellm_match_the_simulator(
         errors = 1 if caller is all_callers[0] else 0
         assert states == {"warm": 4, "partial": 0, "cold": 2, "short": 0, "unknown": 0,
                           "error": errors}, caller.name
-        timed = sum(metric(text, "vllm_cache_ttft_seconds_count", state=state, **labels)
-                    for state in ("warm", "cold"))
-        assert timed == STREAMED_TURNS, caller.name
+        def timed(stat: str, source: str, family: str = "vllm_cache_ttft_seconds",
+                  labels: dict[str, str] = labels) -> float:
+            states = TIMED_STATES if family == "vllm_cache_ttft_seconds" else (None,)
+            return sum(metric(text, f"{family}_{stat}", source=source, **labels,
+                              **({"state": state} if state else {})) for state in states)
+
+        # Streamed turns: LiteLLM's own first-chunk time. Whole answers: vLLM's own TTFT and
+        # queue wait, exactly those of the metrics object the client got through LiteLLM.
+        assert timed("count", "proxy") == STREAMED_TURNS, caller.name
+        seen = whole_metrics[caller.name]
+        assert len(seen) == WHOLE_TURNS == timed("count", "engine"), caller.name
+        assert timed("sum", "engine") == pytest.approx(
+            sum(m["time_to_first_token_ms"] for m in seen) / 1000, abs=1e-9)
+        assert timed("count", "engine", "vllm_cache_queue_wait_seconds") == WHOLE_TURNS
+        assert timed("sum", "engine", "vllm_cache_queue_wait_seconds") == pytest.approx(
+            sum(m["queue_time_ms"] for m in seen) / 1000, abs=1e-9)
+        assert timed("count", "proxy", "vllm_cache_queue_wait_seconds") == 0

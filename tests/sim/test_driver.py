@@ -64,6 +64,38 @@ def test_stream_reader_takes_usage_from_the_final_chunk(name, text):
     assert reader.text == text and reader.model == "tiny-llama"
 
 
+@pytest.mark.parametrize("name", ["12_chat_metrics_cold.json",
+                                  "13_chat_stream_metrics_warm.sse.txt"])
+async def test_vllms_per_request_metrics_are_reported_as_the_engines_timings(
+        aiohttp_server, name):
+    """A proxy that reads vLLM's metrics object (--enable-per-request-metrics), whole or on
+    the stream's usage chunk, hands on vLLM's own TTFT and queue wait."""
+    raw = fixture_text(f"{CAPTURE}/{name}")
+    stream = name.endswith(".sse.txt")
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream" if stream else "application/json"})
+        await response.prepare(request)
+        await response.write(raw.encode())
+        return response
+
+    client = HttpClient(await stub_vllm(aiohttp_server, handler))
+    try:
+        completion = await client.send("chat", {"messages": [], "stream": stream}, "agent-a")
+    finally:
+        await client.close()
+    sent = next(json.loads(line[5:]) for line in raw.splitlines()
+                if '"metrics"' in line) if stream else json.loads(raw)
+    event = usage_event("agent-a", None, completion, 1.0)
+    assert event["engine_ttft_seconds"] == sent["metrics"]["time_to_first_token_ms"] / 1000
+    assert event["engine_queue_seconds"] == sent["metrics"]["queue_time_ms"] / 1000
+    accepted = validate(event)
+    assert accepted.engine_ttft_seconds == event["engine_ttft_seconds"]
+    without = usage_event("a", None, Completion(200, "m", completion.usage, None), 1.0)
+    assert "engine_ttft_seconds" not in without and "engine_queue_seconds" not in without
+
+
 async def stub_vllm(aiohttp_server, handler) -> str:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)

@@ -173,3 +173,67 @@ def test_every_family_the_exporter_reads_has_vllms_name_type_and_labels():
         if name.startswith("vllm:"):
             assert name in real, f"{name} does not exist in vLLM 0.32.0"
             assert shape == real[name], name
+
+
+# ---- vLLM's per-request metrics (--enable-per-request-metrics) ----------------------------
+
+METRICS_ENGINE = EngineConfig(served_model_name="tiny-llama", block_size=32,
+                              kv_pool_tokens=1_048_576, max_model_len=4096,
+                              enable_prefix_caching=True, enable_prompt_tokens_details=True,
+                              enable_per_request_metrics=True)
+
+
+async def test_per_request_metrics_have_vllms_shape_and_the_engines_times(aiohttp_client):
+    """Against the captures of vLLM 0.32.0 started with the flag: the same keys in the same
+    order (every key with nulls on a whole answer, only the non-null ones on a stream's usage
+    chunk), a one-token answer without an inter-token latency, and the times those of the
+    simulated engine: their sums are its /metrics queue and prefill histograms' sums, as in
+    vLLM, where both come from the same timestamps."""
+    sim = build_simulator(METRICS_ENGINE, SimClock(speed=1000.0))
+    client = await aiohttp_client(create_sim_app(sim))
+    chat = [{"role": "system", "content": words(300, "sys")},
+            {"role": "user", "content": words(20, "usr")}]
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+
+    async def post(path: str, body: dict[str, Any]) -> Any:
+        response = await client.post(path, json=dict(body, model="tiny-llama"))
+        assert response.status == 200, await response.text()
+        return sse(await response.text()) if body.get("stream") else await response.json()
+
+    whole = await post("/v1/chat/completions", {"messages": chat, "max_tokens": 8})
+    streamed = await post("/v1/chat/completions", {"messages": chat, "max_tokens": 8, **stream})
+    one_token = await post("/v1/completions", {"prompt": words(300, "cmp"), "max_tokens": 1})
+    completion_stream = await post("/v1/completions", {"prompt": words(300, "cmp"),
+                                                       "max_tokens": 8, **stream})
+    real_whole = capture_json("12_chat_metrics_cold.json")
+    real_stream = capture_sse("13_chat_stream_metrics_warm.sse.txt")
+    real_one = capture_json("14_completion_metrics_one_token.json")
+    real_completion_stream = capture_sse("15_completion_stream_metrics.sse.txt")
+
+    assert list(whole) == list(real_whole)
+    assert list(whole["metrics"]) == list(real_whole["metrics"])
+    assert whole["metrics"]["speculative_decoding"] is None
+    for ours, real in ((streamed, real_stream), (completion_stream, real_completion_stream)):
+        assert list(ours[-1]) == list(real[-1])  # ..., "system_fingerprint", "metrics"
+        assert list(ours[-1]["metrics"]) == list(real[-1]["metrics"])
+        assert all("metrics" not in chunk for chunk in ours[:-1])
+    assert list(one_token["metrics"]) == list(real_one["metrics"])
+    for key in ("mean_itl_ms", "generation_time_ms"):
+        assert one_token["metrics"][key] == real_one["metrics"][key]  # null, 0.0
+    every = [whole["metrics"], streamed[-1]["metrics"], one_token["metrics"],
+             completion_stream[-1]["metrics"]]
+    for metrics in every:
+        assert all(type(value) is float for value in
+                   (metrics["time_to_first_token_ms"], metrics["queue_time_ms"]))
+    samples = samples_by_name(await (await client.get("/metrics")).text())
+    for key, family in (("time_to_first_token_ms", "vllm:request_prefill_time_seconds_sum"),
+                        ("queue_time_ms", "vllm:request_queue_time_seconds_sum")):
+        assert sum(m[key] for m in every) / 1000 == pytest.approx(total(samples, family),
+                                                                  rel=1e-9, abs=1e-12)
+    assert whole["metrics"]["time_to_first_token_ms"] > 0
+
+
+async def test_without_the_flag_no_metrics_as_in_vllm(capture_replay):
+    responses, _ = capture_replay
+    assert responses["01"]["metrics"] is None  # model_dump() keeps the null
+    assert all("metrics" not in chunk for chunk in responses["03"])

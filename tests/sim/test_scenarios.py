@@ -101,6 +101,30 @@ async def test_two_agents_collapse_after_a_healthy_phase(through_exporter):
     assert value(shared, "vllm_cache_engine_preemptions_total") == 0
 
 
+async def test_engine_timings_are_the_simulated_engines(through_exporter):
+    """The scenarios run the simulator as vLLM with --enable-per-request-metrics: every
+    request's TTFT and queue wait reach the exporter as the engine's own (source="engine"),
+    and they add up to the engine's own /metrics histograms (vLLM's prefill and queue time),
+    which the proxy's clock could not give: its TTFT includes the queue."""
+    run = played("two-agents-collapse")
+    events = [event for _, event in run.events]
+    assert all("engine_ttft_seconds" in event for event in events)
+    (text,) = await through_exporter(run.metrics_text, [events])
+    for family, name in (("vllm:request_prefill_time_seconds_sum", "vllm_cache_ttft_seconds"),
+                         ("vllm:request_queue_time_seconds_sum",
+                          "vllm_cache_queue_wait_seconds")):
+        engine_total = counter(run.metrics_text, family)
+        ours = sum(counter(text, f"{name}_sum", caller=caller, source="engine", **state)
+                   for caller in ("agent-a", "agent-b")
+                   for state in ([{"state": s} for s in ("warm", "partial", "cold", "short",
+                                                          "unknown")]
+                                 if name == "vllm_cache_ttft_seconds" else [{}]))
+        assert ours == pytest.approx(engine_total, rel=1e-9), family
+    assert counter(run.metrics_text, "vllm:request_queue_time_seconds_sum") > 60
+    assert "source=\"proxy\"" not in "\n".join(
+        line for line in text.splitlines() if line.startswith("vllm_cache_ttft_seconds"))
+
+
 async def test_prefix_caching_off_every_request_cold(through_exporter):
     run = played("prefix-caching-off")
     events = [event for _, event in run.events]

@@ -11,7 +11,8 @@ from exporter.values import UsageEvent, status_is_error
 
 GOOD = {"caller": "agent-1", "model": "qwen", "prompt_tokens": 1396, "cached_tokens": 1376,
         "completion_tokens": 8, "ttft_seconds": 0.5, "queue_seconds": 0.1, "session": "s1",
-        "time": 1_795_992_177.0, "status": 200, "max_tokens": 65_536}
+        "time": 1_795_992_177.0, "status": 200, "engine_ttft_seconds": 0.1235,
+        "engine_queue_seconds": 0.00725, "max_tokens": 65_536}
 
 
 def test_native_form_round_trips_every_field():
@@ -69,6 +70,10 @@ BAD = [
     ({"caller": "a", "prompt_tokens": float("nan")}, "not_finite"),
     ({"caller": "a", "prompt_tokens": float("inf")}, "not_finite"),
     ({"caller": "a", "prompt_tokens": 10, "ttft_seconds": float("nan")}, "not_finite"),
+    ({"caller": "a", "prompt_tokens": 10, "engine_ttft_seconds": "0.2"}, "not_a_number"),
+    ({"caller": "a", "prompt_tokens": 10, "engine_ttft_seconds": -0.001}, "negative"),
+    ({"caller": "a", "prompt_tokens": 10, "engine_queue_seconds": 2**1024}, "too_large"),
+    ({"caller": "a", "prompt_tokens": 10, "engine_queue_seconds": float("inf")}, "not_finite"),
     ({"caller": "a", "prompt_tokens": 10, "time": float("inf")}, "not_finite"),
     ({"caller": "a", "prompt_tokens": 10, "cached_tokens": 11}, "cached_exceeds_prompt"),
     ({"caller": "a", "prompt_tokens": 10, "status": 999}, "bad_status"),

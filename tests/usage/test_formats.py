@@ -116,7 +116,7 @@ async def test_litellm_generic_api_log_formats(usage_client, log_format):
     assert value(registry, "vllm_cache_requests_total", caller="customer-42",
                  model="tiny-llama", state="unknown") == 1
     assert value(registry, "vllm_cache_ttft_seconds_sum", caller="agent-research",
-                 model="tiny-llama", state="warm") == 0.5
+                 model="tiny-llama", state="warm", source="proxy") == 0.5
 
 
 # ---- LiteLLM 1.108.7, recorded from a real proxy (tests/fixtures/litellm/README.md) ---------
@@ -158,18 +158,42 @@ def test_litellm_trace_id_is_not_a_session():
     assert LiteLLMFormat(LITELLM_FIELDS)(payload).session is None
 
 
-def test_litellm_keeps_vllms_per_request_ttft_for_whole_answers_only():
+def test_litellm_keeps_vllms_per_request_timings_for_whole_answers_only():
     """An upstream answering with vLLM's `metrics` object (--enable-per-request-metrics):
-    LiteLLM keeps it in `response` when not streamed and drops it from streams."""
+    LiteLLM keeps it in `response` when not streamed and drops it from streams. vLLM's TTFT
+    and queue wait are the engine's; LiteLLM's first-chunk time is the proxy's."""
     whole, streamed = recorded_litellm("vllm-metrics")
     assert whole["response"]["metrics"]["time_to_first_token_ms"] == 123.5
+    assert whole["response"]["metrics"]["queue_time_ms"] == 7.25
     assert "metrics" not in streamed["response"]
     convert = LiteLLMFormat(LITELLM_FIELDS)
-    assert convert(whole).ttft_seconds == pytest.approx(0.1235)
-    assert convert(streamed).ttft_seconds == pytest.approx(
+    from_whole = convert(whole)
+    assert (from_whole.engine_ttft_seconds, from_whole.engine_queue_seconds) == (
+        123.5 / 1000, 7.25 / 1000)
+    assert from_whole.ttft_seconds is None  # completionStartTime is the end: no TTFT there
+    from_stream = convert(streamed)
+    assert from_stream.ttft_seconds == pytest.approx(
         streamed["completionStartTime"] - streamed["startTime"])
+    assert (from_stream.engine_ttft_seconds, from_stream.engine_queue_seconds) == (None, None)
     whole["response"]["metrics"]["time_to_first_token_ms"] = None  # vLLM had no timestamps
-    assert convert(whole).ttft_seconds is None
+    assert (convert(whole).engine_ttft_seconds, convert(whole).engine_queue_seconds) == (
+        None, 7.25 / 1000)
+
+
+@pytest.mark.parametrize("figure,reason", [
+    (-1.0, "negative"), ("123", "not_a_number"), (True, "not_a_number"),
+    (2**1024, "too_large"), (86_400_001, "too_large"), (float("nan"), "not_finite")])
+def test_unusable_vllm_timings_reject_the_record(figure, reason):
+    """Checked as every number is: ranges before any arithmetic (2**1024 ms would overflow a
+    float), and a rejection names the reason, never the value."""
+    whole, _ = recorded_litellm("vllm-metrics")
+    for key in ("time_to_first_token_ms", "queue_time_ms"):
+        payload = json.loads(json.dumps(whole))
+        payload["response"]["metrics"][key] = figure
+        with pytest.raises(InvalidEvent) as caught:
+            LiteLLMFormat(LITELLM_FIELDS)(payload)
+        assert caught.value.reason == reason
+        assert str(figure) not in str(caught.value)
 
 
 async def test_recorded_litellm_batch_through_the_app(usage_client):
@@ -255,10 +279,26 @@ def test_openai_error_response_counts_as_an_error():
     assert caught.value.reason == "malformed_response"
 
 
-def test_openai_per_request_metrics_give_the_ttft():
+def test_openai_per_request_metrics_are_the_engines_timings():
     body = vllm_json("02_chat_warm.json")
-    body["metrics"] = {"time_to_first_token_ms": 250.0, "queue_time_ms": 5.0}
-    assert OpenAIFormat()(record(body)).ttft_seconds == 0.25
+    assert body["metrics"] is None  # vLLM without --enable-per-request-metrics
+    assert OpenAIFormat()(record(body)).engine_ttft_seconds is None
+    body["metrics"] = {"time_to_first_token_ms": 250.0, "generation_time_ms": 40.0,
+                       "queue_time_ms": 5.0, "mean_itl_ms": 5.7, "tokens_per_second": 27.6,
+                       "speculative_decoding": None}
+    event = OpenAIFormat()(record(body, ttft_seconds=0.4, queue_seconds=0.1))
+    assert (event.engine_ttft_seconds, event.engine_queue_seconds) == (0.25, 0.005)
+    assert (event.ttft_seconds, event.queue_seconds) == (0.4, 0.1)  # the proxy's, kept apart
+
+
+def test_openai_streamed_response_carries_the_metrics_on_its_usage_chunk():
+    sse = fixture_text(VLLM + "03_chat_stream_warm.sse.txt")
+    metrics = ',"metrics":{"time_to_first_token_ms":31.25,"queue_time_ms":0.5}}'
+    usage_chunk = next(line for line in sse.splitlines() if '"choices":[]' in line)
+    with_metrics = sse.replace(usage_chunk, usage_chunk[:-1] + metrics)
+    event = OpenAIFormat()(record(with_metrics))
+    assert (event.engine_ttft_seconds, event.engine_queue_seconds) == (0.03125, 0.0005)
+    assert OpenAIFormat()(record(sse)).engine_ttft_seconds is None
 
 
 async def test_openai_format_through_the_app(usage_client):
@@ -345,7 +385,7 @@ async def test_mapping_format_through_the_app(usage_client, tmp_path):
     assert value(registry, "vllm_cache_requests_total", caller="gw-agent", model="tiny-llama",
                  state="warm") == 3
     assert value(registry, "vllm_cache_queue_wait_seconds_count", caller="gw-agent",
-                 model="tiny-llama") == 3
+                 model="tiny-llama", source="proxy") == 3
 
 
 def test_mapping_spec_in_code():

@@ -5,7 +5,9 @@ tests/usage/test_golden.py`` rewrites it; review the diff like code.
 
 The replay covers every response shape the reader knows: chat and completions, whole and
 streamed (SSE text), the Responses API whole and streamed, an HTTP error, two conversations
-and a caller whose requests carry the proxy's TTFT and queue wait.
+and a caller whose requests carry the proxy's TTFT and queue wait; and the same shapes from
+vLLM with ``--enable-per-request-metrics`` (its own TTFT and queue wait, source="engine"),
+one of them also timed by the proxy, and an ``n=2`` answer, for which vLLM sends none.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ REPLAY = (
     ("agent-c", None, "10_responses_warm.json", {}),
     ("agent-c", None, "09_responses_stream_warm.sse.txt", {}),
     ("agent-c", None, "11_chat_error_400.json", {"status": 400}),
+    ("agent-d", "conv-4", "12_chat_metrics_cold.json", {"ttft_seconds": 0.25,
+                                                        "queue_seconds": 0.05}),
+    ("agent-d", "conv-4", "13_chat_stream_metrics_warm.sse.txt", {"ttft_seconds": 0.03}),
+    ("agent-d", "conv-5", "14_completion_metrics_one_token.json", {}),
+    ("agent-d", "conv-5", "15_completion_stream_metrics.sse.txt", {}),
+    ("agent-d", "conv-6", "16_chat_metrics_n2.json", {"ttft_seconds": 0.5}),
+    ("agent-e", None, "17_responses_metrics.json", {}),
+    ("agent-e", None, "18_responses_stream_metrics.sse.txt", {}),
 )
 
 

@@ -31,7 +31,7 @@ def events(draw: st.DrawFn) -> dict:
                                 lambda k: k * 2048)))
     if cached is not None:
         event["cached_tokens"] = cached
-    for key in ("ttft_seconds", "queue_seconds"):
+    for key in ("ttft_seconds", "queue_seconds", "engine_ttft_seconds", "engine_queue_seconds"):
         if draw(st.booleans()):
             event[key] = draw(st.floats(min_value=0, max_value=900, allow_nan=False))
     if draw(st.booleans()):
@@ -86,11 +86,16 @@ def expected_sums(objs: list, callers_max: int, missing_as_zero: bool) -> dict:
         else:
             out["prompt"][pair] += event.prompt_tokens
             out["cached"][pair] += cached
-        if event.ttft_seconds is not None:
-            out["ttft_count"][pair] += 1
-        if event.queue_seconds is not None:
-            out["queue_count"][pair] += 1
-            out["queue_sum"][pair] += event.queue_seconds
+        # One TTFT per request: vLLM's own when it sent one, else the proxy's.
+        if event.engine_ttft_seconds is not None:
+            out["ttft_count", "engine"][pair] += 1
+        elif event.ttft_seconds is not None:
+            out["ttft_count", "proxy"][pair] += 1
+        for source, wait in (("proxy", event.queue_seconds),
+                             ("engine", event.engine_queue_seconds)):
+            if wait is not None:
+                out["queue_count", source][pair] += 1
+                out["queue_sum", source][pair] += wait
     return out
 
 
@@ -124,13 +129,14 @@ def test_counters_equal_the_sums_of_accepted_events(objs, callers_max, missing_a
                           ("vllm_cache_cached_tokens_total", "cached"),
                           ("vllm_cache_unreported_prompt_tokens_total", "unreported")):
             assert value(registry, name, **labels) == expected[key][(caller, model)], name
-        ttft_count = sum(value(registry, "vllm_cache_ttft_seconds_count", state=s, **labels)
-                         for s in STATES)
-        assert ttft_count == expected["ttft_count"][(caller, model)]
-        assert value(registry, "vllm_cache_queue_wait_seconds_count", **labels) == (
-            expected["queue_count"][(caller, model)])
-        assert abs(value(registry, "vllm_cache_queue_wait_seconds_sum", **labels)
-                   - expected["queue_sum"][(caller, model)]) < 1e-6
+        for source in ("engine", "proxy"):
+            ttft_count = sum(value(registry, "vllm_cache_ttft_seconds_count", state=s,
+                                   source=source, **labels) for s in STATES)
+            assert ttft_count == expected["ttft_count", source][(caller, model)]
+            assert value(registry, "vllm_cache_queue_wait_seconds_count", source=source,
+                         **labels) == expected["queue_count", source][(caller, model)]
+            assert abs(value(registry, "vllm_cache_queue_wait_seconds_sum", source=source,
+                             **labels) - expected["queue_sum", source][(caller, model)]) < 1e-6
     accepted = sum(expected["requests"].values())
     assert value(registry, "vllm_cache_usage_events_total", reader="http") == accepted
     rejected = sum(v for (reader, _), v in usage.rejected.items())

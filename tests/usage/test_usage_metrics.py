@@ -62,8 +62,8 @@ def test_ttft_is_engine_side_by_state_and_queue_wait_is_its_own_histogram():
     usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.2, queue_seconds=0.4),
                  "http")  # queue longer than TTFT (clock skew): engine part 0
     registry = build_registry(state)
-    cold = {"caller": "a", "model": "m", "state": COLD}
-    warm = {"caller": "a", "model": "m", "state": WARM}
+    cold = {"caller": "a", "model": "m", "state": COLD, "source": "proxy"}
+    warm = {"caller": "a", "model": "m", "state": WARM, "source": "proxy"}
     assert value(registry, "vllm_cache_ttft_seconds_count", **cold) == 1
     assert value(registry, "vllm_cache_ttft_seconds_sum", **cold) == 5.0  # 40 - 35
     assert value(registry, "vllm_cache_ttft_seconds_bucket", le="2.5", **cold) == 0
@@ -72,11 +72,48 @@ def test_ttft_is_engine_side_by_state_and_queue_wait_is_its_own_histogram():
     assert value(registry, "vllm_cache_ttft_seconds_bucket", le="0.5", **warm) == 2
     assert value(registry, "vllm_cache_ttft_seconds_bucket", le="600.0", **warm) == 2
     assert value(registry, "vllm_cache_ttft_seconds_bucket", le="+Inf", **warm) == 2
-    assert value(registry, "vllm_cache_queue_wait_seconds_count", caller="a", model="m") == 2
-    assert value(registry, "vllm_cache_queue_wait_seconds_sum", caller="a", model="m") == 35.4
-    # No timed event in state "partial": no histogram series for it.
+    proxy_queue = {"caller": "a", "model": "m", "source": "proxy"}
+    assert value(registry, "vllm_cache_queue_wait_seconds_count", **proxy_queue) == 2
+    assert value(registry, "vllm_cache_queue_wait_seconds_sum", **proxy_queue) == 35.4
+    # No timed event in state "partial", nothing measured by vLLM: no series for them.
     assert registry.get_sample_value("vllm_cache_ttft_seconds_count",
-                                     {"caller": "a", "model": "m", "state": "partial"}) is None
+                                     {**warm, "state": "partial"}) is None
+    assert registry.get_sample_value("vllm_cache_ttft_seconds_count",
+                                     {**warm, "source": "engine"}) is None
+    assert registry.get_sample_value("vllm_cache_queue_wait_seconds_count",
+                                     {**proxy_queue, "source": "engine"}) is None
+
+
+def test_vllms_own_timings_are_their_own_series_and_win_over_the_proxys():
+    """vLLM's per-request metrics: its TTFT replaces the proxy's for that request (one
+    observation per request, never both), nothing is subtracted from it, and its queue wait
+    is a second queue beside the proxy's admission wait."""
+    state = make_state(signals_granularity=32)
+    usage = state.usage
+    usage.record(UsageEvent("a", "m", 1_395, 0, ttft_seconds=9.0, queue_seconds=2.0,
+                            engine_ttft_seconds=6.5, engine_queue_seconds=0.25), "tap")
+    usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.9,
+                            engine_ttft_seconds=0.125, engine_queue_seconds=0.0), "tap")
+    usage.record(UsageEvent("a", "m", 1_397, 1_376, ttft_seconds=0.7), "tap")  # no metrics
+    # vLLM sent a metrics object without a TTFT (it lacked the timestamps): the proxy's.
+    usage.record(UsageEvent("a", "m", 1_398, 1_376, ttft_seconds=0.6,
+                            engine_queue_seconds=0.5), "tap")
+    registry = build_registry(state)
+
+    def ttft(stat: str, state_name: str, source: str) -> float | None:
+        return registry.get_sample_value(f"vllm_cache_ttft_seconds_{stat}", {
+            "caller": "a", "model": "m", "state": state_name, "source": source})
+
+    def queue(stat: str, source: str) -> float | None:
+        return registry.get_sample_value(f"vllm_cache_queue_wait_seconds_{stat}", {
+            "caller": "a", "model": "m", "source": source})
+
+    assert (ttft("count", COLD, "engine"), ttft("sum", COLD, "engine")) == (1, 6.5)
+    assert ttft("count", COLD, "proxy") is None  # the proxy's 9 - 2 s is not counted too
+    assert (ttft("count", WARM, "engine"), ttft("sum", WARM, "engine")) == (1, 0.125)
+    assert (ttft("count", WARM, "proxy"), ttft("sum", WARM, "proxy")) == (2, 0.7 + 0.6)
+    assert (queue("count", "proxy"), queue("sum", "proxy")) == (1, 2.0)
+    assert (queue("count", "engine"), queue("sum", "engine")) == (3, 0.75)
 
 
 def test_every_state_of_a_pair_exists_from_its_first_event():

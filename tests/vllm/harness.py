@@ -88,6 +88,9 @@ class Turn:
     prompt_tokens: int | None  # as the client saw them (None: the tap stripped the usage)
     cached_tokens: int | None
     saw_usage: bool
+    # vLLM's per-request metrics as the client got them (--enable-per-request-metrics): on
+    # the answer, or on the stream's usage chunk; None without the flag or without that chunk.
+    metrics: dict[str, Any] | None = None
 
 
 async def chat_turn(session: aiohttp.ClientSession, tap_url: str, caller: str,
@@ -108,21 +111,23 @@ async def chat_turn(session: aiohttp.ClientSession, tap_url: str, caller: str,
         usage = answer["usage"]
         details = usage.get("prompt_tokens_details") or {}
         return answer["choices"][0]["message"]["content"], Turn(
-            caller, mode, usage["prompt_tokens"], details.get("cached_tokens"), True)
-    text, usage = "", None
+            caller, mode, usage["prompt_tokens"], details.get("cached_tokens"), True,
+            answer["metrics"])
+    text, usage, metrics = "", None, None
     for event in raw.split(b"\n\n"):
         if not event.startswith(b"data: {"):
             continue
         chunk = json.loads(event[len(b"data: "):])
         if chunk.get("usage") and chunk.get("choices") == []:
-            usage = chunk["usage"]
+            usage, metrics = chunk["usage"], chunk.get("metrics")
         for choice in chunk.get("choices") or []:
             text += choice.get("delta", {}).get("content") or ""
     assert raw.rstrip().endswith(b"data: [DONE]")
     if usage is None:
         return text, Turn(caller, mode, None, None, False)
     details = usage.get("prompt_tokens_details") or {}
-    return text, Turn(caller, mode, usage["prompt_tokens"], details.get("cached_tokens"), True)
+    return text, Turn(caller, mode, usage["prompt_tokens"], details.get("cached_tokens"), True,
+                      metrics)
 
 
 async def conversation(session: aiohttp.ClientSession, tap_url: str, caller: str,

@@ -4,14 +4,20 @@ cache must be what vLLM did.
 Three boots of the tiny model, each with the exporter reading vLLM's /metrics and the tap in
 front of vLLM's API:
 
-1. ``--enable-prompt-tokens-details``: two callers hold eight-turn conversations (whole
-   answers, streams without and with usage). The tap's cached tokens per request are the
-   ones vLLM returned, their sum is the increase of ``vllm:prefix_cache_hits_total``, first
-   turns are cold and later ones warm, the granularity learned is 32, the engine signals
-   (1 GiB pool = 1,048,576 tokens, prefix caching on) are right.
-2. Without the flag: vLLM still hits its cache but says nothing per request, so the
+1. ``--enable-prompt-tokens-details --enable-per-request-metrics``: two callers hold
+   eight-turn conversations (whole answers, streams without and with usage). The tap's
+   cached tokens per request are the ones vLLM returned, their sum is the increase of
+   ``vllm:prefix_cache_hits_total``, first turns are cold and later ones warm, the
+   granularity learned is 32, the engine signals (1 GiB pool = 1,048,576 tokens, prefix
+   caching on) are right. Every call's TTFT and queue wait are vLLM's own: equal to the
+   millisecond to the ``metrics`` object the client got (whole answers, streams that asked
+   for usage), counted per caller under ``source="engine"``, and in sum equal to vLLM's
+   ``vllm:request_prefill_time_seconds`` and ``vllm:request_queue_time_seconds``, streams the
+   tap stripped of their usage chunk included.
+2. Without the flags: vLLM still hits its cache but says nothing per request, so the
    requests are ``unknown`` and the tokens land in the not-reported counter, not in a 0% hit
-   ratio.
+   ratio; the TTFT series say ``source="proxy"`` (the tap's own, streams only), there is no
+   queue wait, and the tap says once in its log that vLLM sent no per-request metrics.
 3. A pool of 48 blocks and four concurrent 600-token prompts that decode past it: vLLM
    preempts, and the exporter counts it.
 """
@@ -19,7 +25,9 @@ front of vLLM's API:
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
+import time
 
 import aiohttp
 import pytest
@@ -37,6 +45,10 @@ BOB_MODES = ["stream", "whole", "stream_usage", "stream", "whole", "stream_usage
              "whole"]
 # No call to the tiny model takes more than seconds; a hung one fails the test, not CI.
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=120)
+TIMED_STATES = ("warm", "partial", "cold", "short", "unknown")
+# vLLM records a finished request's stats on its next engine step: poll for them (no event
+# crosses the process boundary), for at most this long.
+STATS_DEADLINE_SECONDS = 30.0
 
 
 async def vllm_metrics(session: aiohttp.ClientSession, url: str) -> str:
@@ -45,19 +57,35 @@ async def vllm_metrics(session: aiohttp.ClientSession, url: str) -> str:
         return await response.text()
 
 
+async def vllm_metrics_after(session: aiohttp.ClientSession, url: str, before: str,
+                             requests: int) -> str:
+    """vLLM's /metrics once its per-request histograms have the ``requests`` finished since
+    ``before``."""
+    deadline = time.monotonic() + STATS_DEADLINE_SECONDS
+    count = "vllm:request_prefill_time_seconds_count"
+    while True:
+        text = await vllm_metrics(session, url)
+        if vllm_counter(text, count) - vllm_counter(before, count) >= requests:
+            return text
+        assert time.monotonic() < deadline, "vLLM did not record every request's stats"
+        await asyncio.sleep(0.2)
+
+
 async def test_per_caller_cache_signals_match_vllm(start_vllm):
-    vllm = start_vllm("details", "--max-model-len", "4096", "--enable-prompt-tokens-details")
+    vllm = start_vllm("details", "--max-model-len", "4096", "--enable-prompt-tokens-details",
+                      "--enable-per-request-metrics")
     exporter = await start_exporter(vllm.url)
     try:
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
-            hits_before = vllm_counter(await vllm_metrics(session, vllm.url),
-                                       "vllm:prefix_cache_hits_total")
+            vllm_before = await vllm_metrics(session, vllm.url)
+            hits_before = vllm_counter(vllm_before, "vllm:prefix_cache_hits_total")
             before = await exporter.scrape(session)
             alice, bob = await asyncio.gather(
                 conversation(session, exporter.tap_url, "alice", 1, ALICE_MODES),
                 conversation(session, exporter.tap_url, "bob", 2, BOB_MODES))
-            hits_after = vllm_counter(await vllm_metrics(session, vllm.url),
-                                      "vllm:prefix_cache_hits_total")
+            vllm_after = await vllm_metrics_after(session, vllm.url, vllm_before,
+                                                  len(ALICE_MODES) + len(BOB_MODES))
+            hits_after = vllm_counter(vllm_after, "vllm:prefix_cache_hits_total")
             text = await exporter.scrape(session)
     finally:
         await exporter.close()
@@ -78,8 +106,27 @@ async def test_per_caller_cache_signals_match_vllm(start_vllm):
                 assert turn.mode == "stream"  # the tap asked for usage and kept it
             if turn.mode != "whole":
                 assert event.ttft_seconds is not None and event.ttft_seconds > 0
+            # vLLM's own timings, for every call: the ones the client got, to the ms.
+            assert event.engine_ttft_seconds is not None
+            assert event.engine_queue_seconds is not None
+            if turn.mode == "stream":
+                assert turn.metrics is None  # the tap read them off the chunk it removed
+            else:
+                assert turn.metrics is not None, turn
+                assert event.engine_ttft_seconds * 1000 == pytest.approx(
+                    turn.metrics["time_to_first_token_ms"], abs=1e-6)
+                assert event.engine_queue_seconds * 1000 == pytest.approx(
+                    turn.metrics["queue_time_ms"], abs=1e-6)
         assert events[0].cached_tokens == 0
         assert all(event.cached_tokens > 0 for event in events[1:])
+
+    # All of them, streams the tap stripped included, add up to vLLM's own histograms of the
+    # same intervals (prefill: scheduled to first token; queue: queued to scheduled).
+    for family, field in (("vllm:request_prefill_time_seconds_sum", "engine_ttft_seconds"),
+                          ("vllm:request_queue_time_seconds_sum", "engine_queue_seconds")):
+        engine_total = vllm_counter(vllm_after, family) - vllm_counter(vllm_before, family)
+        assert sum(getattr(e, field) for e in exporter.recorded) == pytest.approx(
+            engine_total, abs=1e-3), family
 
     tap_cached = sum(e.cached_tokens or 0 for e in exporter.recorded)
     assert tap_cached == hits_after - hits_before > 0
@@ -95,7 +142,25 @@ async def test_per_caller_cache_signals_match_vllm(start_vllm):
             e.cached_tokens or 0 for e in recorded[caller])
         assert metric(text, "vllm_cache_prompt_tokens_total", **labels) == sum(
             e.prompt_tokens for e in recorded[caller])
-        assert metric(text, "vllm_cache_ttft_seconds_count", state="warm", **labels) >= 3
+        # Per caller: one TTFT per call, every one vLLM's (source="engine"), none the tap's.
+        engine = {**labels, "source": "engine"}
+        counts = [metric(text, "vllm_cache_ttft_seconds_count", state=state, **engine) or 0
+                  for state in TIMED_STATES]
+        sums = [metric(text, "vllm_cache_ttft_seconds_sum", state=state, **engine) or 0
+                for state in TIMED_STATES]
+        assert sum(counts) == len(ALICE_MODES)
+        assert metric(text, "vllm_cache_ttft_seconds_count", state="warm", **engine) == len(
+            ALICE_MODES) - 1
+        assert sum(sums) == pytest.approx(sum(e.engine_ttft_seconds for e in recorded[caller]),
+                                          abs=1e-9)
+        assert metric(text, "vllm_cache_queue_wait_seconds_count", **engine) == len(
+            ALICE_MODES)
+        assert metric(text, "vllm_cache_queue_wait_seconds_sum", **engine) == pytest.approx(
+            sum(e.engine_queue_seconds for e in recorded[caller]), abs=1e-9)
+        assert 'source="proxy"' not in "\n".join(
+            line for line in text.splitlines()
+            if line.startswith(("vllm_cache_ttft_seconds", "vllm_cache_queue_wait_seconds"))
+            and f'caller="{caller}"' in line)
     engine_hits = "vllm_cache_engine_prefix_cache_hits_tokens_total"
     assert (metric(text, engine_hits, model_name=MODEL_NAME)
             - metric(before, engine_hits, model_name=MODEL_NAME)) == tap_cached
@@ -106,7 +171,8 @@ async def test_per_caller_cache_signals_match_vllm(start_vllm):
     assert metric(text, "vllm_cache_engine_up", target=vllm.url + "/metrics") == 1
 
 
-async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm):
+async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm, caplog):
+    caplog.set_level(logging.WARNING, logger="exporter.usage.tap.proxy")
     vllm = start_vllm("no-details", "--max-model-len", "4096")
     exporter = await start_exporter(vllm.url)
     try:
@@ -134,6 +200,17 @@ async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm):
             e.prompt_tokens for e in exporter.recorded if e.caller == caller) > 0
         assert metric(text, "vllm_cache_cached_tokens_total", **labels) == 0
         assert metric(text, "vllm_cache_prompt_tokens_total", **labels) == 0
+    # No per-request metrics either: the TTFT is the tap's (streams only), and says so.
+    assert all(e.engine_ttft_seconds is None and e.engine_queue_seconds is None
+               for e in exporter.recorded)
+    for caller, streams in (("alice", 2), ("bob", 1)):
+        labels = {"caller": caller, "model": MODEL_NAME}
+        assert metric(text, "vllm_cache_ttft_seconds_count", state="unknown", source="proxy",
+                      **labels) == streams
+        assert metric(text, "vllm_cache_ttft_seconds_count", source="engine", **labels) is None
+        assert metric(text, "vllm_cache_queue_wait_seconds_count", **labels) is None
+    notices = [r for r in caplog.records if "without its per-request metrics" in r.getMessage()]
+    assert len(notices) == 1
 
 
 async def test_preemptions_are_counted(start_vllm):

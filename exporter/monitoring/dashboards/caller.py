@@ -31,6 +31,9 @@ TITLE = "vLLM prefix cache: caller"
 CLASSIFIED = 'state=~"' + "|".join(CLASSIFIED_STATES) + '"'
 WARM = 'state="warm"'
 COLD = 'state="cold"'
+SOURCES = ("One series per source: engine is vLLM's own (scheduled to first token, vLLM with "
+           "--enable-per-request-metrics), proxy the proxy's TTFT minus its admission wait "
+           "(vLLM's queue still in it).")
 
 
 def variables(config: MonitoringConfig) -> list[g.Template]:
@@ -54,8 +57,9 @@ def build(config: MonitoringConfig) -> g.Dashboard:
     layout = Layout()
 
     def ttft_median(state: str) -> str:
-        return (f"histogram_quantile(0.5, sum by (le) (rate(vllm_cache_ttft_seconds_bucket"
-                f"{filters.caller(state)}[{RATE}])))")
+        # One value per source: vLLM's own and the proxy's are never one distribution.
+        return (f"histogram_quantile(0.5, sum by (source, le) (rate("
+                f"vllm_cache_ttft_seconds_bucket{filters.caller(state)}[{RATE}])))")
 
     layout.row("Now")
     layout.add(stat(
@@ -80,13 +84,14 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         [target(f"sum(rate(vllm_cache_requests_total{callers}[{RATE}]))")]), 4, 5)
     layout.add(stat(
         "Median TTFT, warm turns",
-        "Engine-side median time to first token of warm turns: seconds when the cache holds.",
-        "s", [target(ttft_median(WARM))]), 4, 5)
+        "Engine-side median time to first token of warm turns: seconds when the cache holds. "
+        f"{SOURCES}",
+        "s", [target(ttft_median(WARM), "{{source}}")]), 4, 5)
     layout.add(stat(
         "Median TTFT, cold turns",
         "Engine-side median time to first token of cold turns: what every turn costs once "
-        "the cache is lost.",
-        "s", [target(ttft_median(COLD))]), 4, 5)
+        f"the cache is lost. {SOURCES}",
+        "s", [target(ttft_median(COLD), "{{source}}")]), 4, 5)
     layout.add(stat(
         "Unreported prompt tokens",
         "Share of prompt tokens whose response did not say how many were cached. Near 100% "
@@ -143,23 +148,26 @@ def build(config: MonitoringConfig) -> g.Dashboard:
     layout.row("Waiting")
     layout.add(timeseries(
         "Time to first token by state",
-        "Engine-side time to first token (proxy TTFT minus admission wait), median and 95th "
-        "percentile, per cache outcome. Seconds means the cache held; a minute means it was "
-        "evicted (VllmCacheWarmTTFTCollapse watches the median of turns that should be warm).",
+        "Engine-side time to first token, median and 95th percentile, per cache outcome. "
+        "Seconds means the cache held; a minute means it was evicted "
+        "(VllmCacheWarmTTFTCollapse watches the median of turns that should be warm, vLLM's "
+        f"own where there is one). {SOURCES}",
         "s",
-        [target(f"histogram_quantile({quantile}, sum by (caller, state, le) (rate("
+        [target(f"histogram_quantile({quantile}, sum by (caller, state, source, le) (rate("
                 f"vllm_cache_ttft_seconds_bucket{classified_callers}[{RATE}])))",
-                f"{{{{caller}}}} {{{{state}}}} {label}")
+                f"{{{{caller}}}} {{{{state}}}} {{{{source}}}} {label}")
          for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
     layout.add(timeseries(
         "Admission queue wait",
-        "Time requests waited in the proxy's admission queue before reaching vLLM, median and "
-        "95th percentile. Long waits with fast engine TTFT mean the gate, not the cache, is "
-        "the bottleneck.",
+        "Time requests waited before vLLM started reading their prompt, median and 95th "
+        "percentile, per queue: proxy is the admission gate in front of vLLM (its "
+        "queue_seconds), engine is vLLM's own scheduler queue (vLLM with "
+        "--enable-per-request-metrics). A request can wait in both. Long waits with fast "
+        "engine TTFT mean a queue, not the cache, is the bottleneck.",
         "s",
-        [target(f"histogram_quantile({quantile}, sum by (caller, le) (rate("
+        [target(f"histogram_quantile({quantile}, sum by (caller, source, le) (rate("
                 f"vllm_cache_queue_wait_seconds_bucket{callers}[{RATE}])))",
-                f"{{{{caller}}}} {label}")
+                f"{{{{caller}}}} {{{{source}}}} {label}")
          for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
 
     return dashboard(

@@ -152,19 +152,21 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         stacked=True, bars=True), 12, 8)
     layout.add(timeseries(
         "Warm vs cold time to first token",
-        "Engine-side time to first token (proxy TTFT minus admission wait) of warm and cold "
-        "turns, median and 95th percentile. Seconds means the cache held; a minute or more "
-        "means it was evicted.",
+        "Engine-side time to first token of warm and cold turns, median and 95th "
+        "percentile, per source: engine is vLLM's own (vLLM with "
+        "--enable-per-request-metrics), proxy the proxy's TTFT minus its admission wait. "
+        "Seconds means the cache held; a minute or more means it was evicted.",
         "s",
-        [target(f"histogram_quantile({quantile}, sum by (state, le) (rate("
+        [target(f"histogram_quantile({quantile}, sum by (state, source, le) (rate("
                 f"vllm_cache_ttft_seconds_bucket{filters.caller(WARM_COLD)}[{RATE}])))",
-                f"{label} {{{{state}}}}")
+                f"{label} {{{{state}}}} {{{{source}}}}")
          for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
     layout.add(table(
         "Callers",
         "One row per caller and model, now: hit ratio, warm share, turns per second, median "
-        "time to first token of classified turns, and prompt tokens per second whose cached "
-        "count vLLM did not report. Click a caller for its drill-down.",
+        "time to first token of classified turns (vLLM's own where it measured them, else "
+        "the proxy's), and prompt tokens per second whose cached count vLLM did not report. "
+        "Click a caller for its drill-down.",
         "percentunit",
         [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))"
                 f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{callers}"
@@ -176,9 +178,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
                 instant=True),
          target(f"sum by (caller, model) (rate(vllm_cache_requests_total{callers}[{RATE}]))",
                 instant=True),
-         target(f"histogram_quantile(0.5, sum by (caller, model, le) (rate("
-                f"vllm_cache_ttft_seconds_bucket{classified_callers}[{RATE}])))",
-                instant=True),
+         target(_engine_first_median(filters), instant=True),
          target(f"sum by (caller, model) (rate(vllm_cache_unreported_prompt_tokens_total{callers}"
                 f"[{RATE}]))\nor\nsum by (caller, model) (rate(vllm_cache_requests_total{callers}"
                 f"[{RATE}])) * 0", instant=True)],
@@ -295,3 +295,16 @@ def build(config: MonitoringConfig) -> g.Dashboard:
 def _unit_override(field: str, unit: str) -> dict[str, object]:
     return {"matcher": {"id": "byName", "options": field},
             "properties": [{"id": "unit", "value": unit}]}
+
+
+def _engine_first_median(filters: Filters) -> str:
+    """Median TTFT of a caller's classified turns for a one-row-per-caller table: vLLM's own
+    where it measured turns in the window (``>= 0`` drops the NaN of a window without
+    any), else the proxy's. Never both summed into one distribution."""
+    def median(source: str) -> str:
+        return (f"histogram_quantile(0.5, sum by (caller, model, le) (rate("
+                f"vllm_cache_ttft_seconds_bucket{filters.caller(CLASSIFIED, source)}"
+                f"[{RATE}])))")
+
+    engine, proxy = median('source="engine"'), median('source!="engine"')
+    return f"({engine} >= 0)\nor\n{proxy}"

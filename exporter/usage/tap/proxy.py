@@ -6,7 +6,9 @@ every request to ``--tap.upstream`` unchanged except for what it must do to read
 - chat, completions and responses calls (POST) are recorded: caller, model, prompt, cached
   and completion tokens, TTFT (first event that carries content) and the HTTP status the
   client saw (499 when the client went away, 504 on upstream timeout, 502 when upstream was
-  unreachable or broke mid-answer or answered above ``--tap.max-response-bytes``);
+  unreachable or broke mid-answer or answered above ``--tap.max-response-bytes``); and, from
+  vLLM started with ``--enable-per-request-metrics``, vLLM's own TTFT and queue wait, read
+  from the body or the usage chunk the tap decodes anyway (so no extra work per call);
 - a streaming chat/completion call that did not ask for usage gets
   ``stream_options.include_usage`` upstream, and the usage-only chunk this adds is removed
   from what the client receives; every other byte reaches the client as upstream sent it,
@@ -38,7 +40,15 @@ from yarl import URL
 
 from exporter.redaction import redact_url
 from exporter.usage.event import InvalidEvent, loads, validate
-from exporter.usage.openai import ENDPOINTS, USAGE_OPT_IN, Endpoint, StreamReader, usage_of
+from exporter.usage.openai import (
+    ENDPOINTS,
+    USAGE_OPT_IN,
+    Endpoint,
+    EngineTimings,
+    StreamReader,
+    engine_timings_of,
+    usage_of,
+)
 from exporter.usage.tap.identity import KeyAliases, resolve_caller
 from exporter.values import UsageEvent
 
@@ -90,6 +100,7 @@ class Exchange:
     completion_tokens: int | None = None
     ttft_seconds: float | None = None
     session: str | None = None
+    engine: EngineTimings | None = None  # vLLM's per-request metrics, when it sent them
     recorded: bool = False
 
 
@@ -183,6 +194,7 @@ class Tap:
         self.timeout = aiohttp.ClientTimeout(total=settings.timeout)
         self.clock = clock
         self.monotonic = monotonic
+        self.said_no_engine_timings = False
 
     # -- recording ---------------------------------------------------------------------
 
@@ -202,6 +214,7 @@ class Tap:
         failed = exchange.status >= 400 or exchange.status == 0
         if exchange.prompt_tokens is None and not failed:
             return  # already counted as a rejection (missing_usage, malformed_response, ...)
+        engine = exchange.engine
         try:
             event = validate({
                 "caller": exchange.caller,
@@ -213,13 +226,30 @@ class Tap:
                 "session": exchange.session,
                 "time": self.clock(),
                 "status": exchange.status or 502,
+                "engine_ttft_seconds": engine.ttft_seconds if engine else None,
+                "engine_queue_seconds": engine.queue_seconds if engine else None,
             })
         except InvalidEvent as err:
             # The call itself went through; only its record is refused, and counted.
             self._reject(err.reason)
             log.debug("tap: event refused (%s): %s", err.reason, err)
             return
+        if engine is None and not failed:
+            self.say_no_engine_timings()
         self._record(event)
+
+    def say_no_engine_timings(self) -> None:
+        """Once per tap: vLLM answered without its per-request metrics, so the TTFT recorded
+        is the tap's own (proxy-measured) and there is no queue wait. /metrics cannot tell
+        whether vLLM runs with the flag; the first answer without them can."""
+        if self.said_no_engine_timings:
+            return
+        self.said_no_engine_timings = True
+        log.warning("tap: vLLM answered without its per-request metrics: TTFT is measured "
+                    "at the tap (source=\"proxy\") and vLLM's queue wait is unknown. Start "
+                    "vLLM with --enable-per-request-metrics (beside "
+                    "--enable-prompt-tokens-details) for the engine's own TTFT and queue "
+                    "wait. (vLLM also omits them for n > 1.)")
 
     # -- proxying ----------------------------------------------------------------------
 
@@ -375,6 +405,7 @@ class Tap:
             else:
                 obj = loads(body)
             usage, model = usage_of(obj)
+            engine = engine_timings_of(obj)
         except InvalidEvent as err:
             self.reject(err.reason)
             return
@@ -389,6 +420,7 @@ class Tap:
         exchange.prompt_tokens = usage.prompt_tokens
         exchange.cached_tokens = usage.cached_tokens
         exchange.completion_tokens = usage.completion_tokens
+        exchange.engine = engine
 
     async def relay_events(self, request: web.Request, upstream: aiohttp.ClientResponse,
                            headers: CIMultiDict[str], exchange: Exchange, started: float,
@@ -440,6 +472,7 @@ class Tap:
         exchange.prompt_tokens = reader.usage.prompt_tokens
         exchange.cached_tokens = reader.usage.cached_tokens
         exchange.completion_tokens = reader.usage.completion_tokens
+        exchange.engine = reader.engine
 
 
 class _ClientGone(Exception):
