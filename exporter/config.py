@@ -423,6 +423,13 @@ FLAGS: tuple[Flag, ...] = (
               "in vLLM before 0.26).", _to_bool, None, kind="bool"),
     _sim_flag("enable-prompt-tokens-details", "Report prompt_tokens_details.cached_tokens in "
               "usage (default: off, as in vLLM).", _to_bool, None, kind="bool"),
+    _sim_flag("kv-cache-metrics", "Follow a sample of the KV blocks from allocation to "
+              "eviction and serve vLLM's KV-residency histograms (vllm:kv_block_*_seconds), as "
+              "vLLM's --kv-cache-metrics (default: off, as in vLLM).", _to_bool, None,
+              kind="bool"),
+    _sim_flag("kv-cache-metrics-sample", "Share of the KV blocks followed with "
+              "--sim.kv-cache-metrics, above 0 and at most 1 (default: 0.01, as in vLLM).",
+              _optional_float, "X"),
     # --- generate -------------------------------------------------------------------------
     Flag("output-dir", "Generate", "Directory that holds alerts/ and dashboards/.", _to_str,
          ".", metavar="DIR", commands=frozenset({GENERATE})),

@@ -1,0 +1,131 @@
+"""The simulator's --kv-cache-metrics: sampled blocks followed from allocation through their
+prefix-cache hits to their eviction, served as vLLM's three residency histograms."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.sim.engine import Engine, EngineConfig, EngineConfigError, Evicted
+from exporter.sim.kvcache import RESIDENCY_HISTORY, CachedBlock, ResidencySampler, block_keys
+from exporter.sim.metrics import SimMetrics
+from tests.helpers import value
+from tests.sim.conftest import played
+from tests.sim.test_engine import request, settle, tokens
+
+MODEL = "qwen3.8-27b"
+
+
+def small_pool(**overrides: object) -> Engine:
+    """Eight blocks of 32 tokens, prompts read and tokens made in microseconds: time is what
+    the test submits."""
+    values: dict[str, object] = {
+        "block_size": 32, "kv_pool_tokens": 8 * 32, "enable_prefix_caching": True,
+        "prefill_rate": 1e9, "decode_rate": 1e9, "kv_cache_metrics": True,
+        "kv_cache_metrics_sample": 1.0}
+    values.update(overrides)
+    return Engine(EngineConfig(**values))  # type: ignore[arg-type]
+
+
+def submit_at(engine: Engine, prompt: list[int], at: float) -> list:
+    engine.advance(at)
+    engine.submit(request(prompt, 1, at), at)
+    return settle(engine)
+
+
+def test_a_conversation_evicted_by_another_reports_each_block_s_life():
+    engine = small_pool()
+    conversation = tokens(160)
+    submit_at(engine, conversation[:96], 0.0)  # blocks 1-3 computed
+    submit_at(engine, conversation[:128], 10.0)  # hits 1-3, computes block 4
+    submit_at(engine, conversation, 30.0)  # hits 1-4, computes block 5
+    evictions = [event for event in submit_at(engine, tokens(255, start=50_000), 50.0)
+                 if isinstance(event, Evicted)]
+    # The newcomer needs the whole pool: all five blocks go, the tail first.
+    lives = [(round(e.residency.lifetime, 3), round(e.residency.idle, 3),
+              tuple(round(gap, 3) for gap in e.residency.reuse_gaps)) for e in evictions]
+    assert lives == [(20.0, 20.0, ()),  # block 5: computed at 30, never hit
+                     (40.0, 20.0, ()),  # block 4: computed at 10, hit once at 30
+                     (50.0, 20.0, (20.0,)),  # blocks 1-3: computed at 0, hit at 10 and 30
+                     (50.0, 20.0, (20.0,)),
+                     (50.0, 20.0, (20.0,))]
+    assert all(event.time == 50.0 and event.seq.prompt_tokens == 255 for event in evictions)
+
+
+def test_only_the_last_hits_give_gaps_as_in_vllm():
+    """vLLM keeps a block's last 4 accesses: at most 3 gaps per eviction."""
+    sampler = ResidencySampler(1.0)
+    block = CachedBlock(key=12345)
+    sampler.allocated(block, 0.0)
+    for when in (1.0, 3.0, 6.0, 10.0, 15.0, 21.0):
+        sampler.hit(block, when)
+    residency = sampler.evicted(block, 30.0)
+    assert residency is not None
+    assert residency.reuse_gaps == (4.0, 5.0, 6.0)
+    assert len(residency.reuse_gaps) == RESIDENCY_HISTORY - 1
+    assert (residency.lifetime, residency.idle) == (30.0, 9.0)
+    assert sampler.evicted(block, 31.0) is None  # reported once
+    assert sampler.lives == {}
+
+
+def test_the_sample_follows_its_share_of_blocks():
+    keys = block_keys(tokens(32 * 20_000), 32)
+    for rate in (0.01, 0.1, 0.5):
+        sampler = ResidencySampler(rate)
+        share = sum(sampler.sampled(CachedBlock(key)) for key in keys) / len(keys)
+        assert share == pytest.approx(rate, rel=0.15), rate
+    assert all(ResidencySampler(1.0).sampled(CachedBlock(key)) for key in keys[:1000])
+
+
+@pytest.mark.parametrize("sample", [0.0, -0.5, 1.5])
+def test_a_sample_outside_0_to_1_is_refused(sample):
+    with pytest.raises(EngineConfigError, match="kv_cache_metrics_sample"):
+        EngineConfig(kv_cache_metrics=True, kv_cache_metrics_sample=sample)
+
+
+def test_without_the_flag_nothing_is_followed_and_vllm_s_families_are_absent():
+    engine = small_pool(kv_cache_metrics=False)
+    submit_at(engine, tokens(160), 0.0)
+    events = submit_at(engine, tokens(255, start=50_000), 5.0)
+    assert engine.pool.evicted_blocks == 5
+    assert not [event for event in events if isinstance(event, Evicted)]
+    text = SimMetrics(engine.config).render(engine).decode()
+    assert "vllm:kv_block_" not in text
+
+
+def test_with_the_flag_the_families_exist_at_zero_then_count_evictions():
+    engine = small_pool()
+    metrics = SimMetrics(engine.config)
+    before = metrics.render(engine).decode()
+    labels = {"model_name": engine.config.served_model_name, "engine": "0"}
+    for family in ("lifetime", "idle_before_evict", "reuse_gap"):
+        assert value(before, f"vllm:kv_block_{family}_seconds_count", **labels) == 0
+    conversation = tokens(160)
+    for prompt, at in ((conversation[:96], 0.0), (conversation[:128], 10.0),
+                       (conversation, 30.0), (tokens(255, start=50_000), 50.0)):
+        for event in submit_at(engine, prompt, at):
+            metrics.observe(event)
+    after = metrics.render(engine).decode()
+    assert value(after, "vllm:kv_block_lifetime_seconds_count", **labels) == 5
+    assert value(after, "vllm:kv_block_lifetime_seconds_sum", **labels) == pytest.approx(
+        20 + 40 + 3 * 50, abs=0.01)
+    assert value(after, "vllm:kv_block_idle_before_evict_seconds_bucket", le="10.0",
+                 **labels) == 0
+    assert value(after, "vllm:kv_block_idle_before_evict_seconds_bucket", le="20.0",
+                 **labels) == 5  # all idle since their last use at 30 s
+    assert value(after, "vllm:kv_block_reuse_gap_seconds_count", **labels) == 3
+
+
+def test_the_collapse_seen_from_inside():
+    """two-agents-collapse: nothing is evicted while agent-a is alone; once agent-b arrives
+    the evicted blocks are mostly ones no turn ever came back to (idle for their whole life),
+    the conversations' prefixes gone before they return. two-agents-fit evicts nothing."""
+    fit = played("two-agents-fit").metrics_text
+    assert value(fit, "vllm:kv_block_idle_before_evict_seconds_count") == 0
+    collapse = played("two-agents-collapse").metrics_text
+    evictions = value(collapse, "vllm:kv_block_idle_before_evict_seconds_count")
+    assert evictions and evictions > 100
+    idle = value(collapse, "vllm:kv_block_idle_before_evict_seconds_sum")
+    lifetime = value(collapse, "vllm:kv_block_lifetime_seconds_sum")
+    assert idle / lifetime > 0.8
+    gaps = value(collapse, "vllm:kv_block_reuse_gap_seconds_count")
+    assert gaps / evictions < 0.5
