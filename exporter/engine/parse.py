@@ -43,6 +43,34 @@ class ParseError(ValueError):
 
 def _parse_labels(text: str, start: int, line_number: int) -> tuple[dict[str, str], int]:
     """Parse ``{a="b",...}`` starting at ``text[start] == '{'``; return labels and end index."""
+    simple = _simple_labels(text, start)
+    if simple is not None:
+        return simple
+    return _parse_labels_escaped(text, start, line_number)
+
+
+def _simple_labels(text: str, start: int) -> tuple[dict[str, str], int] | None:
+    """The label set as prometheus_client writes it (``{a="b",c="d"}``, no escapes, no
+    spaces), or None for the general parser. Without a backslash every ``"`` delimits a value,
+    so the first ``"}`` closes the set and ``",`` ends each value but the last."""
+    close = text.find('"}', start)
+    if close < 0:
+        return None
+    inner = text[start + 1:close]
+    if "\\" in inner:
+        return None
+    labels: dict[str, str] = {}
+    for pair in inner.split('",'):
+        key, sep, value = pair.partition('="')
+        if not sep or '"' in value or not key or not (key[0].isalpha() or key[0] == "_") \
+                or not key.replace("_", "a").isalnum():
+            return None
+        labels[key] = value
+    return labels, close + 2
+
+
+def _parse_labels_escaped(text: str, start: int,
+                          line_number: int) -> tuple[dict[str, str], int]:
     labels: dict[str, str] = {}
     i = start + 1
     n = len(text)
