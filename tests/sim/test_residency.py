@@ -184,3 +184,31 @@ def test_eviction_evidence_trails_the_hit_ratio_in_the_field_report_collapse(mon
     assert first_time(ratio) + 60 < first_time(idle_share)
     first_eviction = min(when for when, _ in evictions)
     assert arrival <= first_eviction < first_time(ratio)
+
+
+def test_the_residency_families_are_vllm_s():
+    """Name, type, help, labels and buckets as vLLM 0.33 declares them (the derived fixture
+    tests/fixtures/vllm-0.33.0-kv-cache-metrics.prom); and every family the simulator serves
+    there exists in that exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.helpers import fixture_text
+
+    def shapes(text: str) -> dict[str, tuple[str, str, set[str], list[str]]]:
+        out = {}
+        for family in text_string_to_metric_families(text):
+            if family.name.startswith("vllm:kv_block_") and family.type == "histogram":
+                out[family.name] = (
+                    family.type, family.documentation,
+                    {frozenset(set(sample.labels) - {"le"}) for sample in family.samples},
+                    [sample.labels["le"] for sample in family.samples if "le" in sample.labels])
+        return out
+
+    engine = small_pool(served_model_name="meta-llama/Llama-3.1-8B-Instruct")
+    ours = shapes(SimMetrics(engine.config).render(engine).decode())
+    real = shapes(fixture_text("vllm-0.33.0-kv-cache-metrics.prom"))
+    assert set(ours) == set(real) == {"vllm:kv_block_lifetime_seconds",
+                                      "vllm:kv_block_idle_before_evict_seconds",
+                                      "vllm:kv_block_reuse_gap_seconds"}
+    for name in real:
+        assert ours[name] == real[name], name
