@@ -264,8 +264,9 @@ def build(config: MonitoringConfig) -> g.Dashboard:
     layout.add(table(
         "vLLM metrics present",
         "For each signal the exporter reads, whether vLLM exposes it under any known name. "
-        "Absent means renamed or dropped by a vLLM upgrade: its panels show nothing, never "
-        "a reassuring 0 (VllmCacheEngineMetricAbsent).",
+        "Absent means renamed or dropped by a vLLM upgrade, too old a vLLM, or a flag that is "
+        "off (KV residency needs --kv-cache-metrics): its panels show nothing, never a "
+        "reassuring 0 (VllmCacheEngineMetricAbsent for the signals the alerts need).",
         "none",
         [target(f"min by (target, signal) (vllm_cache_engine_metric_present{vllm_targets})",
                 instant=True)],
