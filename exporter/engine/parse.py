@@ -137,6 +137,9 @@ def _name_end(line: str) -> int:
 def parse(text: str) -> EngineSnapshot:
     """Parse an exposition body. Raises ParseError on any malformed sample line."""
     found: Found = defaultdict(list)
+    # Label sets repeat within a body (every family of an engine, every histogram with the
+    # same buckets): each distinct one is parsed once. The dicts are shared, so read-only.
+    labels_seen: dict[str, dict[str, str]] = {}
     line_count = 0
     for line_number, line in enumerate(text.split("\n"), start=1):
         if not line or line[0] == "#":
@@ -157,7 +160,14 @@ def parse(text: str) -> EngineSnapshot:
             _parse_value(line.rsplit(None, 1)[-1], line_number)
             continue
         if line[end] == "{":
-            labels, rest_at = _parse_labels(line, end, line_number)
+            close = line.find('"}', end) + 2
+            seen = labels_seen.get(line[end:close]) if close > 1 else None
+            if seen is not None:
+                labels, rest_at = seen, close
+            else:
+                labels, rest_at = _parse_labels(line, end, line_number)
+                if rest_at == close:
+                    labels_seen[line[end:close]] = labels
         else:
             labels, rest_at = {}, end
         rest = line[rest_at:].split()
