@@ -160,14 +160,7 @@ def parse(text: str) -> EngineSnapshot:
             _parse_value(line.rsplit(None, 1)[-1], line_number)
             continue
         if line[end] == "{":
-            close = line.find('"}', end) + 2
-            seen = labels_seen.get(line[end:close]) if close > 1 else None
-            if seen is not None:
-                labels, rest_at = seen, close
-            else:
-                labels, rest_at = _parse_labels(line, end, line_number)
-                if rest_at == close:
-                    labels_seen[line[end:close]] = labels
+            labels, rest_at = _labels_once(line, end, line_number, labels_seen)
         else:
             labels, rest_at = {}, end
         rest = line[rest_at:].split()
@@ -177,6 +170,19 @@ def parse(text: str) -> EngineSnapshot:
     if line_count == 0:
         raise ParseError(0, "no samples in body")
     return _resolve(found, line_count)
+
+
+def _labels_once(line: str, start: int, line_number: int,
+                 labels_seen: dict[str, dict[str, str]]) -> tuple[dict[str, str], int]:
+    """The label set at ``line[start]``, parsed only the first time this body has it."""
+    close = line.find('"}', start) + 2
+    seen = labels_seen.get(line[start:close]) if close > 1 else None
+    if seen is not None:
+        return seen, close
+    labels, rest_at = _parse_labels(line, start, line_number)
+    if rest_at == close:
+        labels_seen[line[start:close]] = labels
+    return labels, rest_at
 
 
 def _row_key(labels: dict[str, str]) -> RowKey:

@@ -17,7 +17,7 @@ count ever shown for a bound at or below it. Every exported bucket still never g
 (even a bound that leaves with one restart and comes back with another), the buckets still
 grow with the bound, the count is still every observation, and ``rate()`` over a window
 after the change sees exactly the new observations; only observations from before the
-change that fell between two old bounds are counted one bucket high.
+change that fell between two old bounds are counted in a higher bucket.
 """
 
 from __future__ import annotations

@@ -234,3 +234,42 @@ def test_split_counters_are_carried_per_label_value():
         {"local_compute": 110, "local_cache_hit": 900}
     assert read_split({"local_compute": 20, "local_cache_hit": 50}) == \
         {"local_compute": 120, "local_cache_hit": 950}
+
+
+def test_tracks_are_bounded_at_their_worst():
+    """A target whose engine labels churn: at most MAX_TRACKS counter tracks and
+    MAX_HISTOGRAM_TRACKS histogram tracks are kept, the most recently seen; the rows of the
+    current read are always among them."""
+    from exporter.signals.engine import MAX_HISTOGRAM_TRACKS, MAX_TRACKS
+
+    state = EngineState((TARGET,))
+    histogram = hist((1.0, INF), (1, 2), 3.0)
+    for read in range(60):
+        engines = {}
+        for index in range(10):
+            engine = f"{read}-{index}"
+            engines[("m", engine)] = EngineValues(
+                "m", engine, histograms={name: histogram for name in RESIDENCY_SIGNALS},
+                splits={PROMPT_TOKENS_BY_SOURCE: {"local_compute": 1.0, "local_cache_hit": 2.0,
+                                                  "external_kv_transfer": 0.0}})
+        state.record_success(TARGET, EngineSnapshot(engines, {}, {}), 0.01, 0.0)
+        target = state.targets[TARGET]
+        assert len(target.tracks) <= MAX_TRACKS
+        assert len(target.histogram_tracks) <= MAX_HISTOGRAM_TRACKS
+        current = {("m", f"{read}-{index}", name) for index in range(10)
+                   for name in RESIDENCY_SIGNALS}
+        assert current <= set(target.histogram_tracks)
+    assert len(target.histogram_tracks) == MAX_HISTOGRAM_TRACKS  # filled, never past
+    assert len(target.tracks) == min(60 * 10 * 3, MAX_TRACKS)
+
+
+def test_bounds_remembered_across_bucket_changes_are_bounded():
+    from exporter.signals.engine import MAX_REMEMBERED_BOUNDS
+
+    state = EngineState((TARGET,))
+    for change in range(40):  # a vLLM restarted 40 times, each with 20 new bounds
+        bounds = tuple(float(change * 100 + index) for index in range(1, 21)) + (INF,)
+        read_histogram(state, hist(bounds, tuple(range(1, 22)), 10.0), created=float(change))
+        track = state.targets[TARGET].histogram_tracks[("m", "0", KV_BLOCK_LIFETIME)]
+        assert len(track.remembered) <= MAX_REMEMBERED_BOUNDS
+    assert len(track.remembered) == MAX_REMEMBERED_BOUNDS
