@@ -34,15 +34,29 @@ from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
 from exporter.redaction import redact_text, redact_url
 from exporter.signals import advice
 from exporter.signals.foresight import admission_budget
-from exporter.values import EngineSnapshot
+from exporter.values import EngineSnapshot, EngineValues, HistogramValue
 
 # Signals whose absence breaks the cache signals (a problem), and those that only exist in
-# newer vLLM releases (a note).
+# newer vLLM releases or with a flag (a note).
 REQUIRED = (names.PREFIX_CACHE_QUERIES, names.PREFIX_CACHE_HITS, names.PREEMPTIONS,
             names.KV_USAGE, names.CACHE_CONFIG)
 WHY_ABSENT = {
     names.PROMPT_TOKENS_CACHED.name: "vLLM before 0.16 has no vllm:prompt_tokens_cached_total",
+    names.PROMPT_TOKENS_BY_SOURCE.name: "vLLM before 0.16 does not split prompt tokens by "
+                                        "source",
+    names.PROMPT_TOKENS_CACHED_BY_SOURCE.name: "vLLM before 0.32 does not split cached tokens "
+                                               "by tier",
+    names.REQUESTS_WAITING_BY_REASON.name: "vLLM before 0.20 does not say why requests wait",
+    names.EXTERNAL_PREFIX_CACHE_QUERIES.name: "vLLM before 0.11.1 has no KV-connector counters",
+    names.EXTERNAL_PREFIX_CACHE_HITS.name: "vLLM before 0.11.1 has no KV-connector counters",
 }
+RESIDENCY = (names.KV_BLOCK_LIFETIME, names.KV_BLOCK_IDLE_BEFORE_EVICT, names.KV_BLOCK_REUSE_GAP)
+RESIDENCY_OFF = (
+    "KV residency metrics are off: start vLLM with --kv-cache-metrics (and "
+    "--kv-cache-metrics-sample, default 0.01 of the blocks) to see evictions: how long KV "
+    "blocks live, how long they sit idle before they are evicted, and how soon they are "
+    "reused. Blocks evicted sooner than their conversations come back is the collapse seen "
+    "from inside.")
 
 
 @dataclass
@@ -232,8 +246,11 @@ def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,
                 f"{label}: {preemptions:,.0f} preemption(s) since vLLM started: at times more "
                 "concurrent context than the KV pool holds, and preempted requests are "
                 "recomputed.")
+        describe_residency(values, label, report)
+    if not any(snapshot.present.get(signal.name) for signal in RESIDENCY):
+        report.notes.append(RESIDENCY_OFF)
     for signal in names.SIGNALS:
-        if snapshot.present.get(signal.name):
+        if snapshot.present.get(signal.name) or signal in RESIDENCY:
             continue
         known = ", ".join(signal.sample_names[:2])
         if signal in REQUIRED:
@@ -260,6 +277,55 @@ def _pool_sentence(pool: int, target: str, engine: str, headroom: int,
         smallest, source = min(pool, int(known)), "by the exporter since it started"
     return advice.pool_sentence(pool, smallest, source, headroom,
                                 admission_budget(smallest, headroom))
+def describe_residency(values: EngineValues, label: str, report: Report) -> None:
+    """What the sampled evictions since vLLM started say: medians, and whether blocks are
+    evicted before their conversations come back."""
+    idle = values.histograms.get(names.KV_BLOCK_IDLE_BEFORE_EVICT.name)
+    if idle is None:
+        return
+    if idle.count == 0:
+        report.lines.append("  KV residency: no sampled block evicted since vLLM started")
+        return
+    lifetime = values.histograms.get(names.KV_BLOCK_LIFETIME.name)
+    gap = values.histograms.get(names.KV_BLOCK_REUSE_GAP.name)
+    idle_median = median(idle)
+    parts = [f"{idle.count:,.0f} sampled block(s) evicted since vLLM started, median idle "
+             f"before eviction {seconds(idle_median)}"]
+    if lifetime is not None and lifetime.count:
+        parts.append(f"median lifetime {seconds(median(lifetime))}")
+    gap_median = median(gap) if gap is not None and gap.count else None
+    if gap_median is not None:
+        parts.append(f"median gap between reuses {seconds(gap_median)}")
+    report.lines.append("  KV residency: " + ", ".join(parts))
+    if gap_median is not None and idle_median < gap_median:
+        report.notes.append(
+            f"{label}: KV blocks are evicted after {seconds(idle_median)} idle (median), "
+            f"sooner than blocks are reused ({seconds(gap_median)} apart): conversations "
+            "come back to find their prefix gone. The KV pool is too small for this "
+            "traffic's concurrency and think time.")
+
+
+def median(histogram: HistogramValue) -> float:
+    """The median as Prometheus' histogram_quantile estimates it: linear within the bucket
+    (the highest finite bound when it falls in the +Inf bucket)."""
+    rank = histogram.count / 2
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in zip(histogram.bounds, histogram.cumulative, strict=True):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 0
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def seconds(value: float) -> str:
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    if value < 120:
+        return f"{value:.1f} s"
+    return f"{value / 60:.1f} min"
 
 
 def render(report: Report) -> Iterator[str]:

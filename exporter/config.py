@@ -469,6 +469,13 @@ FLAGS: tuple[Flag, ...] = (
     _sim_flag("enable-per-request-metrics", "Add vLLM's per-request metrics object (TTFT, "
               "queue time, ...) to every response and to a stream's usage chunk (default: "
               "off, as in vLLM).", _to_bool, None, kind="bool"),
+    _sim_flag("kv-cache-metrics", "Follow a sample of the KV blocks from allocation to "
+              "eviction and serve vLLM's KV-residency histograms (vllm:kv_block_*_seconds), as "
+              "vLLM's --kv-cache-metrics (default: off, as in vLLM).", _to_bool, None,
+              kind="bool"),
+    _sim_flag("kv-cache-metrics-sample", "Share of the KV blocks followed with "
+              "--sim.kv-cache-metrics, above 0 and at most 1 (default: 0.01, as in vLLM).",
+              _optional_float, "X"),
     # --- generate -------------------------------------------------------------------------
     Flag("output-dir", "Generate", "Directory that holds alerts/ and dashboards/.", _to_str,
          ".", metavar="DIR", commands=frozenset({GENERATE})),

@@ -22,15 +22,66 @@ KV_CACHE_USAGE = "kv_cache_usage"
 REQUESTS_RUNNING = "requests_running"
 REQUESTS_WAITING = "requests_waiting"
 CACHE_CONFIG_INFO = "cache_config_info"
+# Where prompt tokens came from: a KV connector's cache (LMCache, offloading, P/D), the split
+# of prompt tokens by source, the split of cached tokens by the tier that held them, and the
+# waiting requests by why they wait.
+EXTERNAL_PREFIX_CACHE_QUERIES = "external_prefix_cache_queries"
+EXTERNAL_PREFIX_CACHE_HITS = "external_prefix_cache_hits"
+PROMPT_TOKENS_BY_SOURCE = "prompt_tokens_by_source"
+PROMPT_TOKENS_CACHED_BY_SOURCE = "prompt_tokens_cached_by_source"
+REQUESTS_WAITING_BY_REASON = "requests_waiting_by_reason"
+# KV residency: sampled blocks' lifetime, idle time before eviction and gaps between reuses
+# (vLLM started with --kv-cache-metrics).
+KV_BLOCK_LIFETIME = "kv_block_lifetime"
+KV_BLOCK_IDLE_BEFORE_EVICT = "kv_block_idle_before_evict"
+KV_BLOCK_REUSE_GAP = "kv_block_reuse_gap"
+# Engine-side request phases: where a slow turn spent its time when the cache did hold.
+REQUEST_QUEUE_TIME = "request_queue_time"
+REQUEST_PREFILL_TIME = "request_prefill_time"
+REQUEST_DECODE_TIME = "request_decode_time"
+INTER_TOKEN_LATENCY = "inter_token_latency"
 
 # Every engine signal, in exposition order.
 ENGINE_SIGNALS = (
     PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, PROMPT_TOKENS, PROMPT_TOKENS_CACHED,
     KV_CACHE_USAGE, REQUESTS_RUNNING, REQUESTS_WAITING, CACHE_CONFIG_INFO,
+    EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS, PROMPT_TOKENS_BY_SOURCE,
+    PROMPT_TOKENS_CACHED_BY_SOURCE, REQUESTS_WAITING_BY_REASON,
+    KV_BLOCK_LIFETIME, KV_BLOCK_IDLE_BEFORE_EVICT, KV_BLOCK_REUSE_GAP,
+    REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, INTER_TOKEN_LATENCY,
 )
-# Engine signals that are counters in vLLM (carried across vLLM restarts by the signals).
+# Engine signals that are counters in vLLM (carried across vLLM restarts by the signals),
+# split ones included (each label value is carried on its own).
 COUNTER_SIGNALS = frozenset(
-    {PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, PROMPT_TOKENS, PROMPT_TOKENS_CACHED})
+    {PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, PROMPT_TOKENS, PROMPT_TOKENS_CACHED,
+     EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS, PROMPT_TOKENS_BY_SOURCE,
+     PROMPT_TOKENS_CACHED_BY_SOURCE})
+# Engine signals that are histograms in vLLM: their buckets, sum and count are counters too,
+# carried across restarts together.
+HISTOGRAM_SIGNALS = (
+    KV_BLOCK_LIFETIME, KV_BLOCK_IDLE_BEFORE_EVICT, KV_BLOCK_REUSE_GAP,
+    REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, INTER_TOKEN_LATENCY,
+)
+
+
+@dataclass(frozen=True)
+class Split:
+    """A vLLM series with one more label than (model_name, engine), whose values vLLM
+    enumerates. The label's values come from outside, so only ``known`` ones get a series of
+    their own; any other value vLLM sends is summed into ``OTHER_LABEL_VALUE``."""
+
+    label: str
+    known: tuple[str, ...]
+
+
+OTHER_LABEL_VALUE = "other"
+SPLITS = {
+    PROMPT_TOKENS_BY_SOURCE: Split(
+        "source", ("local_compute", "local_cache_hit", "external_kv_transfer")),
+    PROMPT_TOKENS_CACHED_BY_SOURCE: Split(
+        "source", ("device", "host", "p2p", "disk", "external_unspecified")),
+    REQUESTS_WAITING_BY_REASON: Split("reason", ("capacity", "deferred")),
+}
 
 # Why a read of a vLLM's /metrics failed: the ``reason`` of its error counter, every one of
 # which exists at 0 from the start so that the first failure shows in increase().
@@ -98,14 +149,36 @@ class CacheConfig:
         return None
 
 
+@dataclass(frozen=True)
+class HistogramValue:
+    """One histogram of one engine: cumulative counts per upper bound (ascending, ``inf``
+    last, so the last count is the histogram's count) and the sum of the observations."""
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[float, ...]
+    sum: float
+
+    @property
+    def count(self) -> float:
+        return self.cumulative[-1]
+
+
 @dataclass
 class EngineValues:
-    """Values of one (model_name, engine) pair of a vLLM, keyed by engine signal name."""
+    """Values of one (model_name, engine) pair of a vLLM, keyed by engine signal name.
+
+    ``splits`` holds the split signals (signal -> label value -> value, see ``SPLITS``),
+    ``histograms`` the histogram ones. ``created`` is the ``_created`` time of a counter or
+    histogram, ``split_created`` that of each label value of a split counter.
+    """
 
     model_name: str
     engine: str
     values: dict[str, float] = field(default_factory=dict)
     created: dict[str, float] = field(default_factory=dict)
+    splits: dict[str, dict[str, float]] = field(default_factory=dict)
+    split_created: dict[str, dict[str, float]] = field(default_factory=dict)
+    histograms: dict[str, HistogramValue] = field(default_factory=dict)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import sys
 
 from exporter.check import Report, describe, describe_exporter, read_exporter
@@ -236,3 +237,31 @@ async def test_command_with_an_exporter(fake_vllm, aiohttp_server):
     assert "Admission budget: 189,636 tokens" in text
     assert f"exporter {exporter.make_url('/metrics')}" in text
     assert "no conversations seen yet" in text
+def test_residency_metrics_off_is_said_in_words():
+    report = report_for(REAL)
+    assert report.problems == []
+    off = [note for note in report.notes if "KV residency metrics are off" in note]
+    assert len(off) == 1 and "start vLLM with --kv-cache-metrics" in off[0]
+
+
+def test_residency_evicted_before_reuse_is_named():
+    report = report_for(fixture_text("vllm-0.33.0-kv-cache-metrics.prom"))
+    assert not any("KV residency metrics are off" in note for note in report.notes)
+    (line,) = [line for line in report.lines if "KV residency:" in line]
+    # The fixture's evictions: 150 sampled blocks, idle 2-30 s, reused about every 45 s.
+    assert "150 sampled block(s) evicted since vLLM started" in line
+    idle = float(line.split("median idle before eviction ")[1].split(" s")[0])
+    gap = float(line.split("median gap between reuses ")[1].split(" s")[0])
+    assert 10 < idle < 20 < 40 < gap < 60
+    evicted_early = [note for note in report.notes if "sooner than blocks are reused" in note]
+    assert len(evicted_early) == 1 and "too small" in evicted_early[0]
+    assert report.problems == []
+
+
+def test_residency_on_without_evictions_yet():
+    text = fixture_text("vllm-0.33.0-kv-cache-metrics.prom")
+    empty = re.sub(r"^(vllm:kv_block_\w+_(?:bucket|count|sum)\{[^}]*\}) \S+$", r"\1 0.0", text,
+                   flags=re.M)
+    report = report_for(empty)
+    assert any("KV residency: no sampled block evicted" in line for line in report.lines)
+    assert not any("KV residency metrics are off" in note for note in report.notes)

@@ -13,7 +13,14 @@ from exporter.config import Config
 from exporter.metrics import build_registry
 from exporter.metrics.exposition import generate_openmetrics, generate_text
 from exporter.signals.engine import EngineState
-from exporter.values import PREFIX_CACHE_HITS, EngineSnapshot, EngineValues, UsageEvent
+from exporter.values import (
+    KV_BLOCK_LIFETIME,
+    PREFIX_CACHE_HITS,
+    EngineSnapshot,
+    EngineValues,
+    HistogramValue,
+    UsageEvent,
+)
 from exporter.wiring import signals_state
 from tests.helpers import value
 
@@ -152,3 +159,83 @@ def test_an_exported_engine_counter_never_decreases_and_counts_every_hit(reads):
         else:
             engine.record_failure(TARGET, "connect", "refused", 0.01)
     assert exported == sorted(exported)
+
+
+# --- carried engine histograms --------------------------------------------------------------
+
+BOUND_SETS = ((1.0, 10.0, math.inf), (0.5, 10.0, 50.0, math.inf), (2.0, math.inf))
+HISTOGRAM_READS = st.lists(st.one_of(
+    # observations to add: (bucket index per observation)
+    st.tuples(st.just("observe"), st.lists(st.integers(min_value=0, max_value=3), max_size=8)),
+    st.tuples(st.just("restart"), st.integers(min_value=0, max_value=len(BOUND_SETS) - 1)),
+    st.tuples(st.just("absent"), st.just(0)),
+    st.tuples(st.just("down"), st.just(0)),
+), max_size=30)
+
+
+class VllmHistogram:
+    """What a vLLM histogram holds: per-bucket observations since its (re)start."""
+
+    def __init__(self, bounds: tuple[float, ...], created: float) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+        self.created = created
+
+    def observe(self, index: int) -> None:
+        index = min(index, len(self.bounds) - 1)
+        self.counts[index] += 1
+        self.sum += self.bounds[index] if math.isfinite(self.bounds[index]) else 100.0
+
+    def value(self) -> HistogramValue:
+        cumulative = tuple(float(sum(self.counts[:i + 1])) for i in range(len(self.bounds)))
+        return HistogramValue(self.bounds, cumulative, self.sum)
+
+
+def histogram_snapshot(histogram: VllmHistogram | None) -> EngineSnapshot:
+    values = EngineValues("m", "0")
+    if histogram is not None:
+        values.histograms[KV_BLOCK_LIFETIME] = histogram.value()
+        values.created[KV_BLOCK_LIFETIME] = histogram.created
+    return EngineSnapshot(engines={("m", "0"): values}, cache_configs={},
+                          present={KV_BLOCK_LIFETIME: histogram is not None})
+
+
+@settings(max_examples=300, deadline=None)
+@given(reads=HISTOGRAM_READS)
+def test_an_exported_engine_histogram_never_decreases_and_stays_a_histogram(reads):
+    """vLLM's histogram grows, restarts empty (maybe with other bounds, as
+    --custom-histogram-buckets allows), is absent or unreadable in between. Every exported
+    bucket of a bound, the sum and the count never go down; the buckets grow with the bound;
+    the count is the +Inf bucket and counts every observation since the first read."""
+    engine = EngineState((TARGET,))
+    vllm = VllmHistogram(BOUND_SETS[0], 1000.0)
+    seen: dict[float, float] = {}  # bound -> last exported bucket
+    last_sum = last_count = 0.0
+    observed_since_first = None
+    for kind, argument in reads:
+        if kind == "observe":
+            for index in argument:
+                vllm.observe(index)
+            if observed_since_first is not None:
+                observed_since_first += len(argument)
+        elif kind == "restart":
+            vllm = VllmHistogram(BOUND_SETS[argument], vllm.created + 1)
+        if kind == "down":
+            engine.record_failure(TARGET, "connect", "refused", 0.01)
+            continue
+        engine.record_success(TARGET, histogram_snapshot(None if kind == "absent" else vllm),
+                              0.01, 0.0)
+        if kind == "absent":
+            continue
+        if observed_since_first is None:
+            observed_since_first = sum(vllm.counts)
+        shown = engine.targets[TARGET].rows[0].histograms[KV_BLOCK_LIFETIME]
+        assert shown.bounds == vllm.bounds
+        assert list(shown.cumulative) == sorted(shown.cumulative)
+        assert shown.count == observed_since_first
+        assert shown.sum >= last_sum and shown.count >= last_count
+        for bound, bucket in zip(shown.bounds, shown.cumulative, strict=True):
+            assert bucket >= seen.get(bound, 0.0), (bound, bucket, seen)
+            seen[bound] = bucket
+        last_sum, last_count = shown.sum, shown.count

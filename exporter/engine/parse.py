@@ -10,11 +10,28 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from itertools import pairwise
 
 from exporter.engine import names
-from exporter.values import CacheConfig, EngineSnapshot, EngineValues
+from exporter.values import (
+    OTHER_LABEL_VALUE,
+    SPLITS,
+    CacheConfig,
+    EngineSnapshot,
+    EngineValues,
+    HistogramValue,
+    Split,
+)
 
 _WANTED = names.wanted_sample_names()
+# Buckets one histogram may have. vLLM's largest default family has 22 bounds plus +Inf
+# (and --custom-histogram-buckets lists are typed by hand); a histogram past this is dropped
+# and its samples counted as invalid, so one target cannot make the exporter serve
+# thousands of series per engine.
+MAX_HISTOGRAM_BUCKETS = 64
+
+Found = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> (labels, value)
+RowKey = tuple[str, str]  # (model_name, engine)
 
 
 class ParseError(ValueError):
@@ -26,6 +43,34 @@ class ParseError(ValueError):
 
 def _parse_labels(text: str, start: int, line_number: int) -> tuple[dict[str, str], int]:
     """Parse ``{a="b",...}`` starting at ``text[start] == '{'``; return labels and end index."""
+    simple = _simple_labels(text, start)
+    if simple is not None:
+        return simple
+    return _parse_labels_escaped(text, start, line_number)
+
+
+def _simple_labels(text: str, start: int) -> tuple[dict[str, str], int] | None:
+    """The label set as prometheus_client writes it (``{a="b",c="d"}``, no escapes, no
+    spaces), or None for the general parser. Without a backslash every ``"`` delimits a value,
+    so the first ``"}`` closes the set and ``",`` ends each value but the last."""
+    close = text.find('"}', start)
+    if close < 0:
+        return None
+    inner = text[start + 1:close]
+    if "\\" in inner:
+        return None
+    labels: dict[str, str] = {}
+    for pair in inner.split('",'):
+        key, sep, value = pair.partition('="')
+        if not sep or '"' in value or not key or not (key[0].isalpha() or key[0] == "_") \
+                or not key.replace("_", "a").isalnum():
+            return None
+        labels[key] = value
+    return labels, close + 2
+
+
+def _parse_labels_escaped(text: str, start: int,
+                          line_number: int) -> tuple[dict[str, str], int]:
     labels: dict[str, str] = {}
     i = start + 1
     n = len(text)
@@ -91,7 +136,10 @@ def _name_end(line: str) -> int:
 
 def parse(text: str) -> EngineSnapshot:
     """Parse an exposition body. Raises ParseError on any malformed sample line."""
-    found: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+    found: Found = defaultdict(list)
+    # Label sets repeat within a body (every family of an engine, every histogram with the
+    # same buckets): each distinct one is parsed once. The dicts are shared, so read-only.
+    labels_seen: dict[str, dict[str, str]] = {}
     line_count = 0
     for line_number, line in enumerate(text.split("\n"), start=1):
         if not line or line[0] == "#":
@@ -112,7 +160,7 @@ def parse(text: str) -> EngineSnapshot:
             _parse_value(line.rsplit(None, 1)[-1], line_number)
             continue
         if line[end] == "{":
-            labels, rest_at = _parse_labels(line, end, line_number)
+            labels, rest_at = _labels_once(line, end, line_number, labels_seen)
         else:
             labels, rest_at = {}, end
         rest = line[rest_at:].split()
@@ -124,61 +172,217 @@ def parse(text: str) -> EngineSnapshot:
     return _resolve(found, line_count)
 
 
-def _resolve(found: dict[str, list[tuple[dict[str, str], float]]], lines: int) -> EngineSnapshot:
-    engines: dict[tuple[str, str], EngineValues] = {}
-    present: dict[str, bool] = {}
-    invalid = 0
+def _labels_once(line: str, start: int, line_number: int,
+                 labels_seen: dict[str, dict[str, str]]) -> tuple[dict[str, str], int]:
+    """The label set at ``line[start]``, parsed only the first time this body has it."""
+    close = line.find('"}', start) + 2
+    seen = labels_seen.get(line[start:close]) if close > 1 else None
+    if seen is not None:
+        return seen, close
+    labels, rest_at = _parse_labels(line, start, line_number)
+    if rest_at == close:
+        labels_seen[line[start:close]] = labels
+    return labels, rest_at
 
-    def slot(labels: dict[str, str]) -> EngineValues:
-        key = (labels.get("model_name", ""), labels.get("engine", ""))
-        values = engines.get(key)
+
+def _row_key(labels: dict[str, str]) -> RowKey:
+    return labels.get("model_name", ""), labels.get("engine", "")
+
+
+class _Resolver:
+    """Turns the samples found into per-(model_name, engine) values, dropping (and counting)
+    impossible ones."""
+
+    def __init__(self, found: Found) -> None:
+        self.found = found
+        self.engines: dict[RowKey, EngineValues] = {}
+        self.present: dict[str, bool] = {}
+        self.invalid = 0
+
+    def slot(self, labels: dict[str, str]) -> EngineValues:
+        key = _row_key(labels)
+        values = self.engines.get(key)
         if values is None:
-            values = engines[key] = EngineValues(model_name=key[0], engine=key[1])
+            values = self.engines[key] = EngineValues(model_name=key[0], engine=key[1])
         return values
 
-    def valid(signal: names.Signal, value: float) -> bool:
-        if not math.isfinite(value) or value < 0:
-            return False
-        if signal is names.KV_USAGE and value > 1.0:
-            return False
-        return True
+    def first_found(self, candidates: tuple[str, ...]) -> str | None:
+        return next((name for name in candidates if name in self.found), None)
 
-    for signal in names.SAMPLE_VALUE_SIGNALS:
-        sample_name = next((n for n in signal.sample_names if n in found), None)
-        if sample_name is None:
-            continue
-        present[signal.name] = True
-        for labels, value in found[sample_name]:
-            if not valid(signal, value):
-                invalid += 1
-                continue
-            values = slot(labels).values
-            values[signal.name] = values.get(signal.name, 0.0) + value
+    def valid(self, signal: names.Signal, value: float) -> bool:
+        """Whether a value is possible; an impossible one is counted."""
+        if _possible(signal, value):
+            return True
+        self.invalid += 1
+        return False
+
+    def created(self, sample_name: str) -> list[tuple[dict[str, str], float]]:
         created = names.created_name(sample_name)
-        for labels, value in found.get(created, []) if created else []:
-            if math.isfinite(value):
-                slot(labels).created[signal.name] = value
+        if created is None:
+            return []
+        return [(labels, value) for labels, value in self.found.get(created, [])
+                if math.isfinite(value)]
 
-    if not present.get(names.PROMPT_TOKENS_CACHED.name):
-        by_source = next((n for n in names.PROMPT_TOKENS_BY_SOURCE if n in found), None)
-        if by_source is not None:
-            present[names.PROMPT_TOKENS_CACHED.name] = True
-            for labels, value in found[by_source]:
-                if labels.get("source") not in names.CACHED_SOURCES:
-                    continue
-                if not valid(names.PROMPT_TOKENS_CACHED, value):
-                    invalid += 1
-                    continue
-                values = slot(labels).values
-                key = names.PROMPT_TOKENS_CACHED.name
-                values[key] = values.get(key, 0.0) + value
+    # ---- plain values (one number per engine) ------------------------------------------
 
-    cache_configs: dict[str, CacheConfig] = {}
-    for labels, _value in found.get(names.CACHE_CONFIG.sample_names[0], []):
-        present[names.CACHE_CONFIG.name] = True
-        engine = labels.get("engine", "")
-        cache_configs[engine] = CacheConfig(engine=engine, fields=dict(labels))
+    def plain(self, signal: names.Signal) -> None:
+        sample_name = self.first_found(signal.sample_names)
+        if sample_name is None:
+            return
+        self.present[signal.name] = True
+        for labels, value in self.found[sample_name]:
+            if self.valid(signal, value):
+                values = self.slot(labels).values
+                values[signal.name] = values.get(signal.name, 0.0) + value
+        for labels, value in self.created(sample_name):
+            self.slot(labels).created[signal.name] = value
+
+    def cached_from_sources(self) -> None:
+        """vllm:prompt_tokens_cached where only its by-source split exists."""
+        signal = names.PROMPT_TOKENS_CACHED
+        if self.present.get(signal.name):
+            return
+        by_source = self.first_found(names.PROMPT_TOKENS_BY_SOURCE.sample_names)
+        if by_source is None:
+            return
+        self.present[signal.name] = True
+        for labels, value in self.found[by_source]:
+            # An impossible value is counted once, by the split's own reading.
+            if labels.get("source") in names.CACHED_SOURCES and _possible(signal, value):
+                values = self.slot(labels).values
+                values[signal.name] = values.get(signal.name, 0.0) + value
+
+    # ---- splits (one number per engine and label value) ----------------------------------
+
+    def split(self, signal: names.Signal) -> None:
+        sample_name = self.first_found(signal.sample_names)
+        if sample_name is None:
+            return
+        self.present[signal.name] = True
+        split = SPLITS[signal.name]
+        for labels, value in self.found[sample_name]:
+            if self.valid(signal, value):
+                by_value = self.slot(labels).splits.setdefault(signal.name, {})
+                shown = _shown_label_value(split, labels.get(split.label, ""))
+                by_value[shown] = by_value.get(shown, 0.0) + value
+        for labels, value in self.created(sample_name):
+            shown = _shown_label_value(split, labels.get(split.label, ""))
+            created = self.slot(labels).split_created.setdefault(signal.name, {})
+            # Several values folded into "other": the newest creation marks a restart.
+            created[shown] = max(value, created.get(shown, value))
+
+    # ---- histograms ----------------------------------------------------------------------
+
+    def histogram(self, signal: names.Signal) -> None:
+        family = next((name for name in signal.sample_names
+                       if name + "_bucket" in self.found or name + "_count" in self.found), None)
+        if family is None:
+            return
+        self.present[signal.name] = True
+        rows: dict[RowKey, _HistogramSamples] = {}
+        for suffix in ("_bucket", "_sum", "_count"):
+            for labels, value in self.found.get(family + suffix, []):
+                row = rows.setdefault(_row_key(labels), _HistogramSamples())
+                row.add(suffix, labels.get("le"), value)
+        for key, row in rows.items():
+            histogram = row.resolve()
+            if histogram is None:
+                self.invalid += row.lines
+                continue
+            self.slot({"model_name": key[0], "engine": key[1]}).histograms[signal.name] = \
+                histogram
+        for labels, value in self.found.get(family + "_created", []):
+            values = self.engines.get(_row_key(labels))
+            if values is not None and signal.name in values.histograms and math.isfinite(value):
+                values.created[signal.name] = value
+
+    # ---- cache configuration -------------------------------------------------------------
+
+    def cache_configs(self) -> dict[str, CacheConfig]:
+        configs: dict[str, CacheConfig] = {}
+        for labels, _value in self.found.get(names.CACHE_CONFIG.sample_names[0], []):
+            self.present[names.CACHE_CONFIG.name] = True
+            engine = labels.get("engine", "")
+            configs[engine] = CacheConfig(engine=engine, fields=dict(labels))
+        return configs
+
+
+def _possible(signal: names.Signal, value: float) -> bool:
+    if not math.isfinite(value) or value < 0:
+        return False
+    return not (signal is names.KV_USAGE and value > 1.0)
+
+
+def _shown_label_value(split: Split, raw: str) -> str:
+    return raw if raw in split.known else OTHER_LABEL_VALUE
+
+
+class _HistogramSamples:
+    """The _bucket, _sum and _count samples of one engine's histogram, summed over any labels
+    other than model_name, engine and le (several API-server processes, say)."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[float, float] = {}
+        self.sum = 0.0
+        self.count: float | None = None
+        self.lines = 0
+        self.broken = False
+
+    def add(self, suffix: str, le: str | None, value: float) -> None:
+        self.lines += 1
+        if not math.isfinite(value) or value < 0:
+            self.broken = True
+            return
+        if suffix == "_sum":
+            self.sum += value
+        elif suffix == "_count":
+            self.count = (self.count or 0.0) + value
+        else:
+            bound = _bound(le)
+            if bound is None:
+                self.broken = True
+                return
+            self.buckets[bound] = self.buckets.get(bound, 0.0) + value
+
+    def resolve(self) -> HistogramValue | None:
+        """The histogram, or None when it cannot be one: a bad bound or value, no +Inf
+        bucket, more than MAX_HISTOGRAM_BUCKETS buckets, counts that fall as the bound
+        grows, or a count other than the +Inf bucket's."""
+        if self.broken or self.count is None or not self.buckets:
+            return None
+        bounds = tuple(sorted(self.buckets))
+        if bounds[-1] != math.inf or len(bounds) > MAX_HISTOGRAM_BUCKETS:
+            return None
+        cumulative = tuple(self.buckets[bound] for bound in bounds)
+        if any(later < earlier for earlier, later in pairwise(cumulative)):
+            return None
+        if not math.isclose(self.count, cumulative[-1], rel_tol=1e-9, abs_tol=1e-9):
+            return None
+        return HistogramValue(bounds, cumulative, self.sum)
+
+
+def _bound(le: str | None) -> float | None:
+    if le is None:
+        return None
+    try:
+        bound = float(le)
+    except ValueError:
+        return None
+    return bound if bound == math.inf or math.isfinite(bound) else None
+
+
+def _resolve(found: Found, lines: int) -> EngineSnapshot:
+    resolver = _Resolver(found)
+    for signal in names.SAMPLE_VALUE_SIGNALS:
+        resolver.plain(signal)
+    resolver.cached_from_sources()
+    for signal in names.SPLIT_SIGNALS:
+        resolver.split(signal)
+    for signal in names.HISTOGRAM_SIGNALS:
+        resolver.histogram(signal)
+    cache_configs = resolver.cache_configs()
+    present = resolver.present
     for signal in names.SIGNALS:
         present.setdefault(signal.name, False)
-    return EngineSnapshot(engines=engines, cache_configs=cache_configs, present=present,
-                          invalid_samples=invalid, lines=lines)
+    return EngineSnapshot(engines=resolver.engines, cache_configs=cache_configs, present=present,
+                          invalid_samples=resolver.invalid, lines=lines)

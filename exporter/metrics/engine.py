@@ -1,13 +1,24 @@
 """Engine series: what the exporter read from each vLLM, in its own names.
 
+Grouped by family: per target (was it read, which signals it has), per engine row (cache
+configuration, KV use, counters), where prompt tokens came from (split by source, waiting by
+reason), and the histograms (KV residency, request phases). A signal vLLM does not expose has
+no series here, never a 0; ``vllm_cache_engine_metric_present`` says which.
+
 Later work may add series here, never rename these.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 
 from exporter import values
 from exporter.signals.engine import EngineRow, EngineState, TargetState
@@ -34,6 +45,65 @@ COUNTERS = (
      "Prompt tokens served from a cache, local or external (vllm:prompt_tokens_cached_total, "
      "else the cache sources of vllm:prompt_tokens_by_source_total; vLLM >= 0.16).",
      values.PROMPT_TOKENS_CACHED),
+    ("vllm_cache_engine_external_prefix_cache_queries_tokens",
+     "Prompt tokens vLLM looked up in a KV connector's cache (LMCache, offloading, P/D) "
+     "after the local prefix cache (vllm:external_prefix_cache_queries_total; vLLM >= "
+     "0.11.1), carried across vLLM restarts.",
+     values.EXTERNAL_PREFIX_CACHE_QUERIES),
+    ("vllm_cache_engine_external_prefix_cache_hits_tokens",
+     "Prompt tokens a KV connector supplied from its cache "
+     "(vllm:external_prefix_cache_hits_total; vLLM >= 0.11.1), carried across vLLM restarts.",
+     values.EXTERNAL_PREFIX_CACHE_HITS),
+)
+
+# (exported name without _total, HELP, split engine signal): counters with one more label,
+# whose values are capped to the ones vLLM enumerates plus "other".
+SPLIT_COUNTERS = (
+    ("vllm_cache_engine_prompt_tokens_by_source",
+     "Prompt tokens whose prefill completed, by where their KV came from: source is "
+     "local_compute, local_cache_hit, external_kv_transfer or other "
+     "(vllm:prompt_tokens_by_source_total; vLLM >= 0.16), carried across vLLM restarts.",
+     values.PROMPT_TOKENS_BY_SOURCE),
+    ("vllm_cache_engine_prompt_tokens_cached_by_source",
+     "Cached prompt tokens by the cache tier that held them, counted at admission: source "
+     "is device, host, p2p, disk, external_unspecified or other "
+     "(vllm:prompt_tokens_cached_by_source_total; vLLM >= 0.32), carried across vLLM "
+     "restarts.",
+     values.PROMPT_TOKENS_CACHED_BY_SOURCE),
+)
+
+# (exported name, HELP, histogram engine signal): vLLM's own buckets, carried across restarts.
+HISTOGRAMS = (
+    ("vllm_cache_engine_kv_block_lifetime_seconds",
+     "Sampled KV blocks' time from allocation to eviction (vllm:kv_block_lifetime_seconds; "
+     "vLLM started with --kv-cache-metrics), carried across vLLM restarts.",
+     values.KV_BLOCK_LIFETIME),
+    ("vllm_cache_engine_kv_block_idle_before_evict_seconds",
+     "Sampled KV blocks' time since their last use when evicted "
+     "(vllm:kv_block_idle_before_evict_seconds; vLLM started with --kv-cache-metrics), "
+     "carried across vLLM restarts.",
+     values.KV_BLOCK_IDLE_BEFORE_EVICT),
+    ("vllm_cache_engine_kv_block_reuse_gap_seconds",
+     "Gaps between consecutive prefix-cache hits on a sampled KV block, observed when it is "
+     "evicted, its last 3 gaps at most (vllm:kv_block_reuse_gap_seconds; vLLM started with "
+     "--kv-cache-metrics), carried across vLLM restarts.",
+     values.KV_BLOCK_REUSE_GAP),
+    ("vllm_cache_engine_request_queue_time_seconds",
+     "Finished requests' time waiting in vLLM's queue before first scheduled "
+     "(vllm:request_queue_time_seconds), carried across vLLM restarts.",
+     values.REQUEST_QUEUE_TIME),
+    ("vllm_cache_engine_request_prefill_time_seconds",
+     "Finished requests' time from first scheduled to first token, preemptions included "
+     "(vllm:request_prefill_time_seconds), carried across vLLM restarts.",
+     values.REQUEST_PREFILL_TIME),
+    ("vllm_cache_engine_request_decode_time_seconds",
+     "Finished requests' time from first to last token (vllm:request_decode_time_seconds), "
+     "carried across vLLM restarts.",
+     values.REQUEST_DECODE_TIME),
+    ("vllm_cache_engine_inter_token_latency_seconds",
+     "Time between successive output tokens (vllm:inter_token_latency_seconds, "
+     "vllm:time_per_output_token_seconds before 0.10.2), carried across vLLM restarts.",
+     values.INTER_TOKEN_LATENCY),
 )
 
 
@@ -157,6 +227,60 @@ class _RowFamilies:
         yield from self.counters.values()
 
 
+class _SourceFamilies:
+    """The split families: where prompt tokens came from, and why requests wait."""
+
+    def __init__(self) -> None:
+        self.counters = {
+            signal: CounterMetricFamily(name, help_text,
+                                        labels=ROW_LABELS + [values.SPLITS[signal].label])
+            for name, help_text, signal in SPLIT_COUNTERS}
+        self.waiting = GaugeMetricFamily(
+            "vllm_cache_engine_requests_waiting_by_reason",
+            "Requests waiting in vLLM by reason: capacity (for KV or batch room), deferred "
+            "(LoRA budget, KV transfer, blocked), other (vllm:num_requests_waiting_by_reason; "
+            "vLLM >= 0.20).", labels=ROW_LABELS + ["reason"])
+
+    def add(self, target: str, row: EngineRow) -> None:
+        labels = [target, row.model_name, row.engine]
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            **self.counters, values.REQUESTS_WAITING_BY_REASON: self.waiting}
+        for signal, family in families.items():
+            for label_value, number in sorted(row.splits.get(signal, {}).items(),
+                                              key=_known_first(signal)):
+                family.add_metric(labels + [label_value], number)
+
+    def families(self) -> Iterator[Metric]:
+        yield from self.counters.values()
+        yield self.waiting
+
+
+def _known_first(signal: str) -> Callable[[tuple[str, float]], int]:
+    """Label values in vLLM's own order, "other" last."""
+    known = values.SPLITS[signal].known
+    return lambda item: known.index(item[0]) if item[0] in known else len(known)
+
+
+class _HistogramFamilies:
+    """The histogram families: KV residency and the engine-side request phases."""
+
+    def __init__(self) -> None:
+        self.histograms = {signal: HistogramMetricFamily(name, help_text, labels=ROW_LABELS)
+                           for name, help_text, signal in HISTOGRAMS}
+
+    def add(self, target: str, row: EngineRow) -> None:
+        labels = [target, row.model_name, row.engine]
+        for signal, family in self.histograms.items():
+            histogram = row.histograms.get(signal)
+            if histogram is not None:
+                pairs = zip(histogram.bounds, histogram.cumulative, strict=True)
+                buckets = [(floatToGoString(bound), count) for bound, count in pairs]
+                family.add_metric(labels, buckets, histogram.sum)
+
+    def families(self) -> Iterator[Metric]:
+        yield from self.histograms.values()
+
+
 class EngineCollector:
     def __init__(self, engine: EngineState) -> None:
         self.engine = engine
@@ -166,11 +290,13 @@ class EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         targets = _TargetFamilies()
-        rows = _RowFamilies()
+        row_groups = (_RowFamilies(), _SourceFamilies(), _HistogramFamilies())
         for state in sorted(self.engine.targets.values(), key=lambda state: state.shown):
             targets.add(state.shown, state)
             if state.up:
                 for row in state.rows:
-                    rows.add(state.shown, row)
+                    for group in row_groups:
+                        group.add(state.shown, row)
         yield from targets.families()
-        yield from rows.families()
+        for group in row_groups:
+            yield from group.families()

@@ -19,7 +19,9 @@ import yaml
 
 SEVERITIES = ("critical", "warning", "info")
 # The engine signals a rule or panel reads (see exporter/engine/names.py). prompt_tokens_cached
-# is left out on purpose: vLLM only has it since 0.16, and no rule depends on it.
+# is left out on purpose: vLLM only has it since 0.16, and no rule depends on it. So are the
+# signals only some vLLMs have (by-source splits, waiting by reason: newer releases; KV
+# residency: --kv-cache-metrics): their panels are empty without them, and nothing pages.
 DEFAULT_REQUIRED_SIGNALS = (
     "prefix_cache_queries", "prefix_cache_hits", "preemptions", "kv_cache_usage",
     "requests_running", "requests_waiting", "cache_config_info",

@@ -25,6 +25,10 @@ CALLER = ("caller", "model")
 CALLER_STATE = ("caller", "model", "state")
 TARGET = ("target", "model_name")
 MODEL = ("model_name",)
+CALLER_MODEL = ("model",)
+TARGET_SOURCE = ("target", "model_name", "source")
+# The KV-residency histograms whose median is recorded, by the name part they share.
+KV_BLOCK_HISTOGRAMS = ("idle_before_evict", "lifetime", "reuse_gap")
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95))
 # What callers use of the completion budget they declare: the median, and the p99 an
@@ -107,6 +111,21 @@ class Names:
             f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}")
         self.caller_completion_overstatement = (
             f"caller_model:vllm_cache_completion_overstatement:ratio_{long}")
+        # where prompt tokens came from, per vLLM target and source
+        self.target_source_prompt = (
+            f"target_model_source:vllm_cache_engine_prompt_tokens_by_source:{short}")
+        self.target_source_prompt_share = (
+            f"target_model_source:vllm_cache_engine_prompt_tokens_source_share:{short}")
+        self.target_source_cached = (
+            f"target_model_source:vllm_cache_engine_cached_tokens_by_source:{short}")
+        self.target_source_cached_share = (
+            f"target_model_source:vllm_cache_engine_cached_tokens_source_share:{short}")
+        # KV residency (vLLM with --kv-cache-metrics), per vLLM target
+        self.target_kv_block_median = {
+            histogram: f"target_model:vllm_cache_engine_kv_block_{histogram}_seconds:p50_{short}"
+            for histogram in KV_BLOCK_HISTOGRAMS}
+        self.target_kv_block_idle_share = (
+            f"target_model:vllm_cache_engine_kv_block_idle_lifetime_share:{short}")
 
 
 def _rule(record: str, expr: str) -> dict[str, Any]:
@@ -290,6 +309,56 @@ def _foresight_engine_rules(config: MonitoringConfig, promql: PromQL,
     ]
 
 
+def _share(promql: PromQL, rate: str) -> str:
+    """Each source's share of a recorded per-source rate, within its (target, model_name)."""
+    total = f"sum {promql.by(*TARGET)} ({rate}{promql.sel()})"
+    # "group_left ()": a bare group_left would take the parenthesis after it for its labels.
+    return f"{rate}{promql.sel()}\n/ {promql.on(*TARGET)} group_left ()\n({total} > 0)"
+
+
+def _source_rules(config: MonitoringConfig, promql: PromQL,
+                  names: Names) -> list[dict[str, Any]]:
+    """Where prompt tokens came from: computed, local cache hit or external KV transfer; and
+    which tier held the cached ones. Shares of the summed rates per vLLM target, so an idle
+    window has no share rather than a made-up one."""
+    window = config.short_window
+    return [
+        _rule(names.target_source_prompt,
+              f"sum {promql.by(*TARGET_SOURCE)} (rate("
+              f"vllm_cache_engine_prompt_tokens_by_source_total{promql.sel()}[{window}]))"),
+        _rule(names.target_source_prompt_share, _share(promql, names.target_source_prompt)),
+        _rule(names.target_source_cached,
+              f"sum {promql.by(*TARGET_SOURCE)} (rate("
+              f"vllm_cache_engine_prompt_tokens_cached_by_source_total{promql.sel()}"
+              f"[{window}]))"),
+        _rule(names.target_source_cached_share, _share(promql, names.target_source_cached)),
+    ]
+
+
+def _residency_rules(config: MonitoringConfig, promql: PromQL,
+                     names: Names) -> list[dict[str, Any]]:
+    """KV residency from vLLM's sampled evictions: the medians of block lifetime, idle time
+    before eviction and gap between reuses; and the share of the evicted blocks' lifetime
+    they sat idle before eviction. That share near 1 means blocks are evicted without a turn
+    ever coming back to them since they were computed: with a hit ratio that fell, the
+    collapse seen from inside. No sample in a window (no eviction, or vLLM without
+    --kv-cache-metrics) records nothing."""
+    window = config.short_window
+    rules = []
+    for histogram in KV_BLOCK_HISTOGRAMS:
+        rules.append(_rule(
+            names.target_kv_block_median[histogram],
+            f"histogram_quantile(0.5, sum {promql.by(*TARGET, 'le')} (rate("
+            f"vllm_cache_engine_kv_block_{histogram}_seconds_bucket{promql.sel()}"
+            f"[{window}]))) >= 0"))
+    idle = (f"sum {promql.by(*TARGET)} (rate("
+            f"vllm_cache_engine_kv_block_idle_before_evict_seconds_sum{promql.sel()}[{window}]))")
+    lifetime = (f"sum {promql.by(*TARGET)} (rate("
+                f"vllm_cache_engine_kv_block_lifetime_seconds_sum{promql.sel()}[{window}]))")
+    rules.append(_rule(names.target_kv_block_idle_share, f"{idle}\n/\n({lifetime} > 0)"))
+    return rules
+
+
 def _group(config: MonitoringConfig, name: str, rules: list[dict[str, Any]]) -> dict[str, Any]:
     group: dict[str, Any] = {"name": name}
     if config.rule_interval:
@@ -303,7 +372,8 @@ def recording_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     names = Names(config)
     return [
         _group(config, "vllm-cache-caller.rules", _caller_rules(config, promql, names)),
-        _group(config, "vllm-cache-engine.rules", _engine_rules(config, promql, names)),
+        _group(config, "vllm-cache-engine.rules", _engine_rules(config, promql, names)
+               + _source_rules(config, promql, names) + _residency_rules(config, promql, names)),
     ]
 
 

@@ -21,6 +21,9 @@ The behaviours the field reports depend on:
 - A decoding stream that needs a block when none can be freed preempts the most recently
   admitted request (vLLM's policy): its blocks go back to the pool, it is counted, and it
   recomputes later from what is still cached.
+- With ``kv_cache_metrics`` (vLLM's ``--kv-cache-metrics``) a sample of the reusable blocks
+  is followed from allocation (the admission that computes it) through its prefix-cache hits
+  (the admissions that reuse it) to its eviction, which is reported (``Evicted``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from exporter.sim.kvcache import BlockPool, CachedBlock, block_keys
+from exporter.sim.kvcache import BlockPool, CachedBlock, Residency, ResidencySampler, block_keys
 
 EPSILON = 1e-9
 
@@ -59,6 +62,8 @@ class EngineConfig:
     state_tokens: int = 0  # pool tokens one recurrent-state copy takes (hybrid models)
     gpu_memory_utilization: float = 0.92
     cache_dtype: str = "auto"
+    kv_cache_metrics: bool = False  # vLLM's --kv-cache-metrics: KV residency histograms
+    kv_cache_metrics_sample: float = 0.01  # share of blocks followed (vLLM's default)
 
     def __post_init__(self) -> None:
         checks = (
@@ -74,6 +79,8 @@ class EngineConfig:
             (self.decode_slowdown >= 0, "decode_slowdown must not be negative"),
             (self.prefill_interference >= 0, "prefill_interference must not be negative"),
             (self.state_tokens >= 0, "state_tokens must not be negative"),
+            (0 < self.kv_cache_metrics_sample <= 1,
+             "kv_cache_metrics_sample must be above 0 and at most 1"),
             (bool(self.served_model_name), "served_model_name must not be empty"),
         )
         for ok, problem in checks:
@@ -142,6 +149,7 @@ class Request:
     # max_tokens as the request declared it, when the answer ends before (0: max_tokens):
     # it decides whether the request fits the context window, not how much is written.
     declared_max_tokens: int = 0
+    allocated_at: float = 0.0  # when its latest admission allocated its blocks
     _keys: list[int] | None = None  # chain keys of prompt + output, computed once
 
     @property
@@ -191,7 +199,16 @@ class Rejected:
     message: str
 
 
-EngineEvent = Admitted | FirstToken | Preempted | Finished | Rejected
+@dataclass(frozen=True)
+class Evicted:
+    """A sampled block was evicted to make room for ``seq`` (with ``kv_cache_metrics``)."""
+
+    seq: Request
+    time: float
+    residency: Residency
+
+
+EngineEvent = Admitted | FirstToken | Preempted | Finished | Rejected | Evicted
 
 
 class Engine:
@@ -199,6 +216,8 @@ class Engine:
         self.config = config
         self.now = start_time
         self.pool = BlockPool(config.num_blocks)
+        self.residency = (ResidencySampler(config.kv_cache_metrics_sample)
+                          if config.kv_cache_metrics else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last is preempted first
         self.prefilling: Request | None = None
@@ -405,8 +424,11 @@ class Engine:
             return False
         for block in hit_blocks:
             self.pool.acquire(block)
-        allocated = self.pool.allocate(needed)
+            if self.residency is not None:
+                self.residency.hit(block, self.now)
+        allocated = self._allocate(seq, needed)
         assert allocated, "availability was checked"
+        seq.allocated_at = self.now
         seq.hashed = list(hit_blocks)
         seq.private_kv = new_blocks
         seq.state_held = states
@@ -450,6 +472,8 @@ class Engine:
                 pool.give_back(1)
             else:
                 added += 1
+                if self.residency is not None:
+                    self.residency.allocated(block, seq.allocated_at)
             seq.hashed.append(block)
             seq.private_kv -= 1
         seq.new_cached_tokens += added * cfg.block_size
@@ -474,7 +498,7 @@ class Engine:
 
     def _grow(self, seq: Request) -> None:
         """Give a decoding stream one more block, preempting others if the pool is full."""
-        while not self.pool.allocate(1):
+        while not self._allocate(seq, 1):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
@@ -510,8 +534,20 @@ class Engine:
             block = self.pool.register(key)
             if block is None:
                 break
+            if self.residency is not None:  # filled while decoding: followed from now
+                self.residency.allocated(block, self.now)
             seq.hashed.append(block)
             seq.private_kv -= 1
+
+    def _allocate(self, seq: Request, count: int) -> bool:
+        """Take ``count`` blocks for ``seq``; report the sampled blocks this evicts."""
+        allocated = self.pool.allocate(count)
+        if self.residency is not None:
+            for block in self.pool.just_evicted:
+                residency = self.residency.evicted(block, self.now)
+                if residency is not None:
+                    self._outbox.append(Evicted(seq, self.now, residency))
+        return allocated
 
     def _stop_running(self, seq: Request) -> None:
         if seq in self.running:

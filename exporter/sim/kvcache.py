@@ -10,12 +10,18 @@ first, as vLLM does, so the end of a conversation goes before its beginning.
 A hybrid (Mamba / linear-attention) model can only resume a prefix where it saved the
 recurrent state: such a "checkpoint" sits on one block and can cost extra pool blocks (the
 state), and it goes when its block is evicted.
+
+With ``--kv-cache-metrics`` vLLM follows a sample of its blocks from allocation to eviction
+(``ResidencySampler``): how long each lived, how long it sat unused before it was evicted,
+and the gaps between the prefix-cache hits on it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
 
 
 class CachedBlock:
@@ -57,6 +63,8 @@ class BlockPool:
         self.evictable_weight = 0
         self.evicted_blocks = 0
         self.version = 0  # bumped whenever room is given back (a blocked admission may fit)
+        # Blocks evicted by the last allocate(), for the engine to note (at most the pool).
+        self.just_evicted: list[CachedBlock] = []
 
     @property
     def pinned(self) -> int:
@@ -87,6 +95,7 @@ class BlockPool:
 
     def allocate(self, count: int) -> bool:
         """Take ``count`` empty blocks, evicting cached ones if needed; False if impossible."""
+        self.just_evicted = []
         if count <= 0:
             return True
         if count > self.free + self.evictable_weight:
@@ -140,3 +149,69 @@ class BlockPool:
         self.free += block.weight
         del self.blocks[key]
         self.evicted_blocks += 1
+        self.just_evicted.append(block)
+
+
+# vLLM's KV-residency buckets (vllm/v1/metrics/buckets.py, kv_cache_residency).
+RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+                     20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0)
+# vLLM keeps a sampled block's last 4 hits (so at most 3 gaps per eviction).
+RESIDENCY_HISTORY = 4
+_HASH_SPACE = 1 << 64
+_SPREAD = 0x9E3779B97F4A7C15  # Fibonacci hashing: chain keys spread evenly over [0, 2^64)
+
+
+@dataclass(frozen=True)
+class Residency:
+    """One sampled block's life, reported when it is evicted (vLLM's KVCacheEvictionEvent)."""
+
+    lifetime: float  # allocation to eviction
+    idle: float  # last hit (or allocation) to eviction
+    reuse_gaps: tuple[float, ...]  # between its last hits, oldest first
+
+
+class _Life:
+    __slots__ = ("born", "last_use", "hits")
+
+    def __init__(self, born: float) -> None:
+        self.born = born
+        self.last_use = born
+        self.hits: deque[float] = deque(maxlen=RESIDENCY_HISTORY)
+
+
+class ResidencySampler:
+    """vLLM's KVCacheMetricsCollector over the pool's reusable blocks.
+
+    vLLM samples a fraction of its allocations at random; here a block is sampled when its
+    chain key falls in the same fraction of the key space, which samples the same share of
+    blocks without a random source (so a run is reproducible) and independently of how the
+    block will fare. The blocks followed are the ones that can be hit: a block that never
+    holds a full block of prompt is never reused, and vLLM reports it as idle for its whole
+    life, which the simulator does not model. At most the pool's blocks are followed.
+    """
+
+    def __init__(self, sample_rate: float) -> None:
+        if not 0 < sample_rate <= 1:
+            raise ValueError("sample_rate must be in (0, 1]")
+        self.threshold = sample_rate * _HASH_SPACE
+        self.lives: dict[int, _Life] = {}
+
+    def sampled(self, block: CachedBlock) -> bool:
+        return (block.key * _SPREAD) % _HASH_SPACE < self.threshold
+
+    def allocated(self, block: CachedBlock, born: float) -> None:
+        if self.sampled(block):
+            self.lives[block.key] = _Life(born)
+
+    def hit(self, block: CachedBlock, now: float) -> None:
+        life = self.lives.get(block.key)
+        if life is not None:
+            life.last_use = now
+            life.hits.append(now)
+
+    def evicted(self, block: CachedBlock, now: float) -> Residency | None:
+        life = self.lives.pop(block.key, None)
+        if life is None:
+            return None
+        gaps = tuple(later - earlier for earlier, later in pairwise(life.hits))
+        return Residency(now - life.born, now - life.last_use, gaps)

@@ -6,10 +6,13 @@ private registry: whatever parses a real vLLM scrape parses this one. The values
 vLLM's accounting (vllm-metrics.md section 1.4): prefix-cache queries and hits are counted when
 a request is first admitted (not again after a preemption, and not at all with caching
 off), the prompt-token split when its first token is out, the per-request histograms when it
-finishes.
+finishes. With ``--kv-cache-metrics`` the three KV-residency histograms exist (at 0 before
+the first eviction, as vLLM pre-creates them) and each sampled block's eviction is observed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,10 +21,12 @@ from exporter.sim.engine import (
     Engine,
     EngineConfig,
     EngineEvent,
+    Evicted,
     Finished,
     FirstToken,
     Preempted,
 )
+from exporter.sim.kvcache import RESIDENCY_BUCKETS
 
 ENGINE = "0"
 LABELS = ("model_name", "engine")
@@ -227,6 +232,8 @@ class SimMetrics:
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             token_hist)
+        self.residency = self._residency_histograms(histogram) if config.kv_cache_metrics \
+            else ()
         cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                            [*CACHE_CONFIG_KEYS, "engine"], registry=registry)
         cache_info.labels(**cache_config_labels(config), engine=ENGINE).set(1)
@@ -248,13 +255,31 @@ class SimMetrics:
                 self.max_generation_tokens, self.params_n, self.params_max_tokens, self.ttft,
                 self.itl, self.tpot, self.e2e, self.queue_time, self.inference_time,
                 self.prefill_time, self.decode_time, self.request_preemptions,
-                self.kv_computed):
+                self.kv_computed, *self.residency):
             histogram_metric.labels(model, ENGINE)
         for reason in ("capacity", "deferred"):
             self.waiting_by_reason.labels(model, ENGINE, reason).set(0)
         for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
             self.sleep_state.labels(model, ENGINE, state).set(value)
         self.set_gauges(0, 0, 0.0)
+
+    @staticmethod
+    def _residency_histograms(
+            histogram: Callable[[str, str, tuple[float, ...]], Histogram]) -> tuple[Histogram, ...]:
+        """vLLM's three KV-residency histograms, declared as vLLM 0.32/0.33 declares them."""
+        sampled = "Sampled metrics (controlled by --kv-cache-metrics-sample)."
+        return (
+            histogram("vllm:kv_block_lifetime_seconds",
+                      "Histogram of KV cache block lifetime from allocation to eviction. "
+                      + sampled, RESIDENCY_BUCKETS),
+            histogram("vllm:kv_block_idle_before_evict_seconds",
+                      "Histogram of idle time before KV cache block eviction. " + sampled,
+                      RESIDENCY_BUCKETS),
+            histogram("vllm:kv_block_reuse_gap_seconds",
+                      "Histogram of time gaps between consecutive KV cache block accesses. "
+                      "Only the most recent accesses are recorded (ring buffer). " + sampled,
+                      RESIDENCY_BUCKETS),
+        )
 
     def observe(self, event: EngineEvent) -> None:
         """Fold one engine event into the counters and histograms."""
@@ -277,6 +302,12 @@ class SimMetrics:
             self.preemptions.labels(model, ENGINE).inc()
         elif isinstance(event, Finished):
             self._finished(event)
+        elif isinstance(event, Evicted) and self.residency:
+            lifetime, idle, reuse_gap = (item.labels(model, ENGINE) for item in self.residency)
+            lifetime.observe(event.residency.lifetime)
+            idle.observe(event.residency.idle)
+            for gap in event.residency.reuse_gaps:
+                reuse_gap.observe(gap)
         # A Rejected request never reached vLLM's engine (its API server answers 400 before
         # scheduling), so vLLM counts it nowhere; neither do we.
 

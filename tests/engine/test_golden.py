@@ -19,6 +19,7 @@ STABLE_TARGET = "http://vllm:8000/metrics"
 CASES = {
     "vllm-0.32.0-cpu": "vllm-0.32.0-cpu/metrics_after.prom",
     "vllm-0.33.0-sample": "vllm-0.33.0-sample.prom",
+    "vllm-0.33.0-kv-cache-metrics": "vllm-0.33.0-kv-cache-metrics.prom",
     "vllm-0.9-oldnames": "vllm-0.9-oldnames.prom",
 }
 

@@ -19,7 +19,9 @@ front of vLLM's API:
    ratio; the TTFT series say ``source="proxy"`` (the tap's own, streams only), there is no
    queue wait, and the tap says once in its log that vLLM sent no per-request metrics.
 3. A pool of 48 blocks and four concurrent 600-token prompts that decode past it: vLLM
-   preempts, and the exporter counts it.
+   preempts, and the exporter counts it. With ``--kv-cache-metrics`` (every block sampled)
+   vLLM also reports the blocks it evicts, and the exporter serves exactly its histograms;
+   the boots without the flag have none, and the exporter says they are absent.
 """
 
 from __future__ import annotations
@@ -169,6 +171,19 @@ async def test_per_caller_cache_signals_match_vllm(start_vllm):
     assert metric(text, "vllm_cache_engine_kv_pool_tokens", model_name=MODEL_NAME) == 1_048_576
     assert metric(text, "vllm_cache_engine_prefix_caching_enabled", model_name=MODEL_NAME) == 1
     assert metric(text, "vllm_cache_engine_up", target=vllm.url + "/metrics") == 1
+    # Where the prompt tokens came from, as vLLM split them; no connector, no residency flag.
+    for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+        assert metric(text, "vllm_cache_engine_prompt_tokens_by_source_total",
+                      model_name=MODEL_NAME, source=source) == metric(
+            vllm_after, "vllm:prompt_tokens_by_source_total", source=source)
+    assert metric(text, "vllm_cache_engine_prompt_tokens_by_source_total",
+                  model_name=MODEL_NAME, source="local_cache_hit") == hits_after
+    assert metric(text, "vllm_cache_engine_external_prefix_cache_hits_tokens_total",
+                  model_name=MODEL_NAME) == 0
+    for signal in ("kv_block_lifetime", "kv_block_idle_before_evict", "kv_block_reuse_gap"):
+        assert metric(text, "vllm_cache_engine_metric_present", signal=signal) == 0
+    assert "vllm_cache_engine_kv_block_" not in "".join(
+        line for line in text.splitlines() if not line.startswith("#"))
 
 
 async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm, caplog):
@@ -183,8 +198,8 @@ async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm, 
                 conversation(session, exporter.tap_url, "alice", 3, ["whole", "stream",
                                                                      "stream_usage"]),
                 conversation(session, exporter.tap_url, "bob", 4, ["stream", "whole"]))
-            hits_after = vllm_counter(await vllm_metrics(session, vllm.url),
-                                      "vllm:prefix_cache_hits_total")
+            vllm_after = await vllm_metrics(session, vllm.url)
+            hits_after = vllm_counter(vllm_after, "vllm:prefix_cache_hits_total")
             text = await exporter.scrape(session)
     finally:
         await exporter.close()
@@ -215,7 +230,8 @@ async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm, 
 
 async def test_preemptions_are_counted(start_vllm):
     vllm = start_vllm("tiny-pool", "--max-model-len", "1024", "--num-gpu-blocks-override", "48",
-                      "--enable-prompt-tokens-details")
+                      "--enable-prompt-tokens-details", "--kv-cache-metrics",
+                      "--kv-cache-metrics-sample", "1.0")
     exporter = await start_exporter(vllm.url)
     rng = random.Random(5)
     try:
@@ -235,6 +251,7 @@ async def test_preemptions_are_counted(start_vllm):
 
             completions = await asyncio.gather(*(long_decode(i) for i in range(4)))
             text = await exporter.scrape(session)
+            vllm_after = await vllm_metrics(session, vllm.url)
     finally:
         await exporter.close()
 
@@ -244,3 +261,22 @@ async def test_preemptions_are_counted(start_vllm):
     assert metric(text, preemptions, model_name=MODEL_NAME) > 0
     assert metric(text, "vllm_cache_engine_kv_pool_tokens", model_name=MODEL_NAME) == 48 * 32
     assert sorted(e.caller for e in exporter.recorded) == [f"batch-{i}" for i in range(4)]
+    # Blocks were evicted to make room, and every sampled eviction vLLM reported is served,
+    # bucket for bucket.
+    evictions = vllm_counter(vllm_after, "vllm:kv_block_lifetime_seconds_count")
+    assert evictions > 0
+    for family in ("kv_block_lifetime", "kv_block_idle_before_evict", "kv_block_reuse_gap"):
+        assert metric(text, "vllm_cache_engine_metric_present", signal=family) == 1
+        vllm_buckets = {labels["le"]: number for labels, number in samples(
+            vllm_after, f"vllm:{family}_seconds_bucket")}
+        assert vllm_buckets and {labels["le"]: number for labels, number in samples(
+            text, f"vllm_cache_engine_{family}_seconds_bucket")} == vllm_buckets, family
+    assert metric(text, "vllm_cache_engine_kv_block_idle_before_evict_seconds_count",
+                  model_name=MODEL_NAME) == evictions
+
+
+def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(sample.labels, sample.value) for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name]

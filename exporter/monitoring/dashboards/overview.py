@@ -3,8 +3,11 @@
 Read top to bottom it follows the questions of the field reports: what share of prompt
 tokens comes from the cache (engine-wide and per caller, against the baseline the collapse
 alert compares to); are turns warm and how long do warm vs cold turns wait for their first
-token; do the conversations fit the KV pool (tokens used vs pool, preemptions, queue); and
-can the numbers be trusted (prefix caching on, vLLM metrics present, usage flowing).
+token; do the conversations fit the KV pool (tokens used vs pool, preemptions, queue); how
+long blocks live and whether they are evicted before they are reused (vLLM's KV residency);
+where prompt tokens came from (computed, vLLM's cache, a KV connector); where a slow turn
+spent its time inside vLLM; and can the numbers be trusted (prefix caching on, vLLM metrics
+present, usage flowing).
 """
 
 from __future__ import annotations
@@ -246,6 +249,10 @@ def build(config: MonitoringConfig) -> g.Dashboard:
          target(f"sum by (target, model_name) (vllm_cache_engine_requests_waiting{engines})",
                 "{{target}} {{model_name}} waiting")]), 8, 8)
 
+    _residency_row(layout, engines)
+    _sources_row(layout, engines)
+    _phases_row(layout, engines)
+
     layout.row("Can the numbers be trusted")
     layout.add(stat(
         "vLLM reachable",
@@ -257,8 +264,9 @@ def build(config: MonitoringConfig) -> g.Dashboard:
     layout.add(table(
         "vLLM metrics present",
         "For each signal the exporter reads, whether vLLM exposes it under any known name. "
-        "Absent means renamed or dropped by a vLLM upgrade: its panels show nothing, never "
-        "a reassuring 0 (VllmCacheEngineMetricAbsent).",
+        "Absent means renamed or dropped by a vLLM upgrade, too old a vLLM, or a flag that is "
+        "off (KV residency needs --kv-cache-metrics): its panels show nothing, never a "
+        "reassuring 0 (VllmCacheEngineMetricAbsent for the signals the alerts need).",
         "none",
         [target(f"min by (target, signal) (vllm_cache_engine_metric_present{vllm_targets})",
                 instant=True)],
@@ -290,6 +298,128 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Prefix-cache hit ratio per engine and per caller, warm vs cold time to first token, "
         "KV occupancy in tokens and preemptions, from vllm-cache-exporter.",
         variables(config), layout)
+
+
+def _median(histogram: str, engines: str) -> str:
+    return (f"histogram_quantile(0.5, sum by (target, model_name, le) "
+            f"(rate({histogram}_bucket{engines}[{RATE}])))")
+
+
+def _residency_row(layout: Layout, engines: str) -> None:
+    """What vLLM's sampled evictions say (vLLM started with --kv-cache-metrics)."""
+    layout.row("KV residency (vLLM with --kv-cache-metrics)")
+    layout.add(timeseries(
+        "KV blocks: lifetime, idle before eviction, reuse gap",
+        "Medians over the blocks vLLM sampled and evicted: lifetime (allocation to eviction), "
+        "idle before eviction (last prefix-cache hit to eviction) and the gap between hits on "
+        "a block. Blocks evicted after less idle than the reuse gap went before their "
+        "conversation came back; a reuse-gap line that vanishes while evictions go on means "
+        "no evicted block had been hit since it was computed. Empty when vLLM runs without "
+        "--kv-cache-metrics (see \"vLLM metrics present\") or evicts nothing.",
+        "s",
+        [target(_median(f"vllm_cache_engine_kv_block_{histogram}_seconds", engines),
+                f"{{{{target}}}} {{{{model_name}}}} {label}")
+         for histogram, label in (("lifetime", "lifetime"),
+                                  ("idle_before_evict", "idle before eviction"),
+                                  ("reuse_gap", "reuse gap"))]), 12, 8)
+    layout.add(timeseries(
+        "Evicted before reuse",
+        "Share of the evicted blocks' lifetime they sat idle before eviction (sampled "
+        "blocks). Near 100% with a falling hit ratio: blocks are evicted before any turn "
+        "comes back to them, the KV pool is too small for the conversations it holds. It "
+        "trails the hit ratio by minutes, so the collapse alert stays on the ratio.",
+        "percentunit",
+        [target("sum by (target, model_name) (rate("
+                f"vllm_cache_engine_kv_block_idle_before_evict_seconds_sum{engines}[{RATE}]))"
+                "\n/\n(sum by (target, model_name) (rate("
+                f"vllm_cache_engine_kv_block_lifetime_seconds_sum{engines}[{RATE}])) > 0)",
+                "{{target}} {{model_name}}")],
+        min_value=0, max_value=1), 6, 8)
+    layout.add(timeseries(
+        "Sampled evictions and reuses",
+        "Sampled blocks evicted per second, and hits on them per second (reuse gaps seen at "
+        "their eviction, 3 at most per block). Multiply by 1 / --kv-cache-metrics-sample "
+        "(default 100) for the whole pool.",
+        "suffix: /s",
+        [target("sum by (target, model_name) (rate("
+                f"vllm_cache_engine_kv_block_idle_before_evict_seconds_count{engines}[{RATE}]))",
+                "{{target}} {{model_name}} evicted"),
+         target("sum by (target, model_name) (rate("
+                f"vllm_cache_engine_kv_block_reuse_gap_seconds_count{engines}[{RATE}]))",
+                "{{target}} {{model_name}} reuse gaps")]), 6, 8)
+
+
+def _sources_row(layout: Layout, engines: str) -> None:
+    """Where prompt tokens came from: computed, vLLM's own cache, or a KV connector."""
+    layout.row("Where prompt tokens come from")
+    by_source = "sum by (target, model_name, source) (rate({name}{engines}[{rate}]))"
+    layout.add(timeseries(
+        "Prompt tokens by source",
+        "Prompt tokens per second by where their KV came from: local_compute (prefilled), "
+        "local_cache_hit (vLLM's prefix cache) or external_kv_transfer (loaded through a KV "
+        "connector: LMCache, CPU offloading, a prefill server). vLLM 0.16 and later.",
+        TOKENS_PER_SECOND,
+        [target(by_source.format(name="vllm_cache_engine_prompt_tokens_by_source_total",
+                                 engines=engines, rate=RATE),
+                "{{target}} {{model_name}} {{source}}")],
+        stacked=True), 8, 8)
+    cached = by_source.format(name="vllm_cache_engine_prompt_tokens_cached_by_source_total",
+                              engines=engines, rate=RATE)
+    layout.add(timeseries(
+        "Cached tokens by tier",
+        "Share of the cached prompt tokens each cache tier supplied: device (GPU memory), "
+        "host (offloaded to CPU memory), disk, p2p (another vLLM), external_unspecified. "
+        "vLLM 0.32 and later.",
+        "percentunit",
+        [target(f"{cached}\n/ on (target, model_name) group_left ()\n"
+                f"(sum by (target, model_name) ({cached}) > 0)",
+                "{{target}} {{model_name}} {{source}}")],
+        stacked=True, min_value=0, max_value=1), 8, 8)
+    layout.add(timeseries(
+        "External KV cache (connector)",
+        "Prompt tokens per second vLLM looked up in a KV connector's cache after its own, and "
+        "those the connector supplied. 0 without a connector.",
+        TOKENS_PER_SECOND,
+        [target("sum by (target, model_name) (rate("
+                f"vllm_cache_engine_external_prefix_cache_queries_tokens_total{engines}"
+                f"[{RATE}]))", "{{target}} {{model_name}} looked up"),
+         target("sum by (target, model_name) (rate("
+                f"vllm_cache_engine_external_prefix_cache_hits_tokens_total{engines}[{RATE}]))",
+                "{{target}} {{model_name}} found")]), 8, 8)
+
+
+def _phases_row(layout: Layout, engines: str) -> None:
+    """Where a slow turn spent its time inside vLLM when the cache did hold."""
+    layout.row("Time inside vLLM")
+    layout.add(timeseries(
+        "Request phases",
+        "Median and 95th percentile of finished requests' time in vLLM's queue (arrival to "
+        "first scheduled), prefill (first scheduled to first token, preemptions included) "
+        "and decode (first to last token). A slow turn whose cache held spent it here; vLLM's "
+        "buckets start at 0.3 s.",
+        "s",
+        [target(f"histogram_quantile({quantile}, sum by (le) (rate("
+                f"vllm_cache_engine_request_{phase}_time_seconds_bucket{engines}[{RATE}])))",
+                f"{label} {phase}")
+         for phase in ("queue", "prefill", "decode")
+         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
+    layout.add(timeseries(
+        "Inter-token latency",
+        "Median and 95th percentile of the time between output tokens.",
+        "s",
+        [target(f"histogram_quantile({quantile}, sum by (le) (rate("
+                f"vllm_cache_engine_inter_token_latency_seconds_bucket{engines}[{RATE}])))",
+                label)
+         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 6, 8)
+    layout.add(timeseries(
+        "Waiting requests by reason",
+        "Requests waiting in vLLM: for capacity (KV or batch room) or deferred (LoRA budget, "
+        "a pending KV transfer). vLLM 0.20 and later.",
+        "short",
+        [target("sum by (target, model_name, reason) "
+                f"(vllm_cache_engine_requests_waiting_by_reason{engines})",
+                "{{target}} {{model_name}} {{reason}}")],
+        stacked=True), 6, 8)
 
 
 def _unit_override(field: str, unit: str) -> dict[str, object]:
