@@ -35,7 +35,7 @@ from exporter.signals.foresight import (
     DEFAULT_IDLE_SECONDS,
     DEFAULT_MAX_CONVERSATIONS,
 )
-from exporter.sim.scenario import DEFAULT_SCENARIO
+from exporter.sim.scenario import DEFAULT_SCENARIO, DEMO_SCENARIO
 from exporter.sim.scenario import available as available_scenarios
 from exporter.usage.formats import MappingError, load_mapping
 from exporter.web import WebConfigError
@@ -411,7 +411,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("scenario", "Scenario", "Field-report scenario to play: a shipped one ("
          + ", ".join(available_scenarios()) + ") or a YAML file. For simulate: take the "
          "engine settings from it.", _to_str, DEFAULT_SCENARIO, metavar="NAME",
-         commands=SCENARIO_COMMANDS, command_defaults={SIMULATE: ""}),
+         commands=SCENARIO_COMMANDS,
+         # The demo tells a story, so it plays the one with a collapse in it; drive's
+         # default is a workload for any server, which should stay warm where it fits.
+         command_defaults={SIMULATE: "", DEMO: DEMO_SCENARIO}),
     Flag("speed", "Scenario", "Play X times faster than real time (demo: the scenario's own "
          "demo speed).", _optional_float, 1.0, metavar="X", check=_positive,
          commands=SCENARIO_COMMANDS, command_defaults={DEMO: None}),

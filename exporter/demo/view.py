@@ -4,7 +4,9 @@ It parses exactly what Prometheus would scrape (prometheus_client's parser), so 
 on screen are the exporter's numbers, not the simulator's. Hit ratios are computed over a
 sliding window of scrapes (a ratio of counter increases, as PromQL would), with the ratio
 since start beside it; TTFT p50 is interpolated from the exporter's histogram buckets the way
-``histogram_quantile`` does.
+``histogram_quantile`` does, since start per state and over the window for all turns. Every
+time here is scenario time (the window too), like the TTFTs the simulator reports. What is
+wrong is not computed here: the demo hands in the status page's problems, in its words.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class CallerRow:
     other: int  # unknown (cached tokens not reported), short, error
     ttft_warm_p50: float | None
     ttft_cold_p50: float | None
+    ttft_window_p50: float | None  # every timed turn over the window
 
 
 @dataclass(frozen=True)
@@ -157,20 +160,26 @@ class Summary:
 class DemoView:
     """Keeps a window of snapshots and turns them into a Summary, a rich view or plain text."""
 
-    def __init__(self, title: str, metrics_url: str, window_seconds: float = 30.0) -> None:
+    def __init__(self, title: str, page_url: str, window_seconds: float = 300.0) -> None:
         self.title = title
-        self.metrics_url = metrics_url
-        self.window_seconds = window_seconds
+        self.page_url = page_url
+        self.window_seconds = window_seconds  # scenario seconds
         self.history: deque[Snapshot] = deque()
         self.scenario_seconds = 0.0
         self.error: str | None = None
+        self.problems: list[str] = []
 
-    def update(self, text: str, time: float, scenario_seconds: float = 0.0) -> Summary:
-        self.history.append(parse_snapshot(text, time))
-        while len(self.history) > 2 and self.history[1].time <= time - self.window_seconds:
+    def update(self, text: str, scenario_seconds: float,
+               problems: list[str] | None = None) -> Summary:
+        """One scrape of the exporter, at ``scenario_seconds``; ``problems``: what the status
+        page says is wrong at the same moment."""
+        self.history.append(parse_snapshot(text, scenario_seconds))
+        while (len(self.history) > 2
+               and self.history[1].time <= scenario_seconds - self.window_seconds):
             self.history.popleft()
         self.scenario_seconds = scenario_seconds
         self.error = None
+        self.problems = list(problems or [])
         return self.summary()
 
     def summary(self) -> Summary:
@@ -191,7 +200,8 @@ class DemoView:
                 int(requests.get("warm", 0)), int(requests.get("partial", 0)),
                 int(requests.get("cold", 0)), int(other),
                 quantile(0.5, stats.ttft_buckets.get("warm", {})),
-                quantile(0.5, stats.ttft_buckets.get("cold", {}))))
+                quantile(0.5, stats.ttft_buckets.get("cold", {})),
+                quantile(0.5, _grown_buckets(stats, before))))
         return Summary(rows, now.engine_up, now.prefix_caching, now.kv_used_tokens,
                        now.kv_pool_tokens, int(now.preemptions),
                        int(now.preemptions - first.preemptions), now.running, now.waiting,
@@ -205,17 +215,7 @@ class DemoView:
             warnings.append(self.error)
         if now.engine_up is False:
             warnings.append("vLLM's /metrics cannot be read: engine series are missing")
-        if now.prefix_caching is False:
-            warnings.append("prefix caching is off: every prompt is read again from the first "
-                            "token (start vLLM with --enable-prefix-caching; hybrid models "
-                            "default to off)")
-        if any(stats.unreported_tokens > 0 for stats in now.callers.values()):
-            warnings.append("cached_tokens not reported: start vLLM with "
-                            "--enable-prompt-tokens-details (those requests show as unknown)")
-        first = self.history[0]
-        if now.preemptions > first.preemptions:
-            warnings.append("vLLM is preempting requests: more concurrent context than the KV "
-                            "pool holds; preempted requests are recomputed")
+        warnings.extend(self.problems)
         return warnings
 
     # ---- rendering ---------------------------------------------------------------------
@@ -223,39 +223,43 @@ class DemoView:
     def render_plain(self, summary: Summary | None = None) -> str:
         summary = summary or self.summary()
         lines = [f"[{_clock(self.scenario_seconds)} scenario time] {self.title}"]
+        window = _window(self.window_seconds)
         for row in summary.rows:
             lines.append(
-                f"  {row.caller}: {row.requests} req, hit ratio {_pct(row.ratio_window)} "
-                f"(since start {_pct(row.ratio_total)}), warm/partial/cold "
-                f"{row.warm}/{row.partial}/{row.cold}, TTFT p50 warm {_secs(row.ttft_warm_p50)}"
-                f" cold {_secs(row.ttft_cold_p50)}")
+                f"  {row.caller}: {row.requests} req, hit ratio {_pct(row.ratio_window)} over "
+                f"the last {window} (since start {_pct(row.ratio_total)}), warm/partial/cold "
+                f"{row.warm}/{row.partial}/{row.cold}, TTFT p50 {_secs(row.ttft_window_p50)} "
+                f"over the last {window} (since start: warm {_secs(row.ttft_warm_p50)}, cold "
+                f"{_secs(row.ttft_cold_p50)})")
         lines.append(
             f"  engine: KV {_tokens(summary.kv_used_tokens)}/{_tokens(summary.kv_pool_tokens)}"
             f" tokens, preemptions {summary.preemptions}, prefix caching "
             f"{_onoff(summary.prefix_caching)}, running {_num(summary.running)}, waiting "
             f"{_num(summary.waiting)}")
-        lines.extend(f"  warning: {warning}" for warning in summary.warnings)
+        lines.extend(f"  ! {warning}" for warning in summary.warnings)
         return "\n".join(lines)
 
     def render(self, summary: Summary | None = None) -> RenderableType:
         summary = summary or self.summary()
+        window = _window(self.window_seconds)
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1),
-                      title="Per caller, from the exporter's /metrics (hit: last "
-                            f"{self.window_seconds:g} s; TTFT p50 in scenario seconds)",
+                      title=f"Per caller, from the exporter's /metrics (\"now\": the last "
+                            f"{window}; all times in scenario time)",
                       title_justify="left")
         table.add_column("caller", no_wrap=True, overflow="ellipsis", min_width=8)
-        for column, width in (("req", 4), ("hit", 6), ("hit all", 7), ("warm", 4),
-                              ("part", 4), ("cold", 4), ("unk", 4), ("TTFT warm", 9),
-                              ("TTFT cold", 9)):
+        for column, width in (("req", 4), ("hit now", 7), ("hit all", 7), ("warm", 4),
+                              ("part", 4), ("cold", 4), ("unk", 4), ("TTFT now", 8),
+                              ("TTFT warm", 9), ("TTFT cold", 9)):
             table.add_column(column, justify="right", no_wrap=True, min_width=width)
         for row in summary.rows:
             table.add_row(row.caller, str(row.requests), _ratio_text(row.ratio_window),
                           _pct(row.ratio_total), Text(str(row.warm), style="green"),
                           Text(str(row.partial), style="yellow"),
                           Text(str(row.cold), style="red"), str(row.other),
-                          _secs(row.ttft_warm_p50), _secs(row.ttft_cold_p50))
+                          _secs(row.ttft_window_p50), _secs(row.ttft_warm_p50),
+                          _secs(row.ttft_cold_p50))
         if not summary.rows:
-            table.add_row("(no requests yet)", "", "", "", "", "", "", "", "", "")
+            table.add_row("(no requests yet)", "", "", "", "", "", "", "", "", "", "")
         engine = Text()
         engine.append("KV used/pool ")
         engine.append(f"{_tokens(summary.kv_used_tokens)} / {_tokens(summary.kv_pool_tokens)}"
@@ -272,12 +276,22 @@ class DemoView:
         parts: list[RenderableType] = [
             Text(f"{self.title}    scenario time {_clock(self.scenario_seconds)}",
                  style="bold"),
-            Text(f"Prometheus metrics: {self.metrics_url}", style="cyan"),
+            Text(f"Status page: {self.page_url}", style="cyan"),
             table, Panel(engine, title="vLLM engine", title_align="left")]
         for warning in summary.warnings:
             parts.append(Text(f"! {warning}", style="bold yellow"))
         parts.append(Text("Ctrl-C to stop", style="dim"))
         return Group(*parts)
+
+
+def _grown_buckets(now: CallerStats, before: CallerStats) -> dict[float, float]:
+    """The TTFT buckets of every timed state, as grown over the window."""
+    grown: dict[float, float] = {}
+    for state, buckets in now.ttft_buckets.items():
+        earlier = before.ttft_buckets.get(state, {})
+        for bound, count in buckets.items():
+            grown[bound] = grown.get(bound, 0.0) + count - earlier.get(bound, 0.0)
+    return grown
 
 
 def _ratio_text(value: float | None) -> Text:
@@ -307,6 +321,10 @@ def _num(value: float | None) -> str:
 
 def _onoff(value: bool | None) -> str:
     return "unknown" if value is None else ("on" if value else "off")
+
+
+def _window(seconds: float) -> str:
+    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
 
 
 def _clock(seconds: float) -> str:
