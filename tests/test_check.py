@@ -55,7 +55,7 @@ def test_preemptions_are_noted():
                         'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 12.0')
     report = report_for(text)
     assert report.problems == []
-    assert any("12 preemption(s)" in note for note in report.notes)
+    assert any("preempted 12 time(s) since vLLM started" in note for note in report.notes)
 
 
 async def run_check(*urls: str) -> tuple[int, str, str]:
@@ -232,3 +232,70 @@ async def test_command_with_an_exporter(fake_vllm, aiohttp_server):
     assert "Admission budget: 189,636 tokens" in text
     assert f"exporter {exporter.make_url('/metrics')}" in text
     assert "no conversations seen yet" in text
+
+
+# ---- the messages that name their fix --------------------------------------------------------
+
+
+async def test_an_openai_base_url_gets_told_to_drop_v1(fake_vllm):
+    """The URL users copy from their OpenAI client ends in /v1; vLLM's /metrics is at the
+    root. The 404 says which --vllm.url to give instead."""
+    root = fake_vllm.url.removesuffix("/metrics")
+    for given in (f"{root}/v1", f"{root}/v1/"):
+        code, out, _ = await run_check(given)
+        assert code == 1, out
+        assert "HTTP 404" in out
+        assert f"vLLM serves /metrics at its root, not under /v1: use --vllm.url {root} " \
+            "(without /v1)." in out
+    code, out, _ = await run_check(f"{root}/v2")  # another wrong path: no /v1 advice
+    assert code == 1 and "HTTP 404" in out and "without /v1" not in out
+
+
+async def test_the_prompt_tokens_details_hint_only_when_it_is_known_to_be_off(
+        fake_vllm, aiohttp_server):
+    """From /metrics alone check cannot tell whether vLLM reports cached tokens per request:
+    it says so once, whatever the number of vLLMs. With --exporter.url it can: callers whose
+    usage came without cached_tokens are a problem naming them and the flag; when every
+    caller's usage has them, nothing is said about the flag at all."""
+    from aiohttp import web
+
+    code, out, _ = await run_check(fake_vllm.url, fake_vllm.url)
+    assert code == 0, out
+    assert out.count("--enable-prompt-tokens-details") == 1
+    assert "does not show in /metrics: add --exporter.url" in out
+
+    def event(caller: str, cached: int | None) -> dict:
+        return {"caller": caller, "model": "tiny-llama", "prompt_tokens": 4000,
+                "cached_tokens": cached, "completion_tokens": 10}
+
+    exposition = {"text": ""}
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=exposition["text"], content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    exporter = await aiohttp_server(app)
+
+    async def check_with_exporter() -> tuple[int, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "exporter", "check", "--vllm.url", fake_vllm.url,
+            "--exporter.url", str(exporter.make_url("/")), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        out, _err = await asyncio.wait_for(process.communicate(), timeout=60)
+        return process.returncode or 0, out.decode()
+
+    exposition["text"] = exporter_after([REAL], [event("coder", 2048), event("writer", None),
+                                                 event("tester", None)], now=1.0)
+    code, out = await check_with_exporter()
+    assert code == 1, out
+    assert ("PROBLEM: cached_tokens not reported: start vLLM with "
+            "--enable-prompt-tokens-details") in out
+    assert "requests for tester and writer show as unknown" in out
+
+    exposition["text"] = exporter_after([REAL], [event("coder", 2048)], now=1.0)
+    code, out = await check_with_exporter()
+    assert code == 0, out
+    assert "every caller's usage reports cached_tokens" in out
+    assert "--enable-prompt-tokens-details is on" in out
+    assert "start vLLM with --enable-prompt-tokens-details" not in out
