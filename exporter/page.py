@@ -62,6 +62,7 @@ svg.spark { display: block; width: 100%; max-width: 240px; height: auto; }
 svg.spark polyline { fill: none; stroke: var(--tip); stroke-width: 1.5; }
 svg.spark line { stroke: var(--line); stroke-width: 1; }
 svg.spark circle { fill: var(--tip); }
+.spark-caption { font-size: .75rem; margin: 0 0 .3rem; }
 .warm { color: var(--good); } .cold { color: var(--bad); }
 footer { color: var(--dim); font-size: .85rem; padding-bottom: 2rem; }
 """
@@ -255,7 +256,8 @@ def _sparkline(points: Sequence[float | None], label: str) -> str:
             f'role="img" aria-label="{escape(label)}">'
             f"<title>{escape(label)}</title>"
             f'<line x1="0" y1="{SPARK_HEIGHT - 1}" x2="{SPARK_WIDTH}" y2="{SPARK_HEIGHT - 1}"/>'
-            + "".join(shapes) + "</svg>")
+            + "".join(shapes) + "</svg>"
+            '<p class="meta spark-caption">hit ratio, the last hour (now on the right)</p>')
 
 
 def _pct(value: float | None) -> str:
