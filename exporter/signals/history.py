@@ -12,8 +12,9 @@ first sample at or after it (``CallerTimeline.at``).
 
 Bounded whatever the traffic: at most ``SAMPLES`` samples per key, one key per caller label
 (itself capped by the caller cap, and here by ``max_callers``) and per vLLM target. A sample is
-an ``array('d')`` of ``CALLER_FIELDS`` doubles: about 200 bytes, so about 25 KB per caller
-and 2.5 MB at the default cap of 100 callers (README, Limits; tests/test_history.py fills it).
+an ``array('d')`` of ``CALLER_FIELDS`` doubles: about 220 bytes, so about 27 KB per caller
+and 2.7 MB at the default cap of 100 callers and __other__ (README, Limits;
+tests/test_history.py fills it and measures).
 
 Pure: times are handed in; nothing here reads a clock.
 """
@@ -28,8 +29,8 @@ from collections.abc import Mapping, Sequence
 SLOT_SECONDS = 30.0
 HOUR_SECONDS = 3600.0
 SLOTS = int(HOUR_SECONDS // SLOT_SECONDS)
-# An hour of slots plus the boundary before the first, and one spare for the current slot.
-SAMPLES = SLOTS + 2
+# The boundaries of an hour of slots: both ends of each (the live totals end the current one).
+SAMPLES = SLOTS + 1
 
 # The fields of a caller sample, in order (all cumulative since the exporter started).
 CALLER_FIELDS = (

@@ -197,6 +197,9 @@ def build(engine: EngineState, usage: UsageState, now: float, rule: CollapseRule
     status = Status(now, rule.window_seconds)
     caching_off = _engines(status, engine, usage, now, rule)
     _callers(status, usage, now, rule, all_caching_off=caching_off)
+    if status.problem("collapse") is not None:  # the callers' collapse says it, and who
+        status.problems[:] = [item for item in status.problems
+                              if item.kind != "engine_collapse"]
     _unattributed(status, engine, usage, now)
     _completions(status, usage)
     order = {"unreadable": 0, "collapse": 1, "engine_collapse": 2, "overflow": 3,
