@@ -421,8 +421,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("duration", "Scenario", "Stop by itself after this many seconds (0: demo runs until "
          "Ctrl-C, drive until the scenario ends).", _to_float, 0.0, metavar="SECONDS",
          check=_non_negative, commands=frozenset({DEMO, DRIVE})),
-    Flag("refresh", "Scenario", "Seconds between view updates (default: 2 in a terminal, 10 "
-         "otherwise).", _optional_float, None, metavar="SECONDS", check=_positive,
+    Flag("refresh", "Scenario", "Seconds between updates of the table (the story's lines come "
+         "as they happen; default: 2 in a terminal, 10 otherwise).", _optional_float, None,
+         metavar="SECONDS", check=_positive,
          commands=frozenset({DEMO})),
     Flag("loop", "Scenario", "Start the scenario again, with new conversations, when it ends.",
          _to_bool, False, kind="bool", commands=frozenset({DRIVE})),

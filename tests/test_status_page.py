@@ -5,69 +5,20 @@ allowed anywhere but the exporter."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
-from exporter import wiring
 from exporter.config import Config
-from exporter.engine.parse import parse
-from exporter.server import collapse_rule, create_app
+from exporter.server import create_app
 from exporter.signals import advice, status
-from exporter.signals.state import SignalsState
-from exporter.sim import scenario as scenarios
-from exporter.sim.virtual import play
-from exporter.usage.event import validate
 from tests.helpers import scrape, value
+from tests.replay import BASE, SCRAPE, Replay
+from tests.replay import replay as replay_scenario
 
-BASE = 1_700_000_000.0
 TARGET = "http://vllm:8000/metrics"
 
 
-@dataclass
-class Replayed:
-    """A scenario played in virtual time, replayed into an exporter's state in time order:
-    its usage events and the simulator's /metrics every 15 scenario seconds."""
-
-    state: SignalsState
-    steps: list[tuple[float, str, object]]
-    clock: list[float]
-    done: int = 0
-
-    def until(self, seconds: float) -> status.Status:
-        while self.done < len(self.steps) and self.steps[self.done][0] <= seconds:
-            when, kind, payload = self.steps[self.done]
-            self.clock[0] = BASE + when
-            if kind == "event":
-                self.state.usage.record(validate({**payload, "time": BASE + when}), "http")
-            else:
-                self.state.usage.catch_up(self.clock[0])  # as the server does before a read
-                self.state.engine.record_success(TARGET, parse(str(payload)), 0.0,
-                                                 self.clock[0])
-            self.done += 1
-        self.clock[0] = BASE + seconds
-        self.state.usage.catch_up(self.clock[0])
-        return status.build(self.state.engine, self.state.usage, self.clock[0],
-                            collapse_rule())
-
-    @property
-    def end(self) -> float:
-        return self.steps[-1][0]
-
-
-def replayed(name: str) -> Replayed:
-    scenario = scenarios.load(name)
-    scrapes: list[tuple[float, str, object]] = []
-    run = play(scenario, sampler=lambda when, sim: scrapes.append(
-        (when, "scrape", sim.render_metrics().decode())))
-    steps = sorted([*scrapes, *((when, "event", event) for when, event in run.events)],
-                   key=lambda step: (step[0], step[1] == "event"))
-    engine = scenario.engine_config()
-    state_tokens = ((engine.served_model_name, engine.state_tokens),) if engine.hybrid else ()
-    clock = [BASE]
-    state = wiring.signals_state(
-        Config(vllm_url=(TARGET,), signals_state_tokens=state_tokens), clock=lambda: clock[0])
-    return Replayed(state, steps, clock)
+def replayed(name: str) -> Replay:
+    return replay_scenario(name, TARGET)
 
 
 def kinds(page: status.Status) -> list[str]:
@@ -76,20 +27,19 @@ def kinds(page: status.Status) -> list[str]:
 
 def test_report_000_the_collapse_named_with_both_callers_and_since_when():
     replay = replayed("two-agents-collapse")
-    alone = replay.until(230)
+    alone = replay.status(230)
     assert kinds(alone) == []
     assert [view.caller for view in alone.callers] == ["agent-a"]
     assert alone.callers[0].ratio_window is not None and alone.callers[0].ratio_window > 0.8
-    arrived = replay.until(300)  # agent-b's first turn is in: the pair no longer fits
+    arrived = replay.status(300)  # agent-b's first turn is in: the pair no longer fits
     assert kinds(arrived) == ["overflow"]
     assert "They do not all fit" in arrived.problems[0].sentence
-    collapsed = replay.until(700)
+    collapsed = replay.status(700)
     assert kinds(collapsed)[:2] == ["collapse", "overflow"]
     collapse = collapsed.problems[0]
     assert collapse.callers == ("agent-a", "agent-b")
-    a_first_cold = next(when for when, kind, event in replay.steps if kind == "event"
-                        and event["caller"] == "agent-a" and event["cached_tokens"] == 0
-                        and when > 240)
+    a_first_cold = next(when for when, event in replay.events() if event["caller"] == "agent-a"
+                        and event["cached_tokens"] == 0 and when > 240)
     # since: the start of the 30-s slot of agent-a's first evicted turn
     assert collapse.since is not None
     assert 0 <= BASE + a_first_cold - collapse.since < 30
@@ -103,9 +53,9 @@ def test_without_usage_the_engine_s_own_counters_show_the_collapse():
     """No proxy reports usage: vLLM's prefix-cache counters alone show it (the engine rule of
     VllmCachePrefixCollapse), with the time it started."""
     replay = replayed("two-agents-collapse")
-    replay.steps = [step for step in replay.steps if step[1] == "scrape"]
-    assert kinds(replay.until(230)) == []
-    page = replay.until(replay.end)
+    replay.steps = [step for step in replay.steps if step[1] == SCRAPE]
+    assert kinds(replay.status(230)) == []
+    page = replay.status(replay.end)
     assert kinds(page) == ["engine_collapse"]
     item = page.problems[0]
     assert item.sentence.startswith(f"Prefix cache collapse on vLLM {TARGET}: 0.0% of "
@@ -117,13 +67,13 @@ def test_without_usage_the_engine_s_own_counters_show_the_collapse():
 def test_healthy_scenarios_say_nothing_is_wrong(name: str):
     replay = replayed(name)
     for seconds in range(60, int(replay.end) + 60, 60):
-        page = replay.until(seconds)
+        page = replay.status(seconds)
         assert kinds(page) == [], (seconds, [item.sentence for item in page.problems])
     assert all(view.ratio_hour and view.ratio_hour > 0.5 for view in page.callers)
 
 
 def test_prefix_caching_off_is_said_and_no_collapse_is_made_of_it():
-    page = replayed("prefix-caching-off").until(10_000)
+    page = replayed("prefix-caching-off").status(10_000)
     assert kinds(page) == ["caching_off"]
     sentence = page.problems[0].sentence
     assert sentence == advice.prefix_caching_off_sentence(
@@ -133,7 +83,7 @@ def test_prefix_caching_off_is_said_and_no_collapse_is_made_of_it():
 
 def test_cached_tokens_not_reported_names_the_callers_and_the_flag():
     replay = replayed("details-off")
-    page = replay.until(replay.end)
+    page = replay.status(replay.end)
     assert kinds(page) == ["not_reported"]
     item = page.problems[0]
     callers = tuple(view.caller for view in page.callers)
@@ -143,15 +93,15 @@ def test_cached_tokens_not_reported_names_the_callers_and_the_flag():
 
 def test_preemptions_while_they_happen():
     replay = replayed("overload-preempt")
-    seen = [replay.until(seconds) for seconds in range(30, int(replay.end) + 30, 30)]
+    seen = [replay.status(seconds) for seconds in range(30, int(replay.end) + 30, 30)]
     preempting = [page for page in seen if "preemptions" in kinds(page)]
     assert preempting, "no preemption ever shown"
     assert "vLLM is preempting requests" in preempting[0].problem("preemptions").sentence
-    assert "preemptions" not in kinds(replay.until(replay.end + 600))  # over 5 min later
+    assert "preemptions" not in kinds(replay.status(replay.end + 600))  # over 5 min later
 
 
 def test_declared_against_used_completions_is_advice():
-    page = replayed("max-tokens-overstated").until(10_000)
+    page = replayed("max-tokens-overstated").status(10_000)
     sentences = [item.sentence for item in page.advice if item.kind == "completions"]
     assert any(sentence.startswith("coder on qwen3.8-27b") and "overstatement" in sentence
                for sentence in sentences)

@@ -3,33 +3,29 @@ collapse plays: the plain words name who collapsed, the numbers are /metrics' at
 moment, nothing is fetched from anywhere but the exporter, no console error, and it fits a
 phone's width. A screenshot is saved in the test's tmp folder (docs/status-page.png is one).
 
-The scenario is played in virtual time first (exporter.sim.virtual), then its usage events
-are fed to a real exporter on a frozen clock, step by step: between two steps nothing moves,
-so the page and /metrics are read at the same moment. The exporter keeps its new-series hold:
-the page shows live counts, and by the time of each step /metrics shows them too.
+The scenario is played in virtual time first, then replayed into a real exporter on a frozen
+clock, step by step (tests/replay.py: its usage events, and the simulator's /metrics as a
+fake vLLM serves them): between two steps nothing moves, so the page and /metrics are read at
+the same moment. The exporter keeps its new-series hold: the page shows live counts, and by
+the time of each step /metrics shows them too.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exporter import wiring
 from exporter.config import Config
 from exporter.server import create_app
-from exporter.sim import scenario as scenarios
-from exporter.sim.virtual import VirtualRun, play
-from exporter.usage.event import validate
 from exporter.usage.ingest import ROUTE
 from tests.browser import chromium
+from tests.replay import replay as replay_scenario
 
 pytestmark = [pytest.mark.e2e, pytest.mark.new_series_hold]
 
-BASE = 1_700_000_000.0
 # What the page shows, read from the DOM as a user would see it (the visible text).
 READ = """(() => {
   const problems = [...document.querySelectorAll('#problems .item.problem')].map(item => ({
@@ -46,24 +42,6 @@ READ = """(() => {
   return {problems, callers, title: document.title,
           nothing_wrong: document.getElementById('no-problem') !== null};
 })()"""
-
-
-class Replay:
-    """Feeds a virtual run's usage events to the exporter's state, on its frozen clock."""
-
-    def __init__(self, run: VirtualRun, clock: list[float], record: Any) -> None:
-        self.events = list(run.events)
-        self.clock = clock
-        self.record = record
-        self.fed = 0
-
-    def until(self, scenario_seconds: float) -> None:
-        while self.fed < len(self.events) and self.events[self.fed][0] <= scenario_seconds:
-            when, event = self.events[self.fed]
-            self.clock[0] = BASE + when
-            self.record(validate({**event, "time": BASE + when}), "http")
-            self.fed += 1
-        self.clock[0] = BASE + scenario_seconds
 
 
 def per_caller(text: str) -> dict[str, dict[str, float]]:
@@ -88,15 +66,13 @@ def per_caller(text: str) -> dict[str, dict[str, float]]:
 
 async def test_the_status_page_in_a_browser_during_a_collapse(tmp_path: Path, fake_vllm,
                                                               aiohttp_server):
-    run = play(scenarios.load("two-agents-collapse"))
-    fake_vllm.body = run.metrics_text
-    clock = [BASE]
     config = Config(vllm_url=(fake_vllm.url,), signals_state_tokens=(("qwen3.8-27b", 12288),))
-    state = wiring.signals_state(config, clock=lambda: clock[0])
+    replay = replay_scenario("two-agents-collapse", config=config)
+    replay.on_scrape = lambda text: setattr(fake_vllm, "body", text)
+    state = replay.state
     assert state.usage.new_series_hold == 60.0  # Prometheus' view lags; the page's does not
     server = await aiohttp_server(create_app(config, state=state, initial_refresh=False))
     base = str(server.make_url("/"))
-    replay = Replay(run, clock, state.usage.record)
 
     async def metrics() -> str:
         async with aiohttp.ClientSession() as session:
