@@ -217,6 +217,7 @@ def _caller(view: CallerView, status: Status) -> str:
         _pair("other", f'<span data-field="other">{other:,}</span> (short '
               f'{view.requests["short"]:,}, unknown {view.requests["unknown"]:,}, error '
               f'{view.requests["error"]:,})', raw=True),
+        _pair("cached_tokens reported", _reporting(view)),
         _pair("prompt tokens", f"{view.prompt_tokens:,}", "prompt-tokens"),
         _pair("cached tokens", f"{view.cached_tokens:,}", "cached-tokens"),
         _pair("TTFT warm / cold", f"{_secs(view.ttft_warm_p50)} / {_secs(view.ttft_cold_p50)}"
@@ -225,6 +226,17 @@ def _caller(view: CallerView, status: Status) -> str:
         "</dl></div>",
     ]
     return "\n".join(lines)
+
+
+def _reporting(view: CallerView) -> str:
+    """Whether this caller's usage carries cached_tokens (vLLM's
+    --enable-prompt-tokens-details): the prompt tokens of the requests with and without."""
+    if view.unreported_prompt_tokens == 0:
+        return "yes" if view.prompt_tokens else "-"
+    if view.prompt_tokens == 0:
+        return "no (--enable-prompt-tokens-details)"
+    share = view.unreported_prompt_tokens / (view.unreported_prompt_tokens + view.prompt_tokens)
+    return f"partly ({advice.percent(share)} of prompt tokens without)"
 
 
 def _pair(term: str, value: str, field: str = "", raw: bool = False) -> str:

@@ -72,8 +72,9 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
     print(f"vllm-cache-exporter demo: scenario {scenario.name} at x{speed:g} (a scenario "
           f"minute passes every {60 / speed:.3g} s; times below are scenario time)", file=out)
     print(f"  {scenario.title}", file=out)
-    print(f"Status page: {base}/  (open it in a browser; Prometheus reads /metrics there)",
-          file=out)
+    if not live:  # the live view keeps it on screen
+        print(f"Status page: {base}/  (open it in a browser; Prometheus reads /metrics "
+              "there)", file=out)
     print(f"Simulated vLLM: http://{HOST}:{sim_port} (OpenAI API, /metrics)", file=out)
     out.flush()
 

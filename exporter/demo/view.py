@@ -243,23 +243,26 @@ class DemoView:
         summary = summary or self.summary()
         window = _window(self.window_seconds)
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1),
-                      title=f"Per caller, from the exporter's /metrics (\"now\": the last "
-                            f"{window}; all times in scenario time)",
+                      title=f"Per caller, from /metrics (now: the last {window}; TTFT p50, "
+                            "warm and cold since start; scenario time)",
                       title_justify="left")
         table.add_column("caller", no_wrap=True, overflow="ellipsis", min_width=8)
-        for column, width in (("req", 4), ("hit now", 7), ("hit all", 7), ("warm", 4),
-                              ("part", 4), ("cold", 4), ("unk", 4), ("TTFT now", 8),
-                              ("TTFT warm", 9), ("TTFT cold", 9)):
+        for column, width in (("req", 4), ("hit now", 7), ("hit all", 7),
+                              ("w/p/c/u", 7), ("TTFT now", 8), ("warm", 5), ("cold", 5)):
             table.add_column(column, justify="right", no_wrap=True, min_width=width)
         for row in summary.rows:
+            states = Text()
+            states.append(str(row.warm), style="green")
+            states.append("/")
+            states.append(str(row.partial), style="yellow")
+            states.append("/")
+            states.append(str(row.cold), style="red")
+            states.append(f"/{row.other}")
             table.add_row(row.caller, str(row.requests), _ratio_text(row.ratio_window),
-                          _pct(row.ratio_total), Text(str(row.warm), style="green"),
-                          Text(str(row.partial), style="yellow"),
-                          Text(str(row.cold), style="red"), str(row.other),
-                          _secs(row.ttft_window_p50), _secs(row.ttft_warm_p50),
-                          _secs(row.ttft_cold_p50))
+                          _pct(row.ratio_total), states, _secs(row.ttft_window_p50),
+                          _secs(row.ttft_warm_p50), _secs(row.ttft_cold_p50))
         if not summary.rows:
-            table.add_row("(no requests yet)", "", "", "", "", "", "", "", "", "", "")
+            table.add_row("(no requests yet)", "", "", "", "", "", "", "")
         engine = Text()
         engine.append("KV used/pool ")
         engine.append(f"{_tokens(summary.kv_used_tokens)} / {_tokens(summary.kv_pool_tokens)}"
