@@ -14,7 +14,6 @@ from exporter.signals.history import (
     SLOT_SECONDS,
     History,
     at,
-    delta,
 )
 from exporter.signals.usage import UsageSettings, UsageState
 from exporter.values import UsageEvent
@@ -58,8 +57,9 @@ def test_the_totals_at_each_boundary_are_exact_although_sampled_lazily():
     for boundary in (first_boundary, first_boundary + 30, first_boundary + 60):
         assert at(timeline, boundary, current)[prompt] == 2100
     assert at(timeline, clock.now, current)[prompt] == 3300
-    assert delta(timeline, current, first_boundary, clock.now, prompt) == 1200
-    assert delta(timeline, current, T0 - 1, clock.now, FIELD["cached_tokens"]) == 2080
+    assert at(timeline, clock.now, current)[prompt] - at(timeline, first_boundary,
+                                                         current)[prompt] == 1200
+    assert at(timeline, clock.now, current)[FIELD["cached_tokens"]] == 2080
     # follow-ups: the second and third turns of session "s" grew from the previous one
     assert current[FIELD["followups"]] == 2 and current[FIELD["followups_cold"]] == 0
 
@@ -78,8 +78,10 @@ def test_an_hour_is_kept_and_no_more():
     current = [clock.now, *state.caller_totals()["a"]]
     # the last hour's prompt tokens, to the slot: 60 events of 1000 (the one at the window's
     # edge falls in the slot counted)
-    assert 59_000 <= delta(timeline, current, clock.now - HOUR_SECONDS, clock.now,
-                           FIELD["prompt_tokens"]) <= 61_000
+    prompt = FIELD["prompt_tokens"]
+    last_hour = (at(timeline, clock.now, current)[prompt]
+                 - at(timeline, clock.now - HOUR_SECONDS, current)[prompt])
+    assert 59_000 <= last_hour <= 61_000
 
 
 def test_callers_beyond_the_bound_are_let_go_stalest_first():

@@ -138,13 +138,6 @@ def at(timeline: Timeline | None, when: float, current: Sequence[float]) -> Sequ
     return timeline.at(when, current)
 
 
-def delta(timeline: Timeline | None, current: Sequence[float], start: float, end: float,
-          field: int) -> float:
-    """How much one cumulative field grew between ``start`` and ``end`` (``current`` is the
-    live totals, its time field ``now``)."""
-    return at(timeline, end, current)[field] - at(timeline, start, current)[field]
-
-
 def slot_starts(now: float, slots: int = SLOTS) -> list[float]:
     """The starts of the last ``slots`` 30-second slots, oldest first; the last holds now."""
     current = slot_start(now)

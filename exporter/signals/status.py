@@ -32,12 +32,10 @@ from exporter.signals.classify import STATES
 from exporter.signals.engine import EngineState, TargetState
 from exporter.signals.history import (
     FIELD,
-    HOUR_SECONDS,
     SLOT_SECONDS,
     TARGET_FIELD,
     Timeline,
     at_times,
-    delta,
     slot_starts,
 )
 from exporter.signals.usage import UsageState
@@ -169,23 +167,41 @@ def ratio(cached: float, prompt: float) -> float | None:
 
 
 class Slots:
-    """One key's totals at every 30-s boundary of the last hour and now, read in one pass:
-    what the sparkline and "since when" walk."""
+    """One key's totals at every 30-s boundary of the last hour and now, read in one pass;
+    every window is read from them, to the slot: "the last 5 minutes" starts at the boundary
+    of the tenth slot back (270 to 300 s ago), "the last hour" at the oldest one."""
 
-    def __init__(self, timeline: Timeline | None, current: Sequence[float], now: float) -> None:
+    def __init__(self, timeline: Timeline | None, current: Sequence[float], now: float,
+                 window_slots: int) -> None:
         self.starts = slot_starts(now)
         self.values = at_times(timeline, current, [*self.starts, now])
+        self.window_slots = window_slots
 
     def grew(self, slot: int, field: int) -> float:
         return self.values[slot + 1][field] - self.values[slot][field]
 
-    def ratios(self, prompt: int, cached: int, window_slots: int) -> tuple[float | None, ...]:
-        """The hit ratio over the ``window_slots`` slots ending with each slot (None where
-        nothing was looked up): the "hit ratio now" of every moment of the hour."""
+    def window(self, field: int) -> float:
+        """Growth over the window that ends now."""
+        return self.values[-1][field] - self.values[-1 - self.window_slots][field]
+
+    def before_window(self, field: int) -> float:
+        """Growth over the rest of the hour, before the window."""
+        return self.values[-1 - self.window_slots][field] - self.values[0][field]
+
+    def hour(self, field: int) -> float:
+        return self.values[-1][field] - self.values[0][field]
+
+    @property
+    def window_start(self) -> float:
+        return self.starts[-self.window_slots]
+
+    def ratios(self, prompt: int, cached: int) -> tuple[float | None, ...]:
+        """The hit ratio over the window ending with each slot (None where nothing was looked
+        up): the "hit ratio now" of every moment of the hour."""
         values = self.values
         out = []
         for end in range(1, len(values)):
-            start = max(0, end - window_slots)
+            start = max(0, end - self.window_slots)
             out.append(ratio(values[end][cached] - values[start][cached],
                              values[end][prompt] - values[start][prompt]))
         return tuple(out)
@@ -219,10 +235,8 @@ def _engines(status: Status, engine: EngineState, usage: UsageState, now: float,
     fits = foresight.by_target(usage.conversations, engine, now)
     idle = usage.conversations.idle_seconds
     caching: list[bool] = []
-    window_start = now - rule.window_seconds
     target_totals = usage.target_totals()
     for target in sorted(engine.targets.values(), key=lambda target: target.shown):
-        timeline = usage.history.target(target.shown)
         current = [now, *target_totals.get(target.shown, [0.0, 0.0, 0.0])]
         rows = tuple(_row(target, row_index, headroom) for row_index in range(len(target.rows)))
         caching.extend(row.prefix_caching for row in rows if row.prefix_caching is not None)
@@ -239,19 +253,16 @@ def _engines(status: Status, engine: EngineState, usage: UsageState, now: float,
             if fit.overflows:
                 status.problems.append(Item("overflow", PROBLEM, sentence,
                                             f"{target.shown} {model_name}"))
-        queries = delta(timeline, current, window_start, now, TARGET_FIELD["queries"])
-        hits = delta(timeline, current, window_start, now, TARGET_FIELD["hits"])
-        hour_queries = delta(timeline, current, now - HOUR_SECONDS, now, TARGET_FIELD["queries"])
-        hour_hits = delta(timeline, current, now - HOUR_SECONDS, now, TARGET_FIELD["hits"])
-        preempted = delta(timeline, current, window_start, now, TARGET_FIELD["preemptions"])
-        slots = Slots(timeline, current, now)
+        slots = Slots(usage.history.target(target.shown), current, now, _window_slots(rule))
+        queries, hits = TARGET_FIELD["queries"], TARGET_FIELD["hits"]
         view = EngineView(
             target.shown, _target_state(target), target.last_error, rows, tuple(target_fits),
-            ratio(hits, queries), ratio(hour_hits, hour_queries),
-            current[TARGET_FIELD["preemptions"]], preempted,
-            slots.ratios(TARGET_FIELD["queries"], TARGET_FIELD["hits"], _window_slots(rule)))
+            ratio(slots.window(hits), slots.window(queries)),
+            ratio(slots.hour(hits), slots.hour(queries)),
+            current[TARGET_FIELD["preemptions"]], slots.window(TARGET_FIELD["preemptions"]),
+            slots.ratios(queries, hits))
         status.engines.append(view)
-        _engine_problems(status, target, view, timeline, current, slots, now, rule)
+        _engine_problems(status, target, view, slots, rule)
     return bool(caching) and not any(caching)
 
 
@@ -261,9 +272,8 @@ def _target_state(target: TargetState) -> str:
     return "down" if target.attempted else "not read yet"
 
 
-def _engine_problems(status: Status, target: TargetState, view: EngineView,
-                     timeline: Timeline | None, current: Sequence[float], slots: Slots,
-                     now: float, rule: CollapseRule) -> None:
+def _engine_problems(status: Status, target: TargetState, view: EngineView, slots: Slots,
+                     rule: CollapseRule) -> None:
     where = target.shown
     if target.attempted and not target.up:
         status.problems.append(Item("unreadable", PROBLEM, advice.unreadable_sentence(
@@ -284,15 +294,14 @@ def _engine_problems(status: Status, target: TargetState, view: EngineView,
                 status.problems.append(Item("absent", PROBLEM,
                                             advice.absent_sentence(f"vLLM {where}", signal),
                                             f"{where} {signal}"))
-    dropped = _dropped(timeline, current, now, rule, TARGET_FIELD["queries"],
-                       TARGET_FIELD["hits"], rule.engine_min_tokens_per_second)
+    queries, hits = TARGET_FIELD["queries"], TARGET_FIELD["hits"]
+    dropped = _dropped(slots, rule, queries, hits, rule.engine_min_tokens_per_second)
     if dropped is not None:
         ratio_now, baseline = dropped
         status.problems.append(Item(
             "engine_collapse", PROBLEM,
             advice.engine_collapse_sentence(where, ratio_now, baseline, rule.window_seconds),
-            where, _since(slots, rule, TARGET_FIELD["queries"], TARGET_FIELD["hits"], baseline,
-                          False, now - rule.window_seconds)))
+            where, _since(slots, rule, queries, hits, baseline, False)))
 
 
 def _row(target: TargetState, index: int, headroom: int) -> RowView:
@@ -323,39 +332,31 @@ def _callers(status: Status, usage: UsageState, now: float, rule: CollapseRule,
     models: dict[str, list[str]] = {}
     for caller, model in usage.series:
         models.setdefault(caller, []).append(model)
-    window_start = now - rule.window_seconds
+    medians = _ttft_medians(usage)
+    prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]
     unreported: list[str] = []
     collapses: list[advice.Collapse] = []
     for caller in sorted(totals):
         current = [now, *totals[caller]]
-        timeline = usage.history.caller(caller)
-        prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]
-        window_prompt = delta(timeline, current, window_start, now, prompt)
-        window_cached = delta(timeline, current, window_start, now, cached)
-        hour_prompt = delta(timeline, current, now - HOUR_SECONDS, now, prompt)
-        hour_cached = delta(timeline, current, now - HOUR_SECONDS, now, cached)
-        timed = (delta(timeline, current, window_start, now, FIELD["ttft_warm_count"])
-                 + delta(timeline, current, window_start, now, FIELD["ttft_cold_count"]))
-        timed_sum = (delta(timeline, current, window_start, now, FIELD["ttft_warm_sum"])
-                     + delta(timeline, current, window_start, now, FIELD["ttft_cold_sum"]))
-        slots = Slots(timeline, current, now)
-        collapse = None if all_caching_off else _caller_collapse(
-            caller, timeline, current, slots, now, rule)
+        slots = Slots(usage.history.caller(caller), current, now, _window_slots(rule))
+        timed = slots.window(FIELD["ttft_warm_count"]) + slots.window(FIELD["ttft_cold_count"])
+        timed_sum = slots.window(FIELD["ttft_warm_sum"]) + slots.window(FIELD["ttft_cold_sum"])
+        collapse = None if all_caching_off else _caller_collapse(caller, slots, rule)
         if collapse is not None:
             collapses.append(collapse)
-        if delta(timeline, current, now - HOUR_SECONDS, now,
-                 FIELD["unreported_prompt_tokens"]) > 0:
+        if slots.hour(FIELD["unreported_prompt_tokens"]) > 0:
             unreported.append(caller)
         status.callers.append(CallerView(
             caller, tuple(sorted(models.get(caller, ()))), first_seen.get(caller, now),
             {state: int(current[FIELD[state]]) for state in STATES},
             int(current[prompt]), int(current[cached]),
             int(current[FIELD["unreported_prompt_tokens"]]),
-            ratio(window_cached, window_prompt), ratio(hour_cached, hour_prompt),
+            ratio(slots.window(cached), slots.window(prompt)),
+            ratio(slots.hour(cached), slots.hour(prompt)),
             ratio(current[cached], current[prompt]),
-            _ttft_p50(usage, caller, "warm"), _ttft_p50(usage, caller, "cold"),
+            medians.get((caller, "warm")), medians.get((caller, "cold")),
             timed_sum / timed if timed > 0 else None,
-            slots.ratios(prompt, cached, _window_slots(rule)), collapse))
+            slots.ratios(prompt, cached), collapse))
     if collapses:
         status.problems.append(Item(
             "collapse", PROBLEM, advice.collapse_sentence(collapses), "callers",
@@ -367,71 +368,64 @@ def _callers(status: Status, usage: UsageState, now: float, rule: CollapseRule,
                                     callers=tuple(unreported)))
 
 
-def _ttft_p50(usage: UsageState, caller: str, state: str) -> float | None:
-    """The median engine-side TTFT of one state since the exporter started, interpolated
-    within the histogram's buckets as histogram_quantile does (over all of the caller's
-    models)."""
-    counts: list[int] = []
+def _ttft_medians(usage: UsageState) -> dict[tuple[str, str], float]:
+    """(caller, state) -> the median engine-side TTFT since the exporter started, over all of
+    the caller's models, interpolated within the buckets as histogram_quantile does."""
+    counts: dict[tuple[str, str], list[int]] = {}
     bounds: tuple[float, ...] = ()
-    for (name, _model), series in usage.series.items():
-        hist = series.ttft.get(state)
-        if name != caller or hist is None:
-            continue
-        bounds = hist.bounds
-        counts = [a + b for a, b in zip(counts, hist.counts, strict=True)] if counts \
-            else list(hist.counts)
-    if not counts:
-        return None
-    cumulative, running = [], 0
-    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
-        running += count
-        cumulative.append((bound, float(running)))
-    value = advice.histogram_quantile(0.5, cumulative)
-    return None if value != value else value  # NaN: no observation
+    for (caller, _model), series in usage.series.items():
+        for state in ("warm", "cold"):
+            hist = series.ttft.get(state)
+            if hist is None:
+                continue
+            bounds = hist.bounds
+            known = counts.get((caller, state))
+            counts[(caller, state)] = list(hist.counts) if known is None else [
+                mine + theirs for mine, theirs in zip(known, hist.counts, strict=True)]
+    medians = {}
+    for key, per_bucket in counts.items():
+        cumulative, running = [], 0
+        for bound, count in zip((*bounds, math.inf), per_bucket, strict=True):
+            running += count
+            cumulative.append((bound, float(running)))
+        median = advice.histogram_quantile(0.5, cumulative)
+        if not math.isnan(median):
+            medians[key] = median
+    return medians
 
 
-def _caller_collapse(caller: str, timeline: Timeline | None, current: Sequence[float],
-                     slots: Slots, now: float, rule: CollapseRule) -> advice.Collapse | None:
+def _caller_collapse(caller: str, slots: Slots, rule: CollapseRule) -> advice.Collapse | None:
     prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]
-    window_start = now - rule.window_seconds
-    dropped = _dropped(timeline, current, now, rule, prompt, cached,
-                       rule.caller_min_tokens_per_second)
-    followups = delta(timeline, current, window_start, now, FIELD["followups"])
-    cold = delta(timeline, current, window_start, now, FIELD["followups_cold"])
+    dropped = _dropped(slots, rule, prompt, cached, rule.caller_min_tokens_per_second)
+    followups = slots.window(FIELD["followups"])
+    cold = slots.window(FIELD["followups_cold"])
     evicted = followups >= MIN_FOLLOWUPS and cold >= COLD_FOLLOWUP_SHARE * followups
     if dropped is None and not evicted:
         return None
-    baseline = _baseline(timeline, current, now, rule, prompt, cached)
-    since = _since(slots, rule, prompt, cached, baseline, True, window_start)
+    baseline = _baseline(slots, rule, prompt, cached)
     return advice.Collapse(
-        caller, since, rule.window_seconds,
-        ratio(delta(timeline, current, window_start, now, cached),
-              delta(timeline, current, window_start, now, prompt)),
-        baseline, int(followups), int(cold), dropped is not None, evicted)
+        caller, _since(slots, rule, prompt, cached, baseline, True), rule.window_seconds,
+        ratio(slots.window(cached), slots.window(prompt)), baseline, int(followups), int(cold),
+        dropped is not None, evicted)
 
 
-def _baseline(timeline: Timeline | None, current: Sequence[float], now: float,
-              rule: CollapseRule, prompt: int, cached: int) -> float | None:
+def _baseline(slots: Slots, rule: CollapseRule, prompt: int, cached: int) -> float | None:
     """The ratio over the hour before the window, when there was a cache to lose."""
-    window_start = now - rule.window_seconds
-    before = delta(timeline, current, now - HOUR_SECONDS, window_start, prompt)
-    value = ratio(delta(timeline, current, now - HOUR_SECONDS, window_start, cached), before)
+    value = ratio(slots.before_window(cached), slots.before_window(prompt))
     return value if value is not None and value > rule.min_baseline else None
 
 
-def _dropped(timeline: Timeline | None, current: Sequence[float], now: float,
-             rule: CollapseRule, prompt: int, cached: int,
+def _dropped(slots: Slots, rule: CollapseRule, prompt: int, cached: int,
              min_tokens_per_second: float) -> tuple[float, float] | None:
     """(ratio now, baseline) when the ratio over the window fell under the drop factor times
     the baseline while traffic continues; else None."""
-    baseline = _baseline(timeline, current, now, rule, prompt, cached)
+    baseline = _baseline(slots, rule, prompt, cached)
     if baseline is None:
         return None
-    window_start = now - rule.window_seconds
-    window_prompt = delta(timeline, current, window_start, now, prompt)
+    window_prompt = slots.window(prompt)
     if window_prompt < min_tokens_per_second * rule.window_seconds:
         return None
-    now_ratio = delta(timeline, current, window_start, now, cached) / window_prompt
+    now_ratio = slots.window(cached) / window_prompt
     return (now_ratio, baseline) if now_ratio < rule.drop_factor * baseline else None
 
 
@@ -440,10 +434,10 @@ def _window_slots(rule: CollapseRule) -> int:
 
 
 def _since(slots: Slots, rule: CollapseRule, prompt: int, cached: int,
-           baseline: float | None, followups: bool, default: float) -> float:
+           baseline: float | None, followups: bool) -> float:
     """The start of the earliest slot of the unbroken run of bad slots that ends now (a slot
     without traffic neither breaks nor extends the run)."""
-    since = default
+    since = slots.window_start
     for slot in range(len(slots.starts) - 1, -1, -1):
         slot_ratio = ratio(slots.grew(slot, cached), slots.grew(slot, prompt))
         bad = good = False
