@@ -111,3 +111,15 @@ def test_memory_at_the_worst_case_is_what_the_readme_says():
     assert used < 3.5 * 1024 * 1024, used
     per_caller = used / 101
     assert 20_000 < per_caller < 34_000, per_caller  # "about 27 KB per caller"
+
+
+def test_a_clock_gone_wrong_costs_nothing_and_breaks_nothing():
+    """An infinite or NaN time never samples (nor rounds to a boundary), whatever comes."""
+    for wrong in (float("inf"), float("-inf"), float("nan")):
+        clock = Clock(wrong)
+        state = usage(clock)
+        for _ in range(3):
+            state.record(event("a", 1000, 0), "http")
+            state.catch_up(clock.now)
+        assert state.history.callers == {}
+        assert state.caller_totals()["a"][FIELD["prompt_tokens"] - 1] == 3000

@@ -22,6 +22,7 @@ Pure: times are handed in; nothing here reads a clock.
 from __future__ import annotations
 
 import math
+import sys
 from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -91,10 +92,11 @@ class History:
         self.max_callers = max(1, max_callers)
         self.callers: dict[str, Timeline] = {}
         self.targets: dict[str, Timeline] = {}
-        self.next_due = -math.inf
+        self.next_due = -sys.float_info.max  # the first sample is due at once
 
     def due(self, now: float) -> bool:
-        return now >= self.next_due
+        """A boundary has passed since the last sample (never for an infinite or NaN time)."""
+        return self.next_due <= now < math.inf
 
     def record(self, now: float, callers: Mapping[str, Sequence[float]],
                targets: Mapping[str, Sequence[float]],

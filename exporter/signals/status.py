@@ -18,7 +18,9 @@ A caller's cache has collapsed now when, over the last ``window_seconds``, eithe
   a caller that was never warm shows it (the second agent of a pair that does not fit).
 
 It has been so since the start of the earliest 30-second slot of the unbroken run of slots
-that meet the same conditions.
+that meet the same conditions. Windows are read to the slot (``Slots``). A vLLM's own
+prefix-cache counters follow the first rule too (the engine form of the alert), which says it
+when no proxy reports usage; when callers' collapse is said, the engine's would repeat it.
 """
 
 from __future__ import annotations
@@ -208,8 +210,8 @@ class Slots:
 
 
 def build(engine: EngineState, usage: UsageState, now: float, rule: CollapseRule) -> Status:
-    """Everything the page shows, as of ``now`` (call ``usage.sample_history`` first when a
-    30-second boundary has passed, so the last slot is exact)."""
+    """Everything the page shows, as of ``now`` (call ``usage.catch_up(now)`` first, so that
+    the history holds the last boundary)."""
     status = Status(now, rule.window_seconds)
     caching_off = _engines(status, engine, usage, now, rule)
     _callers(status, usage, now, rule, all_caching_off=caching_off)

@@ -11,6 +11,7 @@ Memory is bounded whatever the senders do: caller and model label values are cap
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
@@ -193,8 +194,8 @@ class UsageState:
         (caller, model) -> series, which skips both label caps for pairs seen before.
         """
         now = self._clock()
-        if now >= self.history.next_due:  # a 30-s boundary passed: keep the totals at it
-            self.sample_history(now)
+        if self.history.next_due <= now < math.inf:  # a 30-s boundary passed: keep the
+            self.sample_history(now)  # totals at it (never for a clock gone wrong)
         events = self.events
         events[reader] = events.get(reader, 0) + 1
         self.last_event_time[reader] = now
@@ -361,7 +362,7 @@ class UsageState:
     def catch_up(self, now: float) -> None:
         """Sample the history if a 30-s boundary passed: call before anything changes the
         totals (an engine read; ``record`` does it itself) and before reading the history."""
-        if now >= self.history.next_due:
+        if self.history.due(now):
             self.sample_history(now)
 
     def sample_history(self, now: float) -> None:
