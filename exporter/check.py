@@ -83,6 +83,11 @@ class ExporterView:
     # (caller, model) -> cumulative (le, count) buckets, and declared tokens
     used: dict[tuple[str, str], list[tuple[float, float]]] = field(default_factory=dict)
     declared: dict[tuple[str, str], float] = field(default_factory=dict)
+    # caller -> prompt tokens of requests without cached_tokens, and of requests with it
+    unreported: dict[str, float] = field(default_factory=dict)
+    reported: dict[str, float] = field(default_factory=dict)
+    # source ("engine", "proxy") -> TTFT observations: who timed the turns
+    timed_by: dict[str, float] = field(default_factory=dict)
 
     def smallest_pool(self, target: str, engine: str) -> float | None:
         found = [pool for (where, _model, rank), pool in self.smallest_pools.items()
@@ -118,6 +123,13 @@ def read_exporter(text: str) -> ExporterView:
                 view.used.setdefault(pair, []).append((float(labels["le"]), sample.value))
             elif name == "vllm_cache_completion_declared_tokens_total":
                 view.declared[pair] = sample.value
+            elif name == "vllm_cache_unreported_prompt_tokens_total":
+                view.unreported[pair[0]] = view.unreported.get(pair[0], 0.0) + sample.value
+            elif name == "vllm_cache_prompt_tokens_total":
+                view.reported[pair[0]] = view.reported.get(pair[0], 0.0) + sample.value
+            elif name == "vllm_cache_ttft_seconds_count":
+                source = labels.get("source", "")
+                view.timed_by[source] = view.timed_by.get(source, 0.0) + sample.value
     return view
 
 
@@ -133,6 +145,9 @@ def main(args: argparse.Namespace) -> int:
                                     else ""))
     for report in reports:
         print("\n".join(render(report)))
+    if not args.exporter_url:
+        print("note: " + advice.details_unknown_sentence())
+        print("note: " + advice.per_request_metrics_unknown_sentence())
     return 1 if any(report.problems for report in reports) else 0
 
 
@@ -166,8 +181,10 @@ async def check_one(session: aiohttp.ClientSession, url: str, timeout: float,
         body = await fetch_body(session, url, timeout, max_bytes=max_bytes)
         snapshot = await decode_and_parse(body)
     except FetchError as err:
-        report.problems.append(f"cannot read vLLM's /metrics ({err.reason}): "
-                               f"{redact_text(str(err))}")
+        message = redact_text(str(err))
+        hint = advice.url_hint(redact_url(url), message)
+        report.problems.append(f"cannot read vLLM's /metrics ({err.reason}): {message}"
+                               + (f". {hint}" if hint else ""))
         return report
     describe(snapshot, report, headroom, view)
     return report
@@ -186,10 +203,8 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
         (report.problems if fit.overflows else report.lines).append(sentence)
     for model in sorted(view.model_demand):
         if not any(model == name for _target, name in view.demand):
-            report.lines.append(
-                f"{model}: {view.model_active.get(model, 0):,.0f} conversation(s) active need "
-                f"{view.model_demand[model]:,.0f} tokens of KV cache (not attributed to one "
-                "vLLM: compare with the pools of the vLLMs serving it).")
+            report.lines.append(advice.unattributed_sentence(
+                model, view.model_active.get(model, 0), view.model_demand[model]))
     for pair in sorted(view.used):
         buckets = view.used[pair]
         requests = max(count for _le, count in buckets)
@@ -201,7 +216,19 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
         sentence = advice.completion_sentence(figures)
         (report.notes if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING
          else report.lines).append(sentence)
-    if not (view.demand or view.model_demand or view.used):
+    unreported = sorted(caller for caller, tokens in view.unreported.items() if tokens > 0)
+    if unreported:
+        report.problems.append(advice.not_reported_sentence(unreported))
+    elif any(tokens > 0 for tokens in view.reported.values()):
+        report.lines.append("every caller's usage reports cached_tokens "
+                            "(--enable-prompt-tokens-details is on).")
+    if view.timed_by.get("engine", 0) > 0:
+        report.lines.append("vLLM times the turns itself (--enable-per-request-metrics is on): "
+                            "TTFT and queue wait are the engine's own.")
+    elif view.timed_by.get("proxy", 0) > 0:
+        report.notes.append(advice.per_request_metrics_off_sentence())
+    if not (view.demand or view.model_demand or view.used or view.reported
+            or view.unreported):
         report.lines.append("no conversations seen yet (send usage to it first).")
 
 
@@ -228,10 +255,7 @@ def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,
                 report.lines.append("  " + _pool_sentence(pool, report.target, values.engine,
                                                           headroom, view))
             if caching is False:
-                report.problems.append(
-                    f"{label}: prefix caching is off, so every turn re-reads its whole prompt. "
-                    "Start vLLM with --enable-prefix-caching (hybrid models default to off "
-                    "in older vLLM).")
+                report.problems.append(advice.prefix_caching_off_sentence(label))
         queries = values.values.get(names.PREFIX_CACHE_QUERIES.name)
         hits = values.values.get(names.PREFIX_CACHE_HITS.name)
         if queries:
@@ -242,10 +266,8 @@ def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,
             report.lines.append("  prefix cache since vLLM started: no prompts looked up yet")
         preemptions = values.values.get(names.PREEMPTIONS.name)
         if preemptions:
-            report.notes.append(
-                f"{label}: {preemptions:,.0f} preemption(s) since vLLM started: at times more "
-                "concurrent context than the KV pool holds, and preempted requests are "
-                "recomputed.")
+            report.notes.append(advice.preemptions_sentence(label, preemptions,
+                                                            "since vLLM started"))
         describe_residency(values, label, report)
     if not any(snapshot.present.get(signal.name) for signal in RESIDENCY):
         report.notes.append(RESIDENCY_OFF)
@@ -254,11 +276,7 @@ def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,
             continue
         known = ", ".join(signal.sample_names[:2])
         if signal in REQUIRED:
-            report.problems.append(
-                f"vLLM exposes no {signal.name} metric under any known name ({known}): the "
-                "exporter will show it as absent, and a dashboard querying it reads nothing "
-                "(or a misleading 0). Is this vLLM, with stats logging on (no "
-                "--disable-log-stats)?")
+            report.problems.append(advice.absent_sentence("vLLM", signal.name, known))
         else:
             reason = WHY_ABSENT.get(signal.name, "not exposed by this vLLM version")
             report.notes.append(f"no {signal.name} metric ({known}): {reason}.")
@@ -336,11 +354,4 @@ def render(report: Report) -> Iterator[str]:
         yield f"  note: {note}"
     for problem in report.problems:
         yield f"  PROBLEM: {problem}"
-    yield ("  hint: per-request cached tokens cannot be seen from /metrics: start vLLM with "
-           "--enable-prompt-tokens-details so your proxy sees them.")
-    # Nor can vLLM's per-request metrics (a flag of its API server, in no metric or config
-    # info): the tap says it in its log at the first answer without them.
-    yield ("  hint: nor can vLLM's own TTFT and queue wait per request: start vLLM with "
-           "--enable-per-request-metrics too, so that TTFT is measured by the engine, not the "
-           "proxy (the tap logs a warning at the first answer without them).")
     yield "  " + ("problems found" if report.problems else "OK")

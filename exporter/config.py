@@ -35,7 +35,7 @@ from exporter.signals.foresight import (
     DEFAULT_IDLE_SECONDS,
     DEFAULT_MAX_CONVERSATIONS,
 )
-from exporter.sim.scenario import DEFAULT_SCENARIO
+from exporter.sim.scenario import DEFAULT_SCENARIO, DEMO_SCENARIO
 from exporter.sim.scenario import available as available_scenarios
 from exporter.usage.formats import MappingError, load_mapping
 from exporter.web import WebConfigError
@@ -411,15 +411,19 @@ FLAGS: tuple[Flag, ...] = (
     Flag("scenario", "Scenario", "Field-report scenario to play: a shipped one ("
          + ", ".join(available_scenarios()) + ") or a YAML file. For simulate: take the "
          "engine settings from it.", _to_str, DEFAULT_SCENARIO, metavar="NAME",
-         commands=SCENARIO_COMMANDS, command_defaults={SIMULATE: ""}),
+         commands=SCENARIO_COMMANDS,
+         # The demo tells a story, so it plays the one with a collapse in it; drive's
+         # default is a workload for any server, which should stay warm where it fits.
+         command_defaults={SIMULATE: "", DEMO: DEMO_SCENARIO}),
     Flag("speed", "Scenario", "Play X times faster than real time (demo: the scenario's own "
          "demo speed).", _optional_float, 1.0, metavar="X", check=_positive,
          commands=SCENARIO_COMMANDS, command_defaults={DEMO: None}),
     Flag("duration", "Scenario", "Stop by itself after this many seconds (0: demo runs until "
          "Ctrl-C, drive until the scenario ends).", _to_float, 0.0, metavar="SECONDS",
          check=_non_negative, commands=frozenset({DEMO, DRIVE})),
-    Flag("refresh", "Scenario", "Seconds between view updates (default: 2 in a terminal, 10 "
-         "otherwise).", _optional_float, None, metavar="SECONDS", check=_positive,
+    Flag("refresh", "Scenario", "Seconds between updates of the table (the story's lines come "
+         "as they happen; default: 2 in a terminal, 10 otherwise).", _optional_float, None,
+         metavar="SECONDS", check=_positive,
          commands=frozenset({DEMO})),
     Flag("loop", "Scenario", "Start the scenario again, with new conversations, when it ends.",
          _to_bool, False, kind="bool", commands=frozenset({DRIVE})),

@@ -1,4 +1,4 @@
-"""The aiohttp app: /metrics, /-/healthy, /-/ready, the landing page, and POST /v1/usage.
+"""The aiohttp app: /metrics, /-/healthy, /-/ready, the status page (/), and POST /v1/usage.
 
 /metrics first awaits a fresh read of every vLLM target (bounded by our timeout and by
 Prometheus' scrape timeout), then renders the registry in slices that leave the event loop
@@ -11,7 +11,6 @@ client_python's encoders, many times faster: docs/performance.md).
 from __future__ import annotations
 
 import asyncio
-import html
 import logging
 from collections.abc import Callable
 
@@ -19,13 +18,15 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from exporter import __version__, wiring
+from exporter import __version__, page, wiring
 from exporter.config import Config
 from exporter.engine.fetch import EnginePoller
 from exporter.limits import SendStats, SendStatsCollector
 from exporter.metrics import build_registry
 from exporter.metrics.exposition import choose_format
 from exporter.metrics.scrape import MetricsBodies, gzip_accepted
+from exporter.monitoring.config import MonitoringConfig
+from exporter.signals import status
 from exporter.signals.state import SignalsState
 from exporter.usage.ingest import ROUTE as USAGE_ROUTE
 
@@ -37,6 +38,7 @@ REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 FIRST_READ_KEY = web.AppKey("first_read", asyncio.Task)
 BODIES_KEY = web.AppKey("metrics_bodies", MetricsBodies)
 SEND_KEY = web.AppKey("send_stats", SendStats)
+RULE_KEY = web.AppKey("collapse_rule", status.CollapseRule)
 # A body goes out in chunks, each written only once the last has left (aiohttp drains its
 # buffer above 64 KiB), so a reader that never reads holds ~128 KiB, not a copy of the body;
 # one that has not taken the whole body within SEND_TIMEOUT_SECONDS is cut off.
@@ -54,7 +56,15 @@ def create_app(config: Config, state: SignalsState | None = None,
     app[STATE_KEY] = state
     app[POLLER_KEY] = poller
     app[REGISTRY_KEY] = build_registry(state)
-    app[BODIES_KEY] = MetricsBodies(app[REGISTRY_KEY], state, poller.refresh)
+    usage = state.usage
+
+    async def refresh(timeout: float | None = None) -> None:
+        # The history keeps the totals at each 30-s boundary: sample before a read moves them.
+        usage.catch_up(usage.now())
+        await poller.refresh(timeout)
+
+    app[BODIES_KEY] = MetricsBodies(app[REGISTRY_KEY], state, refresh)
+    app[RULE_KEY] = collapse_rule()
     app[SEND_KEY] = SendStats()
     app[REGISTRY_KEY].register(SendStatsCollector(app[SEND_KEY]))
     app.router.add_get("/", landing)
@@ -65,7 +75,7 @@ def create_app(config: Config, state: SignalsState | None = None,
 
     async def start_first_read(app: web.Application) -> None:
         if initial_refresh and state.engine.targets:
-            app[FIRST_READ_KEY] = asyncio.ensure_future(poller.refresh())
+            app[FIRST_READ_KEY] = asyncio.ensure_future(refresh())
 
     async def close(app: web.Application) -> None:
         task = app.get(FIRST_READ_KEY)
@@ -76,6 +86,24 @@ def create_app(config: Config, state: SignalsState | None = None,
     app.on_startup.append(start_first_read)
     app.on_cleanup.append(close)
     return app
+
+
+def collapse_rule(monitoring: MonitoringConfig | None = None) -> status.CollapseRule:
+    """What the page and the demo call a collapse: the generated alerts' own thresholds."""
+    config = monitoring or MonitoringConfig()
+    return status.CollapseRule(
+        window_seconds=config.short_seconds, drop_factor=config.collapse_drop_factor,
+        min_baseline=config.collapse_min_baseline,
+        caller_min_tokens_per_second=config.collapse_caller_min_tokens_per_second,
+        engine_min_tokens_per_second=config.collapse_engine_min_tokens_per_second)
+
+
+def current_status(app: web.Application) -> status.Status:
+    """The status model as of now, the history caught up first."""
+    state = app[STATE_KEY]
+    now = state.usage.now()
+    state.usage.catch_up(now)
+    return status.build(state.engine, state.usage, now, app[RULE_KEY])
 
 
 def _default_session() -> aiohttp.ClientSession:
@@ -138,28 +166,11 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def landing(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    rows = []
-    for target_state in sorted(state.engine.targets.values(), key=lambda state: state.shown):
-        status = "up" if target_state.up else ("down" if target_state.attempted else "not read yet")
-        error = f" ({html.escape(target_state.last_error)})" if target_state.last_error else ""
-        rows.append(f"<li><code>{html.escape(target_state.shown)}</code>: {status}{error}</li>")
-    targets = "\n".join(rows) or "<li>none configured (--vllm.url)</li>"
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>vllm-cache-exporter</title></head>
-<body>
-<h1>vllm-cache-exporter {html.escape(__version__)}</h1>
-<p>Is vLLM's prefix cache doing its job, and for whom.</p>
-<ul>
-<li><a href="/metrics">/metrics</a></li>
-<li><a href="/-/healthy">/-/healthy</a></li>
-<li><a href="/-/ready">/-/ready</a></li>
-</ul>
-<h2>vLLM targets</h2>
-<ul>
-{targets}
-</ul>
-</body></html>
-"""
-    return web.Response(text=page, content_type="text/html")
-
+    """The status page: a fresh read of every vLLM (shared with scrapes in flight), then the
+    state in plain words (exporter/page.py)."""
+    app = request.app
+    await app[BODIES_KEY].engine_read(app[POLLER_KEY].timeout)
+    body = page.render(current_status(app), __version__)
+    return web.Response(text=body, content_type="text/html", headers={
+        "Content-Security-Policy": page.CONTENT_SECURITY_POLICY,
+        "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})

@@ -17,6 +17,9 @@ from exporter.config import Config
 from exporter.server import create_app
 from tests.helpers import FakeVllm
 
+# The run fails if it leaves untracked files in the checkout (tests/git_clean.py).
+pytest_plugins = ["tests.git_clean"]
+
 
 @pytest.fixture(autouse=True)
 def no_new_series_hold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:

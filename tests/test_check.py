@@ -6,6 +6,7 @@ import asyncio
 import math
 import re
 import sys
+from pathlib import Path
 
 from exporter.check import Report, describe, describe_exporter, read_exporter
 from exporter.engine.parse import parse
@@ -56,7 +57,7 @@ def test_preemptions_are_noted():
                         'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 12.0')
     report = report_for(text)
     assert report.problems == []
-    assert any("12 preemption(s)" in note for note in report.notes)
+    assert any("preempted 12 time(s) since vLLM started" in note for note in report.notes)
 
 
 async def run_check(*urls: str) -> tuple[int, str, str]:
@@ -73,10 +74,11 @@ async def test_command_exit_codes(fake_vllm, unused_tcp_port):
     code, out, _ = await run_check(fake_vllm.url)
     assert code == 0, out
     assert out.splitlines()[0] == fake_vllm.url and "  OK" in out.splitlines()
-    # What /metrics cannot tell is named, never guessed: both per-request flags.
-    hints = [line for line in out.splitlines() if line.startswith("  hint: ")]
-    assert ["--enable-prompt-tokens-details" in hints[0],
-            "--enable-per-request-metrics" in hints[1]] == [True, True], hints
+    # What /metrics cannot tell is named, never guessed: both per-request flags, once each.
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert ["--enable-prompt-tokens-details" in notes[0],
+            "--enable-per-request-metrics" in notes[1]] == [True, True], notes
+    assert out.count("--enable-per-request-metrics") == 1
 
     fake_vllm.body = REAL.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
     code, out, _ = await run_check(fake_vllm.url)
@@ -265,3 +267,82 @@ def test_residency_on_without_evictions_yet():
     report = report_for(empty)
     assert any("KV residency: no sampled block evicted" in line for line in report.lines)
     assert not any("KV residency metrics are off" in note for note in report.notes)
+
+
+
+
+# ---- the messages that name their fix --------------------------------------------------------
+
+
+async def test_an_openai_base_url_gets_told_to_drop_v1(fake_vllm):
+    """The URL users copy from their OpenAI client ends in /v1; vLLM's /metrics is at the
+    root. The 404 says which --vllm.url to give instead."""
+    root = fake_vllm.url.removesuffix("/metrics")
+    for given in (f"{root}/v1", f"{root}/v1/"):
+        code, out, _ = await run_check(given)
+        assert code == 1, out
+        assert "HTTP 404" in out
+        assert f"vLLM serves /metrics at its root, not under /v1: use --vllm.url {root} " \
+            "(without /v1)." in out
+    code, out, _ = await run_check(f"{root}/v2")  # another wrong path: no /v1 advice
+    assert code == 1 and "HTTP 404" in out and "without /v1" not in out
+
+
+async def test_the_prompt_tokens_details_hint_only_when_it_is_known_to_be_off(
+        fake_vllm, aiohttp_server):
+    """From /metrics alone check cannot tell whether vLLM reports cached tokens per request:
+    it says so once, whatever the number of vLLMs. With --exporter.url it can: callers whose
+    usage came without cached_tokens are a problem naming them and the flag; when every
+    caller's usage has them, nothing is said about the flag at all."""
+    from aiohttp import web
+
+    code, out, _ = await run_check(fake_vllm.url, fake_vllm.url)
+    assert code == 0, out
+    assert out.count("--enable-prompt-tokens-details") == 1
+    assert "does not show in /metrics: add --exporter.url" in out
+
+    def event(caller: str, cached: int | None) -> dict:
+        return {"caller": caller, "model": "tiny-llama", "prompt_tokens": 4000,
+                "cached_tokens": cached, "completion_tokens": 10}
+
+    exposition = {"text": ""}
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=exposition["text"], content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    exporter = await aiohttp_server(app)
+
+    async def check_with_exporter() -> tuple[int, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "exporter", "check", "--vllm.url", fake_vllm.url,
+            "--exporter.url", str(exporter.make_url("/")), stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        out, _err = await asyncio.wait_for(process.communicate(), timeout=60)
+        return process.returncode or 0, out.decode()
+
+    exposition["text"] = exporter_after([REAL], [event("coder", 2048), event("writer", None),
+                                                 event("tester", None)], now=1.0)
+    code, out = await check_with_exporter()
+    assert code == 1, out
+    assert ("PROBLEM: cached_tokens not reported: start vLLM with "
+            "--enable-prompt-tokens-details") in out
+    assert "requests for tester and writer show as unknown" in out
+
+    exposition["text"] = exporter_after([REAL], [event("coder", 2048)], now=1.0)
+    code, out = await check_with_exporter()
+    assert code == 0, out
+    assert "every caller's usage reports cached_tokens" in out
+    assert "--enable-prompt-tokens-details is on" in out
+    assert "start vLLM with --enable-prompt-tokens-details" not in out
+
+
+async def test_the_readme_example_is_what_check_prints(fake_vllm):
+    """The README shows check on the recorded vLLM 0.32 scrape: it must be the real output."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text("utf-8")
+    block = readme.split("$ vllm-cache-exporter check --vllm.url http://127.0.0.1:8000\n", 1)[1]
+    shown = block.split("```", 1)[0]
+    code, out, _ = await run_check(fake_vllm.url)
+    assert code == 0, out
+    assert out.replace(fake_vllm.url, "http://127.0.0.1:8000/metrics") == shown

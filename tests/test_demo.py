@@ -1,5 +1,6 @@
-"""`vllm-cache-exporter demo` as a user runs it: one process, a metrics URL printed, per-caller
-series on that URL, and a clean exit when --duration is up or on Ctrl-C."""
+"""`vllm-cache-exporter demo` as a user runs it: one process, the status page's URL printed
+once, per-caller series on its /metrics, the story told in plain words as it happens, and a
+clean exit when --duration is up or on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import aiohttp
 
 from tests.helpers import value
 
-URL = re.compile(r"http://127\.0\.0\.1:\d+/metrics")
+URL = re.compile(r"http://127\.0\.0\.1:\d+/")
+STORY = re.compile(r"^\[(\d+):(\d\d)\] (.*)$")
 
 
 async def start_demo(*flags: str) -> tuple[asyncio.subprocess.Process, str, list[str]]:
@@ -26,7 +28,7 @@ async def start_demo(*flags: str) -> tuple[asyncio.subprocess.Process, str, list
         lines.append(line)
         match = URL.search(line)
         if match:
-            return process, match.group(0), lines
+            return process, match.group(0) + "metrics", lines
 
 
 async def wait_for_callers(url: str, callers: set[str], timeout: float = 30.0) -> str:
@@ -47,7 +49,8 @@ async def wait_for_callers(url: str, callers: set[str], timeout: float = 30.0) -
 
 
 async def test_demo_serves_per_caller_metrics_and_ends_by_itself():
-    process, url, _ = await start_demo("--duration", "8", "--speed", "100", "--refresh", "1")
+    process, url, _ = await start_demo("--scenario", "two-agents-fit", "--duration", "8",
+                                       "--speed", "100", "--refresh", "1")
     try:
         text = await wait_for_callers(url, {"agent-a", "agent-b"})
         assert value(text, "vllm_cache_engine_up") == 1
@@ -104,3 +107,51 @@ def test_the_view_shows_the_engines_ttft_where_vllm_measured_it():
     assert callers["both"].ttft_p50("warm") == 0.5
     assert callers["proxy-only"].ttft_p50("warm") == 55.0
     assert callers["engine-idle"].ttft_p50("warm") == 5.5
+
+
+async def test_the_default_demo_tells_the_collapse_as_it_happens():
+    """The first run, as the Quick start says: the default scenario is report 000's, and the
+    story comes in order with its scenario times: agent-a alone fits, agent-b arrives (at
+    4 min: its first turn ends after its cold read), the two no longer fit, the collapse
+    names both, and the loop back to the start is announced as a restart."""
+    process, url, header = await start_demo("--speed", "100", "--refresh", "30")
+    lines: list[str] = []
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 90
+        while not any("starts again" in line for line in lines):
+            assert loop.time() < deadline, "no restart announced:\n" + "".join(lines)
+            line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()
+            assert line, "demo ended early:\n" + "".join(lines)
+            lines.append(line)
+        process.send_signal(signal.SIGINT)
+        out, errors = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, errors.decode()
+    assert header[0].startswith("vllm-cache-exporter demo: scenario two-agents-collapse")
+    page = url.removesuffix("metrics")
+    assert sum(line.count(page) for line in header + lines) == 1, "the URL printed more than once"
+    assert f"Status page: {page}" in "".join(header)
+    story = [(int(match[1]) * 60 + int(match[2]), match[3]) for match in
+             (STORY.match(line.rstrip("\n")) for line in lines) if match]
+
+    def first(*words: str) -> int:
+        found = [index for index, (_, sentence) in enumerate(story)
+                 if all(word in sentence for word in words)]
+        assert found, f"no story line with {words}:\n" + "\n".join(s for _, s in story)
+        return found[0]
+
+    fit = first("1 conversation(s) active", "One conversation alone cannot be evicted")
+    arrival = first("agent-b arrives")
+    demand = first("2 conversation(s) active", "They do not all fit")
+    collapse = first("Prefix cache collapse: agent-a and agent-b")
+    restart = first("The scenario starts again")
+    assert fit < arrival < demand < collapse < restart
+    times = [story[index][0] for index in (fit, arrival, demand, collapse, restart)]
+    assert times == sorted(times)
+    assert 240 <= times[1] <= 360, times  # agent-b starts at 4:00 and its first turn takes ~35 s
+    assert times[2] >= times[1] and times[3] > times[1], times
+    assert "Traceback" not in errors.decode()

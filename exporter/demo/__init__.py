@@ -2,9 +2,12 @@
 
 One process runs a simulated vLLM (a field report's scenario), the exporter reading it, and
 the traffic driver reporting each request's usage to the exporter, all on free loopback
-ports. It prints the exporter's metrics URL, then shows what the exporter sees, refreshed
-every few seconds: a live terminal view when stdout is a terminal, plain summaries when it is
-not. Ctrl-C (or --duration) stops everything cleanly.
+ports. It prints the status page's URL, then tells what happens in plain words as it
+happens, each line with its scenario time (a caller warm, the second agent's arrival, the
+conversations no longer fitting the pool, the collapse, a restart of the scenario: the
+status page's own model and sentences, demo/story.py), and shows what the exporter's
+/metrics says, refreshed every few seconds: a live terminal view when stdout is a terminal,
+plain summaries when it is not. Ctrl-C (or --duration) stops everything cleanly.
 """
 
 from __future__ import annotations
@@ -16,13 +19,17 @@ import logging
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import aiohttp
+from aiohttp import web
 
+from exporter import wiring
 from exporter.config import Config
+from exporter.demo.story import Story
 from exporter.demo.view import DemoView
-from exporter.server import create_app
+from exporter.server import collapse_rule, create_app, current_status
 from exporter.sim import scenario as scenarios
 from exporter.sim.client import HttpClient
 from exporter.sim.clock import SimClock
@@ -32,6 +39,8 @@ from exporter.sim.scenario import Scenario, ScenarioError
 from exporter.sim.server import build_simulator, create_sim_app, start_site
 
 HOST = "127.0.0.1"
+# Wall seconds between two looks at the status for the story (the table refreshes slower).
+STORY_SECONDS = 0.5
 log = logging.getLogger(__name__)
 
 
@@ -44,31 +53,44 @@ async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> str:
 async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: float,
                    out: TextIO, live: bool, stop: asyncio.Event) -> int:
     clock = SimClock(speed)
+    clock.now()  # scenario second 0 is now
+    origin = time.time()
+
+    def exporter_clock() -> float:
+        """The exporter's clock moves at the scenario's speed, so that its windows (the
+        status page's 5 minutes, its hour of history, the conversations' idle window) are
+        scenario time, as the TTFTs the simulator reports are."""
+        return origin + clock.now()
+
     sim = build_simulator(scenario.engine_config(), clock)
     sim_runner, sim_port = await start_site(create_sim_app(sim), HOST, 0)
-    # No new-series hold: the view reads /metrics itself, it is no Prometheus.
-    config = Config(web_listen_address=f"{HOST}:0", vllm_url=(f"http://{HOST}:{sim_port}",),
-                    log_level="warning", usage_new_series_hold=0.0)
-    exporter_runner, exporter_port = await start_site(create_app(config), HOST, 0)
+    config = exporter_config(scenario, sim_port)
+    state = wiring.signals_state(config, clock=exporter_clock)
+    app = create_app(config, state=state)
+    exporter_runner, exporter_port = await start_site(app, HOST, 0)
     base = f"http://{HOST}:{exporter_port}"
-    metrics_url = f"{base}/metrics"
-    print(f"vllm-cache-exporter demo: scenario {scenario.name} at x{speed:g}", file=out)
+    print(f"vllm-cache-exporter demo: scenario {scenario.name} at x{speed:g} (a scenario "
+          f"minute passes every {60 / speed:.3g} s; times below are scenario time)", file=out)
     print(f"  {scenario.title}", file=out)
-    print(f"Exporter metrics: {metrics_url}", file=out)
-    print(f"Simulated vLLM:   http://{HOST}:{sim_port} (OpenAI API, /metrics)", file=out)
+    if not live:  # the live view keeps it on screen
+        print(f"Status page: {base}/  (open it in a browser; Prometheus reads /metrics "
+              "there)", file=out)
+    print(f"Simulated vLLM: http://{HOST}:{sim_port} (OpenAI API, /metrics)", file=out)
     out.flush()
 
     client = HttpClient(f"http://{HOST}:{sim_port}")
     reporter = HttpReporter(base)
     driver = Driver(scenario, client, reporter, clock, sim.config.served_model_name,
-                    loop=True, seed=int(time.time()))
+                    loop=True, seed=int(time.time()), wall_clock=exporter_clock)
     drive = asyncio.ensure_future(driver.run())
-    view = DemoView(f"{scenario.name}: {scenario.title}", metrics_url)
+    view = DemoView(f"{scenario.name}: {scenario.title}", f"{base}/",
+                    window_seconds=collapse_rule().window_seconds)
+    story = Story(origin)
     deadline = time.monotonic() + duration if duration else None
+    shown = Shown(view, story, app, driver, clock, f"{base}/metrics")
     try:
         async with aiohttp.ClientSession() as session:
-            await _show(view, session, metrics_url, clock, refresh, out, live, stop, deadline,
-                        drive)
+            await _show(shown, session, refresh, out, live, stop, deadline, drive)
     finally:
         drive.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -83,47 +105,99 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
     return 0
 
 
-async def _show(view: DemoView, session: aiohttp.ClientSession, url: str, clock: SimClock,
-                refresh: float, out: TextIO, live: bool, stop: asyncio.Event,
-                deadline: float | None, drive: asyncio.Future[Any]) -> None:
+def exporter_config(scenario: Scenario, sim_port: int) -> Config:
+    """The exporter as the demo runs it: reading the simulator, no new-series hold (the view
+    reads /metrics itself, it is no Prometheus), and told the recurrent state a hybrid
+    model keeps per conversation (as an operator would, with --signals.state-tokens)."""
+    engine = scenario.engine_config()
+    state_tokens = ((engine.served_model_name, engine.state_tokens),) if (
+        engine.hybrid and engine.state_tokens) else ()
+    return Config(web_listen_address=f"{HOST}:0", vllm_url=(f"http://{HOST}:{sim_port}",),
+                  log_level="warning", usage_new_series_hold=0.0,
+                  signals_state_tokens=state_tokens)
+
+
+@dataclass
+class Shown:
+    """What the demo shows from: the table's view, the story, and where both read."""
+
+    view: DemoView
+    story: Story
+    app: web.Application
+    driver: Driver
+    clock: SimClock
+    metrics_url: str
+
+    def look(self) -> list[str]:
+        """The story's new lines (the same status model as the page at this moment)."""
+        status = current_status(self.app)
+        self.view.problems = [item.sentence for item in status.problems]
+        return [line.render() for line in self.story.look(status, self.driver.stats.iterations)]
+
+    async def scrape(self, session: aiohttp.ClientSession) -> None:
+        try:
+            text = await fetch_metrics(session, self.metrics_url)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            self.view.error = f"cannot read the exporter's /metrics: {err}"
+            return
+        self.view.update(text, self.clock.now(), self.view.problems)
+
+
+async def _show(shown: Shown, session: aiohttp.ClientSession, refresh: float, out: TextIO,
+                live: bool, stop: asyncio.Event, deadline: float | None,
+                drive: asyncio.Future[Any]) -> None:
+    """Tell the story as it happens (a look every ``STORY_SECONDS``) and show the table every
+    ``refresh`` seconds, until stopped; the last look comes after the stop."""
     from rich.console import Console
     from rich.live import Live
 
-    async def refresh_view() -> None:
-        if drive.done() and not drive.cancelled() and drive.exception() is not None:
-            raise drive.exception()  # type: ignore[misc]
-        try:
-            view.update(await fetch_metrics(session, url), time.monotonic(), clock.now())
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            view.error = f"cannot read the exporter's /metrics: {err}"
+    view = shown.view
+    next_table = time.monotonic()
 
     async def tick() -> bool:
-        """Wait for the next refresh; False when it is time to stop."""
-        wait = refresh if deadline is None else max(0.0, min(refresh,
-                                                             deadline - time.monotonic()))
+        """Wait for the next look; False when it is time to stop."""
+        wait = STORY_SECONDS if deadline is None else max(
+            0.0, min(STORY_SECONDS, deadline - time.monotonic()))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), wait)
         return not stop.is_set() and (deadline is None or time.monotonic() < deadline)
 
-    # The last update comes after the stop, so what stays on screen is the final state.
+    def check_driver() -> None:
+        if drive.done() and not drive.cancelled() and drive.exception() is not None:
+            raise drive.exception()  # type: ignore[misc]
+
     if live:
         console = Console(file=out)
         with Live(view.render(), console=console, refresh_per_second=4,
                   transient=False) as screen:
             running = True
             while running:
-                await refresh_view()
+                check_driver()
+                for line in shown.look():
+                    screen.console.print(line, highlight=False, markup=False)
+                if time.monotonic() >= next_table or not running:
+                    await shown.scrape(session)
+                    next_table = time.monotonic() + refresh
                 screen.update(view.render())
                 running = await tick()
-            await refresh_view()
+            for line in shown.look():
+                screen.console.print(line, highlight=False, markup=False)
+            await shown.scrape(session)
             screen.update(view.render())
         return
     running = True
     while running:
-        await refresh_view()
-        print(view.render_plain(), file=out, flush=True)
+        check_driver()
+        for line in shown.look():
+            print(line, file=out, flush=True)
+        if time.monotonic() >= next_table:
+            await shown.scrape(session)
+            print(view.render_plain(), file=out, flush=True)
+            next_table = time.monotonic() + refresh
         running = await tick()
-    await refresh_view()
+    for line in shown.look():
+        print(line, file=out, flush=True)
+    await shown.scrape(session)
     print(view.render_plain(), file=out, flush=True)
 
 

@@ -4,7 +4,9 @@ It parses exactly what Prometheus would scrape (prometheus_client's parser), so 
 on screen are the exporter's numbers, not the simulator's. Hit ratios are computed over a
 sliding window of scrapes (a ratio of counter increases, as PromQL would), with the ratio
 since start beside it; TTFT p50 is interpolated from the exporter's histogram buckets the way
-``histogram_quantile`` does.
+``histogram_quantile`` does, since start per state and over the window for all turns. Every
+time here is scenario time (the window too), like the TTFTs the simulator reports. What is
+wrong is not computed here: the demo hands in the status page's problems, in its words.
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ class CallerRow:
     other: int  # unknown (cached tokens not reported), short, error
     ttft_warm_p50: float | None
     ttft_cold_p50: float | None
+    ttft_window_p50: float | None  # every timed turn over the window
 
 
 @dataclass(frozen=True)
@@ -184,20 +187,26 @@ class Summary:
 class DemoView:
     """Keeps a window of snapshots and turns them into a Summary, a rich view or plain text."""
 
-    def __init__(self, title: str, metrics_url: str, window_seconds: float = 30.0) -> None:
+    def __init__(self, title: str, page_url: str, window_seconds: float = 300.0) -> None:
         self.title = title
-        self.metrics_url = metrics_url
-        self.window_seconds = window_seconds
+        self.page_url = page_url
+        self.window_seconds = window_seconds  # scenario seconds
         self.history: deque[Snapshot] = deque()
         self.scenario_seconds = 0.0
         self.error: str | None = None
+        self.problems: list[str] = []
 
-    def update(self, text: str, time: float, scenario_seconds: float = 0.0) -> Summary:
-        self.history.append(parse_snapshot(text, time))
-        while len(self.history) > 2 and self.history[1].time <= time - self.window_seconds:
+    def update(self, text: str, scenario_seconds: float,
+               problems: list[str] | None = None) -> Summary:
+        """One scrape of the exporter, at ``scenario_seconds``; ``problems``: what the status
+        page says is wrong at the same moment."""
+        self.history.append(parse_snapshot(text, scenario_seconds))
+        while (len(self.history) > 2
+               and self.history[1].time <= scenario_seconds - self.window_seconds):
             self.history.popleft()
         self.scenario_seconds = scenario_seconds
         self.error = None
+        self.problems = list(problems or [])
         return self.summary()
 
     def summary(self) -> Summary:
@@ -217,7 +226,7 @@ class DemoView:
                 caller, int(stats.total), window, ratio(stats.cached_tokens, stats.prompt_tokens),
                 int(requests.get("warm", 0)), int(requests.get("partial", 0)),
                 int(requests.get("cold", 0)), int(other),
-                stats.ttft_p50("warm"), stats.ttft_p50("cold")))
+                stats.ttft_p50("warm"), stats.ttft_p50("cold"), _window_ttft_p50(stats, before)))
         evicted = (None if now.evicted is None
                    else int(now.evicted - (first.evicted or 0.0)))
         idle_share = ratio(now.evicted_idle_seconds - first.evicted_idle_seconds,
@@ -236,17 +245,9 @@ class DemoView:
             warnings.append(self.error)
         if now.engine_up is False:
             warnings.append("vLLM's /metrics cannot be read: engine series are missing")
-        if now.prefix_caching is False:
-            warnings.append("prefix caching is off: every prompt is read again from the first "
-                            "token (start vLLM with --enable-prefix-caching; hybrid models "
-                            "default to off)")
-        if any(stats.unreported_tokens > 0 for stats in now.callers.values()):
-            warnings.append("cached_tokens not reported: start vLLM with "
-                            "--enable-prompt-tokens-details (those requests show as unknown)")
-        first = self.history[0]
-        if now.preemptions > first.preemptions:
-            warnings.append("vLLM is preempting requests: more concurrent context than the KV "
-                            "pool holds; preempted requests are recomputed")
+        warnings.extend(self.problems)
+        # vLLM's sampled residency (--kv-cache-metrics): seen from inside the engine, which
+        # the status page's problems (from the usage and the pool) do not read.
         if (evicted is not None and evicted >= EVICTED_UNUSED_MIN_SAMPLES
                 and idle_share is not None and idle_share > EVICTED_UNUSED_SHARE):
             warnings.append("KV blocks are evicted before any turn comes back to them: the "
@@ -258,12 +259,14 @@ class DemoView:
     def render_plain(self, summary: Summary | None = None) -> str:
         summary = summary or self.summary()
         lines = [f"[{_clock(self.scenario_seconds)} scenario time] {self.title}"]
+        window = _window(self.window_seconds)
         for row in summary.rows:
             lines.append(
-                f"  {row.caller}: {row.requests} req, hit ratio {_pct(row.ratio_window)} "
-                f"(since start {_pct(row.ratio_total)}), warm/partial/cold "
-                f"{row.warm}/{row.partial}/{row.cold}, TTFT p50 warm {_secs(row.ttft_warm_p50)}"
-                f" cold {_secs(row.ttft_cold_p50)}")
+                f"  {row.caller}: {row.requests} req, hit ratio {_pct(row.ratio_window)} over "
+                f"the last {window} (since start {_pct(row.ratio_total)}), warm/partial/cold "
+                f"{row.warm}/{row.partial}/{row.cold}, TTFT p50 {_secs(row.ttft_window_p50)} "
+                f"over the last {window} (since start: warm {_secs(row.ttft_warm_p50)}, cold "
+                f"{_secs(row.ttft_cold_p50)})")
         lines.append(
             f"  engine: KV {_tokens(summary.kv_used_tokens)}/{_tokens(summary.kv_pool_tokens)}"
             f" tokens, preemptions {summary.preemptions}, prefix caching "
@@ -271,28 +274,33 @@ class DemoView:
             f"{_num(summary.waiting)}"
             + (f", evicted blocks {_evictions(summary)}" if summary.evicted_window is not None
                else ""))
-        lines.extend(f"  warning: {warning}" for warning in summary.warnings)
+        lines.extend(f"  ! {warning}" for warning in summary.warnings)
         return "\n".join(lines)
 
     def render(self, summary: Summary | None = None) -> RenderableType:
         summary = summary or self.summary()
+        window = _window(self.window_seconds)
         table = Table(box=box.SIMPLE_HEAD, padding=(0, 1),
-                      title="Per caller, from the exporter's /metrics (hit: last "
-                            f"{self.window_seconds:g} s; TTFT p50 in scenario seconds)",
+                      title=f"Per caller, from /metrics (now: the last {window}; TTFT p50, "
+                            "warm and cold since start; scenario time)",
                       title_justify="left")
         table.add_column("caller", no_wrap=True, overflow="ellipsis", min_width=8)
-        for column, width in (("req", 4), ("hit", 6), ("hit all", 7), ("warm", 4),
-                              ("part", 4), ("cold", 4), ("unk", 4), ("TTFT warm", 9),
-                              ("TTFT cold", 9)):
+        for column, width in (("req", 4), ("hit now", 7), ("hit all", 7),
+                              ("w/p/c/u", 7), ("TTFT now", 8), ("warm", 5), ("cold", 5)):
             table.add_column(column, justify="right", no_wrap=True, min_width=width)
         for row in summary.rows:
+            states = Text()
+            states.append(str(row.warm), style="green")
+            states.append("/")
+            states.append(str(row.partial), style="yellow")
+            states.append("/")
+            states.append(str(row.cold), style="red")
+            states.append(f"/{row.other}")
             table.add_row(row.caller, str(row.requests), _ratio_text(row.ratio_window),
-                          _pct(row.ratio_total), Text(str(row.warm), style="green"),
-                          Text(str(row.partial), style="yellow"),
-                          Text(str(row.cold), style="red"), str(row.other),
+                          _pct(row.ratio_total), states, _secs(row.ttft_window_p50),
                           _secs(row.ttft_warm_p50), _secs(row.ttft_cold_p50))
         if not summary.rows:
-            table.add_row("(no requests yet)", "", "", "", "", "", "", "", "", "")
+            table.add_row("(no requests yet)", "", "", "", "", "", "", "")
         engine = Text()
         engine.append("KV used/pool ")
         engine.append(f"{_tokens(summary.kv_used_tokens)} / {_tokens(summary.kv_pool_tokens)}"
@@ -311,7 +319,7 @@ class DemoView:
         parts: list[RenderableType] = [
             Text(f"{self.title}    scenario time {_clock(self.scenario_seconds)}",
                  style="bold"),
-            Text(f"Prometheus metrics: {self.metrics_url}", style="cyan"),
+            Text(f"Status page: {self.page_url}", style="cyan"),
             table, Panel(engine, title="vLLM engine", title_align="left")]
         for warning in summary.warnings:
             parts.append(Text(f"! {warning}", style="bold yellow"))
@@ -324,6 +332,22 @@ def _evictions(summary: Summary) -> str:
     idle = summary.evicted_idle_share_window
     share = f" (idle {_pct(idle)} of their life)" if idle is not None else ""
     return f"{summary.evicted_window}{share}"
+
+
+def _window_ttft_p50(now: CallerStats, before: CallerStats) -> float | None:
+    """The median TTFT of every timed turn over the window: vLLM's own where it measured
+    turns in the window, else the proxy's (the two are never added up)."""
+    for source in ("engine", "proxy"):
+        grown: dict[float, float] = {}
+        for (_state, measured_by), buckets in now.ttft_buckets.items():
+            if measured_by != source:
+                continue
+            earlier = before.ttft_buckets.get((_state, measured_by), {})
+            for bound, count in buckets.items():
+                grown[bound] = grown.get(bound, 0.0) + count - earlier.get(bound, 0.0)
+        if grown and max(grown.values()) > 0:
+            return quantile(0.5, grown)
+    return None
 
 
 def _ratio_text(value: float | None) -> Text:
@@ -353,6 +377,10 @@ def _num(value: float | None) -> str:
 
 def _onoff(value: bool | None) -> str:
     return "unknown" if value is None else ("on" if value else "off")
+
+
+def _window(seconds: float) -> str:
+    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
 
 
 def _clock(seconds: float) -> str:

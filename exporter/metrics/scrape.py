@@ -144,6 +144,11 @@ class MetricsBodies:
             entry = self._start(key, version, self._render(fmt, gzip))
         return await asyncio.shield(entry.task)
 
+    async def engine_read(self, timeout: float) -> int:
+        """Join the engine read in flight, else start one; its generation once done (the
+        status page reads vLLM through this too, sharing reads with scrapes)."""
+        return await self._engine_read(timeout)
+
     async def _engine_read(self, timeout: float) -> int:
         """Join the engine read in flight, else start one; its generation once done."""
         if self._read is None or self._read.done():

@@ -1,5 +1,7 @@
-"""The foresight signals in plain words: one source for every sentence ``check``, the status
-page and the demo say about pool fit, admission budgets and declared completions.
+"""Plain words: the one source of every sentence ``check``, the status page and the demo say
+about what is wrong and what to do: a collapse, conversations that no longer fit, prefix
+caching off, cached tokens not reported, preemptions, an unreadable or incomplete vLLM, pool
+fit, admission budgets and declared completions.
 
 Pure: numbers in, sentences out. The numbers come from wherever the caller read them (a
 vLLM's /metrics, an exporter's /metrics, the signals state), so the advice is the same
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 # A caller whose declared max_tokens is at least this many times its median use is told so.
 OVERSTATEMENT_WORTH_SAYING = 4.0
@@ -18,6 +21,160 @@ OVERSTATEMENT_WORTH_SAYING = 4.0
 
 def tokens(count: float) -> str:
     return f"{count:,.0f}"
+
+
+def percent(ratio: float) -> str:
+    return f"{ratio:.1%}"
+
+
+def duration(seconds: float) -> str:
+    """A window or an age, as people say it: 45 s, 5 min, 1 h 10 min."""
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+
+
+def names(items: Sequence[str]) -> str:
+    """a, b and c."""
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+# ---- what is wrong now ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Collapse:
+    """One caller whose cache stopped holding its conversations, and how it shows.
+
+    ``dropped``: its hit ratio over the window fell under a fraction of its baseline (the
+    rule of the VllmCachePrefixCollapse alert). ``evicted``: its conversations' follow-up
+    turns, which should find the previous turn cached, came back cold.
+    """
+
+    caller: str
+    since: float
+    window_seconds: float
+    ratio_now: float | None
+    baseline: float | None
+    followups: int
+    followups_cold: int
+    dropped: bool
+    evicted: bool
+
+
+def collapse_sentence(collapses: Sequence[Collapse]) -> str:
+    parts = []
+    for collapse in collapses:
+        window = duration(collapse.window_seconds)
+        if collapse.dropped and collapse.ratio_now is not None and collapse.baseline is not None:
+            parts.append(f"{collapse.caller} got {percent(collapse.ratio_now)} of its prompt "
+                         f"tokens from the cache over the last {window}, against "
+                         f"{percent(collapse.baseline)} before")
+        else:
+            parts.append(f"{collapse.followups_cold} of {collapse.followups} follow-up turn(s) "
+                         f"of {collapse.caller} in the last {window} found nothing cached")
+    who = names([collapse.caller for collapse in collapses])
+    return (f"Prefix cache collapse: {who}. " + "; ".join(parts) + ". Each turn now reads its "
+            "whole prompt again, minutes instead of seconds to the first token. Most often "
+            "the live conversations no longer fit the KV pool together (see below): gate "
+            "admission by tokens or let fewer conversations share this engine.")
+
+
+def engine_collapse_sentence(target: str, ratio_now: float, baseline: float,
+                             window_seconds: float) -> str:
+    return (f"Prefix cache collapse on vLLM {target}: {percent(ratio_now)} of looked-up prompt "
+            f"tokens were hits over the last {duration(window_seconds)}, against "
+            f"{percent(baseline)} before, while prompts keep coming.")
+
+
+def prefix_caching_off_sentence(where: str) -> str:
+    return (f"{where}: prefix caching is off, so every turn re-reads its whole prompt. Start "
+            "vLLM with --enable-prefix-caching (hybrid models default to off in older vLLM).")
+
+
+def not_reported_sentence(callers: Sequence[str]) -> str:
+    who = f" for {names(list(callers))}" if callers else ""
+    return ("cached_tokens not reported: start vLLM with --enable-prompt-tokens-details "
+            f"(without it vLLM leaves cached_tokens out of each response's usage; requests{who} "
+            "show as unknown, never as a 0% hit).")
+
+
+def details_unknown_sentence() -> str:
+    """What check says once when it cannot tell (it reads only /metrics)."""
+    return ("whether vLLM reports cached_tokens per request (--enable-prompt-tokens-details) "
+            "does not show in /metrics: add --exporter.url URL of a running exporter to find "
+            "out, or look for usage.prompt_tokens_details in a response.")
+
+
+def per_request_metrics_unknown_sentence() -> str:
+    """What check says once when it cannot tell (a flag of vLLM's API server, in no metric)."""
+    return ("whether vLLM times each request itself (--enable-per-request-metrics) does not "
+            "show in /metrics either: add --exporter.url, or look for \"metrics\" in a "
+            "response. Without it TTFT is the proxy's, with vLLM's own queue in it (the tap "
+            "logs a warning at the first answer without them).")
+
+
+def per_request_metrics_off_sentence() -> str:
+    """No turn timed by vLLM, some by the proxy."""
+    return ("every TTFT the exporter has is the proxy's (source=\"proxy\"), with vLLM's own "
+            "queue in it: start vLLM with --enable-per-request-metrics so that TTFT and queue "
+            "wait are the engine's own.")
+
+
+def preemptions_sentence(where: str, count: float, over: str) -> str:
+    """``over``: "in the last 5 min", "since vLLM started"."""
+    return (f"vLLM is preempting requests: {where} preempted {tokens(count)} time(s) {over}. "
+            "At times more concurrent context than the KV pool holds; preempted requests "
+            "are recomputed.")
+
+
+def unreadable_sentence(target: str, message: str) -> str:
+    sentence = f"vLLM {target} cannot be read: {message}."
+    hint = url_hint(target, message)
+    return f"{sentence} {hint}" if hint else sentence
+
+
+def url_hint(target: str, message: str) -> str:
+    """The fix for the most common wrong URL: an OpenAI base URL (ending in /v1) given where
+    vLLM's /metrics is meant; vLLM serves /metrics at its root, so the read gets a 404."""
+    parts = urlsplit(target)
+    if "404" not in message or not (parts.path.rstrip("/").endswith("/v1")
+                                    or "/v1/" in parts.path):
+        return ""
+    root = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+    return (f"vLLM serves /metrics at its root, not under /v1: use --vllm.url {root} "
+            "(without /v1).")
+
+
+def absent_sentence(where: str, signal: str, known: str = "") -> str:
+    under = f" under any known name ({known})" if known else " under any known name"
+    return (f"{where} exposes no {signal} metric{under}: the exporter shows it as absent, and "
+            "a dashboard querying it reads nothing (or a misleading 0). Is this vLLM, with "
+            "stats logging on (no --disable-log-stats)?")
+
+
+# ---- what happened, for a story told as it goes -------------------------------------------
+
+
+def arrival_sentence(caller: str, callers: int) -> str:
+    return (f"{caller} arrives: {callers} caller(s) now share the engine, each conversation "
+            "holding its own prefix in the KV pool.")
+
+
+def warm_sentence(caller: str, ratio: float, window_seconds: float) -> str:
+    return (f"{caller} is warm: {percent(ratio)} of its prompt tokens came from the cache over "
+            f"the last {duration(window_seconds)} (each turn re-reads only what it added).")
+
+
+def recovered_sentence(callers: Sequence[str]) -> str:
+    return f"No collapse any more for {names(list(callers))}."
 
 
 def pool_sentence(pool_tokens: int, smallest_pool_tokens: int, smallest_source: str,
@@ -68,6 +225,12 @@ def fit_sentence(fit: Fit, idle_seconds: float | None = None) -> str:
         room = fit.pool_tokens - fit.headroom_tokens - fit.demand_tokens
         return f"{head} They fit, with {tokens(room)} tokens to spare past the headroom."
     return f"{head} One conversation alone cannot be evicted by another."
+
+
+def unattributed_sentence(model: str, conversations: float, demand_tokens: float) -> str:
+    return (f"{model}: {conversations:,.0f} conversation(s) active need {tokens(demand_tokens)} "
+            "tokens of KV cache (not attributed to one vLLM: compare with the pools of the "
+            "vLLMs serving it).")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ Memory is bounded whatever the senders do: caller and model label values are cap
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
@@ -23,11 +24,18 @@ from exporter.signals.callers import (
     LabelCap,
     NamePolicy,
 )
-from exporter.signals.classify import ERROR, STATES, classify
+from exporter.signals.classify import COLD, ERROR, STATES, WARM, classify
 from exporter.signals.engine import EngineState
 from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
-from exporter.values import UsageEvent, status_is_error
+from exporter.signals.history import CALLER_FIELDS, History
+from exporter.values import (
+    PREEMPTIONS,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+    UsageEvent,
+    status_is_error,
+)
 
 # Who measured a TTFT or a queue wait: vLLM itself (its per-request metrics) or the proxy in
 # front of it. The ``source`` label of both histograms: the two never share a series.
@@ -96,9 +104,10 @@ class Series:
 
     __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
                  "ttft", "queue", "engine_ttft", "engine_queue", "reported_cached",
-                 "shown_from", "completion", "declared_completion_tokens")
+                 "shown_from", "completion", "declared_completion_tokens", "first_seen",
+                 "followups", "followups_cold")
 
-    def __init__(self, shown_from: float = 0.0) -> None:
+    def __init__(self, shown_from: float = 0.0, first_seen: float = 0.0) -> None:
         self.requests = dict.fromkeys(STATES, 0)
         self.prompt_tokens = 0  # only events that reported cached tokens
         self.cached_tokens = 0
@@ -116,6 +125,12 @@ class Series:
         # of what they declared (created with the first such request).
         self.completion: Histogram | None = None
         self.declared_completion_tokens = 0
+        # For the status page (never exposed): when the pair first sent anything, and its
+        # follow-up turns (a conversation's later turns, which should find the earlier one
+        # cached), and how many of those came back cold (the cache lost the conversation).
+        self.first_seen = first_seen
+        self.followups = 0
+        self.followups_cold = 0
 
 
 @dataclass(frozen=True)
@@ -173,6 +188,9 @@ class UsageState:
         self.series_folded = 0  # events counted under __other__ because of the budget
         self.new_series_hold = settings.new_series_hold
         self.conversations = ConversationTracker(settings.foresight)
+        # The last hour every 30 s, for the status page (signals/history.py): one timeline
+        # per caller label, so bounded like them.
+        self.history = History(settings.callers_max + len(settings.callers_allow) + 1)
         # (reader, reason) -> time from which its rejection counter shows (as for series).
         self.rejected_shown_from: dict[tuple[str, str], float] = {}
         for reader in settings.readers:
@@ -186,9 +204,12 @@ class UsageState:
         Runs once per event on the ingest hot path, hence the local names and the memo of
         (caller, model) -> series, which skips both label caps for pairs seen before.
         """
+        now = self._clock()
+        if self.history.next_due <= now < math.inf:  # a 30-s boundary passed: keep the
+            self.sample_history(now)  # totals at it (never for a clock gone wrong)
         events = self.events
         events[reader] = events.get(reader, 0) + 1
-        self.last_event_time[reader] = now = self._clock()
+        self.last_event_time[reader] = now
         caller, model_name = event.caller, event.model
         pair = self._pairs.get((caller, model_name))
         if pair is None:
@@ -227,6 +248,10 @@ class UsageState:
             granularity = provisional_granularity(cached)
         state = classify(prompt_tokens, cached, granularity, previous, self.warm_tail_granules)
         series.requests[state] += 1
+        if previous is not None and previous < prompt_tokens:
+            series.followups += 1
+            if state == COLD:
+                series.followups_cold += 1
         if cached is None:
             series.unreported_prompt_tokens += prompt_tokens
         else:
@@ -294,7 +319,7 @@ class UsageState:
         model = key[1]
         series = self.series.get(key)
         if series is None:
-            series = self.series[key] = Series(self._shown_from())
+            series = self.series[key] = Series(self._shown_from(), self._clock())
             self._model_names.setdefault(model, model_name)
         if len(self._pairs) >= PAIR_MEMO_MAX:
             self._pairs.clear()
@@ -324,6 +349,68 @@ class UsageState:
             if key not in self.rejected:
                 self.rejected_shown_from[key] = self._shown_from()
         self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    # ---- the last hour, for the status page ------------------------------------------------
+
+    def caller_totals(self) -> dict[str, list[float]]:
+        """Cumulative totals per caller label (summed over its models), without the time, in
+        ``history.CALLER_FIELDS`` order: what the status page shows and the history keeps."""
+        totals: dict[str, list[float]] = {}
+        width = len(CALLER_FIELDS) - 1
+        for (caller, _model), series in self.series.items():
+            row = totals.get(caller)
+            if row is None:
+                row = totals[caller] = [0.0] * width
+            requests = series.requests
+            row[0] += series.prompt_tokens
+            row[1] += series.cached_tokens
+            row[2] += series.unreported_prompt_tokens
+            for index, state in enumerate(STATES, start=3):
+                row[index] += requests[state]
+            row[9] += series.followups
+            row[10] += series.followups_cold
+            for offset, state in ((11, WARM), (13, COLD)):
+                hist = series.ttft.get(state)
+                if hist is not None:
+                    row[offset] += hist.total
+                    row[offset + 1] += sum(hist.counts)
+        return totals
+
+    def first_seen(self) -> dict[str, float]:
+        """When each caller label first sent anything (the earliest of its models)."""
+        seen: dict[str, float] = {}
+        for (caller, _model), series in self.series.items():
+            known = seen.get(caller)
+            seen[caller] = series.first_seen if known is None else min(known,
+                                                                        series.first_seen)
+        return seen
+
+    def catch_up(self, now: float) -> None:
+        """Sample the history if a 30-s boundary passed: call before anything changes the
+        totals (an engine read; ``record`` does it itself) and before reading the history."""
+        if self.history.due(now):
+            self.sample_history(now)
+
+    def sample_history(self, now: float) -> None:
+        """Keep the totals as they stand, as those at the last 30-s boundary (the caller
+        makes sure nothing changed since it: see signals/history.py)."""
+        self.history.record(now, self.caller_totals(), self.target_totals(),
+                            self.first_seen())
+
+    def target_totals(self) -> dict[str, list[float]]:
+        """Per vLLM target (as shown): preemptions, prefix-cache queries and hits, summed
+        over its engines, in ``history.TARGET_FIELDS`` order without the time."""
+        totals: dict[str, list[float]] = {}
+        if self.engine is None:
+            return totals
+        for target in self.engine.targets.values():
+            row = totals[target.shown] = [0.0, 0.0, 0.0]
+            for engine_row in target.rows:
+                counters = engine_row.counters
+                row[0] += counters.get(PREEMPTIONS, 0.0)
+                row[1] += counters.get(PREFIX_CACHE_QUERIES, 0.0)
+                row[2] += counters.get(PREFIX_CACHE_HITS, 0.0)
+        return totals
 
     # ---- what Prometheus may see ----------------------------------------------------------
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from exporter.sim import scenario as scenarios
 from exporter.sim.client import Client, Completion, HttpClient
@@ -156,6 +157,32 @@ class Driver:
 # ---- command line ----------------------------------------------------------------------
 
 
+def all_failed(stats: DriverStats, base_url: str) -> str:
+    """Why the run failed as a whole, when not one request got an answer it could use; else
+    "". A run with some failures is a run (servers refuse now and then)."""
+    if not stats.requests or stats.errors < stats.requests:
+        return ""
+    statuses = ", ".join(f"{status} x{count}" for status, count in sorted(
+        stats.by_status.items()))
+    unanswered = all(not status.isdigit() for status in stats.by_status)
+    where = _without_credentials(base_url)
+    why = (f"no answer from {where}: is the server up, and is --drive.base-url its address?"
+           if unanswered else
+           f"{where} refused them: is --drive.base-url an OpenAI-compatible server (a vLLM, "
+           "the simulator), and --drive.model a model it serves?")
+    return f"all {stats.requests} request(s) failed ({statuses}): {why}"
+
+
+def _without_credentials(url: str) -> str:
+    """The URL without any user:password (the simulator imports nothing of the exporter,
+    so not its redaction module; this only needs to drop them)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+
+
+
 async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
     client = HttpClient(args.drive_base_url)
     reporter: Reporter = (HttpReporter(args.drive_exporter_url, args.usage_ingest_token)
@@ -189,6 +216,10 @@ async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
         stats = driver.stats
         log.info("drove %d request(s) (%d failed) over %d full iteration(s)", stats.requests,
                  stats.errors, stats.iterations)
+        failure = all_failed(stats, args.drive_base_url)
+        if failure:
+            print(f"drive: {failure}", file=sys.stderr)
+            return 1
         return 0
     finally:
         await client.close()

@@ -19,7 +19,8 @@ import yaml
 
 from exporter.sim.engine import EngineConfig, EngineConfigError
 
-DEFAULT_SCENARIO = "two-agents-fit"
+DEFAULT_SCENARIO = "two-agents-fit"  # drive's: a workload that stays warm where it fits
+DEMO_SCENARIO = "two-agents-collapse"  # the demo's: the story of report 000
 CONVERSATION, FANOUT = "conversation", "fanout"
 SHARED_FIRST, TASK_FIRST = "shared-first", "task-first"
 

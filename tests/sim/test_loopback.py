@@ -132,6 +132,34 @@ async def test_simulate_and_drive_as_separate_processes(tmp_path: Path):
     assert value(text, "vllm_cache_engine_prefix_caching_enabled", model_name="sim-8b") == 1
 
 
+async def run_drive(scenario_file: Path, base_url: str) -> tuple[int, str]:
+    drive = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "exporter", "drive", "--scenario", str(scenario_file),
+        "--drive.base-url", base_url, "--drive.model", "sim-8b", "--speed", "20",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    _, errors = await asyncio.wait_for(drive.communicate(), 60)
+    assert drive.returncode is not None
+    return drive.returncode, errors.decode()
+
+
+async def test_drive_fails_when_every_request_failed_and_names_the_flag(
+        tmp_path: Path, unused_tcp_port: int, aiohttp_server):
+    """A driver that got no usable answer at all did not drive anything: exit 1, with the
+    flag to look at, whether nothing answered or the server refused every request."""
+    scenario_file = tmp_path / "small.yaml"
+    scenario_file.write_text(yaml.safe_dump(SMALL))
+    code, errors = await run_drive(scenario_file, f"http://{HOST}:{unused_tcp_port}")
+    assert code == 1, errors
+    assert "drive: all 6 request(s) failed (connect_error x6): no answer from " \
+        f"http://{HOST}:{unused_tcp_port}: is the server up, and is --drive.base-url its " \
+        "address?" in errors
+    refusing = await aiohttp_server(aiohttp.web.Application())  # 404 for every path
+    code, errors = await run_drive(scenario_file, str(refusing.make_url("")))
+    assert code == 1, errors
+    assert "all 6 request(s) failed (404 x6)" in errors
+    assert "is --drive.base-url an OpenAI-compatible server" in errors
+
+
 @pytest.mark.parametrize("argv, message", [
     (["simulate", "--scenario", "nope"], "unknown scenario"),
     (["simulate", "--sim.block-size", "0"], "block_size"),

@@ -16,9 +16,17 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
-def vllm_python() -> Path:
+def vllm_python(pytestconfig: pytest.Config) -> Path:
+    """The python of a ready vLLM venv; a first install announces itself past pytest's
+    capture (what, how big, where its log is), as the LiteLLM one does."""
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+
+    def announce(message: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(f"\n{message}", flush=True)
+
     try:
-        return ensure_vllm()
+        return ensure_vllm(announce=announce)
     except BootstrapError as err:
         pytest.fail(f"cannot prepare vLLM for the end-to-end test: {err}", pytrace=False)
 

@@ -1,0 +1,497 @@
+"""What the status page and the demo show: the state now, the last hour, and what is wrong, in
+plain words (``advice``), problems first.
+
+One model for both surfaces, so they say the same thing at the same moment. Built from the
+live state (counts as they are, not held back for Prometheus by the new-series hold) and the
+history of the last hour (``signals.history``). Pure: the time is handed in, and so are the
+collapse thresholds (the top takes them from the alerts' configuration, so that the page and
+the pager agree on what a collapse is).
+
+A caller's cache has collapsed now when, over the last ``window_seconds``, either
+
+- its hit ratio fell under ``drop_factor`` times its baseline (the ratio over the rest of the
+  hour), the baseline above ``min_baseline`` and its prompt traffic above the floor: the rule
+  of the VllmCachePrefixCollapse alert, over the hour the exporter keeps; or
+- at least ``MIN_FOLLOWUPS`` follow-up turns of its conversations (turns whose previous turn
+  the exporter saw) came back, and at least ``COLD_FOLLOWUP_SHARE`` of them found nothing
+  cached: the cache no longer holds its conversations from one turn to the next. This is how
+  a caller that was never warm shows it (the second agent of a pair that does not fit).
+
+It has been so since the start of the earliest 30-second slot of the unbroken run of slots
+that meet the same conditions. Windows are read to the slot (``Slots``). A vLLM's own
+prefix-cache counters follow the first rule too (the engine form of the alert), which says it
+when no proxy reports usage; when callers' collapse is said, the engine's would repeat it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from exporter.signals import advice, foresight
+from exporter.signals.classify import STATES
+from exporter.signals.engine import EngineState, TargetState
+from exporter.signals.history import (
+    FIELD,
+    SLOT_SECONDS,
+    TARGET_FIELD,
+    Timeline,
+    at_times,
+    slot_starts,
+)
+from exporter.signals.usage import UsageState
+from exporter.values import (
+    CACHE_CONFIG_INFO,
+    KV_CACHE_USAGE,
+    PREEMPTIONS,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_QUERIES,
+    REQUESTS_RUNNING,
+    REQUESTS_WAITING,
+)
+
+# Follow-up turns in the window before "they come back cold" is a collapse, and the share of
+# them that must be cold: two turns of a conversation in a row that found nothing cached.
+MIN_FOLLOWUPS = 2
+COLD_FOLLOWUP_SHARE = 0.5
+# Engine signals whose absence breaks the cache signals (as ``check`` says).
+REQUIRED_SIGNALS = (PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, KV_CACHE_USAGE,
+                    CACHE_CONFIG_INFO)
+
+PROBLEM = "problem"
+ADVICE = "advice"
+
+
+@dataclass(frozen=True)
+class CollapseRule:
+    """When a hit ratio counts as collapsed (the top fills it from the alerts' config)."""
+
+    window_seconds: float
+    drop_factor: float
+    min_baseline: float
+    caller_min_tokens_per_second: float
+    engine_min_tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class Item:
+    """One thing to say, problems first. ``key`` tells the same item apart over time."""
+
+    kind: str
+    severity: str
+    sentence: str
+    where: str = ""
+    since: float | None = None
+    callers: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.kind, self.where
+
+
+@dataclass(frozen=True)
+class CallerView:
+    caller: str
+    models: tuple[str, ...]
+    first_seen: float
+    requests: dict[str, int]
+    prompt_tokens: int
+    cached_tokens: int
+    unreported_prompt_tokens: int
+    ratio_window: float | None
+    ratio_hour: float | None
+    ratio_total: float | None
+    ttft_warm_p50: float | None
+    ttft_cold_p50: float | None
+    ttft_window_mean: float | None
+    # the hit ratio over the window ending at each 30-s slot of the last hour
+    sparkline: tuple[float | None, ...]
+    collapse: advice.Collapse | None
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+
+@dataclass(frozen=True)
+class RowView:
+    model_name: str
+    engine: str
+    prefix_caching: bool | None
+    block_size: int | None
+    pool_tokens: int | None
+    smallest_pool_tokens: int | None
+    budget_tokens: int | None
+    kv_used_tokens: int | None
+    kv_ratio: float | None
+    running: float | None
+    waiting: float | None
+    pool_sentence: str
+
+
+@dataclass(frozen=True)
+class FitView:
+    model_name: str
+    fit: advice.Fit
+    sentence: str
+
+
+@dataclass(frozen=True)
+class EngineView:
+    target: str
+    state: str  # up, down, not read yet
+    error: str
+    rows: tuple[RowView, ...]
+    fits: tuple[FitView, ...]
+    ratio_window: float | None
+    ratio_hour: float | None
+    preemptions: float
+    preemptions_window: float
+    sparkline: tuple[float | None, ...]
+
+
+@dataclass(frozen=True)
+class Status:
+    now: float
+    window_seconds: float
+    problems: list[Item] = field(default_factory=list)
+    advice: list[Item] = field(default_factory=list)
+    engines: list[EngineView] = field(default_factory=list)
+    callers: list[CallerView] = field(default_factory=list)
+
+    def problem(self, kind: str) -> Item | None:
+        return next((item for item in self.problems if item.kind == kind), None)
+
+
+def ratio(cached: float, prompt: float) -> float | None:
+    return cached / prompt if prompt > 0 else None
+
+
+class Slots:
+    """One key's totals at every 30-s boundary of the last hour and now, read in one pass;
+    every window is read from them, to the slot: "the last 5 minutes" starts at the boundary
+    of the tenth slot back (270 to 300 s ago), "the last hour" at the oldest one."""
+
+    def __init__(self, timeline: Timeline | None, current: Sequence[float], now: float,
+                 window_slots: int) -> None:
+        self.starts = slot_starts(now)
+        self.values = at_times(timeline, current, [*self.starts, now])
+        self.window_slots = window_slots
+
+    def grew(self, slot: int, field: int) -> float:
+        return self.values[slot + 1][field] - self.values[slot][field]
+
+    def window(self, field: int) -> float:
+        """Growth over the window that ends now."""
+        return self.values[-1][field] - self.values[-1 - self.window_slots][field]
+
+    def before_window(self, field: int) -> float:
+        """Growth over the rest of the hour, before the window."""
+        return self.values[-1 - self.window_slots][field] - self.values[0][field]
+
+    def hour(self, field: int) -> float:
+        return self.values[-1][field] - self.values[0][field]
+
+    @property
+    def window_start(self) -> float:
+        return self.starts[-self.window_slots]
+
+    def ratios(self, prompt: int, cached: int) -> tuple[float | None, ...]:
+        """The hit ratio over the window ending with each slot (None where nothing was looked
+        up): the "hit ratio now" of every moment of the hour."""
+        values = self.values
+        out = []
+        for end in range(1, len(values)):
+            start = max(0, end - self.window_slots)
+            out.append(ratio(values[end][cached] - values[start][cached],
+                             values[end][prompt] - values[start][prompt]))
+        return tuple(out)
+
+
+def build(engine: EngineState, usage: UsageState, now: float, rule: CollapseRule) -> Status:
+    """Everything the page shows, as of ``now`` (call ``usage.catch_up(now)`` first, so that
+    the history holds the last boundary)."""
+    status = Status(now, rule.window_seconds)
+    caching_off = _engines(status, engine, usage, now, rule)
+    _callers(status, usage, now, rule, all_caching_off=caching_off)
+    if status.problem("collapse") is not None:  # the callers' collapse says it, and who
+        status.problems[:] = [item for item in status.problems
+                              if item.kind != "engine_collapse"]
+    _unattributed(status, engine, usage, now)
+    _completions(status, usage)
+    order = {"unreadable": 0, "collapse": 1, "engine_collapse": 2, "overflow": 3,
+             "caching_off": 4, "not_reported": 5, "preemptions": 6, "absent": 7}
+    status.problems.sort(key=lambda item: order.get(item.kind, 99))
+    return status
+
+
+# ---- engines --------------------------------------------------------------------------------
+
+
+def _engines(status: Status, engine: EngineState, usage: UsageState, now: float,
+             rule: CollapseRule) -> bool:
+    """Fill the engine views and their problems; True when every engine read has prefix
+    caching off (then a collapse says nothing new: there never was a cache)."""
+    headroom = usage.conversations.settings.admission_headroom_tokens
+    fits = foresight.by_target(usage.conversations, engine, now)
+    idle = usage.conversations.idle_seconds
+    caching: list[bool] = []
+    target_totals = usage.target_totals()
+    for target in sorted(engine.targets.values(), key=lambda target: target.shown):
+        current = [now, *target_totals.get(target.shown, [0.0, 0.0, 0.0])]
+        rows = tuple(_row(target, row_index, headroom) for row_index in range(len(target.rows)))
+        caching.extend(row.prefix_caching for row in rows if row.prefix_caching is not None)
+        target_fits = []
+        for (where, model_name), demand in sorted(fits.items()):
+            if where != target.shown:
+                continue
+            pool = sum(row.pool_tokens or 0 for row in rows if row.model_name == model_name)
+            if not pool:
+                continue
+            fit = advice.Fit(demand.conversations, demand.tokens, pool, headroom)
+            sentence = f"{target.shown} ({model_name}): {advice.fit_sentence(fit, idle)}"
+            target_fits.append(FitView(model_name, fit, sentence))
+            if fit.overflows:
+                status.problems.append(Item("overflow", PROBLEM, sentence,
+                                            f"{target.shown} {model_name}"))
+        slots = Slots(usage.history.target(target.shown), current, now, _window_slots(rule))
+        queries, hits = TARGET_FIELD["queries"], TARGET_FIELD["hits"]
+        view = EngineView(
+            target.shown, _target_state(target), target.last_error, rows, tuple(target_fits),
+            ratio(slots.window(hits), slots.window(queries)),
+            ratio(slots.hour(hits), slots.hour(queries)),
+            current[TARGET_FIELD["preemptions"]], slots.window(TARGET_FIELD["preemptions"]),
+            slots.ratios(queries, hits))
+        status.engines.append(view)
+        _engine_problems(status, target, view, slots, rule)
+    return bool(caching) and not any(caching)
+
+
+def _target_state(target: TargetState) -> str:
+    if target.up:
+        return "up"
+    return "down" if target.attempted else "not read yet"
+
+
+def _engine_problems(status: Status, target: TargetState, view: EngineView, slots: Slots,
+                     rule: CollapseRule) -> None:
+    where = target.shown
+    if target.attempted and not target.up:
+        status.problems.append(Item("unreadable", PROBLEM, advice.unreadable_sentence(
+            where, target.last_error or "no answer"), where))
+        return
+    for row in view.rows:
+        if row.prefix_caching is False:
+            label = f"{where} ({row.model_name or 'no model_name'}, engine {row.engine or '-'})"
+            status.problems.append(Item("caching_off", PROBLEM,
+                                        advice.prefix_caching_off_sentence(label), label))
+    if view.preemptions_window > 0:
+        status.problems.append(Item("preemptions", PROBLEM, advice.preemptions_sentence(
+            where, view.preemptions_window,
+            f"in the last {advice.duration(rule.window_seconds)}"), where))
+    if target.up:
+        for signal in REQUIRED_SIGNALS:
+            if not target.present.get(signal):
+                status.problems.append(Item("absent", PROBLEM,
+                                            advice.absent_sentence(f"vLLM {where}", signal),
+                                            f"{where} {signal}"))
+    queries, hits = TARGET_FIELD["queries"], TARGET_FIELD["hits"]
+    dropped = _dropped(slots, rule, queries, hits, rule.engine_min_tokens_per_second)
+    if dropped is not None:
+        ratio_now, baseline = dropped
+        status.problems.append(Item(
+            "engine_collapse", PROBLEM,
+            advice.engine_collapse_sentence(where, ratio_now, baseline, rule.window_seconds),
+            where, _since(slots, rule, queries, hits, baseline, False)))
+
+
+def _row(target: TargetState, index: int, headroom: int) -> RowView:
+    row = target.rows[index]
+    config = row.cache_config
+    pool = config.pool_tokens if config is not None else None
+    usage_ratio = row.gauges.get(KV_CACHE_USAGE)
+    smallest = target.smallest_pool.get(row.engine)
+    budget = foresight.admission_budget(smallest, headroom) if smallest else None
+    sentence = ""
+    if pool and smallest and budget is not None:
+        sentence = advice.pool_sentence(pool, min(pool, smallest),
+                                        "by the exporter since it started", headroom, budget)
+    return RowView(
+        row.model_name, row.engine, config.enable_prefix_caching if config else None,
+        config.block_size if config else None, pool, smallest, budget,
+        round(usage_ratio * pool) if usage_ratio is not None and pool else None, usage_ratio,
+        row.gauges.get(REQUESTS_RUNNING), row.gauges.get(REQUESTS_WAITING), sentence)
+
+
+# ---- callers --------------------------------------------------------------------------------
+
+
+def _callers(status: Status, usage: UsageState, now: float, rule: CollapseRule,
+             all_caching_off: bool) -> None:
+    totals = usage.caller_totals()
+    first_seen = usage.first_seen()
+    models: dict[str, list[str]] = {}
+    for caller, model in usage.series:
+        models.setdefault(caller, []).append(model)
+    medians = _ttft_medians(usage)
+    prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]
+    unreported: list[str] = []
+    collapses: list[advice.Collapse] = []
+    for caller in sorted(totals):
+        current = [now, *totals[caller]]
+        slots = Slots(usage.history.caller(caller), current, now, _window_slots(rule))
+        timed = slots.window(FIELD["ttft_warm_count"]) + slots.window(FIELD["ttft_cold_count"])
+        timed_sum = slots.window(FIELD["ttft_warm_sum"]) + slots.window(FIELD["ttft_cold_sum"])
+        collapse = None if all_caching_off else _caller_collapse(caller, slots, rule)
+        if collapse is not None:
+            collapses.append(collapse)
+        if slots.hour(FIELD["unreported_prompt_tokens"]) > 0:
+            unreported.append(caller)
+        status.callers.append(CallerView(
+            caller, tuple(sorted(models.get(caller, ()))), first_seen.get(caller, now),
+            {state: int(current[FIELD[state]]) for state in STATES},
+            int(current[prompt]), int(current[cached]),
+            int(current[FIELD["unreported_prompt_tokens"]]),
+            ratio(slots.window(cached), slots.window(prompt)),
+            ratio(slots.hour(cached), slots.hour(prompt)),
+            ratio(current[cached], current[prompt]),
+            medians.get((caller, "warm")), medians.get((caller, "cold")),
+            timed_sum / timed if timed > 0 else None,
+            slots.ratios(prompt, cached), collapse))
+    if collapses:
+        status.problems.append(Item(
+            "collapse", PROBLEM, advice.collapse_sentence(collapses), "callers",
+            min(collapse.since for collapse in collapses),
+            tuple(collapse.caller for collapse in collapses)))
+    if unreported:
+        status.problems.append(Item("not_reported", PROBLEM,
+                                    advice.not_reported_sentence(unreported), "callers",
+                                    callers=tuple(unreported)))
+
+
+def _ttft_medians(usage: UsageState) -> dict[tuple[str, str], float]:
+    """(caller, state) -> the median engine-side TTFT since the exporter started, over all of
+    the caller's models, interpolated within the buckets as histogram_quantile does."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    bounds: tuple[float, ...] = ()
+    for (caller, _model), series in usage.series.items():
+        for state in ("warm", "cold"):
+            hist = series.ttft.get(state)
+            if hist is None:
+                continue
+            bounds = hist.bounds
+            known = counts.get((caller, state))
+            counts[(caller, state)] = list(hist.counts) if known is None else [
+                mine + theirs for mine, theirs in zip(known, hist.counts, strict=True)]
+    medians = {}
+    for key, per_bucket in counts.items():
+        cumulative, running = [], 0
+        for bound, count in zip((*bounds, math.inf), per_bucket, strict=True):
+            running += count
+            cumulative.append((bound, float(running)))
+        median = advice.histogram_quantile(0.5, cumulative)
+        if not math.isnan(median):
+            medians[key] = median
+    return medians
+
+
+def _caller_collapse(caller: str, slots: Slots, rule: CollapseRule) -> advice.Collapse | None:
+    prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]
+    dropped = _dropped(slots, rule, prompt, cached, rule.caller_min_tokens_per_second)
+    followups = slots.window(FIELD["followups"])
+    cold = slots.window(FIELD["followups_cold"])
+    evicted = followups >= MIN_FOLLOWUPS and cold >= COLD_FOLLOWUP_SHARE * followups
+    if dropped is None and not evicted:
+        return None
+    baseline = _baseline(slots, rule, prompt, cached)
+    return advice.Collapse(
+        caller, _since(slots, rule, prompt, cached, baseline, True), rule.window_seconds,
+        ratio(slots.window(cached), slots.window(prompt)), baseline, int(followups), int(cold),
+        dropped is not None, evicted)
+
+
+def _baseline(slots: Slots, rule: CollapseRule, prompt: int, cached: int) -> float | None:
+    """The ratio over the hour before the window, when there was a cache to lose."""
+    value = ratio(slots.before_window(cached), slots.before_window(prompt))
+    return value if value is not None and value > rule.min_baseline else None
+
+
+def _dropped(slots: Slots, rule: CollapseRule, prompt: int, cached: int,
+             min_tokens_per_second: float) -> tuple[float, float] | None:
+    """(ratio now, baseline) when the ratio over the window fell under the drop factor times
+    the baseline while traffic continues; else None."""
+    baseline = _baseline(slots, rule, prompt, cached)
+    if baseline is None:
+        return None
+    window_prompt = slots.window(prompt)
+    if window_prompt < min_tokens_per_second * rule.window_seconds:
+        return None
+    now_ratio = slots.window(cached) / window_prompt
+    return (now_ratio, baseline) if now_ratio < rule.drop_factor * baseline else None
+
+
+def _window_slots(rule: CollapseRule) -> int:
+    return max(1, math.ceil(rule.window_seconds / SLOT_SECONDS))
+
+
+def _since(slots: Slots, rule: CollapseRule, prompt: int, cached: int,
+           baseline: float | None, followups: bool) -> float:
+    """The start of the earliest slot of the unbroken run of bad slots that ends now (a slot
+    without traffic neither breaks nor extends the run)."""
+    since = slots.window_start
+    for slot in range(len(slots.starts) - 1, -1, -1):
+        slot_ratio = ratio(slots.grew(slot, cached), slots.grew(slot, prompt))
+        bad = good = False
+        if baseline is not None and slot_ratio is not None:
+            bad = slot_ratio < rule.drop_factor * baseline
+            good = not bad
+        if followups:
+            turns = slots.grew(slot, FIELD["followups"])
+            if turns > 0:
+                if slots.grew(slot, FIELD["followups_cold"]) >= COLD_FOLLOWUP_SHARE * turns:
+                    bad, good = True, False
+                elif not bad:
+                    good = True
+        if good:
+            break
+        if bad:
+            since = slots.starts[slot]
+    return since
+
+
+# ---- foresight the engines cannot take --------------------------------------------------------
+
+
+def _unattributed(status: Status, engine: EngineState, usage: UsageState, now: float) -> None:
+    """Models whose live conversations no single vLLM's pool can be named for."""
+    served = foresight.served_models(engine)
+    tracker = usage.conversations
+    labels = {conversation.model for conversation in tracker.active(now)
+              if foresight.attribute(conversation.model_name, served) is None}
+    for model, demand in sorted(tracker.by_model(now).items()):
+        if model in labels and demand.conversations:
+            status.advice.append(Item("unattributed", ADVICE, advice.unattributed_sentence(
+                model, demand.conversations, demand.tokens), model))
+
+
+def _completions(status: Status, usage: UsageState) -> None:
+    for (caller, model), series in sorted(usage.series.items()):
+        hist = series.completion
+        if hist is None:
+            continue
+        requests = sum(hist.counts)
+        if requests <= 0:
+            continue
+        cumulative, running = [], 0
+        for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
+            running += count
+            cumulative.append((bound, float(running)))
+        figures = advice.Completions(
+            caller, model, requests, series.declared_completion_tokens / requests,
+            advice.histogram_quantile(0.5, cumulative), advice.histogram_quantile(0.99,
+                                                                                   cumulative))
+        if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING:
+            status.advice.append(Item("completions", ADVICE,
+                                      advice.completion_sentence(figures), f"{caller} {model}",
+                                      callers=(caller,)))

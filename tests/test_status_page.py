@@ -1,0 +1,149 @@
+"""The status page's model and page: what it says is wrong in each field report's scenario
+(and that it says nothing on the healthy ones), since when, in the same words as check; live
+counts while Prometheus' view is held back; everything from outside escaped; no fetch
+allowed anywhere but the exporter."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.config import Config
+from exporter.server import create_app
+from exporter.signals import advice, status
+from tests.helpers import scrape, value
+from tests.replay import BASE, SCRAPE, Replay
+from tests.replay import replay as replay_scenario
+
+TARGET = "http://vllm:8000/metrics"
+
+
+def replayed(name: str) -> Replay:
+    return replay_scenario(name, TARGET)
+
+
+def kinds(page: status.Status) -> list[str]:
+    return [item.kind for item in page.problems]
+
+
+def test_report_000_the_collapse_named_with_both_callers_and_since_when():
+    replay = replayed("two-agents-collapse")
+    alone = replay.status(230)
+    assert kinds(alone) == []
+    assert [view.caller for view in alone.callers] == ["agent-a"]
+    assert alone.callers[0].ratio_window is not None and alone.callers[0].ratio_window > 0.8
+    arrived = replay.status(300)  # agent-b's first turn is in: the pair no longer fits
+    assert kinds(arrived) == ["overflow"]
+    assert "They do not all fit" in arrived.problems[0].sentence
+    collapsed = replay.status(700)
+    assert kinds(collapsed)[:2] == ["collapse", "overflow"]
+    collapse = collapsed.problems[0]
+    assert collapse.callers == ("agent-a", "agent-b")
+    a_first_cold = next(when for when, event in replay.events() if event["caller"] == "agent-a"
+                        and event["cached_tokens"] == 0 and when > 240)
+    # since: the start of the 30-s slot of agent-a's first evicted turn
+    assert collapse.since is not None
+    assert 0 <= BASE + a_first_cold - collapse.since < 30
+    a, b = (view.collapse for view in collapsed.callers)
+    assert a is not None and a.dropped and a.ratio_now == 0.0 and a.baseline > 0.5
+    assert b is not None and b.evicted and not b.dropped  # never warm: no baseline to fall from
+    assert collapse.sentence == advice.collapse_sentence([a, b])
+
+
+def test_without_usage_the_engine_s_own_counters_show_the_collapse():
+    """No proxy reports usage: vLLM's prefix-cache counters alone show it (the engine rule of
+    VllmCachePrefixCollapse), with the time it started."""
+    replay = replayed("two-agents-collapse")
+    replay.steps = [step for step in replay.steps if step[1] == SCRAPE]
+    assert kinds(replay.status(230)) == []
+    page = replay.status(replay.end)
+    assert kinds(page) == ["engine_collapse"]
+    item = page.problems[0]
+    assert item.sentence.startswith(f"Prefix cache collapse on vLLM {TARGET}: 0.0% of "
+                                    "looked-up prompt tokens were hits over the last 5 min")
+    assert item.since is not None and BASE + 240 <= item.since <= BASE + 600
+
+
+@pytest.mark.parametrize("name", ["two-agents-fit", "pool-restarts"])
+def test_healthy_scenarios_say_nothing_is_wrong(name: str):
+    replay = replayed(name)
+    for seconds in range(60, int(replay.end) + 60, 60):
+        page = replay.status(seconds)
+        assert kinds(page) == [], (seconds, [item.sentence for item in page.problems])
+    assert all(view.ratio_hour and view.ratio_hour > 0.5 for view in page.callers)
+
+
+def test_prefix_caching_off_is_said_and_no_collapse_is_made_of_it():
+    page = replayed("prefix-caching-off").status(10_000)
+    assert kinds(page) == ["caching_off"]
+    sentence = page.problems[0].sentence
+    assert sentence == advice.prefix_caching_off_sentence(
+        f"{TARGET} (qwen3.8-27b, engine 0)")
+    assert "Start vLLM with --enable-prefix-caching" in sentence
+
+
+def test_cached_tokens_not_reported_names_the_callers_and_the_flag():
+    replay = replayed("details-off")
+    page = replay.status(replay.end)
+    assert kinds(page) == ["not_reported"]
+    item = page.problems[0]
+    callers = tuple(view.caller for view in page.callers)
+    assert item.callers == callers and item.sentence == advice.not_reported_sentence(callers)
+    assert "--enable-prompt-tokens-details" in item.sentence
+
+
+def test_preemptions_while_they_happen():
+    replay = replayed("overload-preempt")
+    seen = [replay.status(seconds) for seconds in range(30, int(replay.end) + 30, 30)]
+    preempting = [page for page in seen if "preemptions" in kinds(page)]
+    assert preempting, "no preemption ever shown"
+    assert "vLLM is preempting requests" in preempting[0].problem("preemptions").sentence
+    assert "preemptions" not in kinds(replay.status(replay.end + 600))  # over 5 min later
+
+
+def test_declared_against_used_completions_is_advice():
+    page = replayed("max-tokens-overstated").status(10_000)
+    sentences = [item.sentence for item in page.advice if item.kind == "completions"]
+    assert any(sentence.startswith("coder on qwen3.8-27b") and "overstatement" in sentence
+               for sentence in sentences)
+
+
+# ---- through the server ----------------------------------------------------------------------
+
+
+@pytest.mark.new_series_hold
+async def test_the_page_shows_live_counts_while_prometheus_s_view_is_held(aiohttp_client):
+    client = await aiohttp_client(create_app(Config(), initial_refresh=False))
+    response = await client.post("/v1/usage", json={
+        "caller": "alice", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048})
+    assert response.status == 200, await response.text()
+    page = await (await client.get("/")).text()
+    assert 'data-caller="alice"' in page and '<dd data-field="prompt-tokens">4,096</dd>' in page
+    assert value(await scrape(client), "vllm_cache_prompt_tokens_total", caller="alice") == 0
+
+
+async def test_the_page_forbids_any_fetch_and_escapes_what_came_from_outside(
+        aiohttp_client, fake_vllm):
+    hostile = '<script>alert("x")</script>'
+    config = Config(vllm_url=(fake_vllm.url,), callers_alias=(("bob", hostile),),
+                    callers_name_pattern=".*")
+    client = await aiohttp_client(create_app(config, initial_refresh=False))
+    fake_vllm.status = 500
+    fake_vllm.body = "<b>boom</b>"
+    for caller in (hostile, "bob"):
+        await client.post("/v1/usage", json={"caller": caller, "model": "<i>m</i>",
+                                             "prompt_tokens": 10})
+    response = await client.get("/")
+    page = await response.text()
+    assert response.headers["Content-Security-Policy"].startswith("default-src 'none'")
+    assert "<script" not in page and "<b>" not in page and "<i>" not in page
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page
+    assert "http://" not in page.replace(fake_vllm.url, "")  # no link or source elsewhere
+    assert 'data-kind="unreadable"' in page
+
+
+async def test_an_openai_base_url_on_the_page_names_the_fix(aiohttp_client, fake_vllm):
+    root = fake_vllm.url.removesuffix("/metrics")
+    client = await aiohttp_client(create_app(Config(vllm_url=(f"{root}/v1",)),
+                                             initial_refresh=False))
+    page = await (await client.get("/")).text()
+    assert f"use --vllm.url {root} (without /v1)." in page
