@@ -324,18 +324,9 @@ def describe_residency(values: EngineValues, label: str, report: Report) -> None
 
 
 def median(histogram: HistogramValue) -> float:
-    """The median as Prometheus' histogram_quantile estimates it: linear within the bucket
-    (the highest finite bound when it falls in the +Inf bucket)."""
-    rank = histogram.count / 2
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in zip(histogram.bounds, histogram.cumulative, strict=True):
-        if count >= rank:
-            if bound == float("inf"):
-                return lower_bound
-            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 0
-            return lower_bound + (bound - lower_bound) * share
-        lower_bound, lower_count = bound, count
-    return lower_bound
+    """The median as Prometheus' histogram_quantile estimates it."""
+    return advice.histogram_quantile(0.5, list(zip(histogram.bounds, histogram.cumulative,
+                                                   strict=True)))
 
 
 def seconds(value: float) -> str:

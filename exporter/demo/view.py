@@ -22,6 +22,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from exporter.signals import advice
+
 STATES = ("warm", "partial", "cold", "short", "unknown", "error")
 
 
@@ -126,26 +128,9 @@ def parse_snapshot(text: str, time: float) -> Snapshot:
 
 
 def quantile(q: float, buckets: dict[float, float]) -> float | None:
-    """``histogram_quantile`` over cumulative buckets {le: count}."""
-    if not buckets:
-        return None
-    bounds = sorted(buckets)
-    total = buckets[bounds[-1]]
-    if total <= 0:
-        return None
-    rank = q * total
-    previous_bound, previous_count = 0.0, 0.0
-    for bound in bounds:
-        count = buckets[bound]
-        if count >= rank:
-            if math.isinf(bound):
-                return previous_bound
-            if count == previous_count:
-                return bound
-            return previous_bound + (bound - previous_bound) * (rank - previous_count) / (
-                count - previous_count)
-        previous_bound, previous_count = bound, count
-    return previous_bound
+    """``histogram_quantile`` over cumulative buckets {le: count}; None without observations."""
+    value = advice.histogram_quantile(q, list(buckets.items()))
+    return None if math.isnan(value) else value
 
 
 def ratio(cached: float, prompt: float) -> float | None:

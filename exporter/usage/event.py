@@ -92,21 +92,29 @@ def token_count(obj: Mapping[str, Any], key: str, required: bool) -> int | None:
 
 
 def _seconds(obj: Mapping[str, Any], key: str, limit: float) -> float | None:
-    """A number of seconds in [0, limit]. Compared before any float conversion: JSON
-    integers are unbounded, and float(2**1024) raises instead of giving a number."""
+    """A number of seconds in [0, limit]."""
+    value = duration(obj, key, limit, key, "seconds")
+    return None if value is None else float(value)
+
+
+def duration(obj: Mapping[str, Any], key: str, limit: float, name: str,
+             unit: str) -> int | float | None:
+    """A finite, non-negative number in ``unit`` up to ``limit``, or None when absent.
+    Compared before any float conversion: JSON integers are unbounded, and float(2**1024)
+    raises instead of giving a number. ``name`` is how the error calls the field."""
     value = obj.get(key)
     if value is None:
         return None
     kind = type(value)
     if kind is not float and kind is not int:
-        raise InvalidEvent("not_a_number", f"{key} must be a number of seconds")
+        raise InvalidEvent("not_a_number", f"{name} must be a number of {unit}")
     if kind is float and not math.isfinite(value):
-        raise InvalidEvent("not_finite", f"{key} must be a finite number")
+        raise InvalidEvent("not_finite", f"{name} must be a finite number")
     if value < 0:
-        raise InvalidEvent("negative", f"{key} must not be negative")
+        raise InvalidEvent("negative", f"{name} must not be negative")
     if value > limit:
-        raise InvalidEvent("too_large", f"{key} is larger than {limit:g} seconds")
-    return float(value)
+        raise InvalidEvent("too_large", f"{name} is larger than {limit:,.0f} {unit}")
+    return value  # type: ignore[no-any-return]
 
 
 def _text(obj: Mapping[str, Any], key: str, limit: int, reason: str) -> str | None:

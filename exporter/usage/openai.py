@@ -31,12 +31,11 @@ here reads a clock (the caller passes the time in).
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from exporter.usage.event import MAX_SECONDS, InvalidEvent, loads, token_count
+from exporter.usage.event import MAX_SECONDS, InvalidEvent, duration, loads, token_count
 
 
 class Endpoint(enum.Enum):
@@ -133,21 +132,9 @@ def engine_timings_of(obj: Any) -> EngineTimings | None:
 
 
 def _milliseconds(metrics: Mapping[str, Any], key: str) -> float | None:
-    """A duration in [0, a day], in seconds. Compared before any float arithmetic: JSON
-    integers are unbounded, and a huge one would overflow."""
-    value = metrics.get(key)
-    if value is None:
-        return None
-    kind = type(value)
-    if kind is not float and kind is not int:
-        raise InvalidEvent("not_a_number", f"metrics.{key} must be a number of milliseconds")
-    if kind is float and not math.isfinite(value):
-        raise InvalidEvent("not_finite", f"metrics.{key} must be a finite number")
-    if value < 0:
-        raise InvalidEvent("negative", f"metrics.{key} must not be negative")
-    if value > MAX_SECONDS * 1000:
-        raise InvalidEvent("too_large", f"metrics.{key} is longer than a day")
-    return value / 1000.0
+    """A duration in [0, a day], in seconds."""
+    value = duration(metrics, key, MAX_SECONDS * 1000, f"metrics.{key}", "milliseconds")
+    return None if value is None else value / 1000.0
 
 
 def is_usage_only_chunk(obj: Any) -> bool:

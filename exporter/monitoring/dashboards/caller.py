@@ -16,6 +16,7 @@ from exporter.monitoring.dashboards.panels import (
     TOKENS_PER_SECOND,
     Filters,
     Layout,
+    caller_hit_ratio_stat,
     dashboard,
     query_variable,
     stat,
@@ -62,14 +63,10 @@ def build(config: MonitoringConfig) -> g.Dashboard:
                 f"vllm_cache_ttft_seconds_bucket{filters.caller(state)}[{RATE}])))")
 
     layout.row("Now")
-    layout.add(stat(
+    layout.add(caller_hit_ratio_stat(
         "Hit ratio",
-        "Share of the selected callers' prompt tokens served from the prefix cache (only "
-        "responses that report cached tokens count).",
-        "percentunit",
-        [target(f"sum(rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))\n/\n"
-                f"(sum(rate(vllm_cache_prompt_tokens_total{callers}[{RATE}])) > 0)")],
-        thresholds=[("red", None), ("orange", 0.3), ("green", 0.6)]), 4, 5)
+        "Share of the selected callers' prompt tokens served from the prefix cache", callers),
+        4, 5)
     layout.add(stat(
         "Warm turns",
         "Share of warm turns among warm, partial and cold ones.",

@@ -16,6 +16,7 @@ from grafanalib import core as g
 
 from exporter.monitoring.config import MonitoringConfig
 from exporter.monitoring.dashboards.panels import (
+    HIT_RATIO_THRESHOLDS,
     JOB,
     RATE,
     TOKENS,
@@ -23,6 +24,7 @@ from exporter.monitoring.dashboards.panels import (
     Filters,
     Layout,
     bargauge,
+    caller_hit_ratio_stat,
     dashboard,
     query_variable,
     stat,
@@ -81,15 +83,11 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "percentunit",
         [target(f"sum(rate({HITS}{engines}[{RATE}]))\n/\n"
                 f"(sum(rate({QUERIES}{engines}[{RATE}])) > 0)")],
-        thresholds=[("red", None), ("orange", 0.3), ("green", 0.6)]), 4, 5)
-    layout.add(stat(
+        thresholds=HIT_RATIO_THRESHOLDS), 4, 5)
+    layout.add(caller_hit_ratio_stat(
         "Caller hit ratio",
         "Share of the selected callers' prompt tokens served from the prefix cache, from the "
-        "usage each response reports (only responses that report cached tokens count).",
-        "percentunit",
-        [target(f"sum(rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))\n/\n"
-                f"(sum(rate(vllm_cache_prompt_tokens_total{callers}[{RATE}])) > 0)")],
-        thresholds=[("red", None), ("orange", 0.3), ("green", 0.6)]), 4, 5)
+        "usage each response reports", callers), 4, 5)
     layout.add(stat(
         "Warm turns",
         "Share of the selected callers' turns that reused all the cache they could (warm), "

@@ -155,6 +155,20 @@ def stat(title: str, description: str, unit: str, targets: list[g.Target],
                                                                "steps": steps}}}})
 
 
+HIT_RATIO_THRESHOLDS = [("red", None), ("orange", 0.3), ("green", 0.6)]
+
+
+def caller_hit_ratio_stat(title: str, description: str, callers: str) -> g.Stat:
+    """The callers' hit ratio now, from the usage each response reports: one definition for
+    every dashboard that shows it (``callers``: the label selector)."""
+    return stat(
+        title, description + " (only responses that report cached tokens count).",
+        "percentunit",
+        [target(f"sum(rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))\n/\n"
+                f"(sum(rate(vllm_cache_prompt_tokens_total{callers}[{RATE}])) > 0)")],
+        thresholds=HIT_RATIO_THRESHOLDS)
+
+
 def table(title: str, description: str, unit: str, targets: list[g.Target],
           renames: dict[str, str], overrides: list[dict[str, Any]] | None = None,
           mappings: list[dict[str, Any]] | None = None) -> g.Table:
