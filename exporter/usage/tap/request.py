@@ -387,6 +387,8 @@ def with_include_usage(body: bytes, facts: RequestFacts) -> bytes:
     """
     if facts.scanned and not facts.has_stream_options:
         at = facts.object_start + 1
+        if body[_ws(body, at):_ws(body, at) + 1] == b"}":  # {}: no member to separate
+            return body[:at] + INCLUDE_USAGE[:-1] + body[at:]
         return body[:at] + INCLUDE_USAGE + body[at:]
     options = facts.stream_options
     merged = dict(options) if isinstance(options, dict) else {}
