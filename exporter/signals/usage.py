@@ -173,7 +173,8 @@ class UsageState:
         if folded:
             self.series_folded += 1
         status = event.status
-        if status is not None and status_is_error(status):
+        if status is not None and (type(status) is not int or not 200 <= status < 300) \
+                and status_is_error(status):
             series.requests[ERROR] += 1
             return ERROR
 
@@ -216,11 +217,14 @@ class UsageState:
             hist = series.ttft.get(state)
             if hist is None:
                 hist = series.ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
-            hist.observe(ttft)
+            hist.counts[bisect_left(hist.bounds, ttft)] += 1  # Histogram.observe, inlined
+            hist.total += ttft
         if queue is not None:
-            if series.queue is None:
-                series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
-            series.queue.observe(queue)
+            hist = series.queue
+            if hist is None:
+                hist = series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+            hist.counts[bisect_left(hist.bounds, queue)] += 1
+            hist.total += queue
         return state
 
     def _pair(self, caller: str, model_name: str) -> tuple[Series, str, bool, bool]:
