@@ -184,7 +184,8 @@ class UsageState:
             if self.missing_cached_as_zero and series.reported_cached:
                 cached = 0
         else:
-            series.reported_cached = True
+            if not series.reported_cached:
+                series.reported_cached = True
             if cached:
                 self.learner.observe(model, cached)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import json.scanner
 import logging
@@ -415,13 +416,8 @@ class UsageIngest:
             return self._refuse(400, err.reason, str(err))
         result = BatchResult()
         if first is not None:  # else an empty JSON array: nothing to count, nothing wrong
-            result = await self.process(_chain(first, items), convert)
+            result = await self.process(itertools.chain((first,), items), convert)
         # 422 only when nothing at all could be used, so a sender notices; a partly bad batch
         # is a success whose reply names the bad events.
         status = 422 if result.rejected and not result.accepted else 200
         return web.json_response(result.reply(), status=status)
-
-
-def _chain(first: Item, rest: Iterator[Item]) -> Iterator[Item]:
-    yield first
-    yield from rest
