@@ -92,10 +92,12 @@ def events_counted(text: str) -> float:
     return total
 
 
-async def through_exporter(bodies: list[bytes], exporter_args: list[str]
-                           ) -> tuple[float, int]:
+async def through_exporter(bodies: list[bytes], exporter_args: list[str],
+                           root: Path | None = None) -> tuple[float, int]:
     """(exporter CPU seconds, events accepted) for POSTing every body once."""
-    exporter = ExporterProcess(Path(tempfile.mkdtemp(prefix="bench-ingest-")), exporter_args)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+    exporter = (ExporterProcess(workdir, exporter_args) if root is None
+                else ExporterProcess(workdir, exporter_args, root=root))
     exporter.start()
     accepted = 0
     try:
@@ -123,6 +125,9 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--callers", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--before", type=Path, default=None,
+                        help="also measure the exporter in this checkout (e.g. the main "
+                             "branch), between the others")
     parser.add_argument("--exporter-args", default="",
                         help="more flags for the exporter, e.g. '--callers.max 1000'")
     args = parser.parse_args()
@@ -130,7 +135,9 @@ def main() -> int:
     events = args.batches * args.batch_size
     exporter_args = ["--callers.max", str(max(100, args.callers)), "--log.level", "warning",
                      *args.exporter_args.split()]
-    app_rates, bare_rates = [], []
+    app_rates: list[float] = []
+    bare_rates: list[float] = []
+    before_rates: list[float] = []
     for _ in range(args.repeats):
         spent, bare_count = bare_loop(bodies)
         assert bare_count == events
@@ -138,6 +145,10 @@ def main() -> int:
         spent, accepted = asyncio.run(through_exporter(bodies, exporter_args))
         assert accepted == events, accepted
         app_rates.append(events / spent)
+        if args.before is not None:
+            spent, accepted = asyncio.run(through_exporter(bodies, exporter_args, args.before))
+            assert accepted == events, accepted
+            before_rates.append(events / spent)
     app_median = statistics.median(app_rates)
     bare_median = statistics.median(bare_rates)
     ratio = app_median / bare_median
@@ -150,6 +161,12 @@ def main() -> int:
     print(f"bare json.loads + counter, per CPU-second:                             "
           f"median {bare_median:,.0f} events  "
           f"(runs: {', '.join(f'{r:,.0f}' for r in bare_rates)})")
+    if before_rates:
+        before_median = statistics.median(before_rates)
+        print(f"the exporter in {args.before}, same bodies:                               "
+              f"median {before_median:,.0f} events  "
+              f"(runs: {', '.join(f'{r:,.0f}' for r in before_rates)}); ratio to bare "
+              f"{before_median / bare_median:.2f}")
     met = app_median >= GOAL_EVENTS and ratio >= GOAL_RATIO
     print(f"ratio exporter / bare: {ratio:.2f}  (goal: >= {GOAL_EVENTS:,} events per CPU-second"
           f" and ratio >= {GOAL_RATIO}: {'met' if met else 'MISSED'})")

@@ -291,8 +291,8 @@ class Target:
     pids: list[int]
 
 
-def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str
-                    ) -> dict[str, Target]:
+def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str,
+                    before: Path | None = None) -> dict[str, Target]:
     upstream_port, nginx_port, bare_port, tap_port, web_port = (free_port() for _ in range(5))
     upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream",
                                  str(upstream_port)], start_new_session=True)
@@ -321,7 +321,18 @@ def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str
         cwd=ROOT, start_new_session=True)
     stack.append(tap)
     wait_port(tap_port, tap, "exporter with the tap")
-    return {"direct": Target("direct", upstream_port, []),
+    targets: dict[str, Target] = {}
+    if before is not None:  # the same exporter command, from another checkout
+        before_port, before_web = free_port(), free_port()
+        earlier = subprocess.Popen(
+            [sys.executable, "-m", "exporter", "run", "--web.listen-address",
+             f"127.0.0.1:{before_web}", "--tap.listen-address", f"127.0.0.1:{before_port}",
+             "--tap.upstream", f"http://127.0.0.1:{upstream_port}", "--log.level", "warning"],
+            cwd=before, start_new_session=True)
+        stack.append(earlier)
+        wait_port(before_port, earlier, f"exporter from {before}")
+        targets["before"] = Target("before", before_port, [earlier.pid])
+    return targets | {"direct": Target("direct", upstream_port, []),
             "nginx": Target("nginx", nginx_port, children(nginx_process.pid)
                             + [nginx_process.pid]),
             "bare": Target("bare", bare_port, [bare.pid]),
@@ -342,6 +353,7 @@ def tap_events(web_port: int) -> float:
 # ---- the measurement ------------------------------------------------------------------
 
 TARGETS = ("direct", "nginx", "bare", "tap")
+targets_measured = list(TARGETS)  # plus "before" with --before
 
 PHASES = (
     # name, stream, prompt chars, concurrency, request share
@@ -360,7 +372,7 @@ async def measure(targets: dict[str, Target], rounds: int, requests: int,
     for _ in range(rounds):
         for phase_name, stream, chars, concurrency, share in phases:
             count = max(concurrency, int(requests * share) // concurrency * concurrency)
-            for target in TARGETS:
+            for target in targets_measured:
                 port = targets[target].port
                 raw = http_request("/v1/chat/completions", chat_payload(stream, chars), port)
                 await run_phase(port, raw, max(concurrency * 4, count // 10), concurrency)
@@ -391,7 +403,7 @@ def report(results: dict[tuple[str, str], list[Phase]]) -> dict[str, dict[str, f
         direct = [p.p(p.total, 0.5) for p in results[(phase_name, "direct")]]
         added: dict[str, float] = {}
         cpu: dict[str, float] = {}
-        for target in TARGETS:
+        for target in targets_measured:
             runs = results[(phase_name, target)]
             p50 = med([p.p(p.total, 0.5) for p in runs])
             p99 = med([p.p(p.total, 0.99) for p in runs])
@@ -412,6 +424,13 @@ def report(results: dict[tuple[str, str], list[Phase]]) -> dict[str, dict[str, f
             "tap_cpu_ms": cpu["tap"] * 1e3, "bare_cpu_ms": cpu["bare"] * 1e3,
             "cpu_ratio": cpu["tap"] / cpu["bare"] if cpu["bare"] > 0 else float("inf"),
         }
+        if "before" in added:
+            figures[phase_name] |= {
+                "before_added_ms": added["before"] * 1e3, "before_cpu_ms": cpu["before"] * 1e3,
+                "before_added_ratio": added["before"] / added["bare"]
+                if added["bare"] > 0 else float("inf"),
+                "before_cpu_ratio": cpu["before"] / cpu["bare"] if cpu["bare"] > 0
+                else float("inf")}
     return figures
 
 
@@ -431,6 +450,12 @@ def report_goals(figures: dict[str, dict[str, float]]) -> bool:
         print(f"{phase_name:18} {f['tap_added_ms']:+10.3f}ms {f['bare_added_ms']:+7.3f}ms "
               f"{f['added_ratio']:6.2f} {f['tap_cpu_ms']:8.3f}ms {f['bare_cpu_ms']:6.3f}ms "
               f"{f['cpu_ratio']:6.2f}")
+    if any("before_added_ms" in f for f in figures.values()):
+        print("\nthe tap of --before against the same bare pass-through:")
+        for phase_name, f in figures.items():
+            print(f"{phase_name:18} {f['before_added_ms']:+10.3f}ms {f['bare_added_ms']:+7.3f}ms "
+                  f"{f['before_added_ratio']:6.2f} {f['before_cpu_ms']:8.3f}ms "
+                  f"{f['bare_cpu_ms']:6.3f}ms {f['before_cpu_ratio']:6.2f}")
     met = True
     for phase_name, key, limit in GOALS:
         if phase_name not in figures:
@@ -470,6 +495,9 @@ def main() -> int:
                         help="only these phases (default: all)")
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default=default_loop(),
                         help="the bare pass-through's event loop (default: the exporter's)")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="also measure the tap of the exporter in this checkout (e.g. "
+                             "the main branch), as target 'before'")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-passthrough", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -487,7 +515,9 @@ def main() -> int:
         tmp = Path(tmp_name)
         os.chmod(tmp, 0o755)
         try:
-            targets = start_processes(tmp, stack, args.loop)
+            targets = start_processes(tmp, stack, args.loop, args.before)
+            if args.before is not None:
+                targets_measured.append("before")
             events_before = tap_events(targets["_web"].port)
             phases = tuple(p for p in PHASES if not args.phase or p[0] in args.phase)
             results = asyncio.run(measure(targets, args.rounds, args.requests, phases))
