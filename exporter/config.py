@@ -30,6 +30,11 @@ import yaml
 
 from exporter.redaction import redact_text, redact_url
 from exporter.signals.callers import DEFAULT_MODEL_PATTERN, DEFAULT_NAME_PATTERN
+from exporter.signals.foresight import (
+    DEFAULT_HEADROOM_TOKENS,
+    DEFAULT_IDLE_SECONDS,
+    DEFAULT_MAX_CONVERSATIONS,
+)
 from exporter.sim.scenario import DEFAULT_SCENARIO
 from exporter.sim.scenario import available as available_scenarios
 from exporter.usage.formats import MappingError, load_mapping
@@ -121,6 +126,24 @@ def _to_mapping(raw: Any) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"expected key=value pairs, got {part!r}")
         pairs.append((key.strip(), value.strip()))
     return tuple(sorted(pairs))
+
+
+def _to_token_mapping(raw: Any) -> tuple[tuple[str, int], ...]:
+    """``model=12288,other=2048`` (or a YAML mapping, or repeated flags) -> sorted pairs of a
+    name and a whole, non-negative number of tokens."""
+    chunks = raw if isinstance(raw, list) else [raw]
+    pairs: dict[str, int] = {}
+    for chunk in chunks:
+        for name, tokens in _to_mapping(chunk):
+            try:
+                count = _to_int(tokens)
+            except ValueError:
+                raise ValueError(f"{name}: expected a whole number of tokens, got "
+                                 f"{tokens!r}") from None
+            if count < 0:
+                raise ValueError(f"{name}: must not be negative, got {count}")
+            pairs[name] = count
+    return tuple(sorted(pairs.items()))
 
 
 def host_port(raw: str) -> str:
@@ -339,6 +362,26 @@ FLAGS: tuple[Flag, ...] = (
     Flag("signals.missing-cached-as-zero", "Classification", "Once a caller's events have "
          "carried cached_tokens, treat an event without it as 0 cached (vLLM < 0.24 omitted "
          "zeros).", _to_bool, True, kind="bool"),
+    # --- foresight: live conversations against the pool, the admission budget -----------
+    Flag("signals.conversation-idle", "Foresight", "Seconds after its last turn that a "
+         "conversation still counts as active, i.e. still wants its prefix cached.", _to_float,
+         DEFAULT_IDLE_SECONDS, metavar="SECONDS", check=_positive),
+    Flag("signals.conversations-max", "Foresight", "Most conversations tracked (least recently "
+         "seen forgotten first; vllm_cache_conversations_dropped_total counts active ones "
+         "forgotten).", _to_int, DEFAULT_MAX_CONVERSATIONS, metavar="N", check=_positive),
+    Flag("signals.state-tokens", "Foresight", "KV-pool tokens one copy of a hybrid model's "
+         "per-sequence recurrent state takes, MODEL=TOKENS (repeatable; the model as usage "
+         "names it). Each active conversation is charged two copies: its live state and the "
+         "checkpoint its next turn resumes from.", _to_token_mapping, (), kind="list",
+         metavar="MODEL=TOKENS"),
+    Flag("signals.admission-headroom", "Foresight", "Tokens the admission budget stays under "
+         "the smallest KV pool seen (a few thousand: the conversations' next turns).", _to_int,
+         DEFAULT_HEADROOM_TOKENS, metavar="TOKENS", check=_non_negative,
+         commands=frozenset({RUN, CHECK})),
+    Flag("exporter.url", "Foresight", "A running exporter to read as well (its /metrics): the "
+         "live conversations' fit in the pool, the smallest pool it saw, and declared vs used "
+         "completion tokens per caller.", _to_str, "", metavar="URL", check=_optional_url,
+         commands=frozenset({CHECK})),
     # --- tap ------------------------------------------------------------------------------
     Flag("tap.listen-address", "Tap proxy", "Run the transparent vLLM proxy on HOST:PORT "
          "(off when empty).", _to_str, "", metavar="HOST:PORT", check=_optional_host_port),
@@ -441,7 +484,8 @@ FLAGS: tuple[Flag, ...] = (
 )
 
 # Flags holding URLs, shown with their credentials redacted.
-URL_FLAGS = frozenset({"vllm.url", "tap.upstream", "drive.base-url", "drive.exporter-url"})
+URL_FLAGS = frozenset({"vllm.url", "tap.upstream", "drive.base-url", "drive.exporter-url",
+                       "exporter.url"})
 # The run command's settings (the fields of Config).
 FLAGS_BY_DEST = {flag.dest: flag for flag in FLAGS if RUN in flag.commands and not flag.action}
 
@@ -490,6 +534,10 @@ class Config:
     signals_granularity: int = _default("signals.granularity")
     signals_warm_tail_granules: float = _default("signals.warm-tail-granules")
     signals_missing_cached_as_zero: bool = _default("signals.missing-cached-as-zero")
+    signals_conversation_idle: float = _default("signals.conversation-idle")
+    signals_conversations_max: int = _default("signals.conversations-max")
+    signals_state_tokens: tuple[tuple[str, int], ...] = _default("signals.state-tokens")
+    signals_admission_headroom: int = _default("signals.admission-headroom")
     tap_listen_address: str = _default("tap.listen-address")
     tap_upstream: str = _default("tap.upstream")
     tap_web_config_file: str = _default("tap.web-config.file")

@@ -137,6 +137,9 @@ class UsageEvent:
     ``queue_seconds`` is the admission wait at the proxy, included in ``ttft_seconds``.
     ``status`` is an HTTP status (int) or a short word; None means success.
     ``time`` is unix seconds; None means "when it arrived".
+    ``max_tokens`` is the completion budget the request declared (``max_tokens`` or
+    ``max_completion_tokens``), where the reader sees the request; None when unknown. Set
+    against ``completion_tokens`` it shows how far callers overstate what they use.
     """
 
     caller: str
@@ -149,6 +152,8 @@ class UsageEvent:
     session: str | None = None
     time: float | None = None
     status: int | str | None = None
+    # ---- foresight (optional; readers fill them where their input has them) ----
+    max_tokens: int | None = None
 
 
 def status_is_error(status: int | str | None) -> bool:

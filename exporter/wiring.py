@@ -15,6 +15,7 @@ from aiohttp import web
 
 from exporter.config import Config
 from exporter.engine.fetch import EnginePoller
+from exporter.signals.foresight import ForesightSettings
 from exporter.signals.state import SignalsState
 from exporter.signals.usage import UsageSettings, UsageState
 from exporter.usage import formats
@@ -41,7 +42,15 @@ def usage_settings(config: Config) -> UsageSettings:
         missing_cached_as_zero=config.signals_missing_cached_as_zero, readers=tuple(readers),
         max_series=config.callers_max_series, name_pattern=config.callers_name_pattern,
         model_pattern=config.callers_model_pattern, keep_emails=config.callers_keep_emails,
-        new_series_hold=config.usage_new_series_hold)
+        new_series_hold=config.usage_new_series_hold, foresight=foresight_settings(config))
+
+
+def foresight_settings(config: Config) -> ForesightSettings:
+    return ForesightSettings(
+        conversation_idle_seconds=config.signals_conversation_idle,
+        max_conversations=config.signals_conversations_max,
+        state_tokens=dict(config.signals_state_tokens),
+        admission_headroom_tokens=config.signals_admission_headroom)
 
 
 def signals_state(config: Config, clock: Callable[[], float] = time.time) -> SignalsState:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 
-from exporter.check import Report, describe
+from exporter.check import Report, describe, describe_exporter, read_exporter
 from exporter.engine.parse import parse
-from tests.helpers import fixture_text
+from exporter.signals import advice
+from tests.helpers import fixture_text, value
 
 REAL = fixture_text("vllm-0.32.0-cpu/metrics_after.prom")
 
@@ -81,3 +83,152 @@ async def test_command_exit_codes(fake_vllm, unused_tcp_port):
 
     code, _, err = await run_check("not-a-url")
     assert code == 2 and "--vllm.url" in err
+
+
+# ---- foresight: the pool, the smallest pool, the budget, the live fit, declared vs used ----
+
+SIM_TARGET = "http://vllm:8000/metrics"
+
+
+def exporter_after(boots: list[str], events: list[dict], now: float) -> str:
+    """A running exporter's /metrics after reading each boot's final scrape in turn and
+    ingesting ``events``: what --exporter.url would read."""
+    from exporter.config import Config
+    from exporter.metrics import build_registry
+    from exporter.metrics.exposition import generate_text
+    from exporter.usage.event import validate
+    from exporter.wiring import signals_state
+
+    state = signals_state(Config(vllm_url=(SIM_TARGET,), usage_new_series_hold=0,
+                                 signals_state_tokens=(("qwen3.8-27b", 12288),)),
+                          clock=lambda: now)
+    for text in boots:
+        state.engine.record_success(SIM_TARGET, parse(text), 0.0, now)
+    for event in events:
+        state.usage.record(validate(event), "http")
+    return generate_text(build_registry(state)).decode()
+
+
+def test_pool_smallest_pool_and_budget_from_one_read():
+    """Without an exporter, the smallest pool check can know of is this read's."""
+    from exporter.sim import scenario as scenarios
+    from exporter.sim.virtual import play_boots
+
+    last = play_boots(scenarios.load("pool-restarts"))[-1]
+    report = Report(SIM_TARGET)
+    describe(parse(last.metrics_text), report, headroom=4096)
+    pool_line = next(line for line in report.lines if "Admission budget" in line)
+    assert "KV pool 203,372 tokens, the smallest known (in this one read)" in pool_line
+    assert "Admission budget: 199,276 tokens" in pool_line
+
+
+def test_the_exporter_remembers_the_smallest_pool_across_restarts():
+    """pool-restarts: three boots, pools 210,828 then 193,732 then 203,372. The exporter read
+    all three; check, reading the third, budgets under the second."""
+    from exporter.sim import scenario as scenarios
+    from exporter.sim.virtual import play_boots
+
+    runs = play_boots(scenarios.load("pool-restarts"))
+    assert [run.simulator.config.kv_pool_tokens for run in runs] == [210_828, 193_732, 203_372]
+    text = exporter_after([run.metrics_text for run in runs], [], now=1.0)
+    assert value(text, "vllm_cache_engine_kv_pool_tokens") == 203_372
+    assert value(text, "vllm_cache_engine_kv_pool_min_tokens") == 193_732
+    assert value(text, "vllm_cache_engine_admission_budget_tokens") == 193_732 - 4096
+    assert value(text, "vllm_cache_engine_restarts_total", target=SIM_TARGET) == 2
+    view = read_exporter(text)
+    report = Report(SIM_TARGET)
+    describe(parse(runs[-1].metrics_text), report, headroom=4096, view=view)
+    pool_line = next(line for line in report.lines if "Admission budget" in line)
+    assert ("KV pool 203,372 tokens, the smallest seen by the exporter since it started is "
+            "193,732, and budgets go by the smallest") in pool_line
+    assert "Admission budget: 189,636 tokens" in pool_line
+
+
+def test_live_fit_in_words_and_a_pool_that_does_not_hold_them_is_a_problem():
+    """Report 000: a ~91k and a ~38k conversation plus their hybrid state in a 160,779 pool."""
+    from exporter.sim import scenario as scenarios
+    from exporter.sim.virtual import play
+
+    run = play(scenarios.load("two-agents-collapse"))
+    now = 1_700_000_000.0
+    b_first = next(i for i, (_, event) in enumerate(run.events) if event["caller"] == "agent-b")
+    events = [{**event, "time": now} for _, event in run.events[:b_first + 1]]
+    view = read_exporter(exporter_after([run.metrics_text], events, now))
+    report = Report("exporter")
+    describe_exporter(view, report, headroom=4096)
+    assert report.problems, report.lines
+    sentence = report.problems[0]
+    assert sentence.startswith(f"{SIM_TARGET} (qwen3.8-27b): 2 conversation(s) active "
+                               "(a turn within 10 min) need ")
+    assert "tokens of KV cache: 11" in sentence and "of the 160,779-token pool" in sentence
+    assert "They do not all fit" in sentence
+    # agent-a alone fits, and says so without a problem
+    alone = read_exporter(exporter_after([run.metrics_text], events[:b_first], now))
+    report = Report("exporter")
+    describe_exporter(alone, report, headroom=4096)
+    assert report.problems == []
+    assert any("1 conversation(s) active" in line and "cannot be evicted" in line
+               for line in report.lines)
+
+
+def test_declared_vs_used_completions_and_the_advice():
+    """max-tokens-overstated: callers declare 65,536 and use 769 and 800 tokens."""
+    from exporter.sim import scenario as scenarios
+    from exporter.sim.virtual import play
+
+    run = play(scenarios.load("max-tokens-overstated"))
+    assert {event["max_tokens"] for _, event in run.events} == {65_536}
+    assert {event["completion_tokens"] for _, event in run.events} == {769, 800}
+    text = exporter_after([run.metrics_text], [event for _, event in run.events], now=1.0)
+    assert value(text, "vllm_cache_completion_declared_tokens_total", caller="coder") == \
+        10 * 65_536
+    assert value(text, "vllm_cache_completion_used_tokens_count", caller="coder") == 10
+    report = Report("exporter")
+    describe_exporter(read_exporter(text), report, headroom=4096)
+    coder = next(note for note in report.notes if note.startswith("coder on qwen3.8-27b"))
+    # 769 falls in the (768, 1024] bucket: the median is read there, as PromQL would
+    assert coder.startswith("coder on qwen3.8-27b: 10 request(s) declared max_tokens 65,536 "
+                            "on average and used 896 at the median, 1,021 at p99: a 73x "
+                            "overstatement."), coder
+    assert "charge prompt + min(max_tokens, 1,024) instead." in coder
+    assert any(note.startswith("reviewer on qwen3.8-27b") for note in report.notes)
+
+
+def test_histogram_quantile_is_prometheus_s():
+    buckets = [(100.0, 0.0), (200.0, 10.0), (400.0, 20.0), (math.inf, 20.0)]
+    assert advice.histogram_quantile(0.5, buckets) == 200.0
+    assert advice.histogram_quantile(0.75, buckets) == 300.0
+    assert advice.histogram_quantile(0.25, buckets) == 150.0
+    assert advice.histogram_quantile(1.0, [(10.0, 0.0), (math.inf, 3.0)]) == 10.0
+    assert math.isnan(advice.histogram_quantile(0.5, [(math.inf, 0.0)]))
+
+
+async def test_command_with_an_exporter(fake_vllm, aiohttp_server):
+    """The command line: check reads the vLLM and the running exporter, and says it."""
+    from aiohttp import web
+
+    from exporter.sim import scenario as scenarios
+    from exporter.sim.virtual import play_boots
+
+    runs = play_boots(scenarios.load("pool-restarts"))
+    fake_vllm.body = runs[-1].metrics_text
+    exported = exporter_after([run.metrics_text for run in runs], [], now=1.0).replace(
+        SIM_TARGET, fake_vllm.url)
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=exported, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    exporter = await aiohttp_server(app)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "exporter", "check", "--vllm.url", fake_vllm.url,
+        "--exporter.url", str(exporter.make_url("/")), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    text = out.decode()
+    assert process.returncode == 0, text + err.decode()
+    assert "smallest seen by the exporter since it started is 193,732" in text
+    assert "Admission budget: 189,636 tokens" in text
+    assert f"exporter {exporter.make_url('/metrics')}" in text
+    assert "no conversations seen yet" in text

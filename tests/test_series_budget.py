@@ -18,7 +18,8 @@ from tests.helpers import value
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text("utf-8")
 PER_CALLER = ("vllm_cache_requests_total", "vllm_cache_prompt_tokens_total",
               "vllm_cache_cached_tokens_total", "vllm_cache_unreported_prompt_tokens_total",
-              "vllm_cache_ttft_seconds_", "vllm_cache_queue_wait_seconds_")
+              "vllm_cache_ttft_seconds_", "vllm_cache_queue_wait_seconds_",
+              "vllm_cache_completion_used_tokens_", "vllm_cache_completion_declared_tokens_total")
 # One turn per state, the unreported one first so that it stays unreported.
 TURNS = ((5000, None, None), (91_070, 86_016, None), (60_000, 30_720, None),
          (40_000, 0, None), (100, 0, None), (5000, 0, 500))
@@ -42,8 +43,9 @@ def fill_adversarially() -> tuple[Config, object]:
             model = (f"m{model_index:02d}" + "/abcdefghijklmn" * 10)[:128]
             for prompt, cached, status in TURNS:
                 state.usage.record(UsageEvent(
-                    caller, model, prompt, cached, ttft_seconds=86_399.123456789,
-                    queue_seconds=86_398.987654321, status=status), "http")
+                    caller, model, prompt, cached, completion_tokens=9_999_999,
+                    ttft_seconds=86_399.123456789, queue_seconds=86_398.987654321,
+                    status=status, max_tokens=9_999_999), "http")
     return config, state
 
 

@@ -17,6 +17,7 @@ from prometheus_client import PlatformCollector, ProcessCollector
 
 from exporter.metrics.engine import EngineCollector
 from exporter.metrics.exposition import ExporterRegistry, generate_text
+from exporter.metrics.foresight import ForesightCollector
 from exporter.metrics.self import SelfCollector
 from exporter.metrics.usage import UsageCollector
 from exporter.signals.state import SignalsState
@@ -31,4 +32,5 @@ def build_registry(state: SignalsState) -> ExporterRegistry:
     registry.register(SelfCollector(state))
     registry.register(EngineCollector(state.engine))
     registry.register(UsageCollector(state.usage))
+    registry.register(ForesightCollector(state.engine, state.usage))
     return registry

@@ -22,6 +22,7 @@ ALERT_NAMES = (
     "VllmCacheCachedTokensNotReported",
     "VllmCachePreemptions",
     "VllmCacheKVPoolNearFull",
+    "VllmCacheConversationsExceedKVPool",
     "VllmCacheEngineDown",
     "VllmCacheEngineMetricAbsent",
     "VllmCacheExporterDown",
@@ -218,6 +219,32 @@ unless
             another.""",
             self.dashboard_link(config.overview_uid, TARGET))
 
+    def conversations_exceed_pool(self) -> dict[str, Any]:
+        """Foresight: the live conversations cannot all stay cached. True as soon as the
+        conversation that tips the sum over the pool has finished its first turn, which is
+        before the turns it evicts come back cold and the hit ratio falls."""
+        config, promql, names = self.config, self.promql, self.names
+        selector = promql.sel()
+        expr = f"""
+{names.target_demand}{selector}
+  > {names.target_kv_pool_tokens}{selector} - {number(config.conversations_headroom_tokens)}
+and {names.target_conversations}{selector} >= {number(config.conversations_min_active)}"""
+        active = self.query_value(names.target_conversations, TARGET, "humanize")
+        pool = self.query_value(names.target_kv_pool_tokens, TARGET, "humanize")
+        fit = self.query_value(names.target_fit_ratio, TARGET, "humanizePercentage")
+        return self.alert(
+            "VllmCacheConversationsExceedKVPool", expr, config.conversations_for,
+            config.conversations_severity,
+            "The conversations active on a vLLM engine no longer fit its KV pool together.",
+            f"""{active} conversations active on vLLM {{{{ $labels.target }}}}
+            ({{{{ $labels.model_name }}}}) need {{{{ $value | humanize }}}} tokens of KV cache
+            to keep their prefixes, {fit} of its {pool}-token pool (less
+            {number(config.conversations_headroom_tokens)} tokens of headroom for their next
+            turns): each turn will evict another conversation's prefix, and the hit ratio will
+            collapse. Gate admission by tokens, under the smallest pool seen, or let fewer
+            conversations share this engine.""",
+            self.dashboard_link(config.overview_uid, TARGET))
+
     def engine_down(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         return self.alert(
@@ -263,6 +290,7 @@ def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
         alerts.cached_tokens_not_reported(),
         alerts.preemptions(),
         alerts.kv_pool_near_full(),
+        alerts.conversations_exceed_pool(),
         alerts.engine_down(),
         alerts.engine_metric_absent(),
         alerts.exporter_down(),

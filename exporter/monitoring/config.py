@@ -92,6 +92,17 @@ class MonitoringConfig:
     kv_pool_full_ratio: float = 0.95
     kv_pool_full_for: str = "15m"
     kv_pool_full_severity: str = "warning"
+    # --- VllmCacheConversationsExceedKVPool (foresight) --------------------------------------
+    # The live conversations' demand above the pool less this many tokens: "two conversations
+    # fit when their summed context stays a few thousand tokens under N". Keep it equal to
+    # the exporter's --signals.admission-headroom, which sets the admission budget.
+    conversations_headroom_tokens: float = 4096.0
+    conversations_min_active: float = 2.0  # one conversation alone cannot be evicted by another
+    conversations_for: str = "2m"
+    conversations_severity: str = "warning"
+    # How far back the smallest pool (and the admission budget under it) is looked for: long
+    # enough to cover several vLLM boots.
+    pool_min_window: str = "7d"
     # --- VllmCacheEngineDown / VllmCacheExporterDown ----------------------------------------
     engine_down_for: str = "5m"
     engine_down_severity: str = "warning"

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from exporter.monitoring.config import MonitoringConfig
-from exporter.monitoring.promql import PromQL
+from exporter.monitoring.promql import PromQL, number
 
 CALLER = ("caller", "model")
 CALLER_STATE = ("caller", "model", "state")
@@ -27,6 +27,9 @@ TARGET = ("target", "model_name")
 MODEL = ("model_name",)
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95))
+# What callers use of the completion budget they declare: the median, and the p99 an
+# admission gate should charge instead of the declared figure.
+COMPLETION_QUANTILES = (("p50", 0.5), ("p99", 0.99))
 # The collapse alerts' baseline: this quantile, over ``baseline_window``, of the long-window
 # ratio. High enough that the baseline is what the cache does when it works, low enough that
 # one unusually good hour does not raise the bar.
@@ -87,6 +90,23 @@ class Names:
         self.model_kv_used_ratio = "model:vllm_cache_engine_kv_used:ratio"
         self.target_preemptions = f"target_model:vllm_cache_engine_preemptions:{short}"
         self.model_preemptions = f"model:vllm_cache_engine_preemptions:{short}"
+        # foresight: live conversations against the pool, the smallest pool and the budget
+        pool_min = f"min{config.pool_min_window}"
+        self.target_conversations = "target_model:vllm_cache_conversations_active:sum"
+        self.target_demand = "target_model:vllm_cache_conversations_demand_tokens:sum"
+        self.target_fit_ratio = "target_model:vllm_cache_conversations_fit:ratio"
+        self.target_pool_min = f"target_model:vllm_cache_engine_kv_pool_min_tokens:{pool_min}"
+        self.target_budget = f"target_model:vllm_cache_admission_budget_tokens:{pool_min}"
+        # foresight: completion tokens declared vs used, per caller
+        self.caller_completion_bucket = (
+            f"caller_model:vllm_cache_completion_used_tokens_bucket:{long}")
+        self.caller_completion_used = {
+            quantile: f"caller_model:vllm_cache_completion_used_tokens:{quantile}_{long}"
+            for quantile, _ in COMPLETION_QUANTILES}
+        self.caller_completion_declared = (
+            f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}")
+        self.caller_completion_overstatement = (
+            f"caller_model:vllm_cache_completion_overstatement:ratio_{long}")
 
 
 def _rule(record: str, expr: str) -> dict[str, Any]:
@@ -172,6 +192,31 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
                            f"histogram_quantile({quantile}, "
                            f"sum {promql.by('model', 'state', 'le')} "
                            f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0"))
+    rules.extend(_completion_rules(config, promql, names))
+    return rules
+
+
+def _completion_rules(config: MonitoringConfig, promql: PromQL,
+                      names: Names) -> list[dict[str, Any]]:
+    """Declared vs used completion tokens per caller, over the long window: an admission gate
+    that charges the declared max_tokens holds a fraction of the conversations it could."""
+    window = config.long_window
+    rules = [_rule(names.caller_completion_bucket,
+                   f"sum {promql.by(*CALLER, 'le')} (rate("
+                   f"vllm_cache_completion_used_tokens_bucket{promql.sel()}[{window}]))")]
+    for name, quantile in COMPLETION_QUANTILES:
+        rules.append(_rule(names.caller_completion_used[name],
+                           f"histogram_quantile({quantile}, "
+                           f"{names.caller_completion_bucket}{promql.sel()}) >= 0"))
+    declared = (f"sum {promql.by(*CALLER)} (rate("
+                f"vllm_cache_completion_declared_tokens_total{promql.sel()}[{window}]))")
+    requests = (f"sum {promql.by(*CALLER)} (rate("
+                f"vllm_cache_completion_used_tokens_count{promql.sel()}[{window}]))")
+    rules.append(_rule(names.caller_completion_declared,
+                       f"{declared}\n/\n({requests} > 0)"))
+    rules.append(_rule(names.caller_completion_overstatement,
+                       f"{names.caller_completion_declared}{promql.sel()}\n/\n"
+                       f"({names.caller_completion_used['p50']}{promql.sel()} > 0)"))
     return rules
 
 
@@ -215,7 +260,31 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL,
                        f"{promql.sel()}[{config.short_window}]))"))
     rules.append(_rule(names.model_preemptions,
                        f"sum {promql.by(*MODEL)} ({names.target_preemptions}{promql.sel()})"))
+    rules.extend(_foresight_engine_rules(config, promql, names))
     return rules
+
+
+def _foresight_engine_rules(config: MonitoringConfig, promql: PromQL,
+                            names: Names) -> list[dict[str, Any]]:
+    """Live conversations against the pool (read after the pool's own rule, in this group),
+    and the smallest pool over ``pool_min_window`` with the admission budget under it."""
+    selector = promql.sel()
+    headroom = number(config.conversations_headroom_tokens)
+    return [
+        _rule(names.target_conversations,
+              f"sum {promql.by(*TARGET)} (vllm_cache_engine_conversations_active{selector})"),
+        _rule(names.target_demand,
+              f"sum {promql.by(*TARGET)} "
+              f"(vllm_cache_engine_conversations_demand_tokens{selector})"),
+        _rule(names.target_fit_ratio,
+              f"{names.target_demand}{selector}\n/\n"
+              f"({names.target_kv_pool_tokens}{selector} > 0)"),
+        _rule(names.target_pool_min,
+              f"sum {promql.by(*TARGET)} (min_over_time("
+              f"vllm_cache_engine_kv_pool_min_tokens{selector}[{config.pool_min_window}]))"),
+        _rule(names.target_budget,
+              f"clamp_min({names.target_pool_min}{selector} - {headroom}, 0)"),
+    ]
 
 
 def _group(config: MonitoringConfig, name: str, rules: list[dict[str, Any]]) -> dict[str, Any]:

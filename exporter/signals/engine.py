@@ -7,6 +7,10 @@ more than before the scrape would read as a small increase and the lost history 
 So each counter is carried forward here: a drop, or a changed ``_created`` timestamp, is a
 restart, and the new value is added on top. The exported counters never go down while the
 exporter runs, and never jump by the old total.
+
+The KV pool is carried the same way: its size moves from boot to boot (with whatever else
+holds GPU memory when vLLM loads), and the smallest one seen is the one an admission budget
+must fit under, so each target remembers the smallest pool of each engine across restarts.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from exporter.values import (
 # one engine label per data-parallel rank and one model_name per served model, so this is
 # far above any real engine; it bounds a target whose labels churn.
 MAX_TRACKS = 1024
+# Engines whose smallest pool is remembered, per target (least recently seen first out).
+MAX_POOL_ENGINES = 64
 
 
 @dataclass
@@ -75,6 +81,8 @@ class TargetState:
     restarts: int = 0
     invalid_samples: int = 0
     tracks: dict[tuple[str, str, str], CounterTrack] = field(default_factory=dict)
+    # engine label -> smallest KV pool (tokens) it reported since the exporter started
+    smallest_pool: dict[str, int] = field(default_factory=dict)
 
 
 class EngineState:
@@ -143,6 +151,7 @@ class EngineState:
                 rows.append(EngineRow("", engine, {}, {}, config))
         if restarted:
             state.restarts += 1
+        remember_smallest_pool(state.smallest_pool, snapshot)
         # A counter missing from one read (NaN, absent, a partial exposition) keeps its track:
         # forgetting it would restart its total from the next raw value, and Prometheus would
         # see the exported counter go back. Tracks of rows gone for good are let go only past
@@ -153,3 +162,15 @@ class EngineState:
             del state.tracks[next(iter(state.tracks))]
         state.rows = rows
 
+
+
+def remember_smallest_pool(smallest: dict[str, int], snapshot: EngineSnapshot) -> None:
+    """Fold each engine's pool into the smallest seen; bounded by ``MAX_POOL_ENGINES``."""
+    for engine, config in snapshot.cache_configs.items():
+        pool = config.pool_tokens
+        if not pool:
+            continue
+        known = smallest.pop(engine, None)
+        smallest[engine] = pool if known is None else min(known, pool)
+    while len(smallest) > MAX_POOL_ENGINES:
+        del smallest[next(iter(smallest))]

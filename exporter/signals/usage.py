@@ -25,6 +25,7 @@ from exporter.signals.callers import (
 )
 from exporter.signals.classify import ERROR, STATES, classify
 from exporter.signals.engine import EngineState
+from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
 from exporter.values import UsageEvent, status_is_error
 
@@ -35,6 +36,10 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120
 # Admission wait at the proxy: mostly zero, minutes when a long request holds the card.
 QUEUE_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                  300.0, 600.0)
+# Completion tokens used by requests that declared a max_tokens: a short tool call (tens) to
+# a long answer (a full 131k window); ~1.5x steps where callers' medians and p99s land.
+COMPLETION_BUCKETS = (64.0, 128.0, 256.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 4096.0,
+                      8192.0, 12288.0, 16384.0, 32768.0, 65536.0, 131072.0)
 # Distinct model label values; models are named by the operator, so this is only a guard.
 MAX_MODELS = 32
 # Conversation histories kept for the "previous turn" bound (an LRU; ~100 bytes each).
@@ -49,11 +54,13 @@ PAIR_MEMO_MAX = 10_000
 MAX_REJECT_KEYS = 256
 # The most series one (caller, model) pair can ever have: the requests counter per state,
 # three token counters, a TTFT histogram per state that is timed (errors are not), and
-# the queue-wait histogram. A new pair is admitted only if its worst case still fits the
-# series budget, so the bound holds whatever states and histograms appear later.
+# the queue-wait histogram; then (foresight) the completion-tokens-used histogram and the
+# declared-completion-tokens counter. A new pair is admitted only if its worst case still
+# fits the series budget, so the bound holds whatever states and histograms appear later.
 TIMED_STATES = tuple(state for state in STATES if state != ERROR)
+COMPLETION_SERIES = len(COMPLETION_BUCKETS) + 3 + 1
 SERIES_PER_PAIR = (len(STATES) + 3 + len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3)
-                   + len(QUEUE_BUCKETS) + 3)
+                   + len(QUEUE_BUCKETS) + 3 + COMPLETION_SERIES)
 
 SOURCE_CONFIGURED = "configured"
 SOURCE_LEARNED = "learned"
@@ -81,7 +88,8 @@ class Series:
     """Everything counted for one (caller, model) label pair."""
 
     __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
-                 "ttft", "queue", "reported_cached", "shown_from")
+                 "ttft", "queue", "reported_cached", "shown_from",
+                 "completion", "declared_completion_tokens")
 
     def __init__(self, shown_from: float = 0.0) -> None:
         self.requests = dict.fromkeys(STATES, 0)
@@ -93,6 +101,10 @@ class Series:
         self.reported_cached = False  # has an event of this pair ever carried cached_tokens
         # Before this time the pair is exposed with every counter at zero (see UsageState).
         self.shown_from = shown_from
+        # foresight: completion tokens used by requests that declared max_tokens, and the sum
+        # of what they declared (created with the first such request).
+        self.completion: Histogram | None = None
+        self.declared_completion_tokens = 0
 
 
 @dataclass(frozen=True)
@@ -119,6 +131,8 @@ class UsageSettings:
     # Prometheus scraping it (an HA pair too) sees it start from zero and rate() counts its
     # first increments. At least the longest scrape interval; 0 shows counts at once.
     new_series_hold: float = 0.0
+    # Live conversations and the admission budget (signals/foresight.py).
+    foresight: ForesightSettings = field(default_factory=ForesightSettings)
 
 
 class UsageState:
@@ -147,6 +161,7 @@ class UsageState:
         self.max_pairs = max(1, settings.max_series // SERIES_PER_PAIR)
         self.series_folded = 0  # events counted under __other__ because of the budget
         self.new_series_hold = settings.new_series_hold
+        self.conversations = ConversationTracker(settings.foresight)
         # (reader, reason) -> time from which its rejection counter shows (as for series).
         self.rejected_shown_from: dict[tuple[str, str], float] = {}
         for reader in settings.readers:
@@ -162,7 +177,7 @@ class UsageState:
         """
         events = self.events
         events[reader] = events.get(reader, 0) + 1
-        self.last_event_time[reader] = self._clock()
+        self.last_event_time[reader] = now = self._clock()
         caller, model_name = event.caller, event.model
         pair = self._pairs.get((caller, model_name))
         if pair is None:
@@ -226,7 +241,22 @@ class UsageState:
                 hist = series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
             hist.counts[bisect_left(hist.bounds, queue)] += 1
             hist.total += queue
+        self._foresight(event, series, model, now)
         return state
+
+    def _foresight(self, event: UsageEvent, series: Series, model: str, now: float) -> None:
+        """A successful turn's share of the foresight signals: its conversation's latest
+        context, and what it used of the completion budget it declared."""
+        completion = event.completion_tokens
+        when = event.time if event.time is not None else now
+        self.conversations.observe(event.caller, event.model, model, event.session,
+                                   event.prompt_tokens + (completion or 0), when, now)
+        declared = event.max_tokens
+        if declared is not None and completion is not None:
+            if series.completion is None:
+                series.completion = Histogram(COMPLETION_BUCKETS, self._shown_from())
+            series.completion.observe(completion)
+            series.declared_completion_tokens += declared
 
     def _pair(self, caller: str, model_name: str) -> tuple[Series, str, bool, bool]:
         """Resolve a raw (caller, model) to its series through the label caps, and memoize.

@@ -47,6 +47,8 @@ class SimRequest:
     max_tokens: int
     stream: bool
     include_usage: bool
+    # Where the simulated model ends its answer by itself (None: it writes max_tokens).
+    answer_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,20 @@ def parse_request(kind: str, body: Any, tokenizer: Tokenizer,
         raise ApiError(400, "Stream options can only be defined when `stream=True`.")
     include_usage = bool(options.get("include_usage", False))
     return SimRequest(kind, prompt if isinstance(prompt, (list, tuple)) else list(prompt),
-                      max_tokens, stream, include_usage)
+                      max_tokens, stream, include_usage, _answer_tokens(body))
+
+
+def _answer_tokens(body: Mapping[str, Any]) -> int | None:
+    """``vllm_xargs.answer_tokens``: how long the simulated model's answer is, when it ends
+    before ``max_tokens`` (a real model stops on its own; vLLM passes ``vllm_xargs`` through
+    to its sampling parameters' extra arguments, which it ignores unless a plugin reads them).
+    """
+    extra = body.get("vllm_xargs")
+    if extra is None:
+        return None
+    if not isinstance(extra, Mapping):
+        raise ApiError(400, "vllm_xargs must be an object")
+    return _int_field(extra, "answer_tokens")
 
 
 class Reply:
@@ -196,10 +211,12 @@ class SimService:
         return parse_request(kind, body, self.tokenizer, self.config)
 
     def start(self, request: SimRequest) -> Running:
-        reply = Reply(request.prompt, request.max_tokens, self.tokenizer)
+        writes = min(request.max_tokens, request.answer_tokens or request.max_tokens)
+        reply = Reply(request.prompt, writes, self.tokenizer)
         prefix = "chatcmpl" if request.kind == CHAT else "cmpl"
-        handle = self.runner.submit(request.prompt, reply.tokens, request.max_tokens,
-                                    self.runner.new_id(prefix))
+        handle = self.runner.submit(request.prompt, reply.tokens, writes,
+                                    self.runner.new_id(prefix),
+                                    declared_max_tokens=request.max_tokens)
         return Running(request, handle, reply, int(time.time()))
 
     async def first_token(self, running: Running) -> bool:

@@ -36,7 +36,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {name: getattr(args, ENGINE_PREFIX + name, None) for name in ENGINE_FIELDS
                  if hasattr(args, ENGINE_PREFIX + name)}
     if args.scenario:
-        return scenarios.load(args.scenario).engine_config(**overrides)
+        return scenarios.load(args.scenario).engine_config(0, **overrides)  # the first boot
     try:
         return EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
     except EngineConfigError as err:

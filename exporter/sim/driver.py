@@ -95,7 +95,8 @@ class Driver:
         if not completion.ok:
             stats.errors += 1
             log.warning("%s: %s %s", caller, completion.status, completion.error or "")
-        event = usage_event(caller, session, completion, self.wall_clock())
+        event = usage_event(caller, session, completion, self.wall_clock(),
+                            body.get("max_tokens"))
         if event is None:
             stats.unreported += 1
         else:
@@ -106,8 +107,11 @@ class Driver:
 
     def _body(self, agent: AgentSpec, messages: list[dict[str, str]]) -> tuple[str, dict[str,
                                                                                        Any]]:
-        body: dict[str, Any] = {"model": self.model, "max_tokens": agent.output_tokens,
+        declared = agent.declared_max_tokens or agent.output_tokens
+        body: dict[str, Any] = {"model": self.model, "max_tokens": declared,
                                 "stream": agent.stream}
+        if declared > agent.output_tokens:  # the answer ends before what was declared
+            body["vllm_xargs"] = {"answer_tokens": agent.output_tokens}
         if agent.stream:
             body["stream_options"] = {"include_usage": True}
         if agent.endpoint == "chat":

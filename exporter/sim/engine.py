@@ -121,7 +121,7 @@ class Request:
     prompt: Sequence[int]
     output: Sequence[int]  # the tokens it will generate (max_tokens of them)
     arrival: float
-    max_tokens: int
+    max_tokens: int  # what it will generate
     state: str = WAITING
     generated: float = 0.0  # output tokens produced so far (fractional between events)
     remaining_prefill: float = 0.0
@@ -138,6 +138,9 @@ class Request:
     preemptions: int = 0
     new_cached_tokens: int = 0  # tokens this request added to the prefix cache
     blocked_at: int = -1  # pool version when admission last failed
+    # max_tokens as the request declared it, when the answer ends before (0: max_tokens):
+    # it decides whether the request fits the context window, not how much is written.
+    declared_max_tokens: int = 0
     _keys: list[int] | None = None  # chain keys of prompt + output, computed once
 
     @property
@@ -211,11 +214,12 @@ class Engine:
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id} is already in the engine")
         limit = self.config.context_limit
-        if seq.prompt_tokens + seq.max_tokens > limit:
+        declared = max(seq.max_tokens, seq.declared_max_tokens)
+        if seq.prompt_tokens + declared > limit:
             self._reject(seq, f"This model's maximum context length is {limit} tokens. "
-                              f"However, you requested {seq.prompt_tokens + seq.max_tokens} "
+                              f"However, you requested {seq.prompt_tokens + declared} "
                               f"tokens ({seq.prompt_tokens} in the messages, "
-                              f"{seq.max_tokens} in the completion).")
+                              f"{declared} in the completion).")
             return
         if seq.prompt_tokens == 0:
             self._reject(seq, "The prompt is empty.")
@@ -490,7 +494,8 @@ class Engine:
         self._stop_running(seq)
         self._cache_output(seq)
         self._release(seq)
-        self._finish(seq, "length")
+        # An answer that ended before the declared max_tokens stopped by itself.
+        self._finish(seq, "stop" if seq.declared_max_tokens > seq.max_tokens else "length")
 
     def _cache_output(self, seq: Request) -> None:
         """Full blocks that now hold generated tokens become reusable too (dense models)."""

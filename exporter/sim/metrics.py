@@ -93,7 +93,9 @@ def cache_config_labels(config: EngineConfig) -> dict[str, str]:
         "kv_cache_layout": "None",
         "kv_cache_max_concurrency": str(round(config.pool_tokens / config.context_limit, 2)),
         "kv_cache_memory_bytes": str(config.pool_tokens * _KV_BYTES_PER_TOKEN),
-        "kv_cache_size_tokens": str(config.pool_tokens),
+        # vLLM prints the pool it sized from memory ("GPU KV cache size: N tokens"), which on
+        # a hybrid model is no multiple of the block size; blocks are whole below it.
+        "kv_cache_size_tokens": str(config.kv_pool_tokens),
         "kv_offloading_backend": "native",
         "kv_offloading_size": "None",
         "kv_sharing_fast_prefill": "False",

@@ -30,8 +30,9 @@ RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)
 
 
 def usage_event(caller: str, session: str | None, completion: Completion,
-                finished_at: float) -> dict[str, Any] | None:
-    """The native usage event for one request; None when a success carried no usage."""
+                finished_at: float, max_tokens: int | None = None) -> dict[str, Any] | None:
+    """The native usage event for one request; None when a success carried no usage.
+    ``max_tokens`` is what the request declared, as a proxy that sees the request knows."""
     event: dict[str, Any] = {"caller": caller, "time": round(finished_at, 3)}
     if session:
         event["session"] = session
@@ -49,6 +50,8 @@ def usage_event(caller: str, session: str | None, completion: Completion,
     event["cached_tokens"] = cached if type(cached) is int else None
     if type(usage.get("completion_tokens")) is int:
         event["completion_tokens"] = usage["completion_tokens"]
+    if max_tokens is not None:
+        event["max_tokens"] = max_tokens
     if completion.ttft_seconds is not None:
         event["ttft_seconds"] = round(completion.ttft_seconds, 6)
     event["status"] = completion.status

@@ -69,10 +69,11 @@ class EngineRunner:
         return f"{prefix}-{next(self._ids):08x}"
 
     def submit(self, prompt: Sequence[int], output: Sequence[int], max_tokens: int,
-               request_id: str) -> Handle:
+               request_id: str, declared_max_tokens: int = 0) -> Handle:
         loop = asyncio.get_running_loop()
         now = self.clock.now()
-        request = Request(request_id, prompt, output, now, max_tokens)
+        request = Request(request_id, prompt, output, now, max_tokens,
+                          declared_max_tokens=declared_max_tokens)
         handle = Handle(request, loop.create_future(), loop.create_future())
         self._handles[request_id] = handle
         self.engine.submit(request, now)

@@ -57,6 +57,10 @@ class AgentSpec:
     shared_tokens: int = 2400
     task_tokens: int = 400
     order: str = SHARED_FIRST
+    # max_tokens each request declares (0: output_tokens). Larger than output_tokens, it is a
+    # caller that declares far more than it uses; the simulated model still answers
+    # output_tokens (vllm_xargs.answer_tokens).
+    declared_max_tokens: int = 0
 
     def check(self) -> None:
         problems = []
@@ -71,7 +75,10 @@ class AgentSpec:
         for name in ("count", "turns", "width", "rounds", "output_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1")
-        for name in ("context_tokens", "input_tokens", "shared_tokens", "task_tokens"):
+        if self.declared_max_tokens and self.declared_max_tokens < self.output_tokens:
+            problems.append("declared_max_tokens must be 0 or at least output_tokens")
+        for name in ("context_tokens", "input_tokens", "shared_tokens", "task_tokens",
+                     "declared_max_tokens"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
         for name in ("start", "think_seconds", "every_seconds"):
@@ -90,10 +97,15 @@ class Scenario:
     engine: dict[str, Any]
     agents: tuple[AgentSpec, ...]
     demo_speed: float = 10.0
+    # vLLM restarts: each boot's engine settings over ``engine`` (a new pool, say). The
+    # scenario plays once per boot on a fresh engine; none: one boot of ``engine``.
+    boots: tuple[dict[str, Any], ...] = ()
 
-    def engine_config(self, **overrides: Any) -> EngineConfig:
-        """The EngineConfig the scenario asks for; ``overrides`` (flags) win when not None."""
+    def engine_config(self, boot: int = 0, **overrides: Any) -> EngineConfig:
+        """The EngineConfig of boot ``boot``; ``overrides`` (flags) win when not None."""
         values = dict(self.engine)
+        if self.boots:
+            values.update(self.boots[boot])
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return EngineConfig(**values)
@@ -107,7 +119,7 @@ class Scenario:
 
 _ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
 _AGENT_FIELDS = {f.name: f for f in dataclasses.fields(AgentSpec)}
-_TOP_KEYS = {"name", "title", "report", "reproduces", "engine", "agents", "demo"}
+_TOP_KEYS = {"name", "title", "report", "reproduces", "engine", "agents", "demo", "boots"}
 
 
 def _typed(value: Any, like: Any, where: str) -> Any:
@@ -144,12 +156,17 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     bad = set(engine) - _ENGINE_KEYS
     if bad:
         raise ScenarioError(f"{source}: engine: unknown key(s) {', '.join(sorted(bad))}")
-    defaults = EngineConfig()
-    engine = {key: value if key == "enable_prefix_caching" and value is None
-              else _typed(value, getattr(defaults, key)
-                          if getattr(defaults, key) is not None else True,
-                          f"{source}: engine.{key}")
-              for key, value in engine.items()}
+    engine = _engine_settings(engine, f"{source}: engine")
+    boots_raw = data.get("boots") or []
+    if not isinstance(boots_raw, list) or not all(isinstance(boot, dict) for boot in boots_raw):
+        raise ScenarioError(f"{source}: boots must be a list of engine settings")
+    boots = []
+    for index, boot in enumerate(boots_raw):
+        bad = set(boot) - _ENGINE_KEYS
+        if bad:
+            raise ScenarioError(f"{source}: boots[{index}]: unknown key(s) "
+                                f"{', '.join(sorted(bad))}")
+        boots.append(_engine_settings(boot, f"{source}: boots[{index}]"))
     agents_raw = data["agents"]
     if not isinstance(agents_raw, list) or not agents_raw:
         raise ScenarioError(f"{source}: agents must be a non-empty list")
@@ -177,12 +194,22 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         raise ScenarioError(f"{source}: demo.speed must be positive")
     scenario = Scenario(str(data["name"]), str(data.get("title", "")),
                         str(data.get("report", "")), str(data.get("reproduces", "")).strip(),
-                        engine, tuple(agents), speed)
-    try:
-        scenario.engine_config()  # fail now on an impossible engine
-    except ScenarioError as err:
-        raise ScenarioError(f"{source}: {err}") from None
+                        engine, tuple(agents), speed, tuple(boots))
+    for boot in range(max(1, len(boots))):
+        try:
+            scenario.engine_config(boot)  # fail now on an impossible engine
+        except ScenarioError as err:
+            raise ScenarioError(f"{source}: {err}") from None
     return scenario
+
+
+def _engine_settings(engine: dict[str, Any], where: str) -> dict[str, Any]:
+    """Engine settings typed against EngineConfig's defaults."""
+    defaults = EngineConfig()
+    return {key: value if key == "enable_prefix_caching" and value is None
+            else _typed(value, getattr(defaults, key)
+                        if getattr(defaults, key) is not None else True, f"{where}.{key}")
+            for key, value in engine.items()}
 
 
 def available() -> list[str]:

@@ -8,6 +8,9 @@ second of CPU, which is what lets the tests assert every field report's outcome.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,21 +35,54 @@ class VirtualRun:
         return [event for when, event in self.events if start <= when < end]
 
 
-def play(scenario: Scenario, iterations: int = 1, **engine_overrides: Any) -> VirtualRun:
-    """Run ``iterations`` iterations of the scenario in virtual time and return what happened."""
+# Called with (scenario seconds, the simulator) while a run plays (see ``play``).
+Sampler = Callable[[float, Simulator], None]
+
+
+def play(scenario: Scenario, iterations: int = 1, boot: int = 0,
+         sampler: Sampler | None = None, sample_every: float = 15.0,
+         **engine_overrides: Any) -> VirtualRun:
+    """Run ``iterations`` iterations of the scenario on boot ``boot`` of its engine, in
+    virtual time, and return what happened.
+
+    ``sampler``, when given, is called every ``sample_every`` scenario seconds from the start
+    and once more at the end: what a scraper of the simulator would see along the way.
+    """
 
     async def main() -> VirtualRun:
         clock = SimClock(1.0)
-        sim = build_simulator(scenario.engine_config(**engine_overrides), clock)
+        sim = build_simulator(scenario.engine_config(boot, **engine_overrides), clock)
         await sim.runner.start()
         reporter = ListReporter(clock.now)
         client = InProcessClient(sim.service, clock)
         driver = Driver(scenario, client, reporter, clock, sim.config.served_model_name)
+        sampling = (asyncio.ensure_future(_sample(sampler, sim, clock, sample_every))
+                    if sampler is not None else None)
         try:
             stats = await driver.run(iterations)
+            if sampling is not None:
+                sampling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampling
+                assert sampler is not None
+                sampler(clock.now(), sim)
             text = sim.render_metrics().decode()
             return VirtualRun(scenario, sim, reporter.events, stats, clock.now(), text)
         finally:
             await sim.runner.close()
 
     return run_virtual(main())
+
+
+def play_boots(scenario: Scenario, iterations: int = 1,
+               **engine_overrides: Any) -> list[VirtualRun]:
+    """The scenario once per boot (each a freshly started engine: counters at zero, an empty
+    cache, the boot's own pool), one run each."""
+    return [play(scenario, iterations, boot, **engine_overrides)
+            for boot in range(max(1, len(scenario.boots)))]
+
+
+async def _sample(sampler: Sampler, sim: Simulator, clock: SimClock, every: float) -> None:
+    while True:
+        sampler(clock.now(), sim)
+        await clock.sleep(every)

@@ -30,7 +30,9 @@ MAX_SESSION_CHARS = 256
 MAX_STATUS_CHARS = 32
 
 FIELDS = ("caller", "model", "prompt_tokens", "cached_tokens", "completion_tokens",
-          "ttft_seconds", "queue_seconds", "session", "time", "status")
+          "ttft_seconds", "queue_seconds", "session", "time", "status",
+          # foresight
+          "max_tokens")
 
 # Every reason validate() can give, so the docs and tests can enumerate them.
 REASONS = (
@@ -153,7 +155,7 @@ def _status(obj: Mapping[str, Any]) -> int | str | None:
 def _make(caller: str, model: str, prompt_tokens: int, cached_tokens: int | None,
           completion_tokens: int | None, ttft_seconds: float | None,
           queue_seconds: float | None, session: str | None, time: float | None,
-          status: int | str | None) -> UsageEvent:
+          status: int | str | None, max_tokens: int | None = None) -> UsageEvent:
     """Build a UsageEvent from values already checked, without the frozen ``__init__``.
 
     A frozen dataclass sets each field through ``object.__setattr__``; filling ``__dict__``
@@ -163,7 +165,8 @@ def _make(caller: str, model: str, prompt_tokens: int, cached_tokens: int | None
     event.__dict__.update(caller=caller, model=model, prompt_tokens=prompt_tokens,
                           cached_tokens=cached_tokens, completion_tokens=completion_tokens,
                           ttft_seconds=ttft_seconds, queue_seconds=queue_seconds,
-                          session=session, time=time, status=status)
+                          session=session, time=time, status=status,
+                          max_tokens=max_tokens)
     return event
 
 
@@ -243,5 +246,11 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
             _remember(_valid_sessions, session)
         else:
             session = _text(obj, "session", MAX_SESSION_CHARS, "bad_session")
+    # foresight: the completion budget the request declared (range-checked as a token count
+    # before any conversion, like the others).
+    max_tokens = get("max_tokens")
+    if max_tokens is not None and not (type(max_tokens) is int
+                                       and 0 <= max_tokens <= MAX_TOKENS):
+        max_tokens = token_count(obj, "max_tokens", required=False)
     return _make(caller, model, prompt_tokens, cached_tokens, completion_tokens, ttft, queue,
-                 session, when, status)
+                 session, when, status, max_tokens)

@@ -88,9 +88,13 @@ class LiteLLMFormat:
       ``trace_id`` is never read: it is a fresh id per call when the client sent none, which
       would make every call a conversation of its own.
     - status: ``status`` ("success" / "failure"); failures count as errors.
+    - max_tokens: the request's ``model_parameters.max_tokens`` (else
+      ``max_completion_tokens``): LiteLLM keeps the optional parameters it sent there.
     """
 
     SESSION_FIELDS = (("session_id",), ("metadata", "requester_metadata", "session_id"))
+    MAX_TOKENS_FIELDS = (("model_parameters", "max_tokens"),
+                         ("model_parameters", "max_completion_tokens"))
 
     def __init__(self, caller_fields: Sequence[str]) -> None:
         self.caller_fields = [field.split(".") for field in caller_fields]
@@ -125,6 +129,7 @@ class LiteLLMFormat:
         }
         native_form["time"] = _timestamp(payload.get("startTime"))
         native_form["ttft_seconds"] = _litellm_ttft(payload)
+        native_form["max_tokens"] = _first_text(payload, self.MAX_TOKENS_FIELDS)
         return validate(native_form)
 
 
@@ -179,10 +184,10 @@ class OpenAIFormat:
     ``response`` is the response body the proxy got from vLLM: a JSON object (a whole
     response, or the final chunk of a stream, the one with ``choices: []`` and the usage),
     or its raw text (JSON, or the SSE stream, in which the last chunk with a usage wins).
-    The record's own ``model``, ``ttft_seconds``, ``queue_seconds``, ``session``, ``time``
-    and ``status`` keys are taken as they are. Without ``ttft_seconds``, vLLM's per-request
-    ``metrics.time_to_first_token_ms`` (``--enable-per-request-metrics``) is used; it is
-    already engine-side.
+    The record's own ``model``, ``ttft_seconds``, ``queue_seconds``, ``session``, ``time``,
+    ``status`` and ``max_tokens`` keys are taken as they are. Without ``ttft_seconds``,
+    vLLM's per-request ``metrics.time_to_first_token_ms`` (``--enable-per-request-metrics``)
+    is used; it is already engine-side.
     """
 
     def __call__(self, obj: Any) -> UsageEvent:

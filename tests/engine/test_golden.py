@@ -24,12 +24,14 @@ CASES = {
 
 
 def engine_exposition(text: str, target: str) -> str:
-    """Our engine and self series only, nondeterministic ones dropped, target made stable."""
+    """Our engine and self series (process_* read from the recorded /proc of
+    tests/fixtures/proc), nondeterministic ones dropped, target made stable."""
     keep = []
     for line in text.splitlines():
         if "scrape_duration_seconds" in line:
             continue
-        if "vllm_cache_engine_" in line or "vllm_cache_exporter_" in line:
+        if ("vllm_cache_engine_" in line or "vllm_cache_exporter_" in line
+                or " process_" in line or line.startswith("process_")):
             keep.append(line.replace(target, STABLE_TARGET))
     return "\n".join(keep) + "\n"
 

@@ -9,7 +9,7 @@ from collections import defaultdict
 import yaml
 
 from exporter.monitoring.alerts import ALERT_NAMES, runbook_anchor
-from exporter.monitoring.config import SEVERITIES, MonitoringConfig
+from exporter.monitoring.config import SEVERITIES, MonitoringConfig, duration_seconds
 from exporter.monitoring.render import prometheus_files
 from tests.monitoring.common import (
     ALERTS_FILE,
@@ -25,10 +25,13 @@ ISSUE_ALERTS = {
     "VllmCachePrefixCollapse", "VllmCacheWarmTTFTCollapse", "VllmCachePrefixCachingDisabled",
     "VllmCacheCachedTokensNotReported", "VllmCachePreemptions", "VllmCacheKVPoolNearFull",
     "VllmCacheEngineDown", "VllmCacheEngineMetricAbsent",
+    # foresight: the collapse seen coming
+    "VllmCacheConversationsExceedKVPool",
 }
 # Alerts whose expression's value is a number worth reading (the others are 0/1 states).
 VALUED = {"VllmCachePrefixCollapse", "VllmCacheWarmTTFTCollapse",
-          "VllmCacheCachedTokensNotReported", "VllmCachePreemptions", "VllmCacheKVPoolNearFull"}
+          "VllmCacheCachedTokensNotReported", "VllmCachePreemptions", "VllmCacheKVPoolNearFull",
+          "VllmCacheConversationsExceedKVPool"}
 
 
 def alerts() -> list[dict]:
@@ -112,14 +115,14 @@ def test_runbook_has_a_section_per_alert_with_a_silence_example() -> None:
 
 
 def test_every_alert_has_promtool_tests_silent_before_for_then_firing() -> None:
-    firing: dict[str, list[int]] = defaultdict(list)
-    silent: dict[str, list[int]] = defaultdict(list)
+    firing: dict[str, list[float]] = defaultdict(list)
+    silent: dict[str, list[float]] = defaultdict(list)
     for path in PROMTOOL_TESTS:
         for test in load_yaml(path)["tests"]:
             for case in test.get("alert_rule_test", []):
-                minutes = int(re.fullmatch(r"(\d+)m", case["eval_time"]).group(1))
+                seconds = duration_seconds(case["eval_time"])
                 bucket = firing if case.get("exp_alerts") else silent
-                bucket[case["alertname"]].append(minutes)
+                bucket[case["alertname"]].append(seconds)
     for name in ALERT_NAMES:
         assert firing[name], f"no promtool test shows {name} firing"
         assert silent[name], f"no promtool test shows {name} silent"

@@ -51,6 +51,13 @@ def chat(text: str, **extra) -> dict:
     ("/v1/completions", b'{"prompt": {"a": 1}}', 400, "prompt"),
     ("/v1/completions", b'{"prompt": "' + ("w " * 9000).encode() + b'"}', 400,
      "maximum context length is 8192"),
+    ("/v1/completions", b'{"prompt": "x", "vllm_xargs": [1]}', 400, "vllm_xargs"),
+    ("/v1/completions", b'{"prompt": "x", "vllm_xargs": {"answer_tokens": 0}}', 400,
+     "answer_tokens"),
+    # the declared max_tokens decides whether it fits the window, not the answer's length
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 9000, '
+                        b'"vllm_xargs": {"answer_tokens": 5}}', 400,
+     "maximum context length is 8192"),
 ])
 async def test_bad_requests_get_vllms_error_shape(front, path, body, status, fragment):
     response = await front.post(path, data=body, headers={"Content-Type": "application/json"})
@@ -121,3 +128,18 @@ async def test_rejected_stream_is_a_plain_error(front):
         "prompt": [17] * 8000, "max_tokens": 500, "stream": True})
     assert response.status == 400
     assert "maximum context length" in (await response.json())["error"]["message"]
+
+
+async def test_an_answer_can_end_before_the_declared_max_tokens(front):
+    """A real model stops by itself; the simulated one where vllm_xargs.answer_tokens says:
+    finish_reason "stop", completion_tokens the answer's length, max_tokens as declared."""
+    response = await front.post("/v1/completions", json={
+        "prompt": "hello there", "max_tokens": 4000, "vllm_xargs": {"answer_tokens": 7}})
+    assert response.status == 200
+    body = await response.json()
+    assert body["usage"]["completion_tokens"] == 7
+    assert body["choices"][0]["finish_reason"] == "stop"
+    plain = await (await front.post("/v1/completions", json={
+        "prompt": "hello again", "max_tokens": 7})).json()
+    assert plain["usage"]["completion_tokens"] == 7
+    assert plain["choices"][0]["finish_reason"] == "length"

@@ -27,6 +27,15 @@ GOOD = {"name": "t", "agents": [{"caller": "a"}]}
     ({"name": "t", "agents": [{"caller": "a", "think_seconds": -1}]}, "must not be negative"),
     ({"name": "t", "agents": [{"caller": "a", "tunrs": 3}]}, "unknown key(s) tunrs"),
     ({**GOOD, "demo": {"speed": 0}}, "demo.speed must be positive"),
+    ({**GOOD, "boots": {"kv_pool_tokens": 1}}, "boots must be a list of engine settings"),
+    ({**GOOD, "boots": [{"kv_pool_tokens": 1000}, {"pool": 5}]},
+     "boots[1]: unknown key(s) pool"),
+    ({**GOOD, "boots": [{"kv_pool_tokens": "big"}]}, "boots[0].kv_pool_tokens: expected"),
+    ({**GOOD, "engine": {"block_size": 32}, "boots": [{"kv_pool_tokens": 16}]},
+     "kv_pool_tokens must hold one block"),
+    ({"name": "t", "agents": [{"caller": "a", "output_tokens": 800,
+                               "declared_max_tokens": 100}]},
+     "declared_max_tokens must be 0 or at least output_tokens"),
 ])
 def test_bad_scenarios_are_refused_with_the_key_named(data, message):
     with pytest.raises(ScenarioError) as caught:
@@ -53,3 +62,12 @@ def test_flags_override_the_scenario_engine():
     assert scenario.engine_config().kv_pool_tokens == 210828
     config = scenario.engine_config(kv_pool_tokens=160779, hybrid=None)
     assert config.kv_pool_tokens == 160779 and config.hybrid is True
+
+
+def test_boots_are_engine_settings_over_the_engine():
+    """pool-restarts: each boot's pool over the same engine; flags still win."""
+    scenario = scenarios.load("pool-restarts")
+    pools = [scenario.engine_config(boot).kv_pool_tokens for boot in range(len(scenario.boots))]
+    assert pools == [210_828, 193_732, 203_372]
+    assert {scenario.engine_config(boot).block_size for boot in range(3)} == {2048}
+    assert scenario.engine_config(1, kv_pool_tokens=100_000).kv_pool_tokens == 100_000

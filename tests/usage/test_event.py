@@ -11,7 +11,7 @@ from exporter.values import UsageEvent, status_is_error
 
 GOOD = {"caller": "agent-1", "model": "qwen", "prompt_tokens": 1396, "cached_tokens": 1376,
         "completion_tokens": 8, "ttft_seconds": 0.5, "queue_seconds": 0.1, "session": "s1",
-        "time": 1_795_992_177.0, "status": 200}
+        "time": 1_795_992_177.0, "status": 200, "max_tokens": 65_536}
 
 
 def test_native_form_round_trips_every_field():
@@ -24,7 +24,7 @@ def test_native_form_round_trips_every_field():
 
 def test_only_caller_and_prompt_tokens_are_required():
     event = validate({"caller": "a", "prompt_tokens": 10})
-    assert event == UsageEvent("a", "", 10, None, None, None, None, None, None, None)
+    assert event == UsageEvent("a", "", 10, None, None, None, None, None, None, None, None)
     assert event.cached_tokens is None  # not reported is not zero
 
 
@@ -38,6 +38,10 @@ def test_accepted_variants():
     # A failed request has no usage: prompt_tokens may be left out.
     assert validate({"caller": "a", "status": 503}).prompt_tokens == 0
     assert status_is_error(validate({"caller": "a", "status": "failure"}).status)
+    # the declared completion budget: absent is unknown (None), a whole float is accepted
+    assert validate({"caller": "a", "prompt_tokens": 10}).max_tokens is None
+    assert validate({"caller": "a", "prompt_tokens": 10, "max_tokens": 65536.0}).max_tokens \
+        == 65536
 
 
 BAD = [
@@ -74,6 +78,14 @@ BAD = [
     ({"caller": "a", "prompt_tokens": 10, "model": "m\x00"}, "bad_model"),
     ({"caller": "a", "prompt_tokens": 10, "session": ["s"]}, "bad_session"),
     ({"caller": "a", "prompt_tokens": 10, "session": "s" * 1000}, "bad_session"),
+    # the declared completion budget is a token count like the others, checked before any
+    # conversion (a JSON integer past a float's range is refused, never converted)
+    ({"caller": "a", "prompt_tokens": 10, "max_tokens": "65536"}, "not_a_number"),
+    ({"caller": "a", "prompt_tokens": 10, "max_tokens": True}, "not_a_number"),
+    ({"caller": "a", "prompt_tokens": 10, "max_tokens": 100.5}, "not_a_number"),
+    ({"caller": "a", "prompt_tokens": 10, "max_tokens": -1}, "negative"),
+    ({"caller": "a", "prompt_tokens": 10, "max_tokens": 10**400}, "too_large"),
+    ({"caller": "a", "prompt_tokens": 10, "max_tokens": float("inf")}, "not_finite"),
 ]
 
 

@@ -47,14 +47,31 @@ def recorded_litellm(name: str) -> list[dict]:
 def test_litellm_payloads_convert():
     convert = LiteLLMFormat(LITELLM_FIELDS)
     streamed, not_streamed, unreported, failed = (convert(p) for p in litellm_payloads())
+    # max_tokens: what the request declared, kept by LiteLLM in model_parameters
     assert streamed == UsageEvent("agent-research", "tiny-llama", 1396, 1376, 8, 0.5, None,
-                                  None, 1795992176.25, "success")
+                                  None, 1795992176.25, "success", max_tokens=8)
     # completionStartTime == endTime when not streamed: that is not a TTFT.
     assert not_streamed.caller == "platform"
     assert (not_streamed.prompt_tokens, not_streamed.cached_tokens) == (1395, 0)
     assert not_streamed.ttft_seconds is None
     assert unreported.caller == "customer-42" and unreported.cached_tokens is None
     assert status_is_error(failed.status)
+
+
+def test_litellm_max_tokens_from_the_request_parameters():
+    """The declared completion budget comes from model_parameters (max_tokens, else
+    max_completion_tokens); none declared is unknown, and a bad one is refused like any
+    other bad number."""
+    convert = LiteLLMFormat(LITELLM_FIELDS)
+    payload = litellm_payloads()[0]
+    assert convert({**payload, "model_parameters": {"max_completion_tokens": 65536}}) \
+        .max_tokens == 65536
+    assert convert({**payload, "model_parameters": {"stream": True}}).max_tokens is None
+    assert convert({key: value for key, value in payload.items()
+                    if key != "model_parameters"}).max_tokens is None
+    with pytest.raises(InvalidEvent) as err:
+        convert({**payload, "model_parameters": {"max_tokens": -5}})
+    assert err.value.reason == "negative"
 
 
 def test_litellm_caller_order_is_configurable():
@@ -112,7 +129,7 @@ def test_recorded_litellm_payloads_convert():
     by_user, by_header, by_header_again, by_key, failed = (
         convert(p) for p in recorded_litellm("readme-config"))
     assert by_user == UsageEvent("batch-summarizer", "Qwen/Qwen3-8B", 173, 0, 4, None, None,
-                                 "conv-a-0001", 1796039881.622595, "success")
+                                 "conv-a-0001", 1796039881.622595, "success", max_tokens=4)
     assert (by_header.caller, by_header.session, by_header.cached_tokens) == (
         "ide-assistant", "conv-b-0001", 160)
     assert by_header.ttft_seconds == pytest.approx(1796039882.612504 - 1796039882.551432)

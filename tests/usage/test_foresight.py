@@ -1,0 +1,218 @@
+"""Foresight signals: live conversations against the pool, the smallest pool across vLLM
+restarts and the budget under it, declared vs used completion tokens; every bound filled."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.engine.parse import parse
+from exporter.metrics import build_registry
+from exporter.signals import foresight
+from exporter.signals.engine import MAX_POOL_ENGINES, EngineState
+from exporter.values import CacheConfig, EngineSnapshot, UsageEvent
+from tests.helpers import fixture_text
+from tests.usage.conftest import FakeClock, make_state, value
+
+REAL = fixture_text("vllm-0.32.0-cpu/metrics_after.prom")  # tiny-llama, pool 1,048,576
+TARGET = "http://vllm:8000/metrics"
+
+
+def turn(caller: str, prompt: int, completion: int | None = 300, session: str | None = None,
+         model: str = "qwen", **fields: object) -> UsageEvent:
+    return UsageEvent(caller, model, prompt, 0, completion, session=session,
+                      **fields)  # type: ignore[arg-type]
+
+
+def demand(state, model: str = "qwen") -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    registry = build_registry(state)
+    return (value(registry, "vllm_cache_conversations_active", model=model),
+            value(registry, "vllm_cache_conversations_demand_tokens", model=model))
+
+
+def test_demand_is_the_latest_context_of_each_live_conversation():
+    clock = FakeClock()
+    state = make_state(clock)
+    state.usage.record(turn("a", 60_000, session="s1"), "http")
+    state.usage.record(turn("a", 62_300, session="s1"), "http")  # the same conversation grew
+    state.usage.record(turn("a", 30_000, completion=None, session="s2"), "http")
+    state.usage.record(turn("b", 35_000), "http")  # no session: the caller's conversation
+    # A failed turn says nothing about what is cached.
+    state.usage.record(turn("b", 0, completion=None, status=503), "http")
+    assert demand(state) == (3, 62_600 + 30_000 + 35_300)
+
+
+def test_a_conversation_stops_counting_after_the_idle_window():
+    clock = FakeClock()
+    state = make_state(clock, signals_conversation_idle=600.0)
+    state.usage.record(turn("a", 60_000), "http")
+    clock.now += 300
+    state.usage.record(turn("b", 35_000), "http")
+    clock.now += 300  # a's last turn is exactly 600 s old: still live
+    assert demand(state) == (2, 95_600)
+    clock.now += 1
+    assert demand(state) == (1, 35_300)
+    clock.now += 600
+    assert demand(state) == (0, 0), "a model seen keeps its series, at 0"
+
+
+def test_event_times_decide_liveness_so_a_replayed_file_is_not_live():
+    clock = FakeClock()
+    state = make_state(clock)
+    state.usage.record(turn("old", 90_000, time=clock.now - 3_600), "file")
+    state.usage.record(turn("new", 10_000, time=clock.now - 5), "file")
+    assert demand(state) == (1, 10_300)
+
+
+def test_hybrid_state_is_charged_twice_per_live_conversation_of_that_model():
+    state = make_state(signals_state_tokens=(("qwen", 12_288),))
+    state.usage.record(turn("a", 90_000), "http")
+    state.usage.record(turn("b", 35_000), "http")
+    state.usage.record(turn("c", 1_000, model="dense"), "http")
+    assert demand(state) == (2, 90_300 + 35_300 + 4 * 12_288)
+    assert demand(state, "dense") == (1, 1_300)
+
+
+def test_the_conversation_lru_is_bounded_and_counts_live_ones_it_forgets():
+    """Filled past its cap with live conversations: it holds exactly the cap, the demand is
+    that of the newest ones, and every live one forgotten is counted."""
+    cap = 50
+    state = make_state(signals_conversations_max=cap)
+    for index in range(cap + 7):
+        state.usage.record(turn(f"c{index}", 1_000 + index, completion=0), "http")
+    assert len(state.usage.conversations) == cap
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_conversations_dropped_total") == 7
+    assert value(registry, "vllm_cache_conversations_active", model="qwen") == cap
+    assert value(registry, "vllm_cache_conversations_demand_tokens", model="qwen") == sum(
+        1_000 + index for index in range(7, cap + 7))
+
+
+def test_forgetting_an_idle_conversation_is_not_a_loss():
+    clock = FakeClock()
+    state = make_state(clock, signals_conversations_max=1)
+    state.usage.record(turn("a", 1_000), "http")
+    clock.now += 3_600
+    state.usage.record(turn("b", 2_000), "http")
+    assert value(build_registry(state), "vllm_cache_conversations_dropped_total") == 0
+
+
+# ---- attribution -----------------------------------------------------------------------
+
+
+def served(*rows: tuple[str, str]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for target, model in rows:
+        out.setdefault(model, set()).add(target)
+    return out
+
+
+def test_attribution_by_model_name():
+    one = served(("t1", "qwen"), ("t2", "llama"))
+    assert foresight.attribute("qwen", one) == ("t1", "qwen")
+    assert foresight.attribute("llama", one) == ("t2", "llama")
+    assert foresight.attribute("mistral", one) is None  # two models, neither is it
+    # one model on one target: a proxy's alias is that model
+    assert foresight.attribute("my-alias", served(("t1", "qwen"))) == ("t1", "qwen")
+    # replicas: the conversations are spread over pools that cannot be told apart
+    assert foresight.attribute("qwen", served(("t1", "qwen"), ("t2", "qwen"))) is None
+    assert foresight.attribute("alias", served(("t1", "qwen"), ("t2", "qwen"))) is None
+    assert foresight.attribute("qwen", {}) is None
+
+
+async def test_demand_is_attributed_to_the_vllm_serving_the_model():
+    state = make_state(vllm_url=(TARGET,))
+    state.engine.record_success(TARGET, parse(REAL), 0.01, 1.0)
+    state.usage.record(turn("a", 1_000, model="tiny-llama"), "http")
+    state.usage.record(turn("b", 2_000, model="tiny-llama"), "http")
+    registry = build_registry(state)
+    labels = {"target": TARGET, "model_name": "tiny-llama"}
+    assert value(registry, "vllm_cache_engine_conversations_active", **labels) == 2
+    assert value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels) == 3_600
+    # the target goes down: nothing to attribute to, so no per-engine series
+    state.engine.record_failure(TARGET, "connect", "refused", 0.01)
+    registry = build_registry(state)
+    assert registry.get_sample_value("vllm_cache_engine_conversations_active", labels) is None
+    assert value(registry, "vllm_cache_conversations_active", model="tiny-llama") == 2
+
+
+# ---- the smallest pool across restarts, and the budget ----------------------------------------
+
+
+def snapshot(pools: dict[str, int]) -> EngineSnapshot:
+    return EngineSnapshot(engines={}, present={}, cache_configs={
+        engine: CacheConfig(engine, {"kv_cache_size_tokens": str(pool)})
+        for engine, pool in pools.items()})
+
+
+def test_the_smallest_pool_survives_restarts():
+    engine = EngineState((TARGET,))
+    for pool in (210_828, 193_732, 203_372):
+        engine.record_success(TARGET, snapshot({"0": pool}), 0.0, 1.0)
+    assert engine.targets[TARGET].smallest_pool == {"0": 193_732}
+    assert foresight.admission_budget(193_732, 4096) == 189_636
+    assert foresight.admission_budget(1_000, 4096) == 0
+
+
+def test_the_smallest_pool_memory_is_bounded():
+    engine = EngineState((TARGET,))
+    for index in range(MAX_POOL_ENGINES + 10):
+        engine.record_success(TARGET, snapshot({str(index): 1_000 + index}), 0.0, 1.0)
+    kept = engine.targets[TARGET].smallest_pool
+    assert len(kept) == MAX_POOL_ENGINES
+    assert "0" not in kept and str(MAX_POOL_ENGINES + 9) in kept
+
+
+def test_smallest_pool_and_budget_are_served_with_the_engine_row():
+    state = make_state(vllm_url=(TARGET,), signals_admission_headroom=1_000)
+    smaller = REAL.replace('kv_cache_size_tokens="1048576"', 'kv_cache_size_tokens="900000"')
+    assert smaller != REAL
+    state.engine.record_success(TARGET, parse(smaller), 0.01, 1.0)
+    state.engine.record_success(TARGET, parse(REAL), 0.01, 2.0)
+    registry = build_registry(state)
+    labels = {"target": TARGET, "model_name": "tiny-llama", "engine": "0"}
+    assert value(registry, "vllm_cache_engine_kv_pool_tokens", **labels) == 1_048_576
+    assert value(registry, "vllm_cache_engine_kv_pool_min_tokens", **labels) == 900_000
+    assert value(registry, "vllm_cache_engine_admission_budget_tokens", **labels) == 899_000
+
+
+# ---- declared vs used completion tokens ----------------------------------------------------
+
+
+def test_declared_and_used_completions_per_caller():
+    state = make_state()
+    for completion in (769, 800, 8_948):
+        state.usage.record(turn("a", 1_000, completion=completion, max_tokens=65_536), "http")
+    state.usage.record(turn("a", 1_000, completion=50), "http")  # declared nothing: not in it
+    state.usage.record(turn("a", 1_000, completion=None, max_tokens=512), "http")  # no usage
+    registry = build_registry(state)
+    pair = {"caller": "a", "model": "qwen"}
+    assert value(registry, "vllm_cache_completion_used_tokens_count", **pair) == 3
+    assert value(registry, "vllm_cache_completion_used_tokens_sum", **pair) == 769 + 800 + 8_948
+    assert value(registry, "vllm_cache_completion_declared_tokens_total", **pair) == 3 * 65_536
+    assert value(registry, "vllm_cache_completion_used_tokens_bucket", le="1024.0", **pair) == 2
+    assert value(registry, "vllm_cache_completion_used_tokens_bucket", le="8192.0", **pair) == 2
+    assert value(registry, "vllm_cache_completion_used_tokens_bucket", le="12288.0",
+                 **pair) == 3
+
+
+def test_a_caller_that_never_declares_has_no_completion_series():
+    state = make_state()
+    state.usage.record(turn("a", 1_000, completion=300), "http")
+    registry = build_registry(state)
+    assert registry.get_sample_value("vllm_cache_completion_used_tokens_count",
+                                     {"caller": "a", "model": "qwen"}) is None
+
+
+@pytest.mark.new_series_hold
+def test_completion_series_start_at_zero_while_held():
+    clock = FakeClock()
+    state = make_state(clock, usage_new_series_hold=60.0)
+    state.usage.record(turn("a", 1_000, completion=800, max_tokens=65_536), "http")
+    pair = {"caller": "a", "model": "qwen"}
+    registry = build_registry(state)
+    assert registry.get_sample_value("vllm_cache_completion_used_tokens_count", pair) == 0
+    assert registry.get_sample_value("vllm_cache_completion_declared_tokens_total", pair) == 0
+    clock.now += 61
+    assert registry.get_sample_value("vllm_cache_completion_used_tokens_count", pair) == 1
+    assert registry.get_sample_value("vllm_cache_completion_declared_tokens_total",
+                                     pair) == 65_536
