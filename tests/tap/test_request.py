@@ -19,6 +19,7 @@ from exporter.usage.tap.request import (
     RequestFacts,
     Undecidable,
     facts_of,
+    prompt_span,
     scan,
     scan_spans,
     with_include_usage,
@@ -129,18 +130,30 @@ PROMPT_KEYS = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt",
 
 
 def check_agrees(body: bytes, endpoint: Endpoint) -> None:
+    """What the tap uses (``facts_of``) and the scan alone both read what json.loads reads,
+    whenever json.loads reads an object; neither raises anything else ever."""
     obj = loads_object(body)
     facts = facts_of(body, endpoint)
+    try:
+        scanned: RequestFacts | None = scan(body, endpoint)
+    except Undecidable:
+        scanned = None
     if obj is None:
         return
     assert observed_facts(facts) == expected_facts(obj, endpoint)
+    if len(body) >= scanner.WALK_MIN_BYTES:
+        assert scanned is not None  # a valid object (UTF-8) never needs the full parse
+    if scanned is None:
+        return
+    assert observed_facts(scanned) == expected_facts(obj, endpoint)
     prompt_key = PROMPT_KEYS[endpoint]
-    if facts.scanned:
-        if prompt_key in obj:
-            assert facts.prompt_span is not None
-            assert same(json.loads(body[slice(*facts.prompt_span)]), obj[prompt_key])
-        else:
-            assert facts.prompt_span is None
+    span = prompt_span(body, endpoint, facts)
+    assert span == scanned.prompt_span
+    if prompt_key in obj:
+        assert span is not None
+        assert same(json.loads(body[slice(*span)]), obj[prompt_key])
+    else:
+        assert span is None
 
 
 # ---- properties ------------------------------------------------------------------------------
@@ -160,7 +173,7 @@ def test_every_top_level_value_is_what_json_loads_reads(body: bytes) -> None:
 @given(request_body(), st.sampled_from(list(Endpoint)))
 def test_facts_are_what_json_loads_reads(body: bytes, endpoint: Endpoint) -> None:
     check_agrees(body, endpoint)
-    assert facts_of(body, endpoint).scanned  # valid UTF-8 JSON objects need no full parse
+    scan(body, endpoint)  # valid UTF-8 JSON objects need no full parse (raises otherwise)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -216,6 +229,8 @@ def test_include_usage_changes_nothing_else(body: bytes) -> None:
     obj = json.loads(body)
     facts = scan(body, Endpoint.CHAT)
     sent = with_include_usage(body, facts)
+    # Facts from the full parse (small bodies) find the same places.
+    assert with_include_usage(body, scanner.parse(body, Endpoint.CHAT)) == sent
     rewritten = json.loads(sent)
     options = obj.get("stream_options")
     expected = dict(options) if isinstance(options, dict) else {}
@@ -237,6 +252,15 @@ def test_include_usage_changes_nothing_else(body: bytes) -> None:
 # ---- the cases the properties might not draw -------------------------------------------
 
 
+def test_small_bodies_are_decoded_whole_large_ones_scanned() -> None:
+    small = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+    large = small[:-1] + b',"pad":"' + b"x" * scanner.WALK_MIN_BYTES + b'"}'
+    assert not facts_of(small, Endpoint.CHAT).scanned
+    assert facts_of(large, Endpoint.CHAT).scanned
+    assert facts_of(large, Endpoint.CHAT).prompt_span == prompt_span(
+        small, Endpoint.CHAT, facts_of(small, Endpoint.CHAT))
+
+
 @pytest.mark.parametrize("body, stream, model", [
     # A "stream": true or a model inside a message is not the request's.
     (b'{"model":"m","messages":[{"role":"user","content":"x","stream":true,'
@@ -254,9 +278,8 @@ def test_include_usage_changes_nothing_else(body: bytes) -> None:
     (b'\xef\xbb\xbf \r\n{ "stream" :\ttrue , "model" : "m" }\n', True, "m"),
 ])
 def test_top_level_fields_only(body: bytes, stream: bool, model: str | None) -> None:
-    facts = facts_of(body, Endpoint.CHAT)
-    assert (facts.stream, facts.model) == (stream, model)
-    assert facts.scanned
+    for facts in (facts_of(body, Endpoint.CHAT), scan(body, Endpoint.CHAT)):
+        assert (facts.stream, facts.model) == (stream, model)
     check_agrees(body, Endpoint.CHAT)
 
 
@@ -302,7 +325,7 @@ def test_huge_numbers_are_decoded_as_json_loads_decodes_them() -> None:
 def test_invalid_utf8_in_a_skipped_string_leaves_the_fields_readable() -> None:
     """json.loads refuses the body; vLLM will too (400). The tap still knows whose it is."""
     body = b'{"user":"alice","messages":[{"content":"\xff\xfe"}],"stream":true}'
-    facts = facts_of(body, Endpoint.CHAT)
+    facts = scan(body, Endpoint.CHAT)
     assert (facts.user, facts.stream, facts.scanned) == ("alice", True, True)
 
 
@@ -330,7 +353,8 @@ def test_output_limit_and_prompt_span(endpoint: Endpoint, body: bytes, limit: in
                                       prompt: bytes | None) -> None:
     facts = facts_of(body, endpoint)
     assert facts.output_limit == limit
-    assert (body[slice(*facts.prompt_span)] if facts.prompt_span else None) == prompt
+    span = prompt_span(body, endpoint, facts)
+    assert (body[slice(*span)] if span else None) == prompt
 
 
 def test_a_body_the_scan_cannot_read_is_rewritten_whole_only_for_stream_options() -> None:
