@@ -70,6 +70,62 @@ def serve_upstream(port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
+# ---- the floor: a bare aiohttp pass-through (python bench_tap.py --serve-passthrough ...) --
+
+PASSTHROUGH_DROP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+
+
+def serve_passthrough(upstream_port: int, port: int, loop: str) -> None:
+    """What any aiohttp reverse proxy must do, and nothing the tap adds: read the request,
+    forward it without hop-by-hop headers on a client session with the tap's own settings
+    (``new_session``), relay the answer (whole, or chunk by chunk for a stream). No request
+    parsing, no usage reading, no recording, no connection limits."""
+    from aiohttp import web
+
+    from exporter.usage.tap.proxy import new_session
+
+    target = f"http://127.0.0.1:{upstream_port}"
+    sessions = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in PASSTHROUGH_DROP}
+        async with sessions[0].request(request.method, target + request.raw_path, data=body,
+                                       headers=headers, allow_redirects=False,
+                                       skip_auto_headers=("User-Agent", "Accept",
+                                                          "Accept-Encoding")) as upstream:
+            out = {k: v for k, v in upstream.headers.items()
+                   if k.lower() not in PASSTHROUGH_DROP}
+            if upstream.content_type != "text/event-stream":
+                return web.Response(status=upstream.status, body=await upstream.read(),
+                                    headers=out)
+            response = web.StreamResponse(status=upstream.status, headers=out)
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def main() -> None:
+        sessions.append(new_session())
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+
+
 # ---- a minimal HTTP/1.1 keep-alive client ----------------------------------------------
 
 class Connection:
@@ -212,6 +268,7 @@ http {{
   uwsgi_temp_path {tmp}/uwsgi;
   scgi_temp_path {tmp}/scgi;
   client_max_body_size 64m;
+  keepalive_requests 1000000;
   upstream vllm {{ server 127.0.0.1:{upstream}; keepalive 64; }}
   server {{
     listen 127.0.0.1:{port};
@@ -234,8 +291,9 @@ class Target:
     pids: list[int]
 
 
-def start_processes(tmp: Path, stack: list[subprocess.Popen]) -> dict[str, Target]:
-    upstream_port, nginx_port, tap_port, web_port = (free_port() for _ in range(4))
+def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str,
+                    before: Path | None = None) -> dict[str, Target]:
+    upstream_port, nginx_port, bare_port, tap_port, web_port = (free_port() for _ in range(5))
     upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream",
                                  str(upstream_port)], start_new_session=True)
     stack.append(upstream)
@@ -250,6 +308,12 @@ def start_processes(tmp: Path, stack: list[subprocess.Popen]) -> dict[str, Targe
     stack.append(nginx_process)
     wait_port(nginx_port, nginx_process, "nginx")
 
+    bare = subprocess.Popen([sys.executable, __file__, "--serve-passthrough",
+                             str(upstream_port), str(bare_port), loop],
+                            cwd=ROOT, start_new_session=True)
+    stack.append(bare)
+    wait_port(bare_port, bare, "bare aiohttp pass-through")
+
     tap = subprocess.Popen(
         [sys.executable, "-m", "exporter", "run", "--web.listen-address",
          f"127.0.0.1:{web_port}", "--tap.listen-address", f"127.0.0.1:{tap_port}",
@@ -257,9 +321,21 @@ def start_processes(tmp: Path, stack: list[subprocess.Popen]) -> dict[str, Targe
         cwd=ROOT, start_new_session=True)
     stack.append(tap)
     wait_port(tap_port, tap, "exporter with the tap")
-    return {"direct": Target("direct", upstream_port, []),
+    targets: dict[str, Target] = {}
+    if before is not None:  # the same exporter command, from another checkout
+        before_port, before_web = free_port(), free_port()
+        earlier = subprocess.Popen(
+            [sys.executable, "-m", "exporter", "run", "--web.listen-address",
+             f"127.0.0.1:{before_web}", "--tap.listen-address", f"127.0.0.1:{before_port}",
+             "--tap.upstream", f"http://127.0.0.1:{upstream_port}", "--log.level", "warning"],
+            cwd=before, start_new_session=True)
+        stack.append(earlier)
+        wait_port(before_port, earlier, f"exporter from {before}")
+        targets["before"] = Target("before", before_port, [earlier.pid])
+    return targets | {"direct": Target("direct", upstream_port, []),
             "nginx": Target("nginx", nginx_port, children(nginx_process.pid)
                             + [nginx_process.pid]),
+            "bare": Target("bare", bare_port, [bare.pid]),
             "tap": Target("tap", tap_port, [tap.pid]),
             "_web": Target("exporter web", web_port, [])}
 
@@ -276,6 +352,9 @@ def tap_events(web_port: int) -> float:
 
 # ---- the measurement ------------------------------------------------------------------
 
+TARGETS = ("direct", "nginx", "bare", "tap")
+targets_measured = list(TARGETS)  # plus "before" with --before
+
 PHASES = (
     # name, stream, prompt chars, concurrency, request share
     ("whole c=1", False, 4_000, 1, 1.0),
@@ -285,14 +364,15 @@ PHASES = (
 )
 
 
-async def measure(targets: dict[str, Target], rounds: int, requests: int
+async def measure(targets: dict[str, Target], rounds: int, requests: int,
+                  phases: tuple[tuple[str, bool, int, int, float], ...] = PHASES
                   ) -> dict[tuple[str, str], list[Phase]]:
     results: dict[tuple[str, str], list[Phase]] = {}
     usage_marker = b'"choices":[],"usage"'
     for _ in range(rounds):
-        for phase_name, stream, chars, concurrency, share in PHASES:
+        for phase_name, stream, chars, concurrency, share in phases:
             count = max(concurrency, int(requests * share) // concurrency * concurrency)
-            for target in ("direct", "nginx", "tap"):
+            for target in targets_measured:
                 port = targets[target].port
                 raw = http_request("/v1/chat/completions", chat_payload(stream, chars), port)
                 await run_phase(port, raw, max(concurrency * 4, count // 10), concurrency)
@@ -306,25 +386,85 @@ async def measure(targets: dict[str, Target], rounds: int, requests: int
     return results
 
 
-def report(results: dict[tuple[str, str], list[Phase]]) -> None:
-    def med(values: list[float]) -> float:
-        return statistics.median(values)
+def med(values: list[float]) -> float:
+    return statistics.median(values)
 
+
+def report(results: dict[tuple[str, str], list[Phase]]) -> dict[str, dict[str, float]]:
+    """Print the table; return, per phase, the tap's figures against the bare pass-through's.
+
+    Added latency is the target's p50 minus the direct p50 of the same round, so the ratio
+    of medians compares what each proxy adds, not the mock's own time.
+    """
     print(f"{'phase':18} {'target':7} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
           f"{'first p50':>10} {'req/s':>8} {'CPU ms/req':>11}")
-    for phase_name, *_ in PHASES:
-        base = med([p.p(p.total, 0.5) for p in results[(phase_name, "direct")]])
-        for target in ("direct", "nginx", "tap"):
+    figures: dict[str, dict[str, float]] = {}
+    for phase_name in dict.fromkeys(name for name, _target in results):
+        direct = [p.p(p.total, 0.5) for p in results[(phase_name, "direct")]]
+        added: dict[str, float] = {}
+        cpu: dict[str, float] = {}
+        for target in targets_measured:
             runs = results[(phase_name, target)]
             p50 = med([p.p(p.total, 0.5) for p in runs])
             p99 = med([p.p(p.total, 0.99) for p in runs])
             first = med([p.p(p.first, 0.5) for p in runs])
             rate = med([len(p.total) / p.wall for p in runs])
-            cpu = (f"{med([p.cpu / len(p.total) for p in runs]) * 1e3:11.3f}"
-                   if runs[0].cpu is not None else f"{'-':>11}")
-            added = f"{(p50 - base) * 1e3:+10.3f}" if target != "direct" else f"{'':>10}"
-            print(f"{phase_name:18} {target:7} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {added} "
-                  f"{first * 1e3:10.3f} {rate:8.0f} {cpu}")
+            added[target] = med([p.p(p.total, 0.5) - base
+                                 for p, base in zip(runs, direct, strict=True)])
+            cpu_text = f"{'-':>11}"
+            if runs[0].cpu is not None:
+                cpu[target] = med([(p.cpu or 0.0) / len(p.total) for p in runs])
+                cpu_text = f"{cpu[target] * 1e3:11.3f}"
+            added_text = f"{added[target] * 1e3:+10.3f}" if target != "direct" else f"{'':>10}"
+            print(f"{phase_name:18} {target:7} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {added_text} "
+                  f"{first * 1e3:10.3f} {rate:8.0f} {cpu_text}")
+        figures[phase_name] = {
+            "tap_added_ms": added["tap"] * 1e3, "bare_added_ms": added["bare"] * 1e3,
+            "added_ratio": added["tap"] / added["bare"] if added["bare"] > 0 else float("inf"),
+            "tap_cpu_ms": cpu["tap"] * 1e3, "bare_cpu_ms": cpu["bare"] * 1e3,
+            "cpu_ratio": cpu["tap"] / cpu["bare"] if cpu["bare"] > 0 else float("inf"),
+        }
+        if "before" in added:
+            figures[phase_name] |= {
+                "before_added_ms": added["before"] * 1e3, "before_cpu_ms": cpu["before"] * 1e3,
+                "before_added_ratio": added["before"] / added["bare"]
+                if added["bare"] > 0 else float("inf"),
+                "before_cpu_ratio": cpu["before"] / cpu["bare"] if cpu["bare"] > 0
+                else float("inf")}
+    return figures
+
+
+# The issue's goals: (phase, figure, at most), for the one-client phases.
+GOALS = (
+    ("whole c=1", "added_ratio", 1.3), ("whole c=1", "tap_added_ms", 0.5),
+    ("whole c=1", "cpu_ratio", 1.5), ("whole c=1", "tap_cpu_ms", 0.4),
+    ("long prompt c=1", "tap_added_ms", 1.2),
+)
+
+
+def report_goals(figures: dict[str, dict[str, float]]) -> bool:
+    print("\nthe tap against the bare aiohttp pass-through (medians over rounds):")
+    print(f"{'phase':18} {'added: tap':>11} {'bare':>8} {'ratio':>6} {'CPU: tap':>10} "
+          f"{'bare':>8} {'ratio':>6}")
+    for phase_name, f in figures.items():
+        print(f"{phase_name:18} {f['tap_added_ms']:+10.3f}ms {f['bare_added_ms']:+7.3f}ms "
+              f"{f['added_ratio']:6.2f} {f['tap_cpu_ms']:8.3f}ms {f['bare_cpu_ms']:6.3f}ms "
+              f"{f['cpu_ratio']:6.2f}")
+    if any("before_added_ms" in f for f in figures.values()):
+        print("\nthe tap of --before against the same bare pass-through:")
+        for phase_name, f in figures.items():
+            print(f"{phase_name:18} {f['before_added_ms']:+10.3f}ms {f['bare_added_ms']:+7.3f}ms "
+                  f"{f['before_added_ratio']:6.2f} {f['before_cpu_ms']:8.3f}ms "
+                  f"{f['bare_cpu_ms']:6.3f}ms {f['before_cpu_ratio']:6.2f}")
+    met = True
+    for phase_name, key, limit in GOALS:
+        if phase_name not in figures:
+            continue
+        value = figures[phase_name][key]
+        ok = value <= limit
+        met &= ok
+        print(f"goal {phase_name}: {key} {value:.2f} <= {limit}: {'met' if ok else 'MISSED'}")
+    return met
 
 
 def machine() -> str:
@@ -337,15 +477,36 @@ def machine() -> str:
             f"{subprocess.run(['nginx', '-v'], capture_output=True, text=True).stderr.strip()}")
 
 
+def default_loop() -> str:
+    """The event loop the exporter runs on (the bare pass-through uses the same)."""
+    try:
+        from exporter.runtime import event_loop_name
+    except ImportError:
+        return "asyncio"
+    return event_loop_name()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--quick", action="store_true", help="1 round of 200 requests")
+    parser.add_argument("--phase", action="append", choices=[name for name, *_ in PHASES],
+                        help="only these phases (default: all)")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default=default_loop(),
+                        help="the bare pass-through's event loop (default: the exporter's)")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="also measure the tap of the exporter in this checkout (e.g. "
+                             "the main branch), as target 'before'")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-passthrough", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:
         serve_upstream(args.serve_upstream)
+        return 0
+    if args.serve_passthrough:
+        upstream_port, port, loop = args.serve_passthrough
+        serve_passthrough(int(upstream_port), int(port), loop)
         return 0
     if args.quick:
         args.rounds, args.requests = 1, 200
@@ -354,9 +515,12 @@ def main() -> int:
         tmp = Path(tmp_name)
         os.chmod(tmp, 0o755)
         try:
-            targets = start_processes(tmp, stack)
+            targets = start_processes(tmp, stack, args.loop, args.before)
+            if args.before is not None:
+                targets_measured.append("before")
             events_before = tap_events(targets["_web"].port)
-            results = asyncio.run(measure(targets, args.rounds, args.requests))
+            phases = tuple(p for p in PHASES if not args.phase or p[0] in args.phase)
+            results = asyncio.run(measure(targets, args.rounds, args.requests, phases))
             recorded = tap_events(targets["_web"].port) - events_before
         finally:
             for process in reversed(stack):
@@ -368,8 +532,9 @@ def main() -> int:
     print(f"machine: {machine()}")
     print(f"rounds: {args.rounds}, medians over rounds; the tap recorded {recorded:.0f} "
           "events (every request it proxied, warm-ups included)")
-    report(results)
-    return 0
+    print(f"event loop of the bare pass-through: {args.loop}")
+    figures = report(results)
+    return 0 if report_goals(figures) else 1
 
 
 if __name__ == "__main__":

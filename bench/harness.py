@@ -94,7 +94,9 @@ class ExporterProcess:
 
     def __init__(self, workdir: Path, extra_args: Sequence[str] = (),
                  nofile: int | None = None,
-                 inherited_limits: dict[int, tuple[int, int]] | None = None) -> None:
+                 inherited_limits: dict[int, tuple[int, int]] | None = None,
+                 root: Path = ROOT) -> None:
+        self.root = root  # the checkout whose exporter runs
         self.port = free_port()
         self.log_path = workdir / "exporter.log"
         self.extra_args = list(extra_args)
@@ -119,7 +121,7 @@ class ExporterProcess:
 
     def start(self, ready_within: float = 60.0) -> None:
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.command, cwd=ROOT, stdin=subprocess.DEVNULL,
+            self.process = subprocess.Popen(self.command, cwd=self.root, stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
         for limit, values in self.inherited_limits.items():

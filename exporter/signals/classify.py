@@ -44,8 +44,14 @@ def reusable_bound(prompt_tokens: int, granularity: int,
 def classify(prompt_tokens: int, cached_tokens: int | None, granularity: int,
              previous_prompt_tokens: int | None = None, warm_tail_granules: float = 2.0) -> str:
     """The state of one successful request (see the module docstring for the rule)."""
-    granularity = max(1, granularity)
-    bound = reusable_bound(prompt_tokens, granularity, previous_prompt_tokens)
+    if granularity < 1:
+        granularity = 1
+    # reusable_bound, inlined: this runs once per event.
+    bound = (prompt_tokens - 1) // granularity * granularity
+    if previous_prompt_tokens is not None and previous_prompt_tokens < prompt_tokens:
+        previous_bound = (previous_prompt_tokens - 1) // granularity * granularity
+        if previous_bound < bound:
+            bound = previous_bound
     if cached_tokens is not None and cached_tokens > bound:
         bound = cached_tokens
     if bound < granularity:

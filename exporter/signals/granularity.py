@@ -50,6 +50,13 @@ class GranularityLearner:
         window = samples.window
         window.append(cached_tokens)
         samples.since_full_gcd += 1
+        if samples.since_full_gcd < self.window and samples.agreeing >= self.min_agreeing \
+                and samples.gcd \
+                and cached_tokens % samples.gcd == 0:
+            # The common case once learned: the sample keeps the gcd, which stays adopted
+            # (or stays too small to adopt) as it was.
+            samples.agreeing += 1
+            return
         # A new sample can only lower the gcd, so it is folded in cheaply; samples leaving the
         # window can raise it, so once the window has turned over the gcd is recomputed over
         # it. The learned value thus reflects the last ``window`` to ``2 * window`` samples.

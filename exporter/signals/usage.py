@@ -220,7 +220,8 @@ class UsageState:
         if folded:
             self.series_folded += 1
         status = event.status
-        if status is not None and status_is_error(status):
+        if status is not None and (type(status) is not int or not 200 <= status < 300) \
+                and status_is_error(status):
             series.requests[ERROR] += 1
             return ERROR
 
@@ -230,7 +231,8 @@ class UsageState:
             if self.missing_cached_as_zero and series.reported_cached:
                 cached = 0
         else:
-            series.reported_cached = True
+            if not series.reported_cached:
+                series.reported_cached = True
             if cached:
                 self.learner.observe(model, cached)
 
@@ -265,7 +267,8 @@ class UsageState:
             hist = series.engine_ttft.get(state)
             if hist is None:
                 hist = series.engine_ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
-            hist.observe(engine_ttft)
+            hist.counts[bisect_left(hist.bounds, engine_ttft)] += 1  # Histogram.observe, inlined
+            hist.total += engine_ttft
         else:
             ttft = event.ttft_seconds
             if ttft is not None:
@@ -276,17 +279,22 @@ class UsageState:
                 hist = series.ttft.get(state)
                 if hist is None:
                     hist = series.ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
-                hist.observe(ttft)
+                hist.counts[bisect_left(hist.bounds, ttft)] += 1
+                hist.total += ttft
         if queue is not None:
-            if series.queue is None:
-                series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
-            series.queue.observe(queue)
+            hist = series.queue
+            if hist is None:
+                hist = series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+            hist.counts[bisect_left(hist.bounds, queue)] += 1
+            hist.total += queue
         engine_queue = event.engine_queue_seconds
         if engine_queue is not None:
             # A second queue, after the proxy's: a request can wait in both.
-            if series.engine_queue is None:
-                series.engine_queue = Histogram(QUEUE_BUCKETS, self._shown_from())
-            series.engine_queue.observe(engine_queue)
+            hist = series.engine_queue
+            if hist is None:
+                hist = series.engine_queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+            hist.counts[bisect_left(hist.bounds, engine_queue)] += 1
+            hist.total += engine_queue
         self._foresight(event, series, model, now)
         return state
 

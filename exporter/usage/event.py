@@ -185,6 +185,20 @@ def _make(caller: str, model: str, prompt_tokens: int, cached_tokens: int | None
 
 _new = object.__new__
 
+# Caller, model and session names that passed their checks recently: the same few names
+# come back event after event, and a dict lookup costs a third of checking one again.
+# Each holds at most VALID_NAMES_KEPT names and starts over when full.
+VALID_NAMES_KEPT = 4096
+_valid_callers: dict[str, None] = {}
+_valid_models: dict[str, None] = {}
+_valid_sessions: dict[str, None] = {}
+
+
+def _remember(valid: dict[str, None], name: str) -> None:
+    if len(valid) >= VALID_NAMES_KEPT:
+        valid.clear()
+    valid[name] = None
+
 
 def validate(obj: Mapping[str, Any]) -> UsageEvent:
     """Check one native-form record (the keys of ``FIELDS``) and build its UsageEvent.
@@ -200,9 +214,12 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
         raise InvalidEvent("not_an_object", "each event must be a JSON object")
     get = obj.get
     caller = get("caller")
-    if not (type(caller) is str and 0 < len(caller) <= MAX_CALLER_CHARS
-            and caller.isprintable() and caller[0] != " " and caller[-1] != " "):
-        caller = _caller(obj)
+    if type(caller) is not str or caller not in _valid_callers:
+        if type(caller) is str and 0 < len(caller) <= MAX_CALLER_CHARS \
+                and caller.isprintable() and caller[0] != " " and caller[-1] != " ":
+            _remember(_valid_callers, caller)
+        else:
+            caller = _caller(obj)
     status = get("status")
     if status is not None and not (type(status) is int and 200 <= status < 300):
         status = _status(obj)
@@ -231,12 +248,17 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
     if when is not None and not (type(when) is float and 0.0 <= when < math.inf):
         when = _seconds(obj, "time", MAX_TIMESTAMP)
     model = get("model")
-    if not (type(model) is str and len(model) <= MAX_MODEL_CHARS and model.isprintable()):
-        model = _text(obj, "model", MAX_MODEL_CHARS, "bad_model") or ""
+    if type(model) is not str or model not in _valid_models:
+        if type(model) is str and len(model) <= MAX_MODEL_CHARS and model.isprintable():
+            _remember(_valid_models, model)
+        else:
+            model = _text(obj, "model", MAX_MODEL_CHARS, "bad_model") or ""
     session = get("session")
-    if session is not None and not (type(session) is str and len(session) <= MAX_SESSION_CHARS
-                                    and session.isprintable()):
-        session = _text(obj, "session", MAX_SESSION_CHARS, "bad_session")
+    if session is not None and (type(session) is not str or session not in _valid_sessions):
+        if type(session) is str and len(session) <= MAX_SESSION_CHARS and session.isprintable():
+            _remember(_valid_sessions, session)
+        else:
+            session = _text(obj, "session", MAX_SESSION_CHARS, "bad_session")
     # vLLM's own per-request timings, when the reader found them.
     engine_ttft = get("engine_ttft_seconds")
     if engine_ttft is not None and not (type(engine_ttft) is float

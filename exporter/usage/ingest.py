@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import json.scanner
 import logging
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from orjson import loads as _orjson_loads
 
 from exporter.usage.event import InvalidEvent
 from exporter.usage.formats import Converter
@@ -90,16 +92,21 @@ class BatchResult:
         return out
 
 
-@dataclass
-class Item:
-    """One event of a body: its decoded value, or why it could not be decoded."""
+class Unreadable:
+    """An NDJSON line that could not be decoded, and why (it stands in for the value)."""
 
-    value: Any
-    line: int | None = None  # 1-based NDJSON line; None in a JSON document
-    bad: str | None = None  # the rejection reason when the value could not be decoded
-    message: str = ""
+    __slots__ = ("reason", "message")
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        self.message = message
 
 
+NOT_UTF8 = Unreadable("bad_encoding", "this line is not UTF-8")
+NOT_JSON = Unreadable("malformed_json", "this line is not valid JSON")
+# An item of a body: (the decoded value or an Unreadable, the 1-based NDJSON line or None in
+# a JSON document). Plain tuples: one is made per event on the hot path.
+Item = tuple[Any, "int | None"]
 
 
 def iter_body(body: bytes | bytearray) -> Iterator[Item]:
@@ -128,7 +135,7 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
             # NDJSON whose first line happens to be an array: the lines say what is bad.
         else:
             for value in _array_elements(text):
-                yield Item(value)
+                yield value, None
             return
     if body[start] == ord("{") and first_newline >= 0 and not _is_value(body, start,
                                                                          first_newline):
@@ -139,13 +146,13 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
             text = ""  # not one document; the lines will say which of them are bad
         value, stop = _scan_value(text, 0)
         if stop >= 0 and not text[stop:].strip(_WHITESPACE):
-            yield Item(value)
+            yield value, None
             return
     items = _iter_lines(body, start)
     first = next(items, None)
     if first is None:  # nothing but blank lines and byte-order marks
         raise BodyError("bad_body", "the body is empty")
-    if first.bad is not None and first_newline < 0:
+    if type(first[0]) is Unreadable and first_newline < 0:
         raise BodyError("bad_body", "the body is not JSON, a JSON array, or NDJSON")
     yield first
     yield from items
@@ -216,31 +223,65 @@ def _array_elements(text: str) -> Iterator[Any]:
 
 
 def _iter_lines(body: bytes | bytearray, start: int) -> Iterator[Item]:
-    find = body.find
-    size = len(body)
-    position = start
-    number = 0
-    while position < size:
-        end = find(b"\n", position)
-        if end < 0:
-            end = size
-        number += 1
-        line = bytes(body[position:end]).strip(_LINE_BLANK)
-        position = end + 1
-        if line.startswith(BOM):
-            line = line[len(BOM):]
-        if not line:
-            continue
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError:
-            yield Item(None, number, "bad_encoding", "this line is not UTF-8")
-            continue
-        value, stop = _scan_value(text, 0)
-        if stop < 0 or text[stop:].strip(_WHITESPACE):
-            yield Item(None, number, "malformed_json", "this line is not valid JSON")
-            continue
-        yield Item(value, number)
+    """NDJSON lines, decoded by orjson where it reads a line exactly as ``json`` does.
+
+    orjson refuses what ``json`` takes beyond the JSON standard (NaN and the infinities,
+    numbers past a float's range, lone surrogate escapes, a byte-order mark): those lines,
+    and blank or broken ones, go through ``_decode_line`` and so get ``json``'s reading and
+    the same reasons as before. The one thing orjson reads differently is an integer beyond
+    64 bits (as a float): lines with a run of 19 or more digits (a cheap superset of those)
+    are left to ``json``.
+    """
+    data = bytes(memoryview(body)[start:])
+    long_digits = _long_digit_lines(data)
+    fast = _orjson_loads
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if long_digits and number in long_digits:
+            item = _decode_line(line, number)
+        else:
+            try:
+                item = fast(line), number
+            except ValueError:  # orjson.JSONDecodeError is a ValueError
+                item = _decode_line(line, number)
+        if item is not None:
+            yield item
+
+
+def _decode_line(line: bytes, number: int) -> Item | None:
+    """``json``'s reading of one NDJSON line (None for a blank line)."""
+    line = line.strip(_LINE_BLANK)
+    if line.startswith(BOM):
+        line = line[len(BOM):]
+    if not line:
+        return None
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return NOT_UTF8, number
+    value, stop = _scan_value(text, 0)
+    if stop < 0 or text[stop:].strip(_WHITESPACE):
+        return NOT_JSON, number
+    return value, number
+
+
+_DIGITS_TO_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_LONG_DIGITS = b"0" * 19
+
+
+def _long_digit_lines(data: bytes) -> set[int]:
+    """The (1-based) numbers of the lines holding a run of 19 or more digits."""
+    marked = data.translate(_DIGITS_TO_ZERO)
+    at = marked.find(_LONG_DIGITS)
+    numbers: set[int] = set()
+    line, counted_to = 1, 0
+    while at >= 0:
+        line += marked.count(b"\n", counted_to, at)
+        numbers.add(line)
+        counted_to = marked.find(b"\n", at)
+        if counted_to < 0:
+            break
+        at = marked.find(_LONG_DIGITS, counted_to)
+    return numbers
 
 
 class UsageIngest:
@@ -279,28 +320,28 @@ class UsageIngest:
         reject = self.reject
         accepted = 0
         index = -1
-        for index, item in enumerate(items):
+        for index, (value, line) in enumerate(items):
             if index and index % EVENTS_PER_SLICE == 0:
                 await asyncio.sleep(0)
                 if not accepted and result.rejected >= ABANDON_AFTER_REJECTIONS:
                     result.abandoned = True
                     self.reject_request("abandoned")
                     break
-            if item.bad is not None:
-                reject(item.bad)
-                result.add_error(index, item.bad, item.message, item.line)
+            if type(value) is Unreadable:
+                reject(value.reason)
+                result.add_error(index, value.reason, value.message, line)
                 continue
             try:
-                event = convert(item.value)
+                event = convert(value)
             except InvalidEvent as err:
                 reject(err.reason)
-                result.add_error(index, err.reason, str(err), item.line)
+                result.add_error(index, err.reason, str(err), line)
                 continue
             except Exception:  # a converter bug must not cost the rest of the batch
                 log.warning("usage event %d could not be converted", index, exc_info=True)
                 reject("unprocessable")
                 result.add_error(index, "unprocessable", "the event could not be read",
-                                 item.line)
+                                 line)
                 continue
             record(event)
             accepted += 1
@@ -375,13 +416,8 @@ class UsageIngest:
             return self._refuse(400, err.reason, str(err))
         result = BatchResult()
         if first is not None:  # else an empty JSON array: nothing to count, nothing wrong
-            result = await self.process(_chain(first, items), convert)
+            result = await self.process(itertools.chain((first,), items), convert)
         # 422 only when nothing at all could be used, so a sender notices; a partly bad batch
         # is a success whose reply names the bad events.
         status = 422 if result.rejected and not result.accepted else 200
         return web.json_response(result.reply(), status=status)
-
-
-def _chain(first: Item, rest: Iterator[Item]) -> Iterator[Item]:
-    yield first
-    yield from rest

@@ -202,6 +202,12 @@ def _find_end(buffer: bytearray, start: int) -> int:
     return best
 
 
+def _find_lf_end(buffer: bytearray, start: int) -> int:
+    """``_find_end`` for a buffer without a carriage return (one search, not three)."""
+    at = buffer.find(b"\n\n", start)
+    return at + 2 if at >= 0 else -1
+
+
 def event_data(event: bytes) -> bytes | None:
     """The joined ``data:`` lines of one event (None when it has none)."""
     if event.startswith(b"data: ") and event.count(b"\n") <= 2 and b"\r" not in event:
@@ -247,12 +253,35 @@ class StreamReader:
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         """Take one upstream chunk; return the bytes to send the client now."""
+        if not self._buffer and not self._oversized and chunk.endswith(b"\n\n") \
+                and b"\r" not in chunk:
+            return self._whole_events(chunk, now)
         if not self.strip:
             self._consume(chunk, now)
             return chunk
         out = bytearray()
         self._consume(chunk, now, out)
         return bytes(out)
+
+    def _whole_events(self, chunk: bytes, now: float) -> bytes:
+        """The common case, a chunk of whole events (vLLM writes one event per chunk), each
+        ending in a blank line, and nothing held: the events are read where they lie, and
+        the chunk is forwarded as it is, or without the injected usage chunk."""
+        start = 0
+        for event in chunk.split(b"\n\n")[:-1]:
+            end = start + len(event) + 2
+            if self._read_event(event, now):
+                # The injected usage chunk is gone; the rest of the stream passes untouched.
+                self.strip = False
+                rest = chunk[end:]
+                self._read_events(rest, now)
+                return chunk[:start] + rest
+            start = end
+        return chunk
+
+    def _read_events(self, whole: bytes, now: float) -> None:
+        for event in whole.split(b"\n\n")[:-1]:
+            self._read_event(event, now)
 
     def finish(self) -> bytes:
         """End of stream: whatever is still held (an unterminated last event)."""
@@ -263,8 +292,10 @@ class StreamReader:
     def _consume(self, chunk: bytes, now: float, out: bytearray | None = None) -> None:
         buffer = self._buffer
         buffer += chunk
+        carriage_returns = b"\r" in buffer
         while buffer:
-            end = _find_end(buffer, self._scan_from)
+            end = (_find_end(buffer, self._scan_from) if carriage_returns
+                   else _find_lf_end(buffer, self._scan_from))
             if end < 0:
                 # Keep the tail that may start a terminator split across chunks.
                 self._scan_from = max(0, len(buffer) - 3)

@@ -161,3 +161,48 @@ async def test_json_error_for_a_stream_request_passes_through(upstream, start_ta
     assert headers["Content-Type"] == "application/json"
     event = await tap.usage.next_event()
     assert (event.status, event.prompt_tokens, event.cached_tokens) == (400, 0, None)
+
+
+async def test_include_usage_is_spliced_into_the_clients_own_bytes(upstream, start_tap):
+    """Only the last stream_options value changes: whitespace, escapes, key order and a
+    repeated stream_options (which vLLM's json reads as its last) stay as the client sent."""
+    upstream.reply("/v1/chat/completions", Reply(content_type=SSE, chunks=[CHAT_SSE]))
+    tap = await start_tap()
+    head = (b'{ "model" : "tiny-llama",\n "stream_options": {"include_usage": true},\n'
+            b'  "messages": [{"role": "user", "content": "caf\\u00e9 \xc3\xa9 {\\"stream\\": 1}"}],'
+            b'\n  "stream_options" :  ')
+    tail = b' , "stream": true , "max_tokens": 8 }'
+    request = head + b'{"continuous_usage_stats": true, "x": [1, 2]}' + tail
+    status, _, body = await tap.post("/v1/chat/completions", data=request)
+    assert (status, body) == (200, without_usage_chunk(CHAT_SSE))
+    assert upstream.received[0].body == head + b'{"x":[1,2],"include_usage":true}' + tail
+    assert (await tap.usage.next_event()).cached_tokens == 1376
+
+
+async def test_a_large_prompt_dense_with_small_messages_is_read(upstream, start_tap):
+    """Over the inline limit and too dense for the walk, the request is read off the loop;
+    the facts are the same."""
+    upstream.reply("/v1/chat/completions", Reply(content_type=SSE, chunks=[CHAT_SSE]))
+    tap = await start_tap()
+    messages = [{"role": "user", "content": f"turn {i}"} for i in range(20_000)]
+    request = json.dumps({"messages": messages, "model": "tiny-llama", "stream": True,
+                          "user": "carol"}).encode()
+    assert len(request) > 256 * 1024
+    status, _, body = await tap.post("/v1/chat/completions", data=request)
+    assert (status, body) == (200, without_usage_chunk(CHAT_SSE))
+    assert upstream.received[0].body == (b'{"stream_options":{"include_usage":true},'
+                                         + request[1:])
+    event = await tap.usage.next_event()
+    assert (event.caller, event.model, event.cached_tokens) == ("carol", "tiny-llama", 1376)
+
+
+async def test_nested_stream_flag_is_not_the_requests(upstream, start_tap):
+    upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("02_chat_warm.json")))
+    tap = await start_tap()
+    request = (b'{"model":"tiny-llama","messages":[{"role":"user","content":"x",'
+               b'"stream":true,"stream_options":{}}],"user":"dave"}')
+    status, _, body = await tap.post("/v1/chat/completions", data=request)
+    assert (status, body) == (200, fixture_bytes("02_chat_warm.json"))
+    assert upstream.received[0].body == request
+    event = await tap.usage.next_event()
+    assert (event.caller, event.cached_tokens) == ("dave", 1376)

@@ -225,13 +225,18 @@ async def test_a_body_is_decoded_one_event_at_a_time(usage_client, monkeypatch):
     """No list of every event of a body is ever built: the converter sees each event while
     the body's later events are still undecoded bytes."""
     seen_while_reading = []
-    original = ingest._scan_value
+    original_scan, original_loads = ingest._scan_value, ingest._orjson_loads
 
     def counting_scan(text, position):
         seen_while_reading.append(position)
-        return original(text, position)
+        return original_scan(text, position)
+
+    def counting_loads(line):
+        seen_while_reading.append(line)
+        return original_loads(line)
 
     monkeypatch.setattr(ingest, "_scan_value", counting_scan)
+    monkeypatch.setattr(ingest, "_orjson_loads", counting_loads)
     client, state = await usage_client()
     calls_at_conversion = []
     converters = ingest_converters(client)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from exporter.metrics import build_registry
 from exporter.signals.callers import OTHER
 from exporter.signals.classify import STATES
+from exporter.usage import ingest
 from exporter.usage.event import InvalidEvent, validate
 from exporter.usage.ingest import iter_body
 from exporter.values import status_is_error
@@ -154,6 +155,46 @@ def test_ndjson_splitting_keeps_every_line_in_order(objs):
     if len(objs) < 2:
         return  # a single value is a JSON body, not NDJSON
     items = list(iter_body(body))
-    assert [item.value for item in items] == [json.loads(text) for text in lines]
-    assert [item.bad for item in items] == [None] * len(lines)
-    assert [item.line for item in items] == list(range(1, len(lines) + 1))
+    assert [value for value, _line in items] == [json.loads(text) for text in lines]
+    assert [line for _value, line in items] == list(range(1, len(lines) + 1))
+
+
+JSON_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.floats(allow_nan=False),
+    st.integers(min_value=-(2 ** 70), max_value=2 ** 70), st.text(max_size=8))
+JSON_VALUES = st.recursive(JSON_LEAVES, lambda children: st.one_of(
+    st.lists(children, max_size=3), st.dictionaries(st.text(max_size=4), children, max_size=3)),
+    max_leaves=8)
+ODD_LINES = st.sampled_from([
+    "NaN", "-Infinity", '{"a": NaN}', '{"prompt_tokens": 1e400}', '"\\ud800"',
+    '{"session": 123456789012345678901234567890}', "\ufeff{}", "  {}\t", "", "  ", "{",
+    '{"a": 1}{"b": 2}', "[" * 1200 + "]" * 1200, '{"caller": "\\u00e9"}', "0.1e-5", "-0",
+    "1" * 5000])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(JSON_VALUES.map(json.dumps), ODD_LINES,
+                          st.binary(max_size=12).map(lambda b: b.decode("latin-1"))),
+                min_size=2, max_size=12),
+       st.sampled_from(["\n", "\r\n"]))
+def test_ndjson_lines_read_as_json_reads_them(lines, newline):
+    """orjson decodes most lines; every line still reads exactly as ``json`` reads it (the
+    same value, or the same reason): integers beyond 64 bits, NaN, lone surrogates, a BOM,
+    invalid UTF-8, nesting past any limit."""
+    # A first line that is one value makes the body NDJSON whatever follows.
+    body = newline.join(['{"n": 0}', *lines]).encode("utf-8", "surrogatepass")
+    items = list(iter_body(body))
+    expected = []
+    for number, line in enumerate(body.split(b"\n"), 1):
+        item = ingest._decode_line(line, number)
+        if item is not None:
+            expected.append(item)
+    assert [(describe(value), line) for value, line in items] == [
+        (describe(value), line) for value, line in expected]
+
+
+def describe(value):
+    """Comparable: the reason of an unreadable line, else the value with its types."""
+    if isinstance(value, ingest.Unreadable):
+        return ("unreadable", value.reason)
+    return ("value", json.dumps(value), repr(value))

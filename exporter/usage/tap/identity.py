@@ -56,16 +56,15 @@ def bearer_key(authorization: str | None) -> str | None:
     return key or None
 
 
-def resolve_caller(headers: Mapping[str, str], body: Any, caller_header: str,
+def resolve_caller(headers: Mapping[str, str], user: Any, caller_header: str,
                    aliases: KeyAliases) -> str:
-    """The caller name for one request (never the key itself)."""
+    """The caller name for one request (never the key itself); ``user`` is the value of the
+    body's top-level ``user`` field (None when it has none)."""
     named = headers.get(caller_header, "").strip() if caller_header else ""
     if named:
         return named
-    if isinstance(body, dict):
-        user = body.get("user")
-        if isinstance(user, str) and user.strip():
-            return user.strip()
+    if isinstance(user, str) and user.strip():
+        return user.strip()
     key = bearer_key(headers.get("Authorization"))
     if key is None:
         return ANONYMOUS

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -50,6 +48,16 @@ from exporter.usage.openai import (
     usage_of,
 )
 from exporter.usage.tap.identity import KeyAliases, resolve_caller
+from exporter.usage.tap.request import (
+    NOT_AN_OBJECT,
+    NeedsDecoder,
+    RequestFacts,
+    Undecidable,
+    facts_of,
+    parse,
+    scan,
+    with_include_usage,
+)
 from exporter.values import UsageEvent
 
 log = logging.getLogger(__name__)
@@ -67,9 +75,9 @@ REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 # Client headers aiohttp would otherwise add on its own: the tap forwards the client's or none.
 SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
-# Non-streamed bodies above this are decoded in a worker thread.
+# Bodies above this are decoded in a worker thread (requests only when the scan needs the
+# C decoder).
 PARSE_INLINE_MAX_BYTES = 256 * 1024
-READ_CHUNK = 64 * 1024
 
 
 
@@ -102,6 +110,7 @@ class Exchange:
     session: str | None = None
     engine: EngineTimings | None = None  # vLLM's per-request metrics, when it sent them
     recorded: bool = False
+    request: RequestFacts = NOT_AN_OBJECT  # what the request body said
 
 
 def json_error(status: int, message: str, kind: str) -> web.Response:
@@ -134,38 +143,35 @@ class BodyTooLarge(Exception):
 
 async def read_bounded(stream: aiohttp.StreamReader, declared: int | None,
                        limit: int) -> bytes:
+    """The whole body, at most ``limit`` bytes. Chunks are taken as aiohttp buffered them
+    (``readany`` hands them over without a copy) and joined once; a body that came in one
+    chunk is that chunk."""
     if declared is not None and declared > limit:
         raise BodyTooLarge
     chunks: list[bytes] = []
     size = 0
     while True:
-        chunk = await stream.read(READ_CHUNK)
+        chunk = await stream.readany()
         if not chunk:
-            return b"".join(chunks)
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge
         chunks.append(chunk)
 
 
-def inject_include_usage(body: bytes, request_json: dict[str, Any]) -> bytes:
-    """Ask upstream for the usage chunk. Without stream_options the other bytes stay put."""
-    options = request_json.get("stream_options")
-    stripped = body.lstrip()
-    if "stream_options" not in request_json and stripped[:1] == b"{":
-        start = len(body) - len(stripped) + 1
-        return body[:start] + b'"stream_options":{"include_usage":true},' + body[start:]
-    merged = dict(options) if isinstance(options, dict) else {}
-    merged["include_usage"] = True
-    # continuous_usage_stats would put usage on every chunk the client never asked usage for.
-    merged.pop("continuous_usage_stats", None)
-    rewritten = dict(request_json, stream_options=merged)
-    return json.dumps(rewritten, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-def wants_usage(request_json: dict[str, Any]) -> bool:
-    options = request_json.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
+async def read_request(body: bytes, endpoint: Endpoint) -> RequestFacts:
+    """The request's facts (``request``): scanned on the loop, or decoded in a worker thread
+    when the body is large and the scan cannot do without the C decoder."""
+    if len(body) <= PARSE_INLINE_MAX_BYTES:
+        return facts_of(body, endpoint)
+    try:
+        return scan(body, endpoint, decoder=False)
+    except NeedsDecoder:
+        work = facts_of
+    except Undecidable:
+        work = parse
+    return await asyncio.get_running_loop().run_in_executor(None, work, body, endpoint)
 
 
 class Tap:
@@ -273,25 +279,20 @@ class Tap:
         if endpoint is None:
             return await self.forward(request, body, headers, None, started)
 
-        request_json: Any = None
-        try:
-            request_json = loads(body) if body else None
-        except ValueError:
-            pass  # vLLM answers it (400) and the tap records that answer
-        if not isinstance(request_json, dict):
-            request_json = None
-        model = request_json.get("model") if request_json else None
+        # A body that is not a JSON object is forwarded as it is: vLLM answers it (400) and
+        # the tap records that answer.
+        facts = await read_request(body, endpoint)
         exchange = Exchange(
             endpoint=endpoint,
-            caller=resolve_caller(request.headers, request_json,
-                                  self.settings.caller_header, self.aliases),
-            model=model if isinstance(model, str) else None,
+            caller=resolve_caller(request.headers, facts.user, self.settings.caller_header,
+                                  self.aliases),
+            model=facts.model,
             session=(request.headers.get(self.settings.session_header, "").strip() or None
-                     if self.settings.session_header else None))
+                     if self.settings.session_header else None),
+            request=facts)
         strip = False
-        if (request_json is not None and endpoint in USAGE_OPT_IN
-                and request_json.get("stream") is True and not wants_usage(request_json)):
-            body = inject_include_usage(body, request_json)
+        if endpoint in USAGE_OPT_IN and facts.stream and not facts.wants_usage:
+            body = with_include_usage(body, facts)
             strip = True
         # Usage is read from the bytes: ask for them uncompressed.
         headers.popall("Accept-Encoding", None)

@@ -1,0 +1,379 @@
+"""The tap's scan of a request body agrees with ``json.loads`` wherever ``json.loads`` reads
+the body, and never fails in any other way on anything else."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
+
+from exporter.usage.openai import Endpoint
+from exporter.usage.tap import request as scanner
+from exporter.usage.tap.request import (
+    NOT_AN_OBJECT,
+    NeedsDecoder,
+    RequestFacts,
+    Undecidable,
+    facts_of,
+    prompt_span,
+    scan,
+    scan_spans,
+    with_include_usage,
+)
+
+KEYS = ["model", "user", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+        "max_output_tokens", "messages", "prompt", "input", "include_usage", "content",
+        "role", "continuous_usage_stats"]
+WHITESPACE = st.sampled_from(["", " ", "  ", "\n", "\t", "\r\n", " \n\t "])
+SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(10 ** 30), max_value=10 ** 30),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+    st.sampled_from(["", "\\", '"', '\\"', '"stream": true', "}", "]", "{", "[", "\u00e9\u4e2d",
+                     "\U0001f600", "\x00\x1f", "\ufeff"]))
+
+
+@st.composite
+def string_text(draw: st.DrawFn, value: str) -> str:
+    """A JSON string for ``value``, as one of the ways a client may write it."""
+    style = draw(st.sampled_from(["raw", "ascii", "escape_all"]))
+    if style == "raw":
+        return json.dumps(value, ensure_ascii=False)
+    if style == "ascii":
+        return json.dumps(value)
+    out = []
+    for char in value:
+        code = ord(char)
+        if code > 0xFFFF:  # a surrogate pair
+            code -= 0x10000
+            out.append(f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}")
+        else:
+            out.append(f"\\u{code:04x}")
+    return '"' + "".join(out) + '"'
+
+
+@st.composite
+def json_text(draw: st.DrawFn, depth: int = 0) -> str:
+    """Any JSON value, written with arbitrary whitespace, escapes and repeated keys."""
+    kind = draw(st.sampled_from(["scalar", "scalar", "array", "object"] if depth < 4
+                                else ["scalar"]))
+    if kind == "scalar":
+        value = draw(SCALARS)
+        if isinstance(value, str):
+            return draw(string_text(value))
+        return json.dumps(value)
+    if kind == "array":
+        items = draw(st.lists(json_text(depth + 1), max_size=4))
+        return "[" + ",".join(draw(WHITESPACE) + item + draw(WHITESPACE) for item in items) \
+            + draw(WHITESPACE) + "]"
+    return object_text(draw, depth + 1)
+
+
+def object_text(draw: st.DrawFn, depth: int) -> str:
+    pairs = draw(st.lists(st.tuples(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)),
+                                    json_text(depth)), max_size=6))
+    members = [draw(WHITESPACE) + draw(string_text(key)) + draw(WHITESPACE) + ":"
+               + draw(WHITESPACE) + value + draw(WHITESPACE) for key, value in pairs]
+    return "{" + ",".join(members) + draw(WHITESPACE) + "}"
+
+
+@st.composite
+def request_body(draw: st.DrawFn) -> bytes:
+    text = draw(WHITESPACE) + object_text(draw, 0) + draw(WHITESPACE)
+    body = text.encode("utf-8", "surrogatepass")
+    return (scanner.BOM + body) if draw(st.booleans()) else body
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as JSON values (NaN equals NaN, 1 differs from 1.0)."""
+    return json.dumps(a) == json.dumps(b)
+
+
+def expected_facts(obj: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
+    """What the tap should know, from json.loads' reading, written independently."""
+    limit_keys = {Endpoint.CHAT: ["max_completion_tokens", "max_tokens"],
+                  Endpoint.COMPLETIONS: ["max_tokens"],
+                  Endpoint.RESPONSES: ["max_output_tokens"]}[endpoint]
+    limit = next((obj[key] for key in limit_keys if obj.get(key) is not None), None)
+    options = obj.get("stream_options")
+    return {
+        "model": obj["model"] if isinstance(obj.get("model"), str) else None,
+        "user": json.dumps(obj.get("user")),
+        "stream": obj.get("stream") is True,
+        "has_stream_options": "stream_options" in obj,
+        "stream_options": json.dumps(options),
+        "wants_usage": isinstance(options, dict) and options.get("include_usage") is True,
+        "output_limit": limit if type(limit) is int else None,
+    }
+
+
+def observed_facts(facts: RequestFacts) -> dict[str, Any]:
+    return {"model": facts.model, "user": json.dumps(facts.user), "stream": facts.stream,
+            "has_stream_options": facts.has_stream_options,
+            "stream_options": json.dumps(facts.stream_options),
+            "wants_usage": facts.wants_usage, "output_limit": facts.output_limit}
+
+
+def loads_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+PROMPT_KEYS = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt",
+               Endpoint.RESPONSES: "input"}
+
+
+def check_agrees(body: bytes, endpoint: Endpoint) -> None:
+    """What the tap uses (``facts_of``) and the scan alone both read what json.loads reads,
+    whenever json.loads reads an object; neither raises anything else ever."""
+    obj = loads_object(body)
+    facts = facts_of(body, endpoint)
+    try:
+        scanned: RequestFacts | None = scan(body, endpoint)
+    except Undecidable:
+        scanned = None
+    if obj is None:
+        return
+    assert observed_facts(facts) == expected_facts(obj, endpoint)
+    if len(body) >= scanner.WALK_MIN_BYTES:
+        assert scanned is not None  # a valid object (UTF-8) never needs the full parse
+    if scanned is None:
+        return
+    assert observed_facts(scanned) == expected_facts(obj, endpoint)
+    prompt_key = PROMPT_KEYS[endpoint]
+    span = prompt_span(body, endpoint, facts)
+    assert span == scanned.prompt_span
+    if prompt_key in obj:
+        assert span is not None
+        assert same(json.loads(body[slice(*span)]), obj[prompt_key])
+    else:
+        assert span is None
+
+
+# ---- properties ------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_body())
+def test_every_top_level_value_is_what_json_loads_reads(body: bytes) -> None:
+    obj = json.loads(body)
+    _start, spans = scan_spans(body)
+    assert set(spans) == set(obj)
+    for key, (begin, end) in spans.items():
+        assert same(json.loads(body[begin:end]), obj[key]), key
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_body(), st.sampled_from(list(Endpoint)))
+def test_facts_are_what_json_loads_reads(body: bytes, endpoint: Endpoint) -> None:
+    check_agrees(body, endpoint)
+    scan(body, endpoint)  # valid UTF-8 JSON objects need no full parse (raises otherwise)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_body(), st.data())
+def test_a_damaged_body_never_breaks_the_scan(body: bytes, data: st.DataObject) -> None:
+    """Any byte changed, cut or inserted: facts_of answers (never raises), and agrees with
+    json.loads whenever json.loads still reads an object."""
+    at = data.draw(st.integers(min_value=0, max_value=len(body)))
+    how = data.draw(st.sampled_from(["replace", "cut", "insert"]))
+    byte = bytes([data.draw(st.integers(min_value=0, max_value=255))])
+    if how == "replace":
+        body = body[:at] + byte + body[at + 1:]
+    elif how == "cut":
+        body = body[:at]
+    else:
+        body = body[:at] + byte + body[at:]
+    for endpoint in Endpoint:
+        check_agrees(body, endpoint)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_never_break_the_scan(body: bytes) -> None:
+    for endpoint in Endpoint:
+        check_agrees(body, endpoint)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_body(), st.integers(min_value=1, max_value=40))
+def test_the_python_walk_and_the_c_scanner_agree(body: bytes, padding_kb: int) -> None:
+    """Past WALK_MIN_BYTES containers are walked in Python (long strings by memchr); both
+    ways give the same spans, and without the decoder the walk says when it needs it."""
+    obj = loads_object(body)
+    assume(obj is not None)
+    padded = body.rstrip()[:-1].rstrip()  # reopen the object: add a long prompt-like member
+    separator = b"" if padded.endswith(b"{") else b","
+    padded += separator + b'"pad":[{"content":"' + b"x" * (padding_kb * 1024) + b'"}]}'
+    reference = json.loads(padded)
+    _start, spans = scan_spans(padded)
+    assert set(spans) == set(reference)
+    for key, (begin, end) in spans.items():
+        assert same(json.loads(padded[begin:end]), reference[key])
+    try:
+        _start, walked = scan_spans(padded, decoder=False)
+    except NeedsDecoder:
+        return
+    assert walked == spans
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_body())
+def test_include_usage_changes_nothing_else(body: bytes) -> None:
+    obj = json.loads(body)
+    facts = scan(body, Endpoint.CHAT)
+    sent = with_include_usage(body, facts)
+    # Facts from the full parse (small bodies) find the same places.
+    assert with_include_usage(body, scanner.parse(body, Endpoint.CHAT)) == sent
+    rewritten = json.loads(sent)
+    options = obj.get("stream_options")
+    expected = dict(options) if isinstance(options, dict) else {}
+    expected["include_usage"] = True
+    expected.pop("continuous_usage_stats", None)
+    assert same(rewritten["stream_options"], expected)
+    assert same({k: v for k, v in rewritten.items() if k != "stream_options"},
+                {k: v for k, v in obj.items() if k != "stream_options"})
+    # Byte for byte: only the inserted field or the last stream_options value differ.
+    if facts.stream_options_span is None:
+        at = facts.object_start + 1
+        inserted = scanner.INCLUDE_USAGE if obj else scanner.INCLUDE_USAGE[:-1]
+        assert sent == body[:at] + inserted + body[at:]
+    else:
+        begin, end = facts.stream_options_span
+        assert sent.startswith(body[:begin]) and sent.endswith(body[end:])
+
+
+# ---- the cases the properties might not draw -------------------------------------------
+
+
+def test_small_bodies_are_decoded_whole_large_ones_scanned() -> None:
+    small = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+    large = small[:-1] + b',"pad":"' + b"x" * scanner.WALK_MIN_BYTES + b'"}'
+    assert not facts_of(small, Endpoint.CHAT).scanned
+    assert facts_of(large, Endpoint.CHAT).scanned
+    assert facts_of(large, Endpoint.CHAT).prompt_span == prompt_span(
+        small, Endpoint.CHAT, facts_of(small, Endpoint.CHAT))
+
+
+@pytest.mark.parametrize("body, stream, model", [
+    # A "stream": true or a model inside a message is not the request's.
+    (b'{"model":"m","messages":[{"role":"user","content":"x","stream":true,'
+     b'"model":"inner"}],"stream":false}', False, "m"),
+    (b'{"messages":[{"content":{"stream":true}}],"model":"m"}', False, "m"),
+    (b'{"messages":"{\\"stream\\": true}","model":"m"}', False, "m"),
+    # Escapes: an escaped quote, a backslash before the closing quote, an escaped key.
+    (b'{"messages":[{"content":"say \\"hi\\" \\\\"}],"str\\u0065am":true,"model":"m"}',
+     True, "m"),
+    (b'{"messages":[{"content":"\\\\\\\\"}],"stream":true,"model":"\\u00e9"}', True, "\u00e9"),
+    # Duplicate keys: the last one counts, as with json.loads.
+    (b'{"stream":true,"model":"a","stream":false,"model":"b"}', False, "b"),
+    (b'{"stream":false,"stream":true}', True, None),
+    # A byte-order mark (json.loads takes one on bytes), whitespace everywhere.
+    (b'\xef\xbb\xbf \r\n{ "stream" :\ttrue , "model" : "m" }\n', True, "m"),
+])
+def test_top_level_fields_only(body: bytes, stream: bool, model: str | None) -> None:
+    for facts in (facts_of(body, Endpoint.CHAT), scan(body, Endpoint.CHAT)):
+        assert (facts.stream, facts.model) == (stream, model)
+    check_agrees(body, Endpoint.CHAT)
+
+
+def deep(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model":"m","messages":' + deep(100_000) + b',"stream":true}',
+    b'{"model":"m","messages":[{"content":"' + b"x" * 20_000 + b'"},' + deep(100_000)
+    + b'],"stream":true}',
+    b'{"stream_options":' + deep(100_000) + b',"stream":true}',
+    b'{"stream":true,"max_tokens":' + b"9" * 100_000 + b'}',
+    b'{"model":"m","messages":[' + b"9" * 100_000 + b'],"stream":true}',
+    b'{"model":"\xff\xfe","stream":true}',
+    b'{"m\xffodel":"m","stream":true}',
+    b'{"model":"m","stream":true} {}',
+    b'{"model":"m","stream":tru}',
+    b'{"model":"m","stream":true,}',
+    b'["model","m"]',
+    "{\"model\":\"m\",\"stream\":true}".encode("utf-16"),
+    b"",
+    b"{",
+    b'{"' + b"\\" * 10_001 + b'"',
+])
+def test_hostile_bodies_are_read_as_json_loads_reads_them_or_not_at_all(body: bytes) -> None:
+    for endpoint in Endpoint:
+        facts = facts_of(body, endpoint)  # never raises
+        check_agrees(body, endpoint)
+        if loads_object(body) is None and not facts.scanned:
+            assert facts == NOT_AN_OBJECT
+
+
+def test_huge_numbers_are_decoded_as_json_loads_decodes_them() -> None:
+    facts = facts_of(b'{"max_tokens":1e999,"stream":true,"stream_options":{"x":1e-999}}',
+                     Endpoint.CHAT)
+    assert facts.output_limit is None  # inf is no token count
+    assert facts.stream_options == {"x": 0.0}
+    facts = facts_of(b'{"max_tokens":' + b"1" * 4000 + b'}', Endpoint.COMPLETIONS)
+    assert facts.output_limit == int("1" * 4000)
+
+
+def test_invalid_utf8_in_a_skipped_string_leaves_the_fields_readable() -> None:
+    """json.loads refuses the body; vLLM will too (400). The tap still knows whose it is."""
+    body = b'{"user":"alice","messages":[{"content":"\xff\xfe"}],"stream":true}'
+    facts = scan(body, Endpoint.CHAT)
+    assert (facts.user, facts.stream, facts.scanned) == ("alice", True, True)
+
+
+def test_many_escaped_quotes_go_to_the_c_scanner() -> None:
+    body = (b'{"messages":[{"content":"' + b'\\"' * 50_000 + b'"}],"model":"m",'
+            b'"stream":true}')
+    assert facts_of(body, Endpoint.CHAT).model == "m"
+    with pytest.raises(NeedsDecoder):
+        scan(body, Endpoint.CHAT, decoder=False)
+
+
+@pytest.mark.parametrize("endpoint, body, limit, prompt", [
+    (Endpoint.CHAT, b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":5}', 5,
+     b'[{"role":"user","content":"hi"}]'),
+    (Endpoint.CHAT, b'{"max_completion_tokens":7,"max_tokens":5,"messages":[]}', 7, b"[]"),
+    (Endpoint.CHAT, b'{"max_completion_tokens":null,"max_tokens":5}', 5, None),
+    (Endpoint.CHAT, b'{"max_tokens":true}', None, None),
+    (Endpoint.CHAT, b'{"max_tokens":5.0}', None, None),
+    (Endpoint.COMPLETIONS, b'{"prompt":"once upon",  "max_tokens":9}', 9, b'"once upon"'),
+    (Endpoint.COMPLETIONS, b'{"prompt":[1,2,3],"max_completion_tokens":9}', None,
+     b"[1,2,3]"),
+    (Endpoint.RESPONSES, b'{"input":"x","max_output_tokens":3,"max_tokens":9}', 3, b'"x"'),
+])
+def test_output_limit_and_prompt_span(endpoint: Endpoint, body: bytes, limit: int | None,
+                                      prompt: bytes | None) -> None:
+    facts = facts_of(body, endpoint)
+    assert facts.output_limit == limit
+    span = prompt_span(body, endpoint, facts)
+    assert (body[slice(*span)] if span else None) == prompt
+
+
+def test_a_body_the_scan_cannot_read_is_rewritten_whole_only_for_stream_options() -> None:
+    body = "{\"stream\":true,\"model\":\"m\"}".encode("utf-16")
+    facts = facts_of(body, Endpoint.CHAT)
+    assert not facts.scanned and facts.stream
+    assert json.loads(with_include_usage(body, facts)) == {
+        "stream": True, "model": "m", "stream_options": {"include_usage": True}}
+
+
+@example(b'{"stream":true}')
+@given(st.binary(max_size=64))
+def test_scan_raises_only_undecidable(body: bytes) -> None:
+    try:
+        scan(body, Endpoint.CHAT)
+    except Undecidable:
+        pass
+
+
+def test_not_a_number_is_kept_as_json_loads_keeps_it() -> None:
+    facts = facts_of(b'{"stream_options":{"x":NaN},"stream":true}', Endpoint.CHAT)
+    assert math.isnan(facts.stream_options["x"])
