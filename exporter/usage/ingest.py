@@ -23,7 +23,7 @@ import itertools
 import json
 import json.scanner
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,8 @@ from aiohttp import web
 from orjson import loads as _orjson_loads
 
 from exporter.usage.event import InvalidEvent
-from exporter.usage.formats import Converter
-from exporter.values import UsageEvent
+from exporter.usage.formats import Converter, row_converter
+from exporter.values import UsageRow
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ ROUTE = "/v1/usage"
 # The reply lists at most this many rejected events (the count is always complete).
 MAX_ERRORS_IN_REPLY = 1000
 # Events processed between yields to the event loop, so a 16 MiB batch does not stall
-# /metrics scrapes for its whole duration.
+# /metrics scrapes for its whole duration. A slice's accepted events are recorded together
+# before the yield: at most this many tuples are held per body being read.
 EVENTS_PER_SLICE = 2000
 # A request that finds every body slot taken waits this long for one, then gets 503; at
 # most this many wait at once (a waiting request holds no more than aiohttp's read buffer).
@@ -287,19 +288,20 @@ def _long_digit_lines(data: bytes) -> set[int]:
 class UsageIngest:
     """``POST /v1/usage``: its formats, auth and size rules, and where its events go.
 
-    ``record`` takes each accepted event, ``reject`` the reason of each event that could not
-    be used, ``reject_request`` the reason of each request refused as a whole.
+    ``record_rows`` takes the accepted events of a body in order, a slice
+    (``EVENTS_PER_SLICE``) at a time, as plain tuples; ``reject`` the reason of each event
+    that could not be used, ``reject_request`` the reason of each request refused as a whole.
     """
 
     def __init__(self, converters: Mapping[str, Converter], default_format: str, token: str,
-                 max_body_bytes: int, record: Callable[[UsageEvent], object],
+                 max_body_bytes: int, record_rows: Callable[[Sequence[UsageRow]], object],
                  reject: Callable[[str], None], reject_request: Callable[[str], None],
                  max_concurrent_bodies: int = 4) -> None:
         self.converters = dict(converters)
         self.default_format = default_format
         self.token = token.encode("utf-8")
         self.max_body_bytes = max_body_bytes
-        self.record = record
+        self.record_rows = record_rows
         self.reject = reject
         self.reject_request = reject_request
         self.max_concurrent_bodies = max_concurrent_bodies
@@ -316,12 +318,19 @@ class UsageIngest:
 
     async def process(self, items: Iterator[Item], convert: Converter) -> BatchResult:
         result = BatchResult()
-        record = self.record
+        record_rows = self.record_rows
         reject = self.reject
+        convert_row = row_converter(convert)
+        rows: list[UsageRow] = []
         accepted = 0
         index = -1
         for index, (value, line) in enumerate(items):
             if index and index % EVENTS_PER_SLICE == 0:
+                # The slice's events are counted before anything else may run.
+                if rows:
+                    record_rows(rows)
+                    accepted += len(rows)
+                    rows = []
                 await asyncio.sleep(0)
                 if not accepted and result.rejected >= ABANDON_AFTER_REJECTIONS:
                     result.abandoned = True
@@ -332,7 +341,7 @@ class UsageIngest:
                 result.add_error(index, value.reason, value.message, line)
                 continue
             try:
-                event = convert(value)
+                row = convert_row(value)
             except InvalidEvent as err:
                 reject(err.reason)
                 result.add_error(index, err.reason, str(err), line)
@@ -343,8 +352,10 @@ class UsageIngest:
                 result.add_error(index, "unprocessable", "the event could not be read",
                                  line)
                 continue
-            record(event)
-            accepted += 1
+            rows.append(row)
+        if rows:
+            record_rows(rows)
+            accepted += len(rows)
         result.accepted = accepted
         return result
 
