@@ -118,6 +118,16 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
     one: an invalid UTF-8 byte, a byte-order mark or a line nested too deeply costs that
     line only. Raises BodyError, before the first item, when the body is none of the three.
     """
+    yield from read_body(body)
+
+
+def read_body(body: bytes | bytearray) -> Iterator[Item]:
+    """``iter_body``, raising BodyError at once rather than at the first item.
+
+    The ingest's own entry: what it returns is the line reader itself (behind the first
+    line it looked at), with no generator of its own in between, since every event of a
+    body passes through each layer.
+    """
     start = len(BOM) if body.startswith(BOM) else 0
     size = len(body)
     while start < size and body[start] in b" \t\r\n":
@@ -135,9 +145,7 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
                 raise
             # NDJSON whose first line happens to be an array: the lines say what is bad.
         else:
-            for value in _array_elements(text):
-                yield value, None
-            return
+            return ((value, None) for value in _array_elements(text))
     if body[start] == ord("{") and first_newline >= 0 and not _is_value(body, start,
                                                                          first_newline):
         # Not NDJSON (its first line is not a value): perhaps one pretty-printed object.
@@ -147,16 +155,14 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
             text = ""  # not one document; the lines will say which of them are bad
         value, stop = _scan_value(text, 0)
         if stop >= 0 and not text[stop:].strip(_WHITESPACE):
-            yield value, None
-            return
+            return iter(((value, None),))
     items = _iter_lines(body, start)
     first = next(items, None)
     if first is None:  # nothing but blank lines and byte-order marks
         raise BodyError("bad_body", "the body is empty")
     if type(first[0]) is Unreadable and first_newline < 0:
         raise BodyError("bad_body", "the body is not JSON, a JSON array, or NDJSON")
-    yield first
-    yield from items
+    return itertools.chain((first,), items)
 
 
 def _is_value(body: bytes | bytearray, start: int, end: int) -> bool:
@@ -323,9 +329,10 @@ class UsageIngest:
         convert_row = row_converter(convert)
         rows: list[UsageRow] = []
         accepted = 0
-        index = -1
+        slice_left = EVENTS_PER_SLICE
         for index, (value, line) in enumerate(items):
-            if index and index % EVENTS_PER_SLICE == 0:
+            if not slice_left:
+                slice_left = EVENTS_PER_SLICE
                 # The slice's events are counted before anything else may run.
                 if rows:
                     record_rows(rows)
@@ -336,6 +343,7 @@ class UsageIngest:
                     result.abandoned = True
                     self.reject_request("abandoned")
                     break
+            slice_left -= 1
             if type(value) is Unreadable:
                 reject(value.reason)
                 result.add_error(index, value.reason, value.message, line)
@@ -420,14 +428,11 @@ class UsageIngest:
                 response = self._refuse(413, "body_too_large", too_large)
                 response.force_close()  # do not read the rest of an oversized body
                 return response
-        items = iter_body(body)
         try:
-            first = next(items, None)
+            items = read_body(body)
         except BodyError as err:
             return self._refuse(400, err.reason, str(err))
-        result = BatchResult()
-        if first is not None:  # else an empty JSON array: nothing to count, nothing wrong
-            result = await self.process(itertools.chain((first,), items), convert)
+        result = await self.process(items, convert)  # an empty JSON array: nothing wrong
         # 422 only when nothing at all could be used, so a sender notices; a partly bad batch
         # is a success whose reply names the bad events.
         status = 422 if result.rejected and not result.accepted else 200
