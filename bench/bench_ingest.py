@@ -130,6 +130,9 @@ def main() -> int:
                              "branch), between the others")
     parser.add_argument("--exporter-args", default="",
                         help="more flags for the exporter, e.g. '--callers.max 1000'")
+    parser.add_argument("--also-args", default=None,
+                        help="also measure this checkout's exporter with these flags instead "
+                             "(e.g. '--no-web.uvloop'), between the others")
     args = parser.parse_args()
     bodies = make_bodies(args.batches, args.batch_size, args.callers, seed=3)
     events = args.batches * args.batch_size
@@ -138,6 +141,8 @@ def main() -> int:
     app_rates: list[float] = []
     bare_rates: list[float] = []
     before_rates: list[float] = []
+    also_rates: list[float] = []
+    also_args = None if args.also_args is None else [*exporter_args, *args.also_args.split()]
     for _ in range(args.repeats):
         spent, bare_count = bare_loop(bodies)
         assert bare_count == events
@@ -149,6 +154,10 @@ def main() -> int:
             spent, accepted = asyncio.run(through_exporter(bodies, exporter_args, args.before))
             assert accepted == events, accepted
             before_rates.append(events / spent)
+        if also_args is not None:
+            spent, accepted = asyncio.run(through_exporter(bodies, also_args))
+            assert accepted == events, accepted
+            also_rates.append(events / spent)
     app_median = statistics.median(app_rates)
     bare_median = statistics.median(bare_rates)
     ratio = app_median / bare_median
@@ -167,6 +176,12 @@ def main() -> int:
               f"median {before_median:,.0f} events  "
               f"(runs: {', '.join(f'{r:,.0f}' for r in before_rates)}); ratio to bare "
               f"{before_median / bare_median:.2f}")
+    if also_rates:
+        also_median = statistics.median(also_rates)
+        print(f"this exporter with {args.also_args!r}:                       "
+              f"median {also_median:,.0f} events  "
+              f"(runs: {', '.join(f'{r:,.0f}' for r in also_rates)}); ratio to bare "
+              f"{also_median / bare_median:.2f}")
     met = app_median >= GOAL_EVENTS and ratio >= GOAL_RATIO
     print(f"ratio exporter / bare: {ratio:.2f}  (goal: >= {GOAL_EVENTS:,} events per CPU-second"
           f" and ratio >= {GOAL_RATIO}: {'met' if met else 'MISSED'})")

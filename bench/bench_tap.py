@@ -292,7 +292,8 @@ class Target:
 
 
 def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str,
-                    before: Path | None = None) -> dict[str, Target]:
+                    before: Path | None = None, also_asyncio: bool = False
+                    ) -> dict[str, Target]:
     upstream_port, nginx_port, bare_port, tap_port, web_port = (free_port() for _ in range(5))
     upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream",
                                  str(upstream_port)], start_new_session=True)
@@ -332,6 +333,22 @@ def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str,
         stack.append(earlier)
         wait_port(before_port, earlier, f"exporter from {before}")
         targets["before"] = Target("before", before_port, [earlier.pid])
+    if also_asyncio:  # the same tap and pass-through on asyncio's own loop
+        aio_port, aio_web, aio_bare_port = free_port(), free_port(), free_port()
+        tap_aio = subprocess.Popen(
+            [sys.executable, "-m", "exporter", "run", "--web.listen-address",
+             f"127.0.0.1:{aio_web}", "--tap.listen-address", f"127.0.0.1:{aio_port}",
+             "--tap.upstream", f"http://127.0.0.1:{upstream_port}", "--log.level", "warning",
+             "--no-web.uvloop"], cwd=ROOT, start_new_session=True)
+        stack.append(tap_aio)
+        wait_port(aio_port, tap_aio, "exporter with the tap, on asyncio's loop")
+        bare_aio = subprocess.Popen([sys.executable, __file__, "--serve-passthrough",
+                                     str(upstream_port), str(aio_bare_port), "asyncio"],
+                                    cwd=ROOT, start_new_session=True)
+        stack.append(bare_aio)
+        wait_port(aio_bare_port, bare_aio, "bare aiohttp pass-through on asyncio")
+        targets["tap-aio"] = Target("tap-aio", aio_port, [tap_aio.pid])
+        targets["bare-aio"] = Target("bare-aio", aio_bare_port, [bare_aio.pid])
     return targets | {"direct": Target("direct", upstream_port, []),
             "nginx": Target("nginx", nginx_port, children(nginx_process.pid)
                             + [nginx_process.pid]),
@@ -353,7 +370,7 @@ def tap_events(web_port: int) -> float:
 # ---- the measurement ------------------------------------------------------------------
 
 TARGETS = ("direct", "nginx", "bare", "tap")
-targets_measured = list(TARGETS)  # plus "before" with --before
+targets_measured = list(TARGETS)  # plus "before" with --before, two more with --also-asyncio
 
 PHASES = (
     # name, stream, prompt chars, concurrency, request share
@@ -377,8 +394,8 @@ async def measure(targets: dict[str, Target], rounds: int, requests: int,
                 raw = http_request("/v1/chat/completions", chat_payload(stream, chars), port)
                 await run_phase(port, raw, max(concurrency * 4, count // 10), concurrency)
                 before = cpu_seconds(targets[target].pids) if targets[target].pids else None
-                phase = await run_phase(port, raw, count, concurrency,
-                                        usage_marker if stream and target == "tap" else None)
+                marker = usage_marker if stream and target.startswith("tap") else None
+                phase = await run_phase(port, raw, count, concurrency, marker)
                 if before is not None:
                     phase.cpu = cpu_seconds(targets[target].pids) - before
                 phase.name = phase_name
@@ -396,7 +413,7 @@ def report(results: dict[tuple[str, str], list[Phase]]) -> dict[str, dict[str, f
     Added latency is the target's p50 minus the direct p50 of the same round, so the ratio
     of medians compares what each proxy adds, not the mock's own time.
     """
-    print(f"{'phase':18} {'target':7} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
+    print(f"{'phase':18} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
           f"{'first p50':>10} {'req/s':>8} {'CPU ms/req':>11}")
     figures: dict[str, dict[str, float]] = {}
     for phase_name in dict.fromkeys(name for name, _target in results):
@@ -416,7 +433,7 @@ def report(results: dict[tuple[str, str], list[Phase]]) -> dict[str, dict[str, f
                 cpu[target] = med([(p.cpu or 0.0) / len(p.total) for p in runs])
                 cpu_text = f"{cpu[target] * 1e3:11.3f}"
             added_text = f"{added[target] * 1e3:+10.3f}" if target != "direct" else f"{'':>10}"
-            print(f"{phase_name:18} {target:7} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {added_text} "
+            print(f"{phase_name:18} {target:8} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {added_text} "
                   f"{first * 1e3:10.3f} {rate:8.0f} {cpu_text}")
         figures[phase_name] = {
             "tap_added_ms": added["tap"] * 1e3, "bare_added_ms": added["bare"] * 1e3,
@@ -424,6 +441,11 @@ def report(results: dict[tuple[str, str], list[Phase]]) -> dict[str, dict[str, f
             "tap_cpu_ms": cpu["tap"] * 1e3, "bare_cpu_ms": cpu["bare"] * 1e3,
             "cpu_ratio": cpu["tap"] / cpu["bare"] if cpu["bare"] > 0 else float("inf"),
         }
+        if "tap-aio" in added:
+            figures[phase_name] |= {
+                "aio_tap_added_ms": added["tap-aio"] * 1e3,
+                "aio_bare_added_ms": added["bare-aio"] * 1e3,
+                "aio_tap_cpu_ms": cpu["tap-aio"] * 1e3, "aio_bare_cpu_ms": cpu["bare-aio"] * 1e3}
         if "before" in added:
             figures[phase_name] |= {
                 "before_added_ms": added["before"] * 1e3, "before_cpu_ms": cpu["before"] * 1e3,
@@ -456,6 +478,15 @@ def report_goals(figures: dict[str, dict[str, float]]) -> bool:
             print(f"{phase_name:18} {f['before_added_ms']:+10.3f}ms {f['bare_added_ms']:+7.3f}ms "
                   f"{f['before_added_ratio']:6.2f} {f['before_cpu_ms']:8.3f}ms "
                   f"{f['bare_cpu_ms']:6.3f}ms {f['before_cpu_ratio']:6.2f}")
+    if any("aio_tap_cpu_ms" in f for f in figures.values()):
+        print("\nthe same on asyncio's own loop (--no-web.uvloop), and what uvloop saves:")
+        print(f"{'phase':18} {'added: tap':>11} {'bare':>8} {'CPU: tap':>10} {'bare':>8} "
+              f"{'CPU tap uvloop/asyncio':>23} {'bare':>6}")
+        for phase_name, f in figures.items():
+            print(f"{phase_name:18} {f['aio_tap_added_ms']:+10.3f}ms "
+                  f"{f['aio_bare_added_ms']:+7.3f}ms {f['aio_tap_cpu_ms']:8.3f}ms "
+                  f"{f['aio_bare_cpu_ms']:6.3f}ms {f['tap_cpu_ms'] / f['aio_tap_cpu_ms']:23.2f} "
+                  f"{f['bare_cpu_ms'] / f['aio_bare_cpu_ms']:6.2f}")
     met = True
     for phase_name, key, limit in GOALS:
         if phase_name not in figures:
@@ -498,6 +529,9 @@ def main() -> int:
     parser.add_argument("--before", type=Path, default=None,
                         help="also measure the tap of the exporter in this checkout (e.g. "
                              "the main branch), as target 'before'")
+    parser.add_argument("--also-asyncio", action="store_true",
+                        help="also measure the tap with --no-web.uvloop and the bare "
+                             "pass-through on asyncio's loop, between the others")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-passthrough", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -515,9 +549,11 @@ def main() -> int:
         tmp = Path(tmp_name)
         os.chmod(tmp, 0o755)
         try:
-            targets = start_processes(tmp, stack, args.loop, args.before)
+            targets = start_processes(tmp, stack, args.loop, args.before, args.also_asyncio)
             if args.before is not None:
                 targets_measured.append("before")
+            if args.also_asyncio:
+                targets_measured.extend(("tap-aio", "bare-aio"))
             events_before = tap_events(targets["_web"].port)
             phases = tuple(p for p in PHASES if not args.phase or p[0] in args.phase)
             results = asyncio.run(measure(targets, args.rounds, args.requests, phases))

@@ -9,7 +9,6 @@ validated settings, never raw argparse values.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import difflib
 import importlib
 import json
@@ -162,10 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(config: Config) -> int:
-    from exporter.runtime import serve
+    from exporter.runtime import event_loop_name, run_to_completion, serve
 
+    logging.getLogger("exporter.runtime").info(
+        "event loop: %s", event_loop_name(config.web_uvloop))
     try:
-        asyncio.run(serve(config))
+        run_to_completion(serve(config), config.web_uvloop)
     except KeyboardInterrupt:
         pass
     except ConfigError as err:  # a web config file that broke after build_config read it

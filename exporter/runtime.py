@@ -6,7 +6,9 @@ import asyncio
 import functools
 import logging
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
+from types import ModuleType
+from typing import Any
 
 from aiohttp import web
 
@@ -29,6 +31,33 @@ from exporter.web import WebConfigError, WebListener, install_sighup
 from exporter.web.metrics import WebConfigCollector
 
 log = logging.getLogger(__name__)
+UVLOOP, ASYNCIO = "uvloop", "asyncio"
+
+
+def _uvloop() -> ModuleType | None:
+    try:
+        import uvloop
+    except ImportError:  # an optional speed-up: a platform without it runs asyncio's loop
+        return None
+    return uvloop
+
+
+def event_loop_name(use_uvloop: bool = Config.web_uvloop) -> str:
+    """The loop ``run`` uses with this setting (the default: the flag's)."""
+    return UVLOOP if use_uvloop and _uvloop() is not None else ASYNCIO
+
+
+def run_to_completion(main: Coroutine[Any, Any, None], use_uvloop: bool) -> None:
+    """``asyncio.run(main)``, on uvloop's loop when asked for and installed.
+
+    The web server, the tap and the readers only use asyncio's public API, so either loop
+    runs them; uvloop's transports take less CPU per connection and per read.
+    """
+    uvloop = _uvloop() if use_uvloop else None
+    if uvloop is None:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 async def serve(config: Config, stop: asyncio.Event | None = None,

@@ -236,6 +236,21 @@ class UsageEvent:
     max_tokens: int | None = None
 
 
+# One UsageEvent as a plain tuple of its fields, in the dataclass's order: how a batch of
+# events travels from a reader to the signals (``UsageState.record_rows``). Making a tuple
+# costs a fraction of making an object, and a batch of thousands is made per body.
+UsageRow = tuple[str, str, int, int | None, int | None, float | None, float | None, str | None,
+                 float | None, int | str | None, float | None, float | None, int | None]
+
+
+def event_row(event: UsageEvent) -> UsageRow:
+    """``event``'s fields as a ``UsageRow``."""
+    return (event.caller, event.model, event.prompt_tokens, event.cached_tokens,
+            event.completion_tokens, event.ttft_seconds, event.queue_seconds, event.session,
+            event.time, event.status, event.engine_ttft_seconds, event.engine_queue_seconds,
+            event.max_tokens)
+
+
 def status_is_error(status: int | str | None) -> bool:
     """None, 2xx and the words in OK_STATUS_WORDS are successes; everything else failed."""
     if status is None:

@@ -67,7 +67,7 @@ def usage_ingest(config: Config, usage: UsageState) -> UsageIngest:
     return UsageIngest(
         converters(config), config.usage_ingest_format, config.usage_ingest_token,
         config.usage_ingest_max_body_bytes,
-        record=lambda event: usage.record(event, HTTP_READER),
+        record_rows=lambda rows: usage.record_rows(rows, HTTP_READER),
         reject=lambda reason: usage.reject(HTTP_READER, reason),
         reject_request=usage.reject_request,
         max_concurrent_bodies=config.usage_ingest_max_concurrent_bodies)

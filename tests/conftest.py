@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from collections.abc import Awaitable, Callable
@@ -72,3 +73,28 @@ def exporter_for(aiohttp_client: Callable[..., Awaitable[TestClient]]) -> Export
         return await aiohttp_client(create_app(config, initial_refresh=False))
 
     return start
+
+
+# Tests proven on asyncio's own connection handling (slow readers, connection caps,
+# slowloris) also run on uvloop's loop, which ``run`` uses by default when it is installed.
+BOTH_LOOPS = ("tests.test_limits", "tests.tap.test_hostile")
+
+
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
+                                  ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every async test on asyncio's loop; those of BOTH_LOOPS on uvloop's too."""
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+        "asyncio": asyncio.new_event_loop}
+    uvloop_factory = _uvloop_factory()
+    module = getattr(item, "module", None)
+    if uvloop_factory is not None and module is not None and module.__name__ in BOTH_LOOPS:
+        factories["uvloop"] = uvloop_factory
+    return factories

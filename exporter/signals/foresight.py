@@ -112,9 +112,11 @@ class ConversationTracker:
             known = Conversation(model_name, model, context_tokens, when)
         else:
             known.context_tokens = context_tokens
-            known.last_seen = max(known.last_seen, when)
+            if when > known.last_seen:
+                known.last_seen = when
         conversations[key] = known
-        self.models[model] = None
+        if model not in self.models:
+            self.models[model] = None
         if len(conversations) > self.max_conversations:
             oldest = conversations.pop(next(iter(conversations)))
             if oldest.last_seen >= now - self.idle_seconds:

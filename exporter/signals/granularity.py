@@ -22,7 +22,7 @@ DEFAULT_MIN_AGREEING = 8
 DEFAULT_MIN_GRANULARITY = 16
 
 
-@dataclass
+@dataclass(slots=True)
 class _ModelSamples:
     window: deque[int]
     gcd: int = 0

@@ -34,6 +34,8 @@ from exporter.values import (
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
     UsageEvent,
+    UsageRow,
+    event_row,
     status_is_error,
 )
 
@@ -199,79 +201,95 @@ class UsageState:
     # ---- readers' side ----------------------------------------------------------------
 
     def record(self, event: UsageEvent, reader: str) -> str:
-        """Count one accepted event; return the state it was classified as.
+        """Count one accepted event; return the state it was classified as."""
+        state = self.record_rows((event_row(event),), reader)
+        assert state is not None
+        return state
 
-        Runs once per event on the ingest hot path, hence the local names and the memo of
-        (caller, model) -> series, which skips both label caps for pairs seen before.
+    def record_rows(self, rows: Sequence[UsageRow], reader: str) -> str | None:
+        """Count accepted events, each once and in their order; return the last one's state.
+
+        The ingest hot path: a body's events come here together, so what does not depend on
+        the event is done once (the clock read, the history's 30-s check, the reader's
+        counters, every attribute lookup) and each event is one pass of a loop over plain
+        tuples. The events of one call are counted as of one clock reading: the call runs
+        without yielding, so nothing can observe the state between two of them. Order still
+        matters within the call (a session's previous prompt, the granularity learner), and
+        is kept.
         """
+        if not rows:
+            return None
         now = self._clock()
         if self.history.next_due <= now < math.inf:  # a 30-s boundary passed: keep the
             self.sample_history(now)  # totals at it (never for a clock gone wrong)
-        events = self.events
-        events[reader] = events.get(reader, 0) + 1
-        self.last_event_time[reader] = now
-        caller, model_name = event.caller, event.model
-        pair = self._pairs.get((caller, model_name))
-        if pair is None:
-            pair = self._pair(caller, model_name)
-        series, model, overflowed, folded = pair
-        if overflowed:
-            self.callers.overflowed += 1
-        if folded:
-            self.series_folded += 1
-        status = event.status
-        if status is not None and (type(status) is not int or not 200 <= status < 300) \
-                and status_is_error(status):
-            series.requests[ERROR] += 1
-            return ERROR
-
-        prompt_tokens = event.prompt_tokens
-        cached = event.cached_tokens
-        if cached is None:
-            if self.missing_cached_as_zero and series.reported_cached:
-                cached = 0
-        else:
-            if not series.reported_cached:
-                series.reported_cached = True
-            if cached:
-                self.learner.observe(model, cached)
-
+        pairs_get = self._pairs.get
+        resolve_pair = self._pair
         history = self._history
-        history_key = (caller, model_name, event.session)
-        previous = history.pop(history_key, None)
-        history[history_key] = prompt_tokens
-        if len(history) > HISTORY_MAX:
-            del history[next(iter(history))]
+        history_pop = history.pop
+        learner_observe = self.learner.observe
+        learned_get = self.learner.learned_by_model.get
+        configured = self.configured_granularity
+        warm_tail = self.warm_tail_granules
+        missing_as_zero = self.missing_cached_as_zero
+        observe_conversation = self.conversations.observe
+        overflowed_events = folded_events = 0
+        state = ERROR
+        for row in rows:
+            (caller, model_name, prompt_tokens, cached, completion, ttft, queue, session,
+             when, status, engine_ttft, engine_queue, declared) = row
+            pair = pairs_get((caller, model_name))
+            if pair is None:
+                pair = resolve_pair(caller, model_name)
+            series, model, overflowed, folded = pair
+            if overflowed:
+                overflowed_events += 1
+            if folded:
+                folded_events += 1
+            if status is not None and (type(status) is not int or not 200 <= status < 300) \
+                    and status_is_error(status):
+                series.requests[ERROR] += 1
+                state = ERROR
+                continue
 
-        granularity = (self.configured_granularity
-                       or self.learner.learned_by_model.get(model)
-                       or self.granularity(model)[0])
-        if granularity == 1:  # nothing known yet: estimate from this request alone
-            granularity = provisional_granularity(cached)
-        state = classify(prompt_tokens, cached, granularity, previous, self.warm_tail_granules)
-        series.requests[state] += 1
-        if previous is not None and previous < prompt_tokens:
-            series.followups += 1
-            if state == COLD:
-                series.followups_cold += 1
-        if cached is None:
-            series.unreported_prompt_tokens += prompt_tokens
-        else:
-            series.prompt_tokens += prompt_tokens
-            series.cached_tokens += cached
-        queue = event.queue_seconds
-        engine_ttft = event.engine_ttft_seconds
-        if engine_ttft is not None:
-            # vLLM's own: from scheduling to the first token, no wait in it. The proxy's
-            # figure of the same request is not counted a second time.
-            hist = series.engine_ttft.get(state)
-            if hist is None:
-                hist = series.engine_ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
-            hist.counts[bisect_left(hist.bounds, engine_ttft)] += 1  # Histogram.observe, inlined
-            hist.total += engine_ttft
-        else:
-            ttft = event.ttft_seconds
-            if ttft is not None:
+            if cached is None:
+                if missing_as_zero and series.reported_cached:
+                    cached = 0
+            else:
+                if not series.reported_cached:
+                    series.reported_cached = True
+                if cached:
+                    learner_observe(model, cached)
+
+            history_key = (caller, model_name, session)
+            previous = history_pop(history_key, None)
+            history[history_key] = prompt_tokens
+            if len(history) > HISTORY_MAX:
+                del history[next(iter(history))]
+
+            granularity = configured or learned_get(model) or self.granularity(model)[0]
+            if granularity == 1:  # nothing known yet: estimate from this request alone
+                granularity = provisional_granularity(cached)
+            state = classify(prompt_tokens, cached, granularity, previous, warm_tail)
+            series.requests[state] += 1
+            if previous is not None and previous < prompt_tokens:
+                series.followups += 1
+                if state == COLD:
+                    series.followups_cold += 1
+            if cached is None:
+                series.unreported_prompt_tokens += prompt_tokens
+            else:
+                series.prompt_tokens += prompt_tokens
+                series.cached_tokens += cached
+            if engine_ttft is not None:
+                # vLLM's own: from scheduling to the first token, no wait in it. The
+                # proxy's figure of the same request is not counted a second time.
+                hist = series.engine_ttft.get(state)
+                if hist is None:
+                    hist = series.engine_ttft[state] = Histogram(TTFT_BUCKETS,
+                                                                 self._shown_from())
+                hist.counts[bisect_left(hist.bounds, engine_ttft)] += 1  # observe, inlined
+                hist.total += engine_ttft
+            elif ttft is not None:
                 if queue is not None:
                     # Proxy clocks can disagree by a few ms; a wait longer than the TTFT
                     # means the engine part was too short to measure, not negative.
@@ -281,36 +299,38 @@ class UsageState:
                     hist = series.ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
                 hist.counts[bisect_left(hist.bounds, ttft)] += 1
                 hist.total += ttft
-        if queue is not None:
-            hist = series.queue
-            if hist is None:
-                hist = series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
-            hist.counts[bisect_left(hist.bounds, queue)] += 1
-            hist.total += queue
-        engine_queue = event.engine_queue_seconds
-        if engine_queue is not None:
-            # A second queue, after the proxy's: a request can wait in both.
-            hist = series.engine_queue
-            if hist is None:
-                hist = series.engine_queue = Histogram(QUEUE_BUCKETS, self._shown_from())
-            hist.counts[bisect_left(hist.bounds, engine_queue)] += 1
-            hist.total += engine_queue
-        self._foresight(event, series, model, now)
+            if queue is not None:
+                hist = series.queue
+                if hist is None:
+                    hist = series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+                hist.counts[bisect_left(hist.bounds, queue)] += 1
+                hist.total += queue
+            if engine_queue is not None:
+                # A second queue, after the proxy's: a request can wait in both.
+                hist = series.engine_queue
+                if hist is None:
+                    hist = series.engine_queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+                hist.counts[bisect_left(hist.bounds, engine_queue)] += 1
+                hist.total += engine_queue
+            # Foresight: the conversation's latest context, and what the turn used of the
+            # completion budget it declared.
+            observe_conversation(caller, model_name, model, session,
+                                 prompt_tokens + (completion or 0),
+                                 now if when is None else when, now)
+            if declared is not None and completion is not None:
+                hist = series.completion
+                if hist is None:
+                    hist = series.completion = Histogram(COMPLETION_BUCKETS,
+                                                         self._shown_from())
+                hist.counts[bisect_left(hist.bounds, completion)] += 1
+                hist.total += completion
+                series.declared_completion_tokens += declared
+        self.events[reader] = self.events.get(reader, 0) + len(rows)
+        self.last_event_time[reader] = now
+        # _pair leaves callers.overflowed as it found it: the counts are added here.
+        self.callers.overflowed += overflowed_events
+        self.series_folded += folded_events
         return state
-
-    def _foresight(self, event: UsageEvent, series: Series, model: str, now: float) -> None:
-        """A successful turn's share of the foresight signals: its conversation's latest
-        context, and what it used of the completion budget it declared."""
-        completion = event.completion_tokens
-        when = event.time if event.time is not None else now
-        self.conversations.observe(event.caller, event.model, model, event.session,
-                                   event.prompt_tokens + (completion or 0), when, now)
-        declared = event.max_tokens
-        if declared is not None and completion is not None:
-            if series.completion is None:
-                series.completion = Histogram(COMPLETION_BUCKETS, self._shown_from())
-            series.completion.observe(completion)
-            series.declared_completion_tokens += declared
 
     def _pair(self, caller: str, model_name: str) -> tuple[Series, str, bool, bool]:
         """Resolve a raw (caller, model) to its series through the label caps, and memoize.

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from exporter.values import UsageEvent, status_is_error
+from exporter.values import UsageEvent, UsageRow, status_is_error
 
 # Absurd sizes: no prompt is this large (the longest-context models hold ~10M tokens).
 MAX_TOKENS = 10_000_000
@@ -206,6 +206,12 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
     Only ``caller`` and ``prompt_tokens`` are required; ``prompt_tokens`` may be left out of
     an event whose ``status`` is an error (a failed request has no usage). Unknown keys are
     ignored so that senders can add fields before we know them.
+    """
+    return _make(*validate_row(obj))
+
+
+def validate_row(obj: Mapping[str, Any]) -> UsageRow:
+    """``validate``, giving the event as a ``UsageRow`` (the batched ingest path's form).
 
     Each field is tried against its common shape inline (an exact type and range check);
     anything else goes to the helper that either accepts the less common form or raises.
@@ -274,5 +280,5 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
     if max_tokens is not None and not (type(max_tokens) is int
                                        and 0 <= max_tokens <= MAX_TOKENS):
         max_tokens = token_count(obj, "max_tokens", required=False)
-    return _make(caller, model, prompt_tokens, cached_tokens, completion_tokens, ttft, queue,
-                 session, when, status, engine_ttft, engine_queue, max_tokens)
+    return (caller, model, prompt_tokens, cached_tokens, completion_tokens, ttft, queue,
+            session, when, status, engine_ttft, engine_queue, max_tokens)

@@ -23,7 +23,7 @@ import itertools
 import json
 import json.scanner
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,8 @@ from aiohttp import web
 from orjson import loads as _orjson_loads
 
 from exporter.usage.event import InvalidEvent
-from exporter.usage.formats import Converter
-from exporter.values import UsageEvent
+from exporter.usage.formats import Converter, row_converter
+from exporter.values import UsageRow
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ ROUTE = "/v1/usage"
 # The reply lists at most this many rejected events (the count is always complete).
 MAX_ERRORS_IN_REPLY = 1000
 # Events processed between yields to the event loop, so a 16 MiB batch does not stall
-# /metrics scrapes for its whole duration.
+# /metrics scrapes for its whole duration. A slice's accepted events are recorded together
+# before the yield: at most this many tuples are held per body being read.
 EVENTS_PER_SLICE = 2000
 # A request that finds every body slot taken waits this long for one, then gets 503; at
 # most this many wait at once (a waiting request holds no more than aiohttp's read buffer).
@@ -117,6 +118,16 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
     one: an invalid UTF-8 byte, a byte-order mark or a line nested too deeply costs that
     line only. Raises BodyError, before the first item, when the body is none of the three.
     """
+    yield from read_body(body)
+
+
+def read_body(body: bytes | bytearray) -> Iterator[Item]:
+    """``iter_body``, raising BodyError at once rather than at the first item.
+
+    The ingest's own entry: what it returns is the line reader itself (behind the first
+    line it looked at), with no generator of its own in between, since every event of a
+    body passes through each layer.
+    """
     start = len(BOM) if body.startswith(BOM) else 0
     size = len(body)
     while start < size and body[start] in b" \t\r\n":
@@ -134,9 +145,7 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
                 raise
             # NDJSON whose first line happens to be an array: the lines say what is bad.
         else:
-            for value in _array_elements(text):
-                yield value, None
-            return
+            return ((value, None) for value in _array_elements(text))
     if body[start] == ord("{") and first_newline >= 0 and not _is_value(body, start,
                                                                          first_newline):
         # Not NDJSON (its first line is not a value): perhaps one pretty-printed object.
@@ -146,16 +155,14 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
             text = ""  # not one document; the lines will say which of them are bad
         value, stop = _scan_value(text, 0)
         if stop >= 0 and not text[stop:].strip(_WHITESPACE):
-            yield value, None
-            return
+            return iter(((value, None),))
     items = _iter_lines(body, start)
     first = next(items, None)
     if first is None:  # nothing but blank lines and byte-order marks
         raise BodyError("bad_body", "the body is empty")
     if type(first[0]) is Unreadable and first_newline < 0:
         raise BodyError("bad_body", "the body is not JSON, a JSON array, or NDJSON")
-    yield first
-    yield from items
+    return itertools.chain((first,), items)
 
 
 def _is_value(body: bytes | bytearray, start: int, end: int) -> bool:
@@ -287,19 +294,20 @@ def _long_digit_lines(data: bytes) -> set[int]:
 class UsageIngest:
     """``POST /v1/usage``: its formats, auth and size rules, and where its events go.
 
-    ``record`` takes each accepted event, ``reject`` the reason of each event that could not
-    be used, ``reject_request`` the reason of each request refused as a whole.
+    ``record_rows`` takes the accepted events of a body in order, a slice
+    (``EVENTS_PER_SLICE``) at a time, as plain tuples; ``reject`` the reason of each event
+    that could not be used, ``reject_request`` the reason of each request refused as a whole.
     """
 
     def __init__(self, converters: Mapping[str, Converter], default_format: str, token: str,
-                 max_body_bytes: int, record: Callable[[UsageEvent], object],
+                 max_body_bytes: int, record_rows: Callable[[Sequence[UsageRow]], object],
                  reject: Callable[[str], None], reject_request: Callable[[str], None],
                  max_concurrent_bodies: int = 4) -> None:
         self.converters = dict(converters)
         self.default_format = default_format
         self.token = token.encode("utf-8")
         self.max_body_bytes = max_body_bytes
-        self.record = record
+        self.record_rows = record_rows
         self.reject = reject
         self.reject_request = reject_request
         self.max_concurrent_bodies = max_concurrent_bodies
@@ -316,23 +324,32 @@ class UsageIngest:
 
     async def process(self, items: Iterator[Item], convert: Converter) -> BatchResult:
         result = BatchResult()
-        record = self.record
+        record_rows = self.record_rows
         reject = self.reject
+        convert_row = row_converter(convert)
+        rows: list[UsageRow] = []
         accepted = 0
-        index = -1
+        slice_left = EVENTS_PER_SLICE
         for index, (value, line) in enumerate(items):
-            if index and index % EVENTS_PER_SLICE == 0:
+            if not slice_left:
+                slice_left = EVENTS_PER_SLICE
+                # The slice's events are counted before anything else may run.
+                if rows:
+                    record_rows(rows)
+                    accepted += len(rows)
+                    rows = []
                 await asyncio.sleep(0)
                 if not accepted and result.rejected >= ABANDON_AFTER_REJECTIONS:
                     result.abandoned = True
                     self.reject_request("abandoned")
                     break
+            slice_left -= 1
             if type(value) is Unreadable:
                 reject(value.reason)
                 result.add_error(index, value.reason, value.message, line)
                 continue
             try:
-                event = convert(value)
+                row = convert_row(value)
             except InvalidEvent as err:
                 reject(err.reason)
                 result.add_error(index, err.reason, str(err), line)
@@ -343,8 +360,10 @@ class UsageIngest:
                 result.add_error(index, "unprocessable", "the event could not be read",
                                  line)
                 continue
-            record(event)
-            accepted += 1
+            rows.append(row)
+        if rows:
+            record_rows(rows)
+            accepted += len(rows)
         result.accepted = accepted
         return result
 
@@ -409,14 +428,11 @@ class UsageIngest:
                 response = self._refuse(413, "body_too_large", too_large)
                 response.force_close()  # do not read the rest of an oversized body
                 return response
-        items = iter_body(body)
         try:
-            first = next(items, None)
+            items = read_body(body)
         except BodyError as err:
             return self._refuse(400, err.reason, str(err))
-        result = BatchResult()
-        if first is not None:  # else an empty JSON array: nothing to count, nothing wrong
-            result = await self.process(itertools.chain((first,), items), convert)
+        result = await self.process(items, convert)  # an empty JSON array: nothing wrong
         # 422 only when nothing at all could be used, so a sender notices; a partly bad batch
         # is a success whose reply names the bad events.
         status = 422 if result.rejected and not result.accepted else 200
