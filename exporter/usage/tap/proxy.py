@@ -37,7 +37,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from exporter.redaction import redact_url
-from exporter.usage.event import InvalidEvent, loads, validate
+from exporter.usage.event import MAX_TOKENS, InvalidEvent, loads, validate
 from exporter.usage.openai import (
     ENDPOINTS,
     USAGE_OPT_IN,
@@ -111,6 +111,15 @@ class Exchange:
     engine: EngineTimings | None = None  # vLLM's per-request metrics, when it sent them
     recorded: bool = False
     request: RequestFacts = NOT_AN_OBJECT  # what the request body said
+
+
+def declared_budget(limit: int | None) -> int | None:
+    """The request's output limit as the event's ``max_tokens``; a limit no usage record
+    could carry (negative, absurd) is left out rather than costing the call its record:
+    upstream answers such a request with its own error, which is still counted."""
+    if limit is None or not 0 <= limit <= MAX_TOKENS:
+        return None
+    return limit
 
 
 def json_error(status: int, message: str, kind: str) -> web.Response:
@@ -234,6 +243,7 @@ class Tap:
                 "status": exchange.status or 502,
                 "engine_ttft_seconds": engine.ttft_seconds if engine else None,
                 "engine_queue_seconds": engine.queue_seconds if engine else None,
+                "max_tokens": declared_budget(exchange.request.output_limit),
             })
         except InvalidEvent as err:
             # The call itself went through; only its record is refused, and counted.
