@@ -29,6 +29,7 @@ from exporter.signals.engine import EngineState
 from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
 from exporter.signals.history import CALLER_FIELDS, History
+from exporter.signals.order import DEFAULT_WINDOW_SECONDS, OrderTracker
 from exporter.values import (
     PREEMPTIONS,
     PREFIX_CACHE_HITS,
@@ -68,14 +69,17 @@ MAX_REJECT_KEYS = 256
 # The most series one (caller, model) pair can ever have: the requests counter per state,
 # three token counters, and per timing source a TTFT histogram per state that is timed
 # (errors are not) and a queue-wait histogram; then (foresight) the completion-tokens-used
-# histogram and the declared-completion-tokens counter. A new pair is admitted only if its
+# histogram and the declared-completion-tokens counter; then (prompt order, tap only) the
+# requests compared, those found sharing text but not its beginning, and the two byte sums
+# of those (shared text, first difference). A new pair is admitted only if its
 # worst case still fits the series budget, so the bound holds whatever states, sources and
 # histograms appear later.
 TIMED_STATES = tuple(state for state in STATES if state != ERROR)
 COMPLETION_SERIES = len(COMPLETION_BUCKETS) + 3 + 1
+ORDER_SERIES = 4
 SERIES_PER_PAIR = (len(STATES) + 3 + len(TIMING_SOURCES) * (
     len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3) + len(QUEUE_BUCKETS) + 3)
-    + COMPLETION_SERIES)
+    + COMPLETION_SERIES + ORDER_SERIES)
 
 SOURCE_CONFIGURED = "configured"
 SOURCE_LEARNED = "learned"
@@ -105,7 +109,7 @@ class Series:
     __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
                  "ttft", "queue", "engine_ttft", "engine_queue", "reported_cached",
                  "shown_from", "completion", "declared_completion_tokens", "first_seen",
-                 "followups", "followups_cold")
+                 "followups", "followups_cold", "order")
 
     def __init__(self, shown_from: float = 0.0, first_seen: float = 0.0) -> None:
         self.requests = dict.fromkeys(STATES, 0)
@@ -131,6 +135,23 @@ class Series:
         self.first_seen = first_seen
         self.followups = 0
         self.followups_cold = 0
+        # prompt order: created with the pair's first request compared with a recent one
+        self.order: OrderCounts | None = None
+
+
+class OrderCounts:
+    """One pair's prompt-order counters (signals/order.py), in bytes of the prompt as sent."""
+
+    __slots__ = ("compared", "variable_top", "shared_bytes", "first_difference_bytes",
+                 "last_variable_top", "shown_from")
+
+    def __init__(self, shown_from: float) -> None:
+        self.compared = 0  # requests compared with a recent one of the pair
+        self.variable_top = 0  # of those, sharing most of their text but not its beginning
+        self.shared_bytes = 0  # summed over the variable_top ones
+        self.first_difference_bytes = 0  # idem
+        self.last_variable_top: float | None = None  # when the latest one was seen
+        self.shown_from = shown_from
 
 
 @dataclass(frozen=True)
@@ -159,6 +180,8 @@ class UsageSettings:
     new_series_hold: float = 0.0
     # Live conversations and the admission budget (signals/foresight.py).
     foresight: ForesightSettings = field(default_factory=ForesightSettings)
+    # Requests compared for prompt order are those within this many seconds (signals/order.py).
+    prompt_order_window: float = DEFAULT_WINDOW_SECONDS
 
 
 class UsageState:
@@ -188,6 +211,7 @@ class UsageState:
         self.series_folded = 0  # events counted under __other__ because of the budget
         self.new_series_hold = settings.new_series_hold
         self.conversations = ConversationTracker(settings.foresight)
+        self.order = OrderTracker(settings.prompt_order_window)
         # The last hour every 30 s, for the status page (signals/history.py): one timeline
         # per caller label, so bounded like them.
         self.history = History(settings.callers_max + len(settings.callers_allow) + 1)
@@ -296,7 +320,26 @@ class UsageState:
             hist.counts[bisect_left(hist.bounds, engine_queue)] += 1
             hist.total += engine_queue
         self._foresight(event, series, model, now)
+        if event.prompt is not None:
+            self._order(event, series, now)
         return state
+
+    def _order(self, event: UsageEvent, series: Series, now: float) -> None:
+        """Compare the request's prompt with the pair's recent ones (the tap's prints)."""
+        assert event.prompt is not None
+        when = event.time if event.time is not None else now
+        found = self.order.observe(series, event.prompt, when)  # one key per label pair
+        if found is None:
+            return
+        counts = series.order
+        if counts is None:
+            counts = series.order = OrderCounts(self._shown_from())
+        counts.compared += 1
+        if found.variable_top:
+            counts.variable_top += 1
+            counts.shared_bytes += found.shared_bytes
+            counts.first_difference_bytes += found.first_difference_bytes
+            counts.last_variable_top = when
 
     def _foresight(self, event: UsageEvent, series: Series, model: str, now: float) -> None:
         """A successful turn's share of the foresight signals: its conversation's latest

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 import ssl
 import time
@@ -47,6 +48,7 @@ from exporter.usage.openai import (
     engine_timings_of,
     usage_of,
 )
+from exporter.usage.tap.fingerprint import fingerprint, new_key
 from exporter.usage.tap.identity import KeyAliases, resolve_caller
 from exporter.usage.tap.request import (
     NOT_AN_OBJECT,
@@ -55,10 +57,11 @@ from exporter.usage.tap.request import (
     Undecidable,
     facts_of,
     parse,
+    prompt_span,
     scan,
     with_include_usage,
 )
-from exporter.values import UsageEvent
+from exporter.values import PromptPrint, UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,10 @@ class TapSettings:
     timeout: float = 600.0
     max_request_bytes: int = 64 * 1024 * 1024
     max_response_bytes: int = 256 * 1024 * 1024
+    # Prompt bytes fingerprinted per request for the prompt-order diagnosis (0: none), and
+    # the digests' key (None: a random one per process; tests inject theirs).
+    prompt_order_bytes: int = 64 * 1024
+    fingerprint_key: bytes | None = None
 
 
 @dataclass
@@ -111,6 +118,7 @@ class Exchange:
     engine: EngineTimings | None = None  # vLLM's per-request metrics, when it sent them
     recorded: bool = False
     request: RequestFacts = NOT_AN_OBJECT  # what the request body said
+    body: bytes = b""  # the request as the client sent it (for the prompt's fingerprint)
 
 
 def declared_budget(limit: int | None) -> int | None:
@@ -210,6 +218,7 @@ class Tap:
         self.clock = clock
         self.monotonic = monotonic
         self.said_no_engine_timings = False
+        self.fingerprint_key = settings.fingerprint_key or new_key()
 
     # -- recording ---------------------------------------------------------------------
 
@@ -252,7 +261,20 @@ class Tap:
             return
         if engine is None and not failed:
             self.say_no_engine_timings()
+        if not failed and self.settings.prompt_order_bytes > 0:
+            prompt = self.prompt_print(exchange)
+            if prompt is not None:
+                event = dataclasses.replace(event, prompt=prompt)
         self._record(event)
+
+    def prompt_print(self, exchange: Exchange) -> PromptPrint | None:
+        """The prompt's fingerprint, taken here, once the answer is in: the work (at most
+        ``prompt_order_bytes`` of the prompt) never delays the request on its way to vLLM."""
+        body = exchange.body
+        span = prompt_span(body, exchange.endpoint, exchange.request)
+        if span is None:
+            return None
+        return fingerprint(body, span, self.fingerprint_key, self.settings.prompt_order_bytes)
 
     def say_no_engine_timings(self) -> None:
         """Once per tap: vLLM answered without its per-request metrics, so the TTFT recorded
@@ -299,7 +321,7 @@ class Tap:
             model=facts.model,
             session=(request.headers.get(self.settings.session_header, "").strip() or None
                      if self.settings.session_header else None),
-            request=facts)
+            request=facts, body=body)
         strip = False
         if endpoint in USAGE_OPT_IN and facts.stream and not facts.wants_usage:
             body = with_include_usage(body, facts)
