@@ -416,7 +416,7 @@ FLAGS: tuple[Flag, ...] = (
          _to_int, 256 * MiB, metavar="BYTES", check=_positive),
     Flag("tap.prompt-order-bytes", "Tap proxy", "Bytes at the start of each prompt "
          "fingerprinted (keyed digests, never the text) for the prompt-order diagnosis "
-         "(0: off).", _to_int, 64 * KiB, metavar="BYTES", check=_non_negative),
+         "(0: off).", _to_int, 32 * KiB, metavar="BYTES", check=_non_negative),
     # --- scenarios: demo, simulate, drive -------------------------------------------------
     Flag("scenario", "Scenario", "Field-report scenario to play: a shipped one ("
          + ", ".join(available_scenarios()) + ") or a YAML file. For simulate: take the "

@@ -106,7 +106,7 @@ def tap_app(config: Config, usage: UsageState, session: aiohttp.ClientSession | 
     """The tap's app for this configuration, recording into ``usage``."""
     return create_tap_app(tap_settings(config), record=tap_record(usage),
                           reject=tap_reject(usage), session=session, clock=clock,
-                          monotonic=monotonic)
+                          monotonic=monotonic, record_prompt=tap_record_prompt(usage))
 
 
 def tap_record(usage: UsageState) -> Callable[[UsageEvent], object]:
@@ -115,3 +115,7 @@ def tap_record(usage: UsageState) -> Callable[[UsageEvent], object]:
 
 def tap_reject(usage: UsageState) -> Callable[[str], None]:
     return lambda reason: usage.reject(TAP_READER, reason)
+
+
+def tap_record_prompt(usage: UsageState) -> Callable[[UsageEvent], object]:
+    return usage.record_prompt

@@ -53,10 +53,12 @@ def fill_adversarially() -> tuple[Config, object]:
             model = (f"m{model_index:02d}" + "/abcdefghijklmn" * 10)[:128]
             for turn, (prompt, cached, status) in enumerate(TURNS):
                 # Timed by the proxy, then by vLLM: both sources' histograms for every state.
-                state.usage.record(UsageEvent(
+                event = UsageEvent(
                     caller, model, prompt, cached, completion_tokens=9_999_999,
                     ttft_seconds=86_399.123456789, queue_seconds=86_398.987654321,
-                    status=status, max_tokens=9_999_999, prompt=PRINTS[turn % 2]), "http")
+                    status=status, max_tokens=9_999_999, prompt=PRINTS[turn % 2])
+                state.usage.record(event, "http")
+                state.usage.record_prompt(event)
                 state.usage.record(UsageEvent(
                     caller, model, prompt, cached, status=status,
                     engine_ttft_seconds=86_399.876543219,

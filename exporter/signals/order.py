@@ -64,14 +64,16 @@ class Comparison:
                 and self.prefix_bytes < PREFIX_FRACTION * self.shared_bytes)
 
 
-def compare(new: PromptPrint, old: PromptPrint) -> Comparison:
-    """``new`` against ``old``."""
-    old_digests = set(old.digests)
-    ends = new.ends
+def compare(new: PromptPrint, old: PromptPrint, new_digests: set[int] | None = None
+            ) -> Comparison:
+    """``new`` against ``old``; ``new_digests`` is ``set(new.digests)`` when the caller
+    compares ``new`` with several prints (made once). The shared bytes are counted over
+    ``old``'s blocks: a block found in both is the same bytes, so of the same length."""
+    found = set(new.digests) if new_digests is None else new_digests
     shared = 0
     start = 0
-    for digest, end in zip(new.digests, ends, strict=True):
-        if digest in old_digests:
+    for digest, end in zip(old.digests, old.ends, strict=True):
+        if digest in found:
             shared += end - start
         start = end
     prefix_blocks = 0
@@ -79,9 +81,10 @@ def compare(new: PromptPrint, old: PromptPrint) -> Comparison:
         if mine != theirs:
             break
         prefix_blocks += 1
+    ends = new.ends
     prefix = ends[prefix_blocks - 1] if prefix_blocks else 0
     first_difference = ends[prefix_blocks] if prefix_blocks < len(ends) else prefix
-    return Comparison(shared, prefix, first_difference, new.covered)
+    return Comparison(min(shared, new.covered), prefix, first_difference, new.covered)
 
 
 @dataclass(slots=True)
@@ -116,10 +119,11 @@ class OrderTracker:
             self.prints -= 1
         best: Comparison | None = None
         if prompt.ends:
+            digests = set(prompt.digests)
             for other in kept:
                 if abs(other.when - when) > self.window_seconds:
                     continue  # out-of-order times: too far apart all the same
-                found = compare(prompt, other.print)
+                found = compare(prompt, other.print, digests)
                 if best is None or (found.shared_bytes, found.prefix_bytes) > (
                         best.shared_bytes, best.prefix_bytes):
                     best = found

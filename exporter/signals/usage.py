@@ -320,9 +320,17 @@ class UsageState:
             hist.counts[bisect_left(hist.bounds, engine_queue)] += 1
             hist.total += engine_queue
         self._foresight(event, series, model, now)
-        if event.prompt is not None:
-            self._order(event, series, now)
         return state
+
+    def record_prompt(self, event: UsageEvent) -> None:
+        """A successful call's prompt order, once ``record`` has counted the call itself:
+        the same event with its prompt's fingerprint (``event.prompt``; the tap's)."""
+        if event.prompt is None:
+            return
+        pair = self._pairs.get((event.caller, event.model))
+        if pair is None:
+            pair = self._pair(event.caller, event.model)
+        self._order(event, pair[0], self._clock())
 
     def _order(self, event: UsageEvent, series: Series, now: float) -> None:
         """Compare the request's prompt with the pair's recent ones (the tap's prints)."""

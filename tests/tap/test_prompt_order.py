@@ -25,7 +25,13 @@ from exporter.sim.scenario import parse_scenario
 from exporter.sim.server import build_simulator, create_sim_app
 from exporter.usage.tap import create_tap_app
 from exporter.usage.tap.fingerprint import MAX_BLOCK_BYTES
-from exporter.wiring import signals_state, tap_record, tap_reject, tap_settings
+from exporter.wiring import (
+    signals_state,
+    tap_record,
+    tap_record_prompt,
+    tap_reject,
+    tap_settings,
+)
 from tests.helpers import value
 
 from .conftest import FakeClock
@@ -119,8 +125,9 @@ async def stack(aiohttp_server: Callable[..., Awaitable[TestServer]]):
     clock = FakeClock(1_800_000_000.0)
     state = signals_state(config, clock=clock)
     settings = dataclasses.replace(tap_settings(config), fingerprint_key=KEY)
-    tap = await aiohttp_server(create_tap_app(settings, tap_record(state.usage),
-                                              tap_reject(state.usage), clock=clock))
+    tap = await aiohttp_server(create_tap_app(
+        settings, tap_record(state.usage), tap_reject(state.usage), clock=clock,
+        record_prompt=tap_record_prompt(state.usage)))
     exporter = await aiohttp_server(create_app(config, state, initial_refresh=False))
     async with aiohttp.ClientSession() as session:
         yield session, str(tap.make_url("")).rstrip("/"), str(exporter.make_url("/")), clock

@@ -28,8 +28,8 @@ from hashlib import blake2b
 
 from exporter.values import PromptPrint
 
-MIN_BLOCK_BYTES = 256
-MAX_BLOCK_BYTES = 1024
+MIN_BLOCK_BYTES = 512
+MAX_BLOCK_BYTES = 2048
 KEY_BYTES = 16
 DIGEST_BYTES = 8
 # Bytes a block may end after: the end of a sentence, the backslash of an escape (a JSON

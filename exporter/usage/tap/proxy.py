@@ -98,7 +98,7 @@ class TapSettings:
     max_response_bytes: int = 256 * 1024 * 1024
     # Prompt bytes fingerprinted per request for the prompt-order diagnosis (0: none), and
     # the digests' key (None: a random one per process; tests inject theirs).
-    prompt_order_bytes: int = 64 * 1024
+    prompt_order_bytes: int = 32 * 1024
     fingerprint_key: bytes | None = None
 
 
@@ -197,9 +197,11 @@ class Tap:
     def __init__(self, settings: TapSettings, record: Callable[[UsageEvent], object],
                  reject: Callable[[str], None], session: aiohttp.ClientSession | None,
                  clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 record_prompt: Callable[[UsageEvent], object] | None = None) -> None:
         self.settings = settings
         self._record = record
+        self._record_prompt = record_prompt
         self._reject = reject
         self.session = session
         if session is not None:
@@ -261,15 +263,22 @@ class Tap:
             return
         if engine is None and not failed:
             self.say_no_engine_timings()
-        if not failed and self.settings.prompt_order_bytes > 0:
-            prompt = self.prompt_print(exchange)
-            if prompt is not None:
-                event = dataclasses.replace(event, prompt=prompt)
         self._record(event)
+        if (not failed and self._record_prompt is not None
+                and self.settings.prompt_order_bytes > 0):
+            # Once the answer is on its way: the next turn of the loop, after this handler
+            # has handed the client its last bytes.
+            asyncio.get_running_loop().call_soon(self.record_prompt, exchange, event)
+
+    def record_prompt(self, exchange: Exchange, event: UsageEvent) -> None:
+        """The call's prompt order: its fingerprint (at most ``prompt_order_bytes`` of the
+        prompt), handed to the signals with the call's event. Never on the request's way to
+        vLLM nor before its answer."""
+        prompt = self.prompt_print(exchange)
+        if prompt is not None and self._record_prompt is not None:
+            self._record_prompt(dataclasses.replace(event, prompt=prompt))
 
     def prompt_print(self, exchange: Exchange) -> PromptPrint | None:
-        """The prompt's fingerprint, taken here, once the answer is in: the work (at most
-        ``prompt_order_bytes`` of the prompt) never delays the request on its way to vLLM."""
         body = exchange.body
         span = prompt_span(body, exchange.endpoint, exchange.request)
         if span is None:
@@ -587,14 +596,18 @@ def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object]
                    reject: Callable[[str], None],
                    session: aiohttp.ClientSession | None = None,
                    clock: Callable[[], float] = time.time,
-                   monotonic: Callable[[], float] = time.monotonic) -> web.Application:
+                   monotonic: Callable[[], float] = time.monotonic,
+                   record_prompt: Callable[[UsageEvent], object] | None = None
+                   ) -> web.Application:
     """The tap as an aiohttp app (tests and benchmarks mount it themselves).
 
     ``record`` takes each call's UsageEvent, ``reject`` the reason of each call whose usage
-    could not be read. Without a session the app opens its own on startup and closes it on
-    cleanup.
+    could not be read, ``record_prompt`` (when given) each successful call's event again,
+    with its prompt's fingerprint, once the answer is out. Without a session the app opens
+    its own on startup and closes it on cleanup.
     """
-    tap = Tap(settings, record, reject, session, clock=clock, monotonic=monotonic)
+    tap = Tap(settings, record, reject, session, clock=clock, monotonic=monotonic,
+              record_prompt=record_prompt)
     app = web.Application(client_max_size=settings.max_request_bytes)
     app.router.add_route("*", "/{tail:.*}", tap.handle)
     if session is None:
@@ -614,14 +627,15 @@ async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
                   reject: Callable[[str], None],
                   secure: Callable[[web.Application], None] | None = None,
                   ssl_context: ssl.SSLContext | None = None,
-                  runner: Callable[..., web.AppRunner] = web.AppRunner) -> None:
+                  runner: Callable[..., web.AppRunner] = web.AppRunner,
+                  record_prompt: Callable[[UsageEvent], object] | None = None) -> None:
     """Serve the tap on ``settings.listen_address`` until cancelled.
 
     ``secure`` (the --tap.web-config.file listener's) adds its client-certificate checks
     and headers to the app; ``ssl_context`` serves it over TLS; ``runner`` makes the
     aiohttp runner (the process's own caps connections and idle time).
     """
-    app = create_tap_app(settings, record, reject)
+    app = create_tap_app(settings, record, reject, record_prompt=record_prompt)
     if secure is not None:
         secure(app)
     # handler_cancellation: a client that hangs up cancels its upstream call at once.
