@@ -34,7 +34,7 @@ from exporter.wiring import (
 )
 from tests.helpers import value
 
-from .conftest import FakeClock
+from .conftest import FakeClock, RecordingUsage, Reply, fixture_bytes
 
 KEY = bytes(range(16))
 MODEL = "qwen3.8-27b"
@@ -210,3 +210,29 @@ async def test_requests_further_apart_than_the_window_are_not_compared(stack):
     labels = {"caller": "task-first", "model": MODEL}
     assert value(metrics, "vllm_cache_prompt_order_compared_total", **labels) == 1
     assert value(metrics, "vllm_cache_prompt_order_variable_top_total", **labels) == 1
+
+
+async def test_a_failing_diagnosis_logs_no_prompt_and_costs_the_call_nothing(
+        start_tap, upstream, caplog):
+    """Whatever goes wrong in the prompt-order step, the call is answered and recorded, and
+    the log says what kind of failure it was, never the prompt (which an exception's message
+    or a callback's arguments could carry)."""
+    caplog.set_level(logging.DEBUG)
+    upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("01_chat_cold.json")))
+    failed = asyncio.Event()
+
+    class Failing(RecordingUsage):
+        def record_prompt(self, event: Any) -> None:
+            failed.set()
+            raise ValueError(f"cannot keep {SHARED[:200]}")
+
+    usage = Failing()
+    harness = await start_tap(usage=usage)
+    status, _headers, _body = await harness.post("/v1/chat/completions",
+                                                 chat(SHARED, TASKS[0]))
+    assert status == 200
+    assert (await usage.next_event()).prompt_tokens == 1395
+    await asyncio.wait_for(failed.wait(), 5)
+    logs = "\n".join(record.getMessage() for record in caplog.records)
+    assert "tap: prompt order not recorded: ValueError" in logs
+    assert leaked(logs) == []

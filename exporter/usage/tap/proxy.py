@@ -118,7 +118,8 @@ class Exchange:
     engine: EngineTimings | None = None  # vLLM's per-request metrics, when it sent them
     recorded: bool = False
     request: RequestFacts = NOT_AN_OBJECT  # what the request body said
-    body: bytes = b""  # the request as the client sent it (for the prompt's fingerprint)
+    # The request as the client sent it (for the prompt's fingerprint); never in a repr.
+    body: bytes = dataclasses.field(default=b"", repr=False)
 
 
 def declared_budget(limit: int | None) -> int | None:
@@ -268,15 +269,20 @@ class Tap:
                 and self.settings.prompt_order_bytes > 0):
             # Once the answer is on its way: the next turn of the loop, after this handler
             # has handed the client its last bytes.
-            asyncio.get_running_loop().call_soon(self.record_prompt, exchange, event)
+            # (a closure: a callback's arguments are in its repr, which asyncio may log)
+            asyncio.get_running_loop().call_soon(lambda: self.record_prompt(exchange, event))
 
     def record_prompt(self, exchange: Exchange, event: UsageEvent) -> None:
         """The call's prompt order: its fingerprint (at most ``prompt_order_bytes`` of the
         prompt), handed to the signals with the call's event. Never on the request's way to
         vLLM nor before its answer."""
-        prompt = self.prompt_print(exchange)
-        if prompt is not None and self._record_prompt is not None:
-            self._record_prompt(dataclasses.replace(event, prompt=prompt))
+        try:
+            prompt = self.prompt_print(exchange)
+            if prompt is not None and self._record_prompt is not None:
+                self._record_prompt(dataclasses.replace(event, prompt=prompt))
+        except Exception as err:  # noqa: BLE001 - a diagnosis never takes the tap down
+            # The type only: a message could quote the prompt.
+            log.warning("tap: prompt order not recorded: %s", type(err).__name__)
 
     def prompt_print(self, exchange: Exchange) -> PromptPrint | None:
         body = exchange.body
