@@ -26,6 +26,7 @@ handed in.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -64,23 +65,35 @@ class Comparison:
                 and self.prefix_bytes < PREFIX_FRACTION * self.shared_bytes)
 
 
-def compare(new: PromptPrint, old: PromptPrint, new_digests: set[int] | None = None
-            ) -> Comparison:
-    """``new`` against ``old``; ``new_digests`` is ``set(new.digests)`` when the caller
-    compares ``new`` with several prints (made once). The shared bytes are counted over
-    ``old``'s blocks: a block found in both is the same bytes, so of the same length."""
-    found = set(new.digests) if new_digests is None else new_digests
+def compare(new: PromptPrint, old: PromptPrint) -> Comparison:
+    """``new`` against ``old``. The shared bytes are counted over ``old``'s blocks: a block
+    found in both is the same bytes, so of the same length."""
+    return _measure(new, old, set(new.digests), common_prefix(new.digests, old.digests))
+
+
+def common_prefix(mine: array, theirs: array) -> int:
+    """How many leading digests two prints have in common: a binary search over slices, so
+    the comparisons run in C, a few per print whatever its length."""
+    low, high = 0, min(len(mine), len(theirs))
+    if mine[:high] == theirs[:high]:
+        return high
+    while high - low > 1:  # mine[:low] equal, mine[:high] not
+        middle = (low + high) // 2
+        if mine[:middle] == theirs[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _measure(new: PromptPrint, old: PromptPrint, found: set[int], prefix_blocks: int
+             ) -> Comparison:
     shared = 0
     start = 0
     for digest, end in zip(old.digests, old.ends, strict=True):
         if digest in found:
             shared += end - start
         start = end
-    prefix_blocks = 0
-    for mine, theirs in zip(new.digests, old.digests, strict=False):
-        if mine != theirs:
-            break
-        prefix_blocks += 1
     ends = new.ends
     prefix = ends[prefix_blocks - 1] if prefix_blocks else 0
     first_difference = ends[prefix_blocks] if prefix_blocks < len(ends) else prefix
@@ -119,14 +132,7 @@ class OrderTracker:
             self.prints -= 1
         best: Comparison | None = None
         if prompt.ends:
-            digests = set(prompt.digests)
-            for other in kept:
-                if abs(other.when - when) > self.window_seconds:
-                    continue  # out-of-order times: too far apart all the same
-                found = compare(prompt, other.print, digests)
-                if best is None or (found.shared_bytes, found.prefix_bytes) > (
-                        best.shared_bytes, best.prefix_bytes):
-                    best = found
+            best = self._best(prompt, kept, when)
         kept.append(_Kept(when, prompt))
         self.prints += 1
         if len(kept) > self.per_pair:
@@ -134,6 +140,24 @@ class OrderTracker:
             self.prints -= 1
         self._bound()
         return best
+
+    def _best(self, prompt: PromptPrint, kept: deque[_Kept], when: float
+              ) -> Comparison | None:
+        """The comparison with the recent print sharing the most blocks (then the longest
+        common prefix): candidates ranked by C-level set and slice operations, the bytes
+        measured for the chosen one only."""
+        digests = set(prompt.digests)
+        chosen: tuple[int, int, PromptPrint] | None = None
+        for other in kept:
+            if abs(other.when - when) > self.window_seconds:
+                continue  # out-of-order times: too far apart all the same
+            theirs = other.print.digests
+            rank = (len(digests.intersection(theirs)), common_prefix(prompt.digests, theirs))
+            if chosen is None or rank > chosen[:2]:
+                chosen = (*rank, other.print)
+        if chosen is None:
+            return None
+        return _measure(prompt, chosen[2], digests, chosen[1])
 
     def _bound(self) -> None:
         while self.prints > self.max_prints:

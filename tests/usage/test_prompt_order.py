@@ -9,7 +9,13 @@ import tracemalloc
 from array import array
 from pathlib import Path
 
-from exporter.signals.order import MAX_PRINTS, PRINTS_PER_PAIR, OrderTracker, compare
+from exporter.signals.order import (
+    MAX_PRINTS,
+    PRINTS_PER_PAIR,
+    OrderTracker,
+    common_prefix,
+    compare,
+)
 from exporter.usage.tap.fingerprint import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, fingerprint
 from exporter.values import PromptPrint
 
@@ -97,3 +103,38 @@ def test_digests_depend_on_the_key():
     assert set(mine.digests).isdisjoint(theirs.digests)
     assert list(mine.ends) == list(theirs.ends)  # blocks are cut by content, not by key
     assert compare(mine, theirs).shared_bytes == 0
+
+
+def synthetic(digests: list[int], block: int = 600) -> PromptPrint:
+    ends = array("I", range(block, block * (len(digests) + 1), block))
+    return PromptPrint(array("Q", digests), ends, block * len(digests))
+
+
+def test_a_request_is_judged_against_the_recent_one_it_shares_most_and_longest_with():
+    """A fan-out member whose shared text comes first is silent even when an earlier
+    request held the same blocks behind another top; the one behind another top, against
+    requests that only share that text, is counted."""
+    shared = list(range(100, 110))
+    good = synthetic([*shared, 1])
+    tracker = OrderTracker()
+    tracker.observe("p", synthetic([7, *shared]), 1000.0)  # the same text, another top
+    tracker.observe("p", synthetic([*shared, 2]), 1001.0)  # the same text first
+    found = tracker.observe("p", good, 1002.0)
+    assert found is not None and not found.variable_top
+    assert found.prefix_bytes == found.shared_bytes == 10 * 600
+    assert found.first_difference_bytes == 11 * 600
+
+    tracker = OrderTracker()
+    tracker.observe("q", synthetic([7, *shared]), 1000.0)
+    found = tracker.observe("q", synthetic([8, *shared]), 1001.0)
+    assert found is not None and found.variable_top
+    assert (found.shared_bytes, found.prefix_bytes, found.first_difference_bytes) == (
+        10 * 600, 0, 600)
+
+
+def test_the_common_prefix_is_found_to_the_block():
+    digests = array("Q", range(64))
+    for length in (0, 1, 31, 63, 64):
+        other = array("Q", [*range(length), *(1000 + index for index in range(64 - length))])
+        assert common_prefix(digests, other) == length
+    assert common_prefix(digests, array("Q", range(10))) == 10
