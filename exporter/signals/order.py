@@ -10,12 +10,13 @@ and model:
 
 - the common prefix: the leading run of equal block digests (blocks are cut from the
   start by content, so equal leading blocks mean equal leading text), in bytes;
-- the shared text: the bytes of the request's blocks found anywhere in the other print.
+- the shared text: the bytes of the blocks the two prints have in common, wherever they sit.
 
 A request *shares text but not its beginning* when the recent print sharing most with it
-shares at least ``MIN_SHARED_BYTES`` and ``SHARED_FRACTION`` of what was fingerprinted, and
-the common prefix covers less than ``PREFIX_FRACTION`` of that shared text. The first
-difference is where the first differing block ends: the variable part sits before it.
+(the most blocks in common, then the longest common prefix) shares at least
+``MIN_SHARED_BYTES`` and ``SHARED_FRACTION`` of what was fingerprinted, and the common
+prefix covers less than ``PREFIX_FRACTION`` of that shared text. The first difference is
+where the first differing block ends: the variable part sits before it.
 A good layout (shared text first) and unrelated prompts are both silent.
 
 Bounded: ``PRINTS_PER_PAIR`` prints per (caller, model) label pair, none older than the
