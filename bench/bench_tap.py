@@ -179,7 +179,10 @@ def http_request(path: str, payload: dict, port: int) -> bytes:
 
 
 def chat_payload(stream: bool, prompt_chars: int) -> dict:
-    words = ("kalo miren tasvu pedor silny quabex torela fingru " * (prompt_chars // 48 + 1))
+    # Prose: words and sentence ends (which is where the tap's prompt-order fingerprint cuts
+    # its blocks, so a 400 KB prompt costs it close to its most blocks).
+    words = ("kalo miren tasvu pedor. silny quabex torela fingru. "
+             * (prompt_chars // 50 + 1))
     return {"model": "tiny-llama", "max_tokens": 8, "stream": stream,
             "messages": [{"role": "system", "content": words[:prompt_chars]},
                          {"role": "user", "content": "next step please"}]}
@@ -292,8 +295,8 @@ class Target:
 
 
 def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str,
-                    before: Path | None = None, also_asyncio: bool = False
-                    ) -> dict[str, Target]:
+                    before: Path | None = None, also_asyncio: bool = False,
+                    order_off: bool = False) -> dict[str, Target]:
     upstream_port, nginx_port, bare_port, tap_port, web_port = (free_port() for _ in range(5))
     upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream",
                                  str(upstream_port)], start_new_session=True)
@@ -323,6 +326,17 @@ def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str,
     stack.append(tap)
     wait_port(tap_port, tap, "exporter with the tap")
     targets: dict[str, Target] = {}
+    if order_off:  # the same tap without the prompt-order diagnosis
+        off_port, off_web = free_port(), free_port()
+        off = subprocess.Popen(
+            [sys.executable, "-m", "exporter", "run", "--web.listen-address",
+             f"127.0.0.1:{off_web}", "--tap.listen-address", f"127.0.0.1:{off_port}",
+             "--tap.upstream", f"http://127.0.0.1:{upstream_port}", "--log.level", "warning",
+             "--tap.prompt-order-bytes", "0"],
+            cwd=ROOT, start_new_session=True)
+        stack.append(off)
+        wait_port(off_port, off, "exporter with the tap, prompt order off")
+        targets["order-off"] = Target("order-off", off_port, [off.pid])
     if before is not None:  # the same exporter command, from another checkout
         before_port, before_web = free_port(), free_port()
         earlier = subprocess.Popen(
@@ -446,6 +460,9 @@ def report(results: dict[tuple[str, str], list[Phase]]) -> dict[str, dict[str, f
                 "aio_tap_added_ms": added["tap-aio"] * 1e3,
                 "aio_bare_added_ms": added["bare-aio"] * 1e3,
                 "aio_tap_cpu_ms": cpu["tap-aio"] * 1e3, "aio_bare_cpu_ms": cpu["bare-aio"] * 1e3}
+        if "order-off" in added:
+            figures[phase_name] |= {
+                "off_added_ms": added["order-off"] * 1e3, "off_cpu_ms": cpu["order-off"] * 1e3}
         if "before" in added:
             figures[phase_name] |= {
                 "before_added_ms": added["before"] * 1e3, "before_cpu_ms": cpu["before"] * 1e3,
@@ -487,6 +504,15 @@ def report_goals(figures: dict[str, dict[str, float]]) -> bool:
                   f"{f['aio_bare_added_ms']:+7.3f}ms {f['aio_tap_cpu_ms']:8.3f}ms "
                   f"{f['aio_bare_cpu_ms']:6.3f}ms {f['tap_cpu_ms'] / f['aio_tap_cpu_ms']:23.2f} "
                   f"{f['bare_cpu_ms'] / f['aio_bare_cpu_ms']:6.2f}")
+    if any("off_cpu_ms" in f for f in figures.values()):
+        print("\nthe tap with the prompt-order diagnosis against the same tap without it "
+              "(--tap.prompt-order-bytes 0):")
+        print(f"{'phase':18} {'CPU: with':>10} {'without':>8} {'ratio':>6} {'added: with':>12} "
+              f"{'without':>8}")
+        for phase_name, f in figures.items():
+            print(f"{phase_name:18} {f['tap_cpu_ms']:8.3f}ms {f['off_cpu_ms']:6.3f}ms "
+                  f"{f['tap_cpu_ms'] / f['off_cpu_ms']:6.2f} {f['tap_added_ms']:+10.3f}ms "
+                  f"{f['off_added_ms']:+7.3f}ms")
     met = True
     for phase_name, key, limit in GOALS:
         if phase_name not in figures:
@@ -532,6 +558,9 @@ def main() -> int:
     parser.add_argument("--also-asyncio", action="store_true",
                         help="also measure the tap with --no-web.uvloop and the bare "
                              "pass-through on asyncio's loop, between the others")
+    parser.add_argument("--order-off", action="store_true",
+                        help="also measure the same tap with the prompt-order diagnosis off "
+                             "(--tap.prompt-order-bytes 0), as target 'order-off'")
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-passthrough", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -549,11 +578,14 @@ def main() -> int:
         tmp = Path(tmp_name)
         os.chmod(tmp, 0o755)
         try:
-            targets = start_processes(tmp, stack, args.loop, args.before, args.also_asyncio)
+            targets = start_processes(tmp, stack, args.loop, args.before, args.also_asyncio,
+                                      args.order_off)
             if args.before is not None:
                 targets_measured.append("before")
             if args.also_asyncio:
                 targets_measured.extend(("tap-aio", "bare-aio"))
+            if args.order_off:
+                targets_measured.append("order-off")
             events_before = tap_events(targets["_web"].port)
             phases = tuple(p for p in PHASES if not args.phase or p[0] in args.phase)
             results = asyncio.run(measure(targets, args.rounds, args.requests, phases))

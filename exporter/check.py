@@ -88,11 +88,16 @@ class ExporterView:
     reported: dict[str, float] = field(default_factory=dict)
     # source ("engine", "proxy") -> TTFT observations: who timed the turns
     timed_by: dict[str, float] = field(default_factory=dict)
+    # (caller, model) -> the prompt-order counters, by their name after the prefix
+    order: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
 
     def smallest_pool(self, target: str, engine: str) -> float | None:
         found = [pool for (where, _model, rank), pool in self.smallest_pools.items()
                  if where == target and rank == engine]
         return min(found) if found else None
+
+
+ORDER_PREFIX = "vllm_cache_prompt_order_"
 
 
 def read_exporter(text: str) -> ExporterView:
@@ -127,6 +132,8 @@ def read_exporter(text: str) -> ExporterView:
                 view.unreported[pair[0]] = view.unreported.get(pair[0], 0.0) + sample.value
             elif name == "vllm_cache_prompt_tokens_total":
                 view.reported[pair[0]] = view.reported.get(pair[0], 0.0) + sample.value
+            elif name.startswith(ORDER_PREFIX) and name.endswith("_total"):
+                view.order.setdefault(pair, {})[name[len(ORDER_PREFIX):-6]] = sample.value
             elif name == "vllm_cache_ttft_seconds_count":
                 source = labels.get("source", "")
                 view.timed_by[source] = view.timed_by.get(source, 0.0) + sample.value
@@ -191,7 +198,8 @@ async def check_one(session: aiohttp.ClientSession, url: str, timeout: float,
 
 
 def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None:
-    """Live fit and declared vs used completions, from a running exporter. Pure."""
+    """Live fit, declared vs used completions and prompt order, from a running exporter.
+    Pure."""
     for where in sorted(view.demand):
         pool = view.pools.get(where)
         target, model_name = where
@@ -216,6 +224,16 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
         sentence = advice.completion_sentence(figures)
         (report.notes if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING
          else report.lines).append(sentence)
+    for pair, counts in sorted(view.order.items()):
+        flagged = counts.get("variable_top", 0.0)
+        if flagged <= 0:
+            continue
+        order = advice.PromptOrder(
+            pair[0], pair[1], int(counts.get("compared", 0.0)), int(flagged),
+            counts.get("shared_bytes", 0.0) / flagged,
+            counts.get("first_difference_bytes", 0.0) / flagged)
+        if order.worth_saying:
+            report.notes.append(advice.prompt_order_sentence(order))
     unreported = sorted(caller for caller, tokens in view.unreported.items() if tokens > 0)
     if unreported:
         report.problems.append(advice.not_reported_sentence(unreported))

@@ -35,6 +35,7 @@ from exporter.signals.foresight import (
     DEFAULT_IDLE_SECONDS,
     DEFAULT_MAX_CONVERSATIONS,
 )
+from exporter.signals.order import DEFAULT_WINDOW_SECONDS as DEFAULT_ORDER_WINDOW_SECONDS
 from exporter.sim.scenario import DEFAULT_SCENARIO, DEMO_SCENARIO
 from exporter.sim.scenario import available as available_scenarios
 from exporter.usage.formats import MappingError, load_mapping
@@ -256,6 +257,7 @@ def _optional_str(raw: Any) -> str | None:
     return None if raw is None else _to_str(raw)
 
 
+KiB = 1024
 MiB = 1024 * 1024
 ANY_COMMAND = frozenset(COMMANDS)
 SCENARIO_COMMANDS = frozenset({DEMO, SIMULATE, DRIVE})
@@ -381,6 +383,11 @@ FLAGS: tuple[Flag, ...] = (
          "the smallest KV pool seen (a few thousand: the conversations' next turns).", _to_int,
          DEFAULT_HEADROOM_TOKENS, metavar="TOKENS", check=_non_negative,
          commands=frozenset({RUN, CHECK})),
+    Flag("signals.prompt-order-window", "Foresight", "Seconds within which a caller's "
+         "requests to one model are compared for prompt order (tap only): sharing most of "
+         "their text but not its beginning means something variable sits at the top of the "
+         "prompt.", _to_float, DEFAULT_ORDER_WINDOW_SECONDS, metavar="SECONDS",
+         check=_positive),
     Flag("exporter.url", "Foresight", "A running exporter to read as well (its /metrics): the "
          "live conversations' fit in the pool, the smallest pool it saw, and declared vs used "
          "completion tokens per caller.", _to_str, "", metavar="URL", check=_optional_url,
@@ -410,6 +417,9 @@ FLAGS: tuple[Flag, ...] = (
          64 * MiB, metavar="BYTES", check=_positive),
     Flag("tap.max-response-bytes", "Tap proxy", "Largest non-streamed response body.",
          _to_int, 256 * MiB, metavar="BYTES", check=_positive),
+    Flag("tap.prompt-order-bytes", "Tap proxy", "Bytes at the start of each prompt "
+         "fingerprinted (keyed digests, never the text) for the prompt-order diagnosis "
+         "(0: off).", _to_int, 32 * KiB, metavar="BYTES", check=_non_negative),
     # --- scenarios: demo, simulate, drive -------------------------------------------------
     Flag("scenario", "Scenario", "Field-report scenario to play: a shipped one ("
          + ", ".join(available_scenarios()) + ") or a YAML file. For simulate: take the "
@@ -556,6 +566,7 @@ class Config:
     signals_conversations_max: int = _default("signals.conversations-max")
     signals_state_tokens: tuple[tuple[str, int], ...] = _default("signals.state-tokens")
     signals_admission_headroom: int = _default("signals.admission-headroom")
+    signals_prompt_order_window: float = _default("signals.prompt-order-window")
     tap_listen_address: str = _default("tap.listen-address")
     tap_upstream: str = _default("tap.upstream")
     tap_web_config_file: str = _default("tap.web-config.file")
@@ -566,6 +577,7 @@ class Config:
     tap_timeout: float = _default("tap.timeout")
     tap_max_request_bytes: int = _default("tap.max-request-bytes")
     tap_max_response_bytes: int = _default("tap.max-response-bytes")
+    tap_prompt_order_bytes: int = _default("tap.prompt-order-bytes")
 
     @property
     def listen_host_port(self) -> tuple[str, int]:

@@ -115,8 +115,9 @@ def render(status: Status, version: str, links: Sequence[str] = ("/metrics", "/-
         f"<p>The history behind the sparklines is one sample every {SLOT_SECONDS:g} s for the "
         "last hour per caller and per vLLM, in the exporter's memory (lost on restart). "
         "Prometheus and the shipped alerts and dashboards see the same counters, over longer "
-        "windows. Prompt order (is something variable at the top of the prompt?) is not "
-        "diagnosed by this version.</p>",
+        "windows. Prompt order (is something variable at the top of the prompt?) is "
+        "diagnosed for requests that come through the tap, from fingerprints of their "
+        "prompts: no prompt text is kept.</p>",
         "</footer></body></html>",
     ]
     return "\n".join(parts) + "\n"

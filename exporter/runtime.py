@@ -160,6 +160,7 @@ def start_background(config: Config, state: SignalsState,
         serving = run_tap(
             wiring.tap_settings(config), wiring.tap_record(state.usage),
             wiring.tap_reject(state.usage),
+            record_prompt=wiring.tap_record_prompt(state.usage),
             secure=tap_listener.install if tap_listener is not None else None,
             ssl_context=tap_listener.ssl_context if tap_listener is not None else None,
             runner=functools.partial(LimitedRunner, stats=tap_stats or ListenerStats(

@@ -7,6 +7,7 @@ sides can depend on it without a cycle (the rule is enforced by tests/test_archi
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 # ---- engine signals ---------------------------------------------------------------------
@@ -197,6 +198,24 @@ class EngineSnapshot:
 
 # ---- per-request usage ------------------------------------------------------------------
 
+@dataclass(frozen=True, eq=False, slots=True)
+class PromptPrint:
+    """A prompt's fingerprint (the tap's, ``exporter.usage.tap.fingerprint``): the keyed
+    digest of each of its content-defined blocks, in order, and the byte offset where each
+    block ends. Never the text, and never exported: only compared in memory with the prints
+    of the same caller's recent requests. ``length`` is the whole prompt's size in bytes
+    (the blocks may cover only its beginning)."""
+
+    digests: array  # array("Q"): 64-bit digests
+    ends: array  # array("I"): block end offsets, increasing
+    length: int
+
+    @property
+    def covered(self) -> int:
+        """Bytes the blocks cover."""
+        return self.ends[-1] if self.ends else 0
+
+
 # Status words that mean the request succeeded; any other word is an error.
 OK_STATUS_WORDS = frozenset({"ok", "success", "succeeded", "successful", "2xx", "completed"})
 
@@ -214,6 +233,8 @@ class UsageEvent:
     request (its per-request ``metrics``, ``--enable-per-request-metrics``): scheduled to
     first token, and queued to scheduled, inside the engine. They are kept apart from the
     proxy's figures, which include whatever waited in front of and inside vLLM.
+    ``prompt`` is the prompt's fingerprint (``PromptPrint``), where the reader sees the
+    prompt (the tap); None elsewhere.
     ``max_tokens`` is the completion budget the request declared (``max_tokens`` or
     ``max_completion_tokens``), where the reader sees the request; None when unknown. Set
     against ``completion_tokens`` it shows how far callers overstate what they use.
@@ -234,6 +255,8 @@ class UsageEvent:
     engine_queue_seconds: float | None = None
     # ---- foresight (optional; readers fill them where their input has them) ----
     max_tokens: int | None = None
+    # ---- prompt order (the tap only: the one reader that sees prompts) ----
+    prompt: PromptPrint | None = None
 
 
 # One UsageEvent as a plain tuple of its fields, in the dataclass's order: how a batch of

@@ -42,7 +42,8 @@ def usage_settings(config: Config) -> UsageSettings:
         missing_cached_as_zero=config.signals_missing_cached_as_zero, readers=tuple(readers),
         max_series=config.callers_max_series, name_pattern=config.callers_name_pattern,
         model_pattern=config.callers_model_pattern, keep_emails=config.callers_keep_emails,
-        new_series_hold=config.usage_new_series_hold, foresight=foresight_settings(config))
+        new_series_hold=config.usage_new_series_hold, foresight=foresight_settings(config),
+        prompt_order_window=config.signals_prompt_order_window)
 
 
 def foresight_settings(config: Config) -> ForesightSettings:
@@ -95,7 +96,8 @@ def tap_settings(config: Config) -> TapSettings:
         caller_header=config.tap_caller_header, session_header=config.tap_session_header,
         key_alias=config.tap_key_alias, timeout=config.tap_timeout,
         max_request_bytes=config.tap_max_request_bytes,
-        max_response_bytes=config.tap_max_response_bytes)
+        max_response_bytes=config.tap_max_response_bytes,
+        prompt_order_bytes=config.tap_prompt_order_bytes)
 
 
 def tap_app(config: Config, usage: UsageState, session: aiohttp.ClientSession | None = None,
@@ -104,7 +106,7 @@ def tap_app(config: Config, usage: UsageState, session: aiohttp.ClientSession | 
     """The tap's app for this configuration, recording into ``usage``."""
     return create_tap_app(tap_settings(config), record=tap_record(usage),
                           reject=tap_reject(usage), session=session, clock=clock,
-                          monotonic=monotonic)
+                          monotonic=monotonic, record_prompt=tap_record_prompt(usage))
 
 
 def tap_record(usage: UsageState) -> Callable[[UsageEvent], object]:
@@ -113,3 +115,7 @@ def tap_record(usage: UsageState) -> Callable[[UsageEvent], object]:
 
 def tap_reject(usage: UsageState) -> Callable[[str], None]:
     return lambda reason: usage.reject(TAP_READER, reason)
+
+
+def tap_record_prompt(usage: UsageState) -> Callable[[UsageEvent], object]:
+    return usage.record_prompt

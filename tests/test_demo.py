@@ -155,3 +155,38 @@ async def test_the_default_demo_tells_the_collapse_as_it_happens():
     assert 240 <= times[1] <= 360, times  # agent-b starts at 4:00 and its first turn takes ~35 s
     assert times[2] >= times[1] and times[3] > times[1], times
     assert "Traceback" not in errors.decode()
+
+
+async def test_the_fanout_demo_goes_through_the_tap_and_names_the_varying_top():
+    """fanout-order's clients go through the exporter's tap, which sees their prompts: the
+    status page says the per-agent part sits at the top of fanout-task-first's, and nothing
+    of the kind about fanout-shared-first's."""
+    process, url, header = await start_demo("--scenario", "fanout-order", "--speed", "50",
+                                            "--refresh", "30")
+    page_url = url.removesuffix("metrics")
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        said: list[str] = []
+        async with aiohttp.ClientSession() as session:
+            while not said:  # no event to await from outside the process
+                assert loop.time() < deadline, "no prompt-order advice on the status page"
+                async with session.get(page_url) as response:
+                    page = await response.text()
+                said = [line for line in page.splitlines() if "variable sits at the top" in line]
+                await asyncio.sleep(0.2)
+            async with session.get(url) as response:
+                text = await response.text()
+        process.send_signal(signal.SIGINT)
+        out, errors = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, errors.decode()
+    assert "The scenario's clients go through the tap: http://" in "".join(header) + out.decode()
+    assert "fanout-task-first on qwen3.8-27b" in said[0]
+    assert "fanout-shared-first" not in " ".join(said)
+    assert value(text, "vllm_cache_usage_events_total", reader="tap") > 0
+    assert value(text, "vllm_cache_prompt_order_variable_top_total",
+                 caller="fanout-shared-first") == 0

@@ -4,6 +4,7 @@ stays within the series and bytes docs/metrics.md promises, in both formats."""
 from __future__ import annotations
 
 import re
+from array import array
 from pathlib import Path
 
 from exporter.config import Config
@@ -11,7 +12,7 @@ from exporter.metrics import build_registry
 from exporter.metrics.exposition import generate_openmetrics, generate_text
 from exporter.signals.callers import OTHER
 from exporter.signals.usage import SERIES_PER_PAIR
-from exporter.values import UsageEvent
+from exporter.values import PromptPrint, UsageEvent
 from exporter.wiring import signals_state
 from tests.helpers import value
 
@@ -19,10 +20,19 @@ DOC = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text
 PER_CALLER = ("vllm_cache_requests_total", "vllm_cache_prompt_tokens_total",
               "vllm_cache_cached_tokens_total", "vllm_cache_unreported_prompt_tokens_total",
               "vllm_cache_ttft_seconds_", "vllm_cache_queue_wait_seconds_",
-              "vllm_cache_completion_used_tokens_", "vllm_cache_completion_declared_tokens_total")
+              "vllm_cache_completion_used_tokens_", "vllm_cache_completion_declared_tokens_total",
+              "vllm_cache_prompt_order_compared_total",
+              "vllm_cache_prompt_order_variable_top_total",
+              "vllm_cache_prompt_order_shared_bytes_total",
+              "vllm_cache_prompt_order_first_difference_bytes_total")
 # One turn per state, the unreported one first so that it stays unreported.
 TURNS = ((5000, None, None), (91_070, 86_016, None), (60_000, 30_720, None),
          (40_000, 0, None), (100, 0, None), (5000, 0, 500))
+# Two prompts that share all but their first block: each one after the first is counted in
+# every prompt-order series, with sums of many digits.
+ENDS = array("I", range(999_999, 64 * 999_999, 999_999))
+PRINTS = (PromptPrint(array("Q", [1, *range(10, 72)]), ENDS, 64 * 999_999),
+          PromptPrint(array("Q", [2, *range(10, 72)]), ENDS, 64 * 999_999))
 
 
 def documented(label: str) -> int:
@@ -41,12 +51,14 @@ def fill_adversarially() -> tuple[Config, object]:
         caller = (f"c{caller_index:03d}" + "-abcdefghijklmn" * 5)[:64]
         for model_index in range(40):  # past the model cap
             model = (f"m{model_index:02d}" + "/abcdefghijklmn" * 10)[:128]
-            for prompt, cached, status in TURNS:
+            for turn, (prompt, cached, status) in enumerate(TURNS):
                 # Timed by the proxy, then by vLLM: both sources' histograms for every state.
-                state.usage.record(UsageEvent(
+                event = UsageEvent(
                     caller, model, prompt, cached, completion_tokens=9_999_999,
                     ttft_seconds=86_399.123456789, queue_seconds=86_398.987654321,
-                    status=status, max_tokens=9_999_999), "http")
+                    status=status, max_tokens=9_999_999, prompt=PRINTS[turn % 2])
+                state.usage.record(event, "http")
+                state.usage.record_prompt(event)
                 state.usage.record(UsageEvent(
                     caller, model, prompt, cached, status=status,
                     engine_ttft_seconds=86_399.876543219,
@@ -67,6 +79,10 @@ def test_the_worst_case_stays_within_the_documented_bounds():
         assert len(lines) >= max_series - SERIES_PER_PAIR  # the fill did reach the bound
         assert len(body) <= max_bytes
     text = generate_text(registry).decode()
+    flagged = [line for line in text.splitlines()
+               if line.startswith("vllm_cache_prompt_order_variable_top_total{")]
+    assert len(flagged) == len(state.usage.series)  # every pair has its prompt-order series
+    assert all(not line.endswith(" 0.0") for line in flagged)
     folded = value(text, "vllm_cache_callers_folded_total")
     assert folded and folded > 0
     # Nothing was lost: every event is counted, folded ones under __other__.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -34,7 +35,7 @@ from exporter.sim import scenario as scenarios
 from exporter.sim.client import HttpClient
 from exporter.sim.clock import SimClock
 from exporter.sim.driver import Driver
-from exporter.sim.report import HttpReporter
+from exporter.sim.report import HttpReporter, Reporter
 from exporter.sim.scenario import Scenario, ScenarioError
 from exporter.sim.server import build_simulator, create_sim_app, start_site
 
@@ -78,8 +79,19 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
     print(f"Simulated vLLM: http://{HOST}:{sim_port} (OpenAI API, /metrics)", file=out)
     out.flush()
 
-    client = HttpClient(f"http://{HOST}:{sim_port}")
-    reporter = HttpReporter(base)
+    tap_runner = None
+    reporter: Reporter = HttpReporter(base)
+    if scenario.demo_tap:
+        # The traffic goes through the tap, which records it (and reads its prompts' order)
+        # as it would in front of a real vLLM: the driver reports nothing itself.
+        tap_runner, tap_port = await start_site(
+            wiring.tap_app(config, state.usage, clock=exporter_clock), HOST, 0)
+        client = HttpClient(f"http://{HOST}:{tap_port}")
+        reporter = NoReporter()
+        print(f"The scenario's clients go through the tap: http://{HOST}:{tap_port}",
+              file=out)
+    else:
+        client = HttpClient(f"http://{HOST}:{sim_port}")
     driver = Driver(scenario, client, reporter, clock, sim.config.served_model_name,
                     loop=True, seed=int(time.time()), wall_clock=exporter_clock)
     drive = asyncio.ensure_future(driver.run())
@@ -96,7 +108,10 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await drive
         await client.close()
-        await reporter.close(flush_seconds=2.0)
+        if isinstance(reporter, HttpReporter):
+            await reporter.close(flush_seconds=2.0)
+        if tap_runner is not None:
+            await tap_runner.cleanup()
         await exporter_runner.cleanup()
         await sim_runner.cleanup()
     print(f"demo stopped after {driver.stats.requests} request(s), "
@@ -112,9 +127,23 @@ def exporter_config(scenario: Scenario, sim_port: int) -> Config:
     engine = scenario.engine_config()
     state_tokens = ((engine.served_model_name, engine.state_tokens),) if (
         engine.hybrid and engine.state_tokens) else ()
-    return Config(web_listen_address=f"{HOST}:0", vllm_url=(f"http://{HOST}:{sim_port}",),
-                  log_level="warning", usage_new_series_hold=0.0,
-                  signals_state_tokens=state_tokens)
+    config = Config(web_listen_address=f"{HOST}:0", vllm_url=(f"http://{HOST}:{sim_port}",),
+                    log_level="warning", usage_new_series_hold=0.0,
+                    signals_state_tokens=state_tokens)
+    if scenario.demo_tap:
+        config = dataclasses.replace(config, tap_listen_address=f"{HOST}:0",
+                                     tap_upstream=f"http://{HOST}:{sim_port}")
+    return config
+
+
+class NoReporter:
+    """The driver's reporter when the tap records the traffic."""
+
+    def report(self, event: dict[str, object]) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
 
 @dataclass

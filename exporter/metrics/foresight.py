@@ -1,5 +1,6 @@
 """Foresight series: live conversation demand, the smallest pool and the admission budget,
-declared vs used completion tokens. A public contract like the others: add, never rename.
+declared vs used completion tokens, prompt order. A public contract like the others: add,
+never rename.
 
 Gauges of demand are computed at scrape time from the tracked conversations (those seen
 within the idle window); ratios (demand over the pool, declared over used) are PromQL.
@@ -42,6 +43,7 @@ class ForesightCollector:
         yield from self._conversations()
         yield from self._pools()
         yield from self._completions()
+        yield from self._prompt_order()
 
     def _conversations(self) -> Iterator[Metric]:
         usage = self.usage
@@ -134,3 +136,43 @@ class ForesightCollector:
             declared.add_metric([caller, model],
                                 0 if held else series.declared_completion_tokens)
         yield from (used, declared)
+
+    def _prompt_order(self) -> Iterator[Metric]:
+        usage = self.usage
+        now = usage.now()
+        labels = ["caller", "model"]
+        compared = CounterMetricFamily(
+            "vllm_cache_prompt_order_compared",
+            "Requests whose prompt the tap compared with a recent one of the same caller and "
+            "model (within --signals.prompt-order-window; fingerprints, never text).",
+            labels=labels)
+        variable = CounterMetricFamily(
+            "vllm_cache_prompt_order_variable_top",
+            "Of those, requests that share most of their text with a recent one but not its "
+            "beginning: something variable sits at the top of the prompt, so the prefix "
+            "cache cannot reuse the shared text.", labels=labels)
+        shared = CounterMetricFamily(
+            "vllm_cache_prompt_order_shared_bytes",
+            "Bytes of prompt (as sent, about characters) those requests share with the "
+            "recent one, summed: over variable_top, the mean shared length.", labels=labels)
+        first = CounterMetricFamily(
+            "vllm_cache_prompt_order_first_difference_bytes",
+            "Bytes into the prompt within which those requests first differ from the recent "
+            "one, summed: over variable_top, where the variable part sits.", labels=labels)
+        for (caller, model), series in sorted(usage.series.items()):
+            counts = series.order
+            if counts is None:
+                continue
+            held = counts.shown_from > now or series.shown_from > now
+            values = (0, 0, 0, 0) if held else (
+                counts.compared, counts.variable_top, counts.shared_bytes,
+                counts.first_difference_bytes)
+            for family, number in zip((compared, variable, shared, first), values,
+                                      strict=True):
+                family.add_metric([caller, model], number)
+        window = GaugeMetricFamily(
+            "vllm_cache_prompt_order_window_seconds",
+            "How close in time two requests of a caller and model must be to be compared for "
+            "prompt order (--signals.prompt-order-window).")
+        window.add_metric([], usage.order.window_seconds)
+        yield from (compared, variable, shared, first, window)

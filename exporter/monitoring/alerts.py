@@ -23,6 +23,7 @@ ALERT_NAMES = (
     "VllmCachePreemptions",
     "VllmCacheKVPoolNearFull",
     "VllmCacheConversationsExceedKVPool",
+    "VllmCachePromptVariableTop",
     "VllmCacheEngineDown",
     "VllmCacheEngineMetricAbsent",
     "VllmCacheExporterDown",
@@ -255,6 +256,30 @@ and {names.target_conversations}{selector} >= {number(config.conversations_min_a
             conversations share this engine.""",
             self.dashboard_link(config.overview_uid, TARGET))
 
+    def prompt_variable_top(self) -> dict[str, Any]:
+        """Prompt order: most of a caller's requests share their text with a recent one but
+        not its beginning (the tap's fingerprints), so the prefix cache reuses none of it."""
+        config, promql, names = self.config, self.promql, self.names
+        selector = promql.sel()
+        expr = f"""
+{names.caller_order_share}{selector} > {number(config.prompt_order_share)}
+and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
+  >= {number(config.prompt_order_min_requests)}"""
+        shared = self.query_value(names.caller_order_shared_bytes, CALLER, "humanize")
+        first = self.query_value(names.caller_order_first_difference, CALLER, "humanize")
+        return self.alert(
+            "VllmCachePromptVariableTop", expr, config.prompt_order_for,
+            config.prompt_order_severity,
+            "A caller's prompts share most of their text but not its beginning: something "
+            "variable sits at the top, so the prefix cache reuses none of it.",
+            f"""{{{{ $value | humanizePercentage }}}} of the requests caller
+            {{{{ $labels.caller }}}} sent to {{{{ $labels.model }}}} over the last
+            {config.long_window} (compared at the tap) share ~{shared} characters with a
+            recent one but differ within the first {first}: a per-agent task, a timestamp or
+            a request id ahead of the shared text. Put the shared text first, byte-identical
+            in every request, and the varying part last.""",
+            self.dashboard_link(config.caller_uid, CALLER))
+
     def engine_down(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         return self.alert(
@@ -301,6 +326,7 @@ def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
         alerts.preemptions(),
         alerts.kv_pool_near_full(),
         alerts.conversations_exceed_pool(),
+        alerts.prompt_variable_top(),
         alerts.engine_down(),
         alerts.engine_metric_absent(),
         alerts.exporter_down(),

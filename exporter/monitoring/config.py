@@ -105,6 +105,13 @@ class MonitoringConfig:
     # How far back the smallest pool (and the admission budget under it) is looked for: long
     # enough to cover several vLLM boots.
     pool_min_window: str = "7d"
+    # --- VllmCachePromptVariableTop (prompt order, the tap) ----------------------------------
+    # Share of a caller's compared requests, over the long window, that share most of their
+    # text with a recent one but not its beginning; and how many of those at least.
+    prompt_order_share: float = 0.5
+    prompt_order_min_requests: float = 2.0
+    prompt_order_for: str = "15m"
+    prompt_order_severity: str = "warning"
     # --- VllmCacheEngineDown / VllmCacheExporterDown ----------------------------------------
     engine_down_for: str = "5m"
     engine_down_severity: str = "warning"
@@ -204,7 +211,7 @@ def _validate(config: MonitoringConfig) -> None:
     if config.long_seconds >= config.baseline_seconds:
         fail("long_window", f"must be shorter than baseline_window ({config.baseline_window})")
     for name in ("collapse_drop_factor", "collapse_min_baseline", "warm_ttft_min_warm_share",
-                 "kv_pool_full_ratio"):
+                 "kv_pool_full_ratio", "prompt_order_share"):
         if not 0 < getattr(config, name) <= 1:
             fail(name, f"must be in (0, 1], got {getattr(config, name)}")
     for name in ("overview_uid", "caller_uid"):

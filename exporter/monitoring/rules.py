@@ -111,6 +111,16 @@ class Names:
             f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}")
         self.caller_completion_overstatement = (
             f"caller_model:vllm_cache_completion_overstatement:ratio_{long}")
+        # prompt order (the tap): requests sharing most of their text but not its beginning
+        self.caller_order_compared = f"caller_model:vllm_cache_prompt_order_compared:{long}"
+        self.caller_order_variable_top = (
+            f"caller_model:vllm_cache_prompt_order_variable_top:{long}")
+        self.caller_order_share = (
+            f"caller_model:vllm_cache_prompt_order_variable_top_share:{long}")
+        self.caller_order_shared_bytes = (
+            f"caller_model:vllm_cache_prompt_order_shared_bytes:mean_{long}")
+        self.caller_order_first_difference = (
+            f"caller_model:vllm_cache_prompt_order_first_difference_bytes:mean_{long}")
         # where prompt tokens came from, per vLLM target and source
         self.target_source_prompt = (
             f"target_model_source:vllm_cache_engine_prompt_tokens_by_source:{short}")
@@ -215,7 +225,32 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
                            f"sum {promql.by('model', 'state', 'source', 'le')} "
                            f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0"))
     rules.extend(_completion_rules(config, promql, names))
+    rules.extend(_prompt_order_rules(config, promql, names))
     return rules
+
+
+def _prompt_order_rules(config: MonitoringConfig, promql: PromQL,
+                        names: Names) -> list[dict[str, Any]]:
+    """Prompt order per caller, over the long window (a fan-out comes in bursts): the share
+    of compared requests that share most of their text with a recent one but not its
+    beginning, and, of those, the mean shared length and where they first differ."""
+    window = config.long_window
+
+    def rate(series: str) -> str:
+        return (f"sum {promql.by(*CALLER)} (rate(vllm_cache_prompt_order_{series}_total"
+                f"{promql.sel()}[{window}]))")
+
+    flagged = names.caller_order_variable_top
+    return [
+        _rule(names.caller_order_compared, rate("compared")),
+        _rule(flagged, rate("variable_top")),
+        _rule(names.caller_order_share,
+              _ratio(promql, flagged, names.caller_order_compared)),
+        _rule(names.caller_order_shared_bytes,
+              f"{rate('shared_bytes')}\n/\n({flagged}{promql.sel()} > 0)"),
+        _rule(names.caller_order_first_difference,
+              f"{rate('first_difference_bytes')}\n/\n({flagged}{promql.sel()} > 0)"),
+    ]
 
 
 def _completion_rules(config: MonitoringConfig, promql: PromQL,

@@ -1,7 +1,7 @@
 """Plain words: the one source of every sentence ``check``, the status page and the demo say
 about what is wrong and what to do: a collapse, conversations that no longer fit, prefix
 caching off, cached tokens not reported, preemptions, an unreadable or incomplete vLLM, pool
-fit, admission budgets and declared completions.
+fit, admission budgets, declared completions and prompt order.
 
 Pure: numbers in, sentences out. The numbers come from wherever the caller read them (a
 vLLM's /metrics, an exporter's /metrics, the signals state), so the advice is the same
@@ -265,6 +265,35 @@ def completion_sentence(figures: Completions) -> str:
                 f"it could: charge prompt + min(max_tokens, "
                 f"{tokens(figures.advised_charge)}) instead.")
     return f"{head}: declared and used agree well enough to charge the declared figure."
+
+
+@dataclass(frozen=True)
+class PromptOrder:
+    """One caller's requests (to one model) compared for prompt order, and those that share
+    most of their text with a recent one but not its beginning (means in bytes of the prompt
+    as sent, about characters)."""
+
+    caller: str
+    model: str
+    compared: int
+    variable_top: int
+    shared_chars: float  # mean over the variable_top requests
+    first_difference_chars: float  # idem
+
+    @property
+    def worth_saying(self) -> bool:
+        """At least two such requests, and most of those compared."""
+        return self.variable_top >= 2 and self.variable_top >= 0.5 * self.compared
+
+
+def prompt_order_sentence(figures: PromptOrder) -> str:
+    return (f"{figures.caller} on {figures.model}: {figures.variable_top} of "
+            f"{figures.compared} request(s) compared share ~{tokens(figures.shared_chars)} "
+            f"characters with a recent one but differ within the first "
+            f"{tokens(figures.first_difference_chars)}: something variable sits at the top "
+            "of the prompt (a per-agent task, a timestamp, a request id), so the prefix cache "
+            "cannot reuse the text they share. Put the shared text first, byte-identical in "
+            "every request, and the varying part last.")
 
 
 def histogram_quantile(quantile: float, buckets: Sequence[tuple[float, float]]) -> float:

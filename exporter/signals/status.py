@@ -220,6 +220,7 @@ def build(engine: EngineState, usage: UsageState, now: float, rule: CollapseRule
                               if item.kind != "engine_collapse"]
     _unattributed(status, engine, usage, now)
     _completions(status, usage)
+    _prompt_order(status, usage, now)
     order = {"unreadable": 0, "collapse": 1, "engine_collapse": 2, "overflow": 3,
              "caching_off": 4, "not_reported": 5, "preemptions": 6, "absent": 7}
     status.problems.sort(key=lambda item: order.get(item.kind, 99))
@@ -494,4 +495,25 @@ def _completions(status: Status, usage: UsageState) -> None:
         if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING:
             status.advice.append(Item("completions", ADVICE,
                                       advice.completion_sentence(figures), f"{caller} {model}",
+                                      callers=(caller,)))
+
+
+def _prompt_order(status: Status, usage: UsageState, now: float) -> None:
+    """Callers whose recent requests share text but not its beginning (the tap's prints):
+    said while the latest such request is within the prompt-order window."""
+    recent = now - usage.order.window_seconds
+    for (caller, model), series in sorted(usage.series.items()):
+        counts = series.order
+        if counts is None or counts.last_variable_top is None:
+            continue
+        if counts.last_variable_top < recent or counts.variable_top <= 0:
+            continue
+        figures = advice.PromptOrder(
+            caller, model, counts.compared, counts.variable_top,
+            counts.shared_bytes / counts.variable_top,
+            counts.first_difference_bytes / counts.variable_top)
+        if figures.worth_saying:
+            status.advice.append(Item("prompt_order", ADVICE,
+                                      advice.prompt_order_sentence(figures),
+                                      f"{caller} {model}", counts.last_variable_top,
                                       callers=(caller,)))

@@ -29,6 +29,7 @@ from exporter.signals.engine import EngineState
 from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
 from exporter.signals.history import CALLER_FIELDS, History
+from exporter.signals.order import DEFAULT_WINDOW_SECONDS, OrderTracker
 from exporter.values import (
     PREEMPTIONS,
     PREFIX_CACHE_HITS,
@@ -70,14 +71,17 @@ MAX_REJECT_KEYS = 256
 # The most series one (caller, model) pair can ever have: the requests counter per state,
 # three token counters, and per timing source a TTFT histogram per state that is timed
 # (errors are not) and a queue-wait histogram; then (foresight) the completion-tokens-used
-# histogram and the declared-completion-tokens counter. A new pair is admitted only if its
+# histogram and the declared-completion-tokens counter; then (prompt order, tap only) the
+# requests compared, those found sharing text but not its beginning, and the two byte sums
+# of those (shared text, first difference). A new pair is admitted only if its
 # worst case still fits the series budget, so the bound holds whatever states, sources and
 # histograms appear later.
 TIMED_STATES = tuple(state for state in STATES if state != ERROR)
 COMPLETION_SERIES = len(COMPLETION_BUCKETS) + 3 + 1
+ORDER_SERIES = 4
 SERIES_PER_PAIR = (len(STATES) + 3 + len(TIMING_SOURCES) * (
     len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3) + len(QUEUE_BUCKETS) + 3)
-    + COMPLETION_SERIES)
+    + COMPLETION_SERIES + ORDER_SERIES)
 
 SOURCE_CONFIGURED = "configured"
 SOURCE_LEARNED = "learned"
@@ -107,7 +111,7 @@ class Series:
     __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
                  "ttft", "queue", "engine_ttft", "engine_queue", "reported_cached",
                  "shown_from", "completion", "declared_completion_tokens", "first_seen",
-                 "followups", "followups_cold")
+                 "followups", "followups_cold", "order")
 
     def __init__(self, shown_from: float = 0.0, first_seen: float = 0.0) -> None:
         self.requests = dict.fromkeys(STATES, 0)
@@ -133,6 +137,23 @@ class Series:
         self.first_seen = first_seen
         self.followups = 0
         self.followups_cold = 0
+        # prompt order: created with the pair's first request compared with a recent one
+        self.order: OrderCounts | None = None
+
+
+class OrderCounts:
+    """One pair's prompt-order counters (signals/order.py), in bytes of the prompt as sent."""
+
+    __slots__ = ("compared", "variable_top", "shared_bytes", "first_difference_bytes",
+                 "last_variable_top", "shown_from")
+
+    def __init__(self, shown_from: float) -> None:
+        self.compared = 0  # requests compared with a recent one of the pair
+        self.variable_top = 0  # of those, sharing most of their text but not its beginning
+        self.shared_bytes = 0  # summed over the variable_top ones
+        self.first_difference_bytes = 0  # idem
+        self.last_variable_top: float | None = None  # when the latest one was seen
+        self.shown_from = shown_from
 
 
 @dataclass(frozen=True)
@@ -161,6 +182,8 @@ class UsageSettings:
     new_series_hold: float = 0.0
     # Live conversations and the admission budget (signals/foresight.py).
     foresight: ForesightSettings = field(default_factory=ForesightSettings)
+    # Requests compared for prompt order are those within this many seconds (signals/order.py).
+    prompt_order_window: float = DEFAULT_WINDOW_SECONDS
 
 
 class UsageState:
@@ -190,6 +213,7 @@ class UsageState:
         self.series_folded = 0  # events counted under __other__ because of the budget
         self.new_series_hold = settings.new_series_hold
         self.conversations = ConversationTracker(settings.foresight)
+        self.order = OrderTracker(settings.prompt_order_window)
         # The last hour every 30 s, for the status page (signals/history.py): one timeline
         # per caller label, so bounded like them.
         self.history = History(settings.callers_max + len(settings.callers_allow) + 1)
@@ -331,6 +355,33 @@ class UsageState:
         self.callers.overflowed += overflowed_events
         self.series_folded += folded_events
         return state
+
+    def record_prompt(self, event: UsageEvent) -> None:
+        """A successful call's prompt order, once ``record`` has counted the call itself:
+        the same event with its prompt's fingerprint (``event.prompt``; the tap's)."""
+        if event.prompt is None:
+            return
+        pair = self._pairs.get((event.caller, event.model))
+        if pair is None:
+            pair = self._pair(event.caller, event.model)
+        self._order(event, pair[0], self._clock())
+
+    def _order(self, event: UsageEvent, series: Series, now: float) -> None:
+        """Compare the request's prompt with the pair's recent ones (the tap's prints)."""
+        assert event.prompt is not None
+        when = event.time if event.time is not None else now
+        found = self.order.observe(series, event.prompt, when)  # one key per label pair
+        if found is None:
+            return
+        counts = series.order
+        if counts is None:
+            counts = series.order = OrderCounts(self._shown_from())
+        counts.compared += 1
+        if found.variable_top:
+            counts.variable_top += 1
+            counts.shared_bytes += found.shared_bytes
+            counts.first_difference_bytes += found.first_difference_bytes
+            counts.last_variable_top = when
 
     def _pair(self, caller: str, model_name: str) -> tuple[Series, str, bool, bool]:
         """Resolve a raw (caller, model) to its series through the label caps, and memoize.

@@ -101,6 +101,9 @@ class Scenario:
     # vLLM restarts: each boot's engine settings over ``engine`` (a new pool, say). The
     # scenario plays once per boot on a fresh engine; none: one boot of ``engine``.
     boots: tuple[dict[str, Any], ...] = ()
+    # The demo sends the traffic through the exporter's tap (which records it, and reads the
+    # prompts: their order), instead of the driver reporting each request itself.
+    demo_tap: bool = False
 
     def engine_config(self, boot: int = 0, **overrides: Any) -> EngineConfig:
         """The EngineConfig of boot ``boot``; ``overrides`` (flags) win when not None."""
@@ -188,14 +191,17 @@ def parse_scenario(data: Any, source: str) -> Scenario:
             raise ScenarioError(f"{source}: {err}") from None
         agents.append(agent)
     demo = data.get("demo") or {}
-    if not isinstance(demo, dict) or set(demo) - {"speed"}:
-        raise ScenarioError(f"{source}: demo may only set speed")
+    if not isinstance(demo, dict) or set(demo) - {"speed", "tap"}:
+        raise ScenarioError(f"{source}: demo may only set speed and tap")
     speed = _typed(demo.get("speed", 10.0), 1.0, f"{source}: demo.speed")
     if speed <= 0:
         raise ScenarioError(f"{source}: demo.speed must be positive")
+    tap = demo.get("tap", False)
+    if not isinstance(tap, bool):
+        raise ScenarioError(f"{source}: demo.tap must be true or false")
     scenario = Scenario(str(data["name"]), str(data.get("title", "")),
                         str(data.get("report", "")), str(data.get("reproduces", "")).strip(),
-                        engine, tuple(agents), speed, tuple(boots))
+                        engine, tuple(agents), speed, tuple(boots), demo_tap=tap)
     for boot in range(max(1, len(boots))):
         try:
             scenario.engine_config(boot)  # fail now on an impossible engine

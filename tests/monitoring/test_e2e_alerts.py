@@ -11,7 +11,9 @@ exporters fed by the simulator playing the field reports' scenarios.
   caller dashboard's queue-wait and TTFT panels have vLLM's own figures (source="engine")
   for each way of deploying: the tap (the fit's exporter runs one and its driver goes
   through it), LiteLLM (its recorded batch, posted as LiteLLM posts it) and a proxy of one's
-  own (the collapse's driver, reporting the metrics vLLM sent).
+  own (the collapse's driver, reporting the metrics vLLM sent). The prompt-order panels
+  have a caller with a timestamp at the top of its fan-out's prompts: chat requests through
+  a tap the collapse's exporter runs too (the fit's pool is left to its two conversations).
 
 The simulators play vLLM with ``--enable-per-request-metrics`` (the scenarios turn it on).
 
@@ -280,7 +282,7 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
     hook, hook_address = receiver
     ports = {name: free_port() for name in (
         "prometheus", "alertmanager", "sim-collapse", "sim-fit", "exp-collapse", "exp-fit",
-        "tap-fit")}
+        "tap-fit", "tap-collapse")}
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
 
     files = write_rules_and_dashboards(tmp_path)
@@ -302,9 +304,10 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         processes.start(f"simulator-{key}", *exporter_command(
             "simulate", "--scenario", scenario, "--sim.listen-address", addr[f"sim-{key}"],
             "--speed", str(SPEED[scenario]), "--log.level", "warning"))
-        # The fit's exporter is a tap deployment: its clients go through the tap.
-        tap = (["--tap.listen-address", addr["tap-fit"], "--tap.upstream",
-                f"http://{addr['sim-fit']}"] if key == "fit" else [])
+        # The fit's exporter is a tap deployment: its clients go through the tap. The
+        # collapse's runs one too, for the stamped fan-out only.
+        tap = ["--tap.listen-address", addr[f"tap-{key}"], "--tap.upstream",
+               f"http://{addr[f'sim-{key}']}"]
         processes.start(f"exporter-{key}", *exporter_command(
             "run", "--vllm.url", f"http://{addr[f'sim-{key}']}",
             "--web.listen-address", addr[f"exp-{key}"], "--log.level", "warning", *tap))
@@ -336,6 +339,7 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         started = loop.time()
         await post_gated_turn(session, addr["exp-collapse"])
         await post_litellm_batch(session, addr["exp-collapse"])
+        await post_stamped_fanout(session, addr["tap-collapse"], 0)
 
         # 0. A tap deployment's timing panels, while the fit's turns go through the tap (they
         # are over before the collapse pages).
@@ -384,10 +388,14 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         # page, one now, so that rate() sees the counters move.
         await post_gated_turn(session, addr["exp-collapse"])
         await post_litellm_batch(session, addr["exp-collapse"])
+        await post_stamped_fanout(session, addr["tap-collapse"], 1)
         for caller, source in (("gated-agent", "proxy"), (LITELLM_CALLER, "engine")):
             await poll_until(session, addr["prometheus"], processes, (
                 f'sum(rate(vllm_cache_queue_wait_seconds_count{{caller="{caller}", '
                 f'source="{source}"}}[1m])) > 0'))
+        await poll_until(session, addr["prometheus"], processes, (
+            f'sum(rate(vllm_cache_prompt_order_variable_top_total{{caller="{STAMPED_CALLER}"}}'
+            f'[1m])) > 0'))
         run_seconds = math.ceil(loop.time() - started) + 5
         await check_dashboards(session, addr["prometheus"], files, run_seconds)
         for callers in (LITELLM_CALLER, "agent-a|agent-b"):
@@ -503,6 +511,27 @@ async def post_gated_turn(session: aiohttp.ClientSession, exporter: str) -> None
             "caller": "gated-agent", "model": "qwen3.8-27b", "prompt_tokens": 4096,
             "cached_tokens": 2048, "ttft_seconds": 3.5, "queue_seconds": 1.2}) as response:
         assert response.status < 300, await response.text()
+
+
+STAMPED_CALLER = "stamped-fanout"
+STAMPED_SHARED = " ".join(f"Evidence {line}: the ledger of account {line * 37} balances."
+                          for line in range(48))
+
+
+async def post_stamped_fanout(session: aiohttp.ClientSession, tap: str, round_: int) -> None:
+    """A four-agent fan-out as an OpenAI client sends it, the same shared text behind a
+    timestamp at the top (a new one for every request): each request after the first shares
+    its text with an earlier one but not its beginning. One after the other, so that each is
+    compared."""
+    for agent in range(4):
+        body = {"model": "qwen3.8-27b", "max_tokens": 4, "messages": [
+            {"role": "system",
+             "content": f"Current time: 2026-11-30T15:{round_:02d}:0{agent}Z\n{STAMPED_SHARED}"},
+            {"role": "user", "content": f"Agent {agent}: summarise the evidence."}]}
+        async with session.post(f"http://{tap}/v1/chat/completions", json=body,
+                                headers={"X-Caller": STAMPED_CALLER}) as response:
+            assert response.status == 200, await response.text()
+            await response.read()
 
 
 def litellm_batch() -> bytes:

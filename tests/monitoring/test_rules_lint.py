@@ -27,11 +27,13 @@ ISSUE_ALERTS = {
     "VllmCacheEngineDown", "VllmCacheEngineMetricAbsent",
     # foresight: the collapse seen coming
     "VllmCacheConversationsExceedKVPool",
+    # prompt order: something variable at the top of the prompt (the tap)
+    "VllmCachePromptVariableTop",
 }
 # Alerts whose expression's value is a number worth reading (the others are 0/1 states).
 VALUED = {"VllmCachePrefixCollapse", "VllmCacheWarmTTFTCollapse",
           "VllmCacheCachedTokensNotReported", "VllmCachePreemptions", "VllmCacheKVPoolNearFull",
-          "VllmCacheConversationsExceedKVPool"}
+          "VllmCacheConversationsExceedKVPool", "VllmCachePromptVariableTop"}
 
 
 def alerts() -> list[dict]:

@@ -123,6 +123,9 @@ class RecordingUsage:
         self.recorded.set()
         return "accepted"
 
+    def record_prompt(self, event: Any) -> None:
+        """The prompt-order step (its own tests read the real signals)."""
+
     def reject(self, reader: str, reason: str) -> None:
         assert reader == "tap"
         self.rejected.append((reader, reason))

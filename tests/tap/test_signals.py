@@ -145,3 +145,38 @@ async def test_session_header_names_the_conversation(upstream, aiohttp_client):
     assert [event.session for event in seen] == ["conv-1", None]
     # The header is the tap's to read; vLLM still receives it untouched.
     assert upstream.received[0].headers.get("X-Session-Id") == "conv-1"
+
+
+async def test_declared_completion_budget_reaches_the_foresight_series(upstream, aiohttp_client):
+    """The request's max_completion_tokens / max_tokens / max_output_tokens is the budget
+    the declared-vs-used series compare against, for a whole and a streamed answer alike;
+    a request without one (or with one no record can carry) adds nothing to them."""
+    upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("01_chat_cold.json")))
+    upstream.reply("/v1/completions", Reply(content_type=SSE, chunks=[
+        fixture_bytes("06_completion_stream.sse.txt")]))
+    config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url)
+    state = signals_state(config)
+    tap = await aiohttp_client(tap_app(config, state.usage))
+    exporter = await aiohttp_client(create_app(config, state, initial_refresh=False))
+    alice = {"X-Caller": "alice"}
+    for payload in ({**CHAT, "max_completion_tokens": 4096, "max_tokens": 1},
+                    {**CHAT, "max_tokens": 65536},
+                    CHAT,
+                    {**CHAT, "max_tokens": -1}):
+        response = await tap.post("/v1/chat/completions", json=payload, headers=alice)
+        assert response.status == 200
+        await response.read()
+    response = await tap.post("/v1/completions", headers={"X-Caller": "bob"}, json={
+        "model": "tiny-llama", "prompt": "x", "stream": True, "max_tokens": 1000})
+    assert b'"usage"' not in await response.read()
+
+    text = await (await exporter.get("/metrics")).text()
+    chat = {"caller": "alice", "model": "tiny-llama"}
+    assert value(text, "vllm_cache_completion_declared_tokens_total", **chat) == 4096 + 65536
+    assert value(text, "vllm_cache_completion_used_tokens_count", **chat) == 2
+    assert value(text, "vllm_cache_completion_used_tokens_sum", **chat) == 16
+    assert value(text, "vllm_cache_requests_total", state="cold", **chat) == 4
+    streamed = {"caller": "bob", "model": "tiny-llama"}
+    assert value(text, "vllm_cache_completion_declared_tokens_total", **streamed) == 1000
+    assert value(text, "vllm_cache_completion_used_tokens_count", **streamed) == 1
+    assert value(text, "vllm_cache_completion_used_tokens_sum", **streamed) == 8

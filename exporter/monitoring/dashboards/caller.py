@@ -167,8 +167,47 @@ def build(config: MonitoringConfig) -> g.Dashboard:
                 f"{{{{caller}}}} {{{{source}}}} {label}")
          for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
 
+    layout.row("Prompt order (the tap)")
+    order = "vllm_cache_prompt_order_"
+
+    def per_flagged(counter: str) -> str:
+        return (f"sum by (caller, model) (rate({order}{counter}_total{callers}[{RATE}]))\n/\n"
+                f"(sum by (caller, model) (rate({order}variable_top_total{callers}[{RATE}]))"
+                " > 0)")
+
+    layout.add(timeseries(
+        "Requests sharing their text but not its beginning",
+        "Share of the requests the tap compared with a recent one of the same caller and "
+        "model that share most of their text with it but not its beginning: something "
+        "variable (a per-agent task, a timestamp, a request id) sits at the top of the "
+        "prompt, so the prefix cache reuses none of the shared text. 0 is the good layout "
+        f"(or unrelated prompts). VllmCachePromptVariableTop fires above "
+        f"{number(config.prompt_order_share)} of the {config.long_window} figure for "
+        f"{config.prompt_order_for}. Only the tap sees prompts: callers reported another way "
+        "have no line.",
+        "percentunit",
+        [target(f"sum by (caller, model) (rate({order}variable_top_total{callers}[{RATE}]))"
+                f"\n/\n(sum by (caller, model) (rate({order}compared_total{callers}"
+                f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
+         target(f"{names.caller_order_share}{callers}",
+                f"{{{{caller}}}} {{{{model}}}} {config.long_window}")],
+        min_value=0, max_value=1), 12, 8)
+    layout.add(timeseries(
+        "Shared text and first difference",
+        "Of those requests: how much text they share with the recent one (~N characters, as "
+        "bytes of the prompt's JSON), and within how many characters from the start they "
+        "first differ (M: the variable part sits before it). M of a few hundred is the first "
+        "line (a timestamp, an id); M about the size of the per-agent part means that part "
+        "comes first.",
+        "short",
+        [target(per_flagged("shared_bytes"), "{{caller}} {{model}} shared"),
+         target(per_flagged("first_difference_bytes"),
+                "{{caller}} {{model}} differs within")],
+        min_value=0), 12, 8)
+
     return dashboard(
         config, TITLE, config.caller_uid,
         "One caller's prefix-cache hit ratio against the collapse alert's baseline, its turns "
-        "by cache outcome, time to first token and admission wait, from vllm-cache-exporter.",
+        "by cache outcome, time to first token and admission wait, and its prompt order, "
+        "from vllm-cache-exporter.",
         variables(config), layout)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 import ssl
 import time
@@ -37,7 +38,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from exporter.redaction import redact_url
-from exporter.usage.event import InvalidEvent, loads, validate
+from exporter.usage.event import MAX_TOKENS, InvalidEvent, loads, validate
 from exporter.usage.openai import (
     ENDPOINTS,
     USAGE_OPT_IN,
@@ -47,6 +48,7 @@ from exporter.usage.openai import (
     engine_timings_of,
     usage_of,
 )
+from exporter.usage.tap.fingerprint import fingerprint, new_key
 from exporter.usage.tap.identity import KeyAliases, resolve_caller
 from exporter.usage.tap.request import (
     NOT_AN_OBJECT,
@@ -55,10 +57,11 @@ from exporter.usage.tap.request import (
     Undecidable,
     facts_of,
     parse,
+    prompt_span,
     scan,
     with_include_usage,
 )
-from exporter.values import UsageEvent
+from exporter.values import PromptPrint, UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,10 @@ class TapSettings:
     timeout: float = 600.0
     max_request_bytes: int = 64 * 1024 * 1024
     max_response_bytes: int = 256 * 1024 * 1024
+    # Prompt bytes fingerprinted per request for the prompt-order diagnosis (0: none), and
+    # the digests' key (None: a random one per process; tests inject theirs).
+    prompt_order_bytes: int = 32 * 1024
+    fingerprint_key: bytes | None = None
 
 
 @dataclass
@@ -111,6 +118,17 @@ class Exchange:
     engine: EngineTimings | None = None  # vLLM's per-request metrics, when it sent them
     recorded: bool = False
     request: RequestFacts = NOT_AN_OBJECT  # what the request body said
+    # The request as the client sent it (for the prompt's fingerprint); never in a repr.
+    body: bytes = dataclasses.field(default=b"", repr=False)
+
+
+def declared_budget(limit: int | None) -> int | None:
+    """The request's output limit as the event's ``max_tokens``; a limit no usage record
+    could carry (negative, absurd) is left out rather than costing the call its record:
+    upstream answers such a request with its own error, which is still counted."""
+    if limit is None or not 0 <= limit <= MAX_TOKENS:
+        return None
+    return limit
 
 
 def json_error(status: int, message: str, kind: str) -> web.Response:
@@ -180,9 +198,11 @@ class Tap:
     def __init__(self, settings: TapSettings, record: Callable[[UsageEvent], object],
                  reject: Callable[[str], None], session: aiohttp.ClientSession | None,
                  clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 record_prompt: Callable[[UsageEvent], object] | None = None) -> None:
         self.settings = settings
         self._record = record
+        self._record_prompt = record_prompt
         self._reject = reject
         self.session = session
         if session is not None:
@@ -201,6 +221,7 @@ class Tap:
         self.clock = clock
         self.monotonic = monotonic
         self.said_no_engine_timings = False
+        self.fingerprint_key = settings.fingerprint_key or new_key()
 
     # -- recording ---------------------------------------------------------------------
 
@@ -234,6 +255,7 @@ class Tap:
                 "status": exchange.status or 502,
                 "engine_ttft_seconds": engine.ttft_seconds if engine else None,
                 "engine_queue_seconds": engine.queue_seconds if engine else None,
+                "max_tokens": declared_budget(exchange.request.output_limit),
             })
         except InvalidEvent as err:
             # The call itself went through; only its record is refused, and counted.
@@ -243,6 +265,31 @@ class Tap:
         if engine is None and not failed:
             self.say_no_engine_timings()
         self._record(event)
+        if (not failed and self._record_prompt is not None
+                and self.settings.prompt_order_bytes > 0):
+            # Once the answer is on its way: the next turn of the loop, after this handler
+            # has handed the client its last bytes.
+            # (a closure: a callback's arguments are in its repr, which asyncio may log)
+            asyncio.get_running_loop().call_soon(lambda: self.record_prompt(exchange, event))
+
+    def record_prompt(self, exchange: Exchange, event: UsageEvent) -> None:
+        """The call's prompt order: its fingerprint (at most ``prompt_order_bytes`` of the
+        prompt), handed to the signals with the call's event. Never on the request's way to
+        vLLM nor before its answer."""
+        try:
+            prompt = self.prompt_print(exchange)
+            if prompt is not None and self._record_prompt is not None:
+                self._record_prompt(dataclasses.replace(event, prompt=prompt))
+        except Exception as err:  # noqa: BLE001 - a diagnosis never takes the tap down
+            # The type only: a message could quote the prompt.
+            log.warning("tap: prompt order not recorded: %s", type(err).__name__)
+
+    def prompt_print(self, exchange: Exchange) -> PromptPrint | None:
+        body = exchange.body
+        span = prompt_span(body, exchange.endpoint, exchange.request)
+        if span is None:
+            return None
+        return fingerprint(body, span, self.fingerprint_key, self.settings.prompt_order_bytes)
 
     def say_no_engine_timings(self) -> None:
         """Once per tap: vLLM answered without its per-request metrics, so the TTFT recorded
@@ -289,7 +336,7 @@ class Tap:
             model=facts.model,
             session=(request.headers.get(self.settings.session_header, "").strip() or None
                      if self.settings.session_header else None),
-            request=facts)
+            request=facts, body=body)
         strip = False
         if endpoint in USAGE_OPT_IN and facts.stream and not facts.wants_usage:
             body = with_include_usage(body, facts)
@@ -555,14 +602,18 @@ def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object]
                    reject: Callable[[str], None],
                    session: aiohttp.ClientSession | None = None,
                    clock: Callable[[], float] = time.time,
-                   monotonic: Callable[[], float] = time.monotonic) -> web.Application:
+                   monotonic: Callable[[], float] = time.monotonic,
+                   record_prompt: Callable[[UsageEvent], object] | None = None
+                   ) -> web.Application:
     """The tap as an aiohttp app (tests and benchmarks mount it themselves).
 
     ``record`` takes each call's UsageEvent, ``reject`` the reason of each call whose usage
-    could not be read. Without a session the app opens its own on startup and closes it on
-    cleanup.
+    could not be read, ``record_prompt`` (when given) each successful call's event again,
+    with its prompt's fingerprint, once the answer is out. Without a session the app opens
+    its own on startup and closes it on cleanup.
     """
-    tap = Tap(settings, record, reject, session, clock=clock, monotonic=monotonic)
+    tap = Tap(settings, record, reject, session, clock=clock, monotonic=monotonic,
+              record_prompt=record_prompt)
     app = web.Application(client_max_size=settings.max_request_bytes)
     app.router.add_route("*", "/{tail:.*}", tap.handle)
     if session is None:
@@ -582,14 +633,15 @@ async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
                   reject: Callable[[str], None],
                   secure: Callable[[web.Application], None] | None = None,
                   ssl_context: ssl.SSLContext | None = None,
-                  runner: Callable[..., web.AppRunner] = web.AppRunner) -> None:
+                  runner: Callable[..., web.AppRunner] = web.AppRunner,
+                  record_prompt: Callable[[UsageEvent], object] | None = None) -> None:
     """Serve the tap on ``settings.listen_address`` until cancelled.
 
     ``secure`` (the --tap.web-config.file listener's) adds its client-certificate checks
     and headers to the app; ``ssl_context`` serves it over TLS; ``runner`` makes the
     aiohttp runner (the process's own caps connections and idle time).
     """
-    app = create_tap_app(settings, record, reject)
+    app = create_tap_app(settings, record, reject, record_prompt=record_prompt)
     if secure is not None:
         secure(app)
     # handler_cancellation: a client that hangs up cancels its upstream call at once.
