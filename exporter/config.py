@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from exporter.monitoring.config import MonitoringConfigError
+from exporter.monitoring.config import load_config as load_monitoring_config
 from exporter.redaction import redact_text, redact_url
 from exporter.signals.callers import DEFAULT_MODEL_PATTERN, DEFAULT_NAME_PATTERN
 from exporter.signals.foresight import (
@@ -494,12 +496,13 @@ FLAGS: tuple[Flag, ...] = (
               "--sim.kv-cache-metrics, above 0 and at most 1 (default: 0.01, as in vLLM).",
               _optional_float, "X"),
     # --- generate -------------------------------------------------------------------------
+    Flag("monitoring.config-file", "Monitoring", "YAML file overriding knobs of "
+         "exporter/monitoring/config.py (selector, windows, thresholds, for: durations, "
+         "severities, uids, URLs). Give `run` the same file, so that the status page calls "
+         "a collapse what the generated alerts call one.", _to_str, "", metavar="FILE",
+         commands=frozenset({GENERATE, RUN})),
     Flag("output-dir", "Generate", "Directory that holds alerts/ and dashboards/.", _to_str,
          ".", metavar="DIR", commands=frozenset({GENERATE})),
-    Flag("monitoring.config-file", "Generate", "YAML file overriding knobs of "
-         "exporter/monitoring/config.py (selector, windows, thresholds, for: durations, "
-         "severities, uids, URLs).", _to_str, "", metavar="FILE",
-         commands=frozenset({GENERATE})),
     Flag("check", "Generate", "Write nothing; exit 1 and show a diff if the files on disk "
          "differ from what the generators produce.", _to_bool, False, kind="bool",
          commands=frozenset({GENERATE})),
@@ -570,6 +573,7 @@ class Config:
     tap_listen_address: str = _default("tap.listen-address")
     tap_upstream: str = _default("tap.upstream")
     tap_web_config_file: str = _default("tap.web-config.file")
+    monitoring_config_file: str = _default("monitoring.config-file")
     tap_max_connections: int = _default("tap.max-connections")
     tap_caller_header: str = _default("tap.caller-header")
     tap_session_header: str = _default("tap.session-header")
@@ -768,6 +772,11 @@ def _cross_checks(config: Config) -> Config:
         except MappingError as err:
             raise ConfigError(err.where, err.problem) from None
     _check_web_configs(config)
+    if config.monitoring_config_file:  # read now: the status page's collapse thresholds
+        try:
+            load_monitoring_config(config.monitoring_config_file)
+        except MonitoringConfigError as err:
+            raise ConfigError("--monitoring.config-file", str(err)) from None
     return config
 
 

@@ -25,7 +25,7 @@ from exporter.limits import SendStats, SendStatsCollector
 from exporter.metrics import build_registry
 from exporter.metrics.exposition import choose_format
 from exporter.metrics.scrape import MetricsBodies, gzip_accepted
-from exporter.monitoring.config import MonitoringConfig
+from exporter.monitoring.config import MonitoringConfig, load_config
 from exporter.signals import status
 from exporter.signals.state import SignalsState
 from exporter.usage.ingest import ROUTE as USAGE_ROUTE
@@ -64,7 +64,8 @@ def create_app(config: Config, state: SignalsState | None = None,
         await poller.refresh(timeout)
 
     app[BODIES_KEY] = MetricsBodies(app[REGISTRY_KEY], state, refresh)
-    app[RULE_KEY] = collapse_rule()
+    # The generated alerts' thresholds, as the operator set them (checked by build_config).
+    app[RULE_KEY] = collapse_rule(load_config(config.monitoring_config_file))
     app[SEND_KEY] = SendStats()
     app[REGISTRY_KEY].register(SendStatsCollector(app[SEND_KEY]))
     app.router.add_get("/", landing)

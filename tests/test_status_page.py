@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from exporter.config import Config
-from exporter.server import create_app
+from exporter.cli import parse as parse_args
+from exporter.config import Config, ConfigError, build_config
+from exporter.monitoring.config import load_config as load_monitoring_config
+from exporter.server import RULE_KEY, collapse_rule, create_app
 from exporter.signals import advice, status
 from tests.helpers import scrape, value
 from tests.replay import BASE, SCRAPE, Replay
@@ -147,3 +149,42 @@ async def test_an_openai_base_url_on_the_page_names_the_fix(aiohttp_client, fake
                                              initial_refresh=False))
     page = await (await client.get("/")).text()
     assert f"use --vllm.url {root} (without /v1)." in page
+
+
+# ---- the operator's alert thresholds ---------------------------------------------------------
+
+
+def test_the_page_calls_a_collapse_what_the_operator_s_alerts_call_one(tmp_path):
+    """run --monitoring.config-file: the file generate made the alerts from sets the page's
+    collapse rule too. A minimum baseline above what agent-a ever reached means its drop is
+    no collapse, for the alerts and so for the page (its cold follow-ups still are)."""
+    strict = tmp_path / "monitoring.yml"
+    strict.write_text("collapse_min_baseline: 0.99\ncollapse_drop_factor: 0.4\n")
+    config = build_config(parse_args(["run", "--monitoring.config-file", str(strict)]), {})
+    app = create_app(config, initial_refresh=False)
+    rule = app[RULE_KEY]
+    assert (rule.min_baseline, rule.drop_factor) == (0.99, 0.4)
+    assert rule == collapse_rule(load_monitoring_config(str(strict)))
+
+    replay = replayed("two-agents-collapse")
+    replay.until(700)
+    as_shipped = status.build(replay.state.engine, replay.state.usage, replay.clock[0],
+                              collapse_rule())
+    as_operated = status.build(replay.state.engine, replay.state.usage, replay.clock[0], rule)
+    shipped_a = as_shipped.callers[0].collapse
+    operated_a = as_operated.callers[0].collapse
+    assert shipped_a is not None and shipped_a.dropped
+    assert operated_a is not None and not operated_a.dropped and operated_a.evicted
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("collapse_drop_factor: lots\n", "collapse_drop_factor"),
+    ("no_such_knob: 1\n", "no_such_knob"),
+    ("[1, 2\n", "not valid YAML"),
+])
+def test_a_bad_monitoring_config_is_a_configuration_error_of_run(tmp_path, content, problem):
+    bad = tmp_path / "monitoring.yml"
+    bad.write_text(content)
+    with pytest.raises(ConfigError) as caught:
+        build_config(parse_args(["run", "--monitoring.config-file", str(bad)]), {})
+    assert "--monitoring.config-file" in str(caught.value) and problem in str(caught.value)
