@@ -11,7 +11,10 @@ import sys
 
 import aiohttp
 
+from exporter.demo.story import Story
 from tests.helpers import value
+from tests.replay import BASE
+from tests.replay import replay as replay_scenario
 
 URL = re.compile(r"http://127\.0\.0\.1:\d+/")
 STORY = re.compile(r"^\[(\d+):(\d\d)\] (.*)$")
@@ -187,6 +190,28 @@ async def test_the_fanout_demo_goes_through_the_tap_and_names_the_varying_top():
     assert "The scenario's clients go through the tap: http://" in "".join(header) + out.decode()
     assert "fanout-task-first on qwen3.8-27b" in said[0]
     assert "fanout-shared-first" not in " ".join(said)
+    # ... and the story says it too, once, in the same words
+    notes = [line for line in out.decode().splitlines() if "variable sits at the top" in line]
+    assert len(notes) == 1 and "] note: fanout-task-first on qwen3.8-27b: " in notes[0], notes
     assert value(text, "vllm_cache_usage_events_total", reader="tap") > 0
     assert value(text, "vllm_cache_prompt_order_variable_top_total",
                  caller="fanout-shared-first") == 0
+
+
+def test_the_story_tells_the_advice_a_scenario_is_there_to_show_once():
+    """max-tokens-overstated: the declared-against-used note is a story line when it first
+    appears, in the status page's words, and not again while its figures move."""
+    replay = replay_scenario("max-tokens-overstated")
+    story = Story(BASE)
+    told: list[str] = []
+    for seconds in range(60, 3_600, 60):
+        told += [line.render() for line in story.look(replay.status(seconds))
+                 if line.kind == "completions"]
+    page = replay.status(3_600)
+    callers = sorted(item.callers[0] for item in page.advice if item.kind == "completions")
+    assert callers == ["coder", "reviewer"]
+    assert len(told) == 2, told  # one line per caller, however long the scenario runs
+    for caller, line in zip(callers, sorted(told, key=lambda line: line.split("note: ")[1]),
+                            strict=True):
+        assert line.split("] ", 1)[1].startswith(f"note: {caller} on qwen3.8-27b: ")
+        assert "overstatement" in line

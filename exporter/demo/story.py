@@ -4,9 +4,10 @@ happened at.
 Fed the same status model as the status page (``signals.status``) at every look, it says
 what is new since the last look: a caller's first warm stretch, a caller's arrival, the live
 conversations' fit in the pool (and the moment they stop fitting), each problem as it
-appears (a collapse, with who and since when) and as it clears, and a scenario that starts
-again (so that a climbing hit ratio is not taken for a recovery). The sentences are
-``signals.advice``'s, the same ``check`` and the page use.
+appears (a collapse, with who and since when) and as it clears, the advice a scenario is
+there to show (once, when it first appears), and a scenario that starts again (so that a
+climbing hit ratio is not taken for a recovery). The sentences are ``signals.advice``'s, the
+same ``check`` and the page use.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from exporter.signals.status import Status
 WARM_RATIO = 0.8
 # Problems the story tells through its own lines (the fit) rather than as problems.
 TOLD_OTHERWISE = frozenset({"overflow"})
+# Advice the story tells once, when it first appears: what a scenario is there to show
+# (prompt order in fanout-order, declared against used completions in max-tokens-overstated).
+# Its figures move with every request, so it is not told again.
+TOLD_ADVICE = frozenset({"prompt_order", "completions"})
 
 
 @dataclass(frozen=True)
 class Line:
     scenario_seconds: float
-    kind: str  # warm, arrival, fit, overflow, restart, a problem's kind, or cleared
+    kind: str  # warm, arrival, fit, overflow, restart, a problem's or advice's kind, cleared
     sentence: str
 
     def render(self) -> str:
@@ -45,6 +50,7 @@ class Story:
     callers: set[str] = field(default_factory=set)
     fits: dict[tuple[str, str], tuple[int, bool]] = field(default_factory=dict)
     problems: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
+    advised: set[tuple[str, str]] = field(default_factory=set)
     iterations: int = 0
 
     def at(self, when: float) -> float:
@@ -59,6 +65,7 @@ class Story:
         self._callers(status, lines)
         self._fits(status, now, lines)
         self._problems(status, now, lines)
+        self._advice(status, now, lines)
         lines.sort(key=lambda line: line.scenario_seconds)
         return lines
 
@@ -103,6 +110,13 @@ class Story:
             sentence = (advice.recovered_sentence(list(callers)) if kind == "collapse"
                         else f"No longer: {kind.replace('_', ' ')} ({where}).")
             lines.append(Line(now, "cleared", sentence))
+
+
+    def _advice(self, status: Status, now: float, lines: list[Line]) -> None:
+        for item in status.advice:
+            if item.kind in TOLD_ADVICE and item.key not in self.advised:
+                self.advised.add(item.key)
+                lines.append(Line(now, item.kind, f"note: {item.sentence}"))
 
 
 def restart_sentence() -> str:
