@@ -6,9 +6,13 @@ import re
 from pathlib import Path
 
 from exporter.config import COMMANDS, flags_markdown
+from exporter.monitoring.config import MonitoringConfig
+from exporter.monitoring.rules import recorded_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+METRICS = ROOT / "docs" / "metrics.md"
+RECORDED = ("<!-- recorded:begin -->\n", "<!-- recorded:end -->")
 
 
 def flag_blocks(text: str) -> dict[str, str]:
@@ -39,6 +43,18 @@ def regenerate() -> None:
         text = (f"{head}{marker}{comment}-->\n{flags_markdown(command)}<!-- flags:end"
                 f"{tail}")
     (ROOT / "README.md").write_text(text, encoding="utf-8")
+    metrics = METRICS.read_text(encoding="utf-8")
+    head, rest = metrics.split(RECORDED[0], 1)
+    _old, tail = rest.split(RECORDED[1], 1)
+    METRICS.write_text(f"{head}{RECORDED[0]}{recorded_markdown(MonitoringConfig())}"
+                       f"{RECORDED[1]}{tail}", encoding="utf-8")
+
+
+def test_every_recorded_series_is_documented():
+    """docs/metrics.md lists every series the shipped rules record, from the rules."""
+    block = METRICS.read_text(encoding="utf-8").split(RECORDED[0], 1)[1].split(RECORDED[1])[0]
+    assert block == recorded_markdown(MonitoringConfig()), (
+        "regenerate: python -m tests.test_readme")
 
 
 def test_ci_runs_exactly_the_readme_test_command():
@@ -57,7 +73,7 @@ def test_ci_proves_the_declared_dependency_floors():
     """pyproject.toml's lowest admitted releases are exactly those .ci/run installs to prove."""
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    for package in ("prometheus-client", "aiohttp"):
-        floor = re.search(rf'"{package}>=([\d.]+)"', pyproject)
+    for package in ("prometheus-client", "aiohttp", "orjson", "uvloop"):
+        floor = re.search(rf'"{package}>=([\d.]+)[";]', pyproject)
         assert floor, f"{package} has no floor in pyproject.toml"
         assert f"'{package}=={floor.group(1)}'" in ci, f"{package} floor not proven in .ci/run"

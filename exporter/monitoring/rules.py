@@ -16,6 +16,7 @@ rates recorded just before them and a ratio is computed from exactly the rates i
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from exporter.monitoring.config import MonitoringConfig
@@ -415,3 +416,17 @@ def recording_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
 def recorded_names(config: MonitoringConfig) -> list[str]:
     return [rule["record"] for group in recording_rule_groups(config) for rule in group["rules"]]
 
+
+
+def recorded_markdown(config: MonitoringConfig) -> str:
+    """docs/metrics.md's table of the recorded series: each one's group and the series it is
+    computed from (the exporter's own, and recorded ones it builds on)."""
+    lines = ["| recorded series | group | computed from |", "|---|---|---|"]
+    for group in recording_rule_groups(config):
+        for rule in group["rules"]:
+            sources = dict.fromkeys(re.findall(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+|vllm_cache_\w+",
+                                               rule["expr"]))
+            sources.pop(rule["record"], None)
+            lines.append(f"| `{rule['record']}` | {group['name']} | "
+                         + ", ".join(f"`{source}`" for source in sources) + " |")
+    return "\n".join(lines) + "\n"
