@@ -22,6 +22,7 @@ import json
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,21 +30,15 @@ from pathlib import Path
 import aiohttp
 from harness import ExporterProcess, commit, machine, quantile
 
-from exporter.signals.usage import SERIES_PER_PAIR
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests/, as bench_order does
 
-ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
-          "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
-HEADERS = {"Accept": ACCEPT, "Accept-Encoding": "gzip"}
+from exporter.signals.usage import SERIES_PER_PAIR  # noqa: E402
+
+# The same load and Prometheus' own headers as the scale test, at the bench's size.
+from tests.test_prometheus_scale import PROMETHEUS_HEADERS as HEADERS  # noqa: E402
+from tests.test_prometheus_scale import events_for  # noqa: E402
+
 GOAL_SECONDS = 0.25
-
-
-def events_for(caller: str) -> list[dict[str, object]]:
-    shapes = [(1000, 0, 200), (1000, 992, 200), (1000, 480, 200), (10, 0, 200),
-              (1000, None, 200), (1000, 0, 500)]  # cold, warm, partial, short, unknown, error
-    return [{"caller": caller, "model": "qwen3.8-27b", "prompt_tokens": prompt,
-             "cached_tokens": cached, "completion_tokens": 20, "ttft_seconds": 0.8,
-             "queue_seconds": 0.1, "session": f"{caller}-{turn}", "status": status}
-            for turn, (prompt, cached, status) in enumerate(shapes)]
 
 
 async def raw_samples(session: aiohttp.ClientSession, prometheus: str, expr: str,

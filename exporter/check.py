@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.config import metrics_url
 from exporter.engine import names
 from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
+from exporter.engine.parse import Samples
 from exporter.redaction import redact_text, redact_url
 from exporter.signals import advice
 from exporter.signals.foresight import admission_budget
@@ -103,40 +103,36 @@ ORDER_PREFIX = "vllm_cache_prompt_order_"
 def read_exporter(text: str) -> ExporterView:
     """The foresight series of an exporter's exposition. Pure."""
     view = ExporterView()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            where = (labels.get("target", ""), labels.get("model_name", ""))
-            pair = (labels.get("caller", ""), labels.get("model", ""))
-            name = sample.name
-            if name == "vllm_cache_engine_kv_pool_min_tokens":
-                view.smallest_pools[(where[0], where[1], labels.get("engine", ""))] = \
-                    sample.value
-            elif name == "vllm_cache_engine_kv_pool_tokens":
-                view.pools[where] = view.pools.get(where, 0.0) + sample.value
-            elif name == "vllm_cache_engine_conversations_active":
-                view.active[where] = sample.value
-            elif name == "vllm_cache_engine_conversations_demand_tokens":
-                view.demand[where] = sample.value
-            elif name == "vllm_cache_conversations_active":
-                view.model_active[labels.get("model", "")] = sample.value
-            elif name == "vllm_cache_conversations_demand_tokens":
-                view.model_demand[labels.get("model", "")] = sample.value
-            elif name == "vllm_cache_conversation_idle_window_seconds":
-                view.idle_seconds = sample.value
-            elif name == "vllm_cache_completion_used_tokens_bucket":
-                view.used.setdefault(pair, []).append((float(labels["le"]), sample.value))
-            elif name == "vllm_cache_completion_declared_tokens_total":
-                view.declared[pair] = sample.value
-            elif name == "vllm_cache_unreported_prompt_tokens_total":
-                view.unreported[pair[0]] = view.unreported.get(pair[0], 0.0) + sample.value
-            elif name == "vllm_cache_prompt_tokens_total":
-                view.reported[pair[0]] = view.reported.get(pair[0], 0.0) + sample.value
-            elif name.startswith(ORDER_PREFIX) and name.endswith("_total"):
-                view.order.setdefault(pair, {})[name[len(ORDER_PREFIX):-6]] = sample.value
-            elif name == "vllm_cache_ttft_seconds_count":
-                source = labels.get("source", "")
-                view.timed_by[source] = view.timed_by.get(source, 0.0) + sample.value
+    for name, labels, value in Samples(text):
+        where = (labels.get("target", ""), labels.get("model_name", ""))
+        pair = (labels.get("caller", ""), labels.get("model", ""))
+        if name == "vllm_cache_engine_kv_pool_min_tokens":
+            view.smallest_pools[(where[0], where[1], labels.get("engine", ""))] = value
+        elif name == "vllm_cache_engine_kv_pool_tokens":
+            view.pools[where] = view.pools.get(where, 0.0) + value
+        elif name == "vllm_cache_engine_conversations_active":
+            view.active[where] = value
+        elif name == "vllm_cache_engine_conversations_demand_tokens":
+            view.demand[where] = value
+        elif name == "vllm_cache_conversations_active":
+            view.model_active[labels.get("model", "")] = value
+        elif name == "vllm_cache_conversations_demand_tokens":
+            view.model_demand[labels.get("model", "")] = value
+        elif name == "vllm_cache_conversation_idle_window_seconds":
+            view.idle_seconds = value
+        elif name == "vllm_cache_completion_used_tokens_bucket":
+            view.used.setdefault(pair, []).append((float(labels["le"]), value))
+        elif name == "vllm_cache_completion_declared_tokens_total":
+            view.declared[pair] = value
+        elif name == "vllm_cache_unreported_prompt_tokens_total":
+            view.unreported[pair[0]] = view.unreported.get(pair[0], 0.0) + value
+        elif name == "vllm_cache_prompt_tokens_total":
+            view.reported[pair[0]] = view.reported.get(pair[0], 0.0) + value
+        elif name.startswith(ORDER_PREFIX) and name.endswith("_total"):
+            view.order.setdefault(pair, {})[name[len(ORDER_PREFIX):-6]] = value
+        elif name == "vllm_cache_ttft_seconds_count":
+            source = labels.get("source", "")
+            view.timed_by[source] = view.timed_by.get(source, 0.0) + value
     return view
 
 

@@ -15,13 +15,13 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
 from rich import box
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from exporter.engine.parse import Samples
 from exporter.signals import advice
 
 STATES = ("warm", "partial", "cold", "short", "unknown", "error")
@@ -80,50 +80,48 @@ EVICTED_UNUSED_MIN_SAMPLES = 10
 
 def parse_snapshot(text: str, time: float) -> Snapshot:
     snap = Snapshot(time)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name, labels, value = sample.name, sample.labels, sample.value
-            caller = labels.get("caller")
-            if caller is not None:
-                stats = snap.callers.setdefault(caller, CallerStats())
-                if name == "vllm_cache_requests_total":
-                    state = labels.get("state", "")
-                    stats.requests[state] = stats.requests.get(state, 0.0) + value
-                elif name == "vllm_cache_prompt_tokens_total":
-                    stats.prompt_tokens += value
-                elif name == "vllm_cache_cached_tokens_total":
-                    stats.cached_tokens += value
-                elif name == "vllm_cache_unreported_prompt_tokens_total":
-                    stats.unreported_tokens += value
-                elif name == "vllm_cache_ttft_seconds_bucket":
-                    buckets = stats.ttft_buckets.setdefault(
-                        (labels.get("state", ""), labels.get("source", "proxy")), {})
-                    bound = float(labels["le"])
-                    buckets[bound] = buckets.get(bound, 0.0) + value
-                continue
-            if name == "vllm_cache_engine_up":
-                snap.engine_up = bool(value) if snap.engine_up is None else \
-                    snap.engine_up and bool(value)
-            elif name == "vllm_cache_engine_prefix_caching_enabled":
-                snap.prefix_caching = bool(value) if snap.prefix_caching is None else \
-                    snap.prefix_caching and bool(value)
-            elif name == "vllm_cache_engine_kv_used_tokens":
-                snap.kv_used_tokens = (snap.kv_used_tokens or 0.0) + value
-            elif name == "vllm_cache_engine_kv_pool_tokens":
-                snap.kv_pool_tokens = (snap.kv_pool_tokens or 0.0) + value
-            elif name == "vllm_cache_engine_preemptions_total":
-                snap.preemptions += value
-            elif name == "vllm_cache_engine_requests_running":
-                snap.running = (snap.running or 0.0) + value
-            elif name == "vllm_cache_engine_requests_waiting":
-                snap.waiting = (snap.waiting or 0.0) + value
-            elif name == "vllm_cache_engine_prefix_cache_queries_tokens_total":
-                snap.engine_queries += value
-            elif name == "vllm_cache_engine_prefix_cache_hits_tokens_total":
-                snap.engine_hits += value
-            elif name in RESIDENCY:
-                attribute = RESIDENCY[name]
-                setattr(snap, attribute, (getattr(snap, attribute) or 0.0) + value)
+    for name, labels, value in Samples(text):
+        caller = labels.get("caller")
+        if caller is not None:
+            stats = snap.callers.setdefault(caller, CallerStats())
+            if name == "vllm_cache_requests_total":
+                state = labels.get("state", "")
+                stats.requests[state] = stats.requests.get(state, 0.0) + value
+            elif name == "vllm_cache_prompt_tokens_total":
+                stats.prompt_tokens += value
+            elif name == "vllm_cache_cached_tokens_total":
+                stats.cached_tokens += value
+            elif name == "vllm_cache_unreported_prompt_tokens_total":
+                stats.unreported_tokens += value
+            elif name == "vllm_cache_ttft_seconds_bucket":
+                buckets = stats.ttft_buckets.setdefault(
+                    (labels.get("state", ""), labels.get("source", "proxy")), {})
+                bound = float(labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + value
+            continue
+        if name == "vllm_cache_engine_up":
+            snap.engine_up = bool(value) if snap.engine_up is None else \
+                snap.engine_up and bool(value)
+        elif name == "vllm_cache_engine_prefix_caching_enabled":
+            snap.prefix_caching = bool(value) if snap.prefix_caching is None else \
+                snap.prefix_caching and bool(value)
+        elif name == "vllm_cache_engine_kv_used_tokens":
+            snap.kv_used_tokens = (snap.kv_used_tokens or 0.0) + value
+        elif name == "vllm_cache_engine_kv_pool_tokens":
+            snap.kv_pool_tokens = (snap.kv_pool_tokens or 0.0) + value
+        elif name == "vllm_cache_engine_preemptions_total":
+            snap.preemptions += value
+        elif name == "vllm_cache_engine_requests_running":
+            snap.running = (snap.running or 0.0) + value
+        elif name == "vllm_cache_engine_requests_waiting":
+            snap.waiting = (snap.waiting or 0.0) + value
+        elif name == "vllm_cache_engine_prefix_cache_queries_tokens_total":
+            snap.engine_queries += value
+        elif name == "vllm_cache_engine_prefix_cache_hits_tokens_total":
+            snap.engine_hits += value
+        elif name in RESIDENCY:
+            attribute = RESIDENCY[name]
+            setattr(snap, attribute, (getattr(snap, attribute) or 0.0) + value)
     return snap
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Container, Iterator
 from itertools import pairwise
 
 from exporter.engine import names
@@ -134,42 +135,62 @@ def _name_end(line: str) -> int:
     return min(brace, space)
 
 
+class Samples:
+    """Every sample of a text exposition (0.0.4, or OpenMetrics without exemplars) as
+    (name, labels, value), in order, when iterated; with ``wanted``, only the samples of
+    those names, every other line checked for shape only. Iterating raises ParseError on any
+    malformed sample line, and on a body without samples; then ``lines`` is the number of
+    sample lines. The label dicts of equal label sets are shared: read-only."""
+
+    def __init__(self, text: str, wanted: Container[str] | None = None) -> None:
+        self.text = text
+        self.wanted = wanted
+        self.lines = 0
+
+    def __iter__(self) -> Iterator[tuple[str, dict[str, str], float]]:
+        wanted = self.wanted
+        # Label sets repeat within a body (every family of an engine, every histogram with
+        # the same buckets): each distinct one is parsed once.
+        labels_seen: dict[str, dict[str, str]] = {}
+        line_count = 0
+        for line_number, line in enumerate(self.text.split("\n"), start=1):
+            if not line or line[0] == "#":
+                continue
+            line = line.strip()
+            if not line or line[0] == "#":
+                continue
+            line_count += 1
+            end = _name_end(line)
+            if end <= 0:
+                raise ParseError(line_number, "not a sample line")
+            name = line[:end]
+            if wanted is not None and name not in wanted:
+                # Shape check only: the last field must be a number (value or timestamp).
+                first = name[0]
+                if not (first.isalpha() or first in "_:"):
+                    raise ParseError(line_number, f"bad metric name {name[:40]!r}")
+                _parse_value(line.rsplit(None, 1)[-1], line_number)
+                continue
+            if line[end] == "{":
+                labels, rest_at = _labels_once(line, end, line_number, labels_seen)
+            else:
+                labels, rest_at = {}, end
+            rest = line[rest_at:].split()
+            if not rest or len(rest) > 2:
+                raise ParseError(line_number, "expected a value after the labels")
+            yield name, labels, _parse_value(rest[0], line_number)
+        self.lines = line_count
+        if line_count == 0:
+            raise ParseError(0, "no samples in body")
+
+
 def parse(text: str) -> EngineSnapshot:
-    """Parse an exposition body. Raises ParseError on any malformed sample line."""
+    """Parse a vLLM exposition body. Raises ParseError on any malformed sample line."""
     found: Found = defaultdict(list)
-    # Label sets repeat within a body (every family of an engine, every histogram with the
-    # same buckets): each distinct one is parsed once. The dicts are shared, so read-only.
-    labels_seen: dict[str, dict[str, str]] = {}
-    line_count = 0
-    for line_number, line in enumerate(text.split("\n"), start=1):
-        if not line or line[0] == "#":
-            continue
-        line = line.strip()
-        if not line or line[0] == "#":
-            continue
-        line_count += 1
-        end = _name_end(line)
-        if end <= 0:
-            raise ParseError(line_number, "not a sample line")
-        name = line[:end]
-        if name not in _WANTED:
-            # Shape check only: the last field must be a number (value or timestamp).
-            first = name[0]
-            if not (first.isalpha() or first in "_:"):
-                raise ParseError(line_number, f"bad metric name {name[:40]!r}")
-            _parse_value(line.rsplit(None, 1)[-1], line_number)
-            continue
-        if line[end] == "{":
-            labels, rest_at = _labels_once(line, end, line_number, labels_seen)
-        else:
-            labels, rest_at = {}, end
-        rest = line[rest_at:].split()
-        if not rest or len(rest) > 2:
-            raise ParseError(line_number, "expected a value after the labels")
-        found[name].append((labels, _parse_value(rest[0], line_number)))
-    if line_count == 0:
-        raise ParseError(0, "no samples in body")
-    return _resolve(found, line_count)
+    scan = Samples(text, _WANTED)
+    for name, labels, value in scan:
+        found[name].append((labels, value))
+    return _resolve(found, scan.lines)
 
 
 def _labels_once(line: str, start: int, line_number: int,
