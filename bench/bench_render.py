@@ -8,9 +8,11 @@ has warm, partial and cold requests with TTFT, and a queue wait), then the same 
 rendered, rounds interleaved, by:
 
 - ``generate_text`` and ``generate_openmetrics``: the exporter's own encoders
-  (``exporter/metrics/exposition.py``), with the per-series label text cached from the
-  previous scrape (the steady state), and the text one again on a freshly built registry
-  (nothing cached: the first scrape after start);
+  (``exporter/metrics/exposition.py``) in the steady state of a quiet scrape: nothing
+  changed since the previous one, so every series' lines are reused and the time is the
+  rest of the work (joining, the small families); and the text one again on a freshly built
+  registry ("cold": every series rendered anew, as the first scrape after start, or one
+  after every histogram of every caller changed);
 - client_python's ``generate_latest`` (0.0.4 text) and
   ``openmetrics.exposition.generate_latest`` over the same registry: the baselines, and the
   reference every body is checked equal to in every round;

@@ -291,6 +291,7 @@ def test_divergence_is_caught(monkeypatch):
     registry = build_registry(state)
     assert_same(registry)
     monkeypatch.setattr(usage_metrics, "format_value", lambda value: floatToGoString(value) + " ")
+    registry = build_registry(state)  # nothing rendered yet: no line reused from before
     assert generate_text(registry) != generate_latest(registry)
     assert generate_openmetrics(registry) != openmetrics_latest(registry)
 

@@ -58,9 +58,10 @@ class ForesightCollector:
             "KV-pool tokens the active conversations need to stay cached: the sum of each "
             "one's latest context (prompt + completion of its last turn), plus the recurrent "
             "state of each on hybrid models (--signals.state-tokens).", labels=["model"])
-        for model, live in sorted(tracker.by_model(now).items()):
-            active.add_metric([model], live.conversations)
-            demand.add_metric([model], live.tokens)
+        live = tracker.live(now)  # one pass over the conversations for both sums
+        for model, part in sorted(tracker.by_model(now, live).items()):
+            active.add_metric([model], part.conversations)
+            demand.add_metric([model], part.tokens)
         engine_active = GaugeMetricFamily(
             "vllm_cache_engine_conversations_active",
             "vllm_cache_conversations_active, attributed to the one vLLM whose pool they use "
@@ -70,10 +71,10 @@ class ForesightCollector:
             "vllm_cache_conversations_demand_tokens, attributed to the one vLLM whose pool "
             "they use; compare with vllm_cache_engine_kv_pool_tokens.",
             labels=["target", "model_name"])
-        for (target, model_name), live in sorted(
-                foresight.by_target(tracker, self.engine, now).items()):
-            engine_active.add_metric([target, model_name], live.conversations)
-            engine_demand.add_metric([target, model_name], live.tokens)
+        for (target, model_name), part in sorted(
+                foresight.by_target(tracker, self.engine, now, live).items()):
+            engine_active.add_metric([target, model_name], part.conversations)
+            engine_demand.add_metric([target, model_name], part.tokens)
         dropped = CounterMetricFamily(
             "vllm_cache_conversations_dropped",
             "Conversations forgotten while still active because more than "

@@ -100,6 +100,9 @@ _OPENMETRICS_HEADERS = tuple(OPENMETRICS.header(family.name, family.documentatio
 # Series rendered between two turns of the event loop (a series is up to SERIES_PER_PAIR
 # samples: every state timed by both sources), so that no slice holds the loop for long.
 SERIES_PER_SLICE = 32
+# A series whose lines are reused (unchanged since the last render) costs about this much
+# less than one rendered anew: so many of them make one slice's worth of work.
+REUSED_PER_RENDERED = 64
 # Series' lines of one family joined in one slice at the end (a few MB at most).
 SERIES_PER_PIECE = 256
 
@@ -117,9 +120,10 @@ def _histogram(samples: list[Sample], name: str, labels: dict[str, str], hist: H
 
 
 class _HistogramText:
-    """One histogram series' line prefixes: ``{head}{le}{tail}`` is a bucket's."""
+    """One histogram series' line prefixes (``{head}{le}{tail}`` is a bucket's), and its
+    lines as last rendered with the histogram, count and sum they were rendered from."""
 
-    __slots__ = ("head", "tail", "count", "sum")
+    __slots__ = ("head", "tail", "count", "sum", "hist", "observed", "total", "lines")
 
     def __init__(self, name: str, caller: str, rest: str) -> None:
         # Labels print sorted by name: caller, le, model, source, state.
@@ -127,13 +131,24 @@ class _HistogramText:
         self.tail = f'",{rest}}} '
         self.count = f"{name}_count{{{caller},{rest}}} "
         self.sum = f"{name}_sum{{{caller},{rest}}} "
+        self.hist: Histogram | None = None
+        self.observed = -1
+        self.total = 0.0
+        self.lines = ""
 
 
 class _SeriesText:
-    """A (caller, model) series' escaped label text, built once: label values never change."""
+    """A (caller, model) series' escaped label text, built once (label values never change),
+    and its sample lines as last rendered, reused while the series has not changed.
+
+    A series changes only when an event is counted into it, and every such event adds one to
+    exactly one of its ``requests`` counts (``UsageState.record_rows``): their sum is the
+    series' version. Lines are reused only once the series and every histogram in it are
+    shown (past the new-series hold), since a held one renders zeros whatever its version.
+    """
 
     __slots__ = ("requests", "prompt", "cached", "unreported", "ttft", "queue", "_caller",
-                 "_model")
+                 "_model", "series", "version", "lines")
 
     def __init__(self, caller: str, model: str) -> None:
         self._caller = f'caller="{escape_label_value(caller)}"'
@@ -145,6 +160,11 @@ class _SeriesText:
         self.unreported = f"{UNREPORTED}_total{{{pair}}} "
         self.ttft: dict[tuple[str, str], _HistogramText] = {}  # by (state, source)
         self.queue: dict[str, _HistogramText] = {}  # by source
+        # The lines of each per-caller family (ttft and queue "" when the series has none),
+        # the series object and the version they were rendered from; None until reusable.
+        self.series: Series | None = None
+        self.version = -1
+        self.lines: tuple[str, str, str, str, str, str] = ("", "", "", "", "", "")
 
     def ttft_text(self, state: str, source: str) -> _HistogramText:
         text = self.ttft.get((state, source))
@@ -163,16 +183,27 @@ class _SeriesText:
 
 def _histogram_lines(out: list[str], text: _HistogramText, hist: Histogram,
                      les: list[str]) -> None:
+    """Append one histogram's lines; reused while its observations and sum are unchanged
+    (every observation adds one to a bucket; a held histogram is a different object)."""
+    counts = hist.counts
+    observed = sum(counts)
+    if text.hist is hist and text.observed == observed and text.total == hist.total:
+        out.append(text.lines)
+        return
     head, tail = text.head, text.tail
+    lines: list[str] = []
     running = 0
-    for le, count in zip(les, hist.counts, strict=True):
+    for le, count in zip(les, counts, strict=True):
         running += count
         if running < 1_000_000:  # format_value's int fast path (counts are ints), inlined
-            out.append(f"{head}{le}{tail}{running}.0\n")
+            lines.append(f"{head}{le}{tail}{running}.0\n")
         else:
-            out.append(f"{head}{le}{tail}{format_value(running)}\n")
-    out.append(f"{text.count}{format_value(running)}\n")
-    out.append(f"{text.sum}{format_value(hist.total)}\n")
+            lines.append(f"{head}{le}{tail}{format_value(running)}\n")
+    lines.append(f"{text.count}{format_value(running)}\n")
+    lines.append(f"{text.sum}{format_value(hist.total)}\n")
+    text.lines = "".join(lines)
+    text.hist, text.observed, text.total = hist, observed, hist.total
+    out.append(text.lines)
 
 
 # What a series still held at zero shows (see UsageSettings.new_series_hold).
@@ -206,6 +237,52 @@ def _queue_histograms(series: Series) -> Iterator[tuple[str, Histogram]]:
         yield ENGINE, series.engine_queue
     if series.queue is not None:
         yield PROXY, series.queue
+
+
+def _fully_shown(series: Series, now: float) -> bool:
+    """Whether the series and every histogram in it are past the new-series hold."""
+    if series.shown_from > now:
+        return False
+    for hists in (series.ttft.values(), series.engine_ttft.values(),
+                  (series.queue, series.engine_queue)):
+        for hist in hists:
+            if hist is not None and hist.shown_from > now:
+                return False
+    return True
+
+
+def _series_lines(text: _SeriesText, real: Series,
+                  now: float) -> tuple[str, str, str, str, str, str]:
+    """One series' lines in each per-caller family, as shown at ``now``: requests, prompt,
+    cached and unreported tokens, TTFT and queue wait ("" when it has no such histogram)."""
+    fmt_value = format_value
+    series = _shown(real, now)
+    counts = series.requests
+    requests = "".join([f"{prefix}{fmt_value(counts[state])}\n"
+                        for prefix, state in zip(text.requests, STATES, strict=True)])
+    ttft = queue = ""
+    engine_ttft, proxy_ttft = real.engine_ttft, real.ttft
+    if proxy_ttft or engine_ttft:
+        lines: list[str] = []
+        for state in STATES:  # as _ttft_histograms, inlined: once per series
+            hist = engine_ttft.get(state)
+            if hist is not None:
+                _histogram_lines(lines, text.ttft_text(state, ENGINE),
+                                 _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
+            hist = proxy_ttft.get(state)
+            if hist is not None:
+                _histogram_lines(lines, text.ttft_text(state, PROXY),
+                                 _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
+        ttft = "".join(lines)
+    if real.queue is not None or real.engine_queue is not None:
+        lines = []
+        for source, hist in _queue_histograms(real):
+            _histogram_lines(lines, text.queue_text(source),
+                             _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
+        queue = "".join(lines)
+    return (requests, f"{text.prompt}{fmt_value(series.prompt_tokens)}\n",
+            f"{text.cached}{fmt_value(series.cached_tokens)}\n",
+            f"{text.unreported}{fmt_value(series.unreported_prompt_tokens)}\n", ttft, queue)
 
 
 class UsageCollector:
@@ -271,9 +348,12 @@ class UsageCollector:
 
         The per-caller families are written from cached label text (one f-string per
         sample; their sample lines are the same in both formats, only the HELP and TYPE
-        lines differ); the small families go through the general encoder. Yields after every
-        ``series_per_slice`` (default ``SERIES_PER_SLICE``) series: the caller may let other
-        tasks change the state meanwhile. The series rendered are those that existed when it
+        lines differ); the small families go through the general encoder. A series that has
+        not changed since the last render reuses its lines (see ``_SeriesText``), so a scrape
+        costs in proportion to the series that changed, plus joining. Yields after every
+        ``series_per_slice`` (default ``SERIES_PER_SLICE``) series rendered anew
+        (``REUSED_PER_RENDERED`` reused ones count as one): the caller may let other tasks
+        change the state meanwhile. The series rendered are those that existed when it
         began (a snapshot of the keys, sorted); each one's samples are read together, within
         one slice; the small families are read at the end.
         """
@@ -290,45 +370,37 @@ class UsageCollector:
         unreported: list[str] = []
         ttft: list[str] = []
         queue: list[str] = []
-        fmt_value = format_value
         per_slice = series_per_slice or SERIES_PER_SLICE
         keys = sorted(usage.series)
         now = usage.now()
-        for index, key in enumerate(keys, 1):
+        work = 0  # series rendered anew count 1, reused ones 1/REUSED_PER_RENDERED
+        for key in keys:
             real = usage.series.get(key)
             if real is None:  # series are never removed today; a removed one is skipped
                 continue
-            series = _shown(real, now)
             text = cache.get(key)
             if text is None:
                 text = cache[key] = _SeriesText(*key)
-            counts = series.requests
-            requests.append("".join([f"{prefix}{fmt_value(counts[state])}\n"
-                                     for prefix, state in zip(text.requests, STATES,
-                                                              strict=True)]))
-            prompt.append(f"{text.prompt}{fmt_value(series.prompt_tokens)}\n")
-            cached.append(f"{text.cached}{fmt_value(series.cached_tokens)}\n")
-            unreported.append(f"{text.unreported}{fmt_value(series.unreported_prompt_tokens)}\n")
-            engine_ttft, proxy_ttft = real.engine_ttft, real.ttft
-            if proxy_ttft or engine_ttft:
-                lines: list[str] = []
-                for state in STATES:  # as _ttft_histograms, inlined: once per series
-                    hist = engine_ttft.get(state)
-                    if hist is not None:
-                        _histogram_lines(lines, text.ttft_text(state, ENGINE),
-                                         _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
-                    hist = proxy_ttft.get(state)
-                    if hist is not None:
-                        _histogram_lines(lines, text.ttft_text(state, PROXY),
-                                         _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
-                ttft.append("".join(lines))
-            if real.queue is not None or real.engine_queue is not None:
-                lines = []
-                for source, hist in _queue_histograms(real):
-                    _histogram_lines(lines, text.queue_text(source),
-                                     _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
-                queue.append("".join(lines))
-            if index % per_slice == 0:
+            counts = real.requests
+            version = sum(counts.values())
+            if text.version == version and text.series is real:
+                lines = text.lines
+                work += 1
+            else:
+                lines = _series_lines(text, real, now)
+                if _fully_shown(real, now):
+                    text.series, text.version, text.lines = real, version, lines
+                work += REUSED_PER_RENDERED
+            requests.append(lines[0])
+            prompt.append(lines[1])
+            cached.append(lines[2])
+            unreported.append(lines[3])
+            if lines[4]:
+                ttft.append(lines[4])
+            if lines[5]:
+                queue.append(lines[5])
+            if work >= per_slice * REUSED_PER_RENDERED:
+                work = 0
                 yield
         yield
         families = (requests, prompt, cached, unreported, ttft, queue)

@@ -82,6 +82,11 @@ class Demand:
         self.context_tokens += context_tokens
         self.state_tokens += state_tokens
 
+    def merge(self, other: Demand) -> None:
+        self.conversations += other.conversations
+        self.context_tokens += other.context_tokens
+        self.state_tokens += other.state_tokens
+
 
 class ConversationTracker:
     """The live conversations, keyed by (caller, model, session).
@@ -134,22 +139,38 @@ class ConversationTracker:
             if conversation.last_seen >= cutoff:
                 yield conversation
 
-    def by_model(self, now: float) -> dict[str, Demand]:
-        """Demand per model label; every model seen has an entry (0 when none is live)."""
+    def live(self, now: float) -> dict[tuple[str, str], Demand]:
+        """Demand per (model label, model name) of the active conversations, in one pass
+        (a scrape reads it once for every family that sums it differently)."""
+        cutoff = now - self.idle_seconds
+        sums: dict[tuple[str, str], list[int]] = {}  # [conversations, context tokens]
+        for conversation in self._conversations.values():
+            if conversation.last_seen >= cutoff:
+                key = (conversation.model, conversation.model_name)
+                entry = sums.get(key)
+                if entry is None:
+                    sums[key] = [1, conversation.context_tokens]
+                else:
+                    entry[0] += 1
+                    entry[1] += conversation.context_tokens
+        return {key: Demand(count, context, count * self.state_tokens(key[1]))
+                for key, (count, context) in sums.items()}
+
+    def by_model(self, now: float,
+                 live: dict[tuple[str, str], Demand] | None = None) -> dict[str, Demand]:
+        """Demand per model label; every model seen has an entry (0 when none is live).
+        ``live``: this tracker's ``live(now)``, when the caller has it already."""
         demand = {model: Demand() for model in self.models}
-        for conversation in self.active(now):
-            demand[conversation.model].add(conversation.context_tokens,
-                                           self.state_tokens(conversation.model_name))
+        for (model, _name), part in (self.live(now) if live is None else live).items():
+            demand[model].merge(part)
         return demand
 
-    def by_model_name(self, now: float) -> dict[str, Demand]:
+    def by_model_name(self, now: float, live: dict[tuple[str, str], Demand] | None = None
+                      ) -> dict[str, Demand]:
         """Demand per model name as the events carry it (what attribution matches on)."""
         demand: dict[str, Demand] = {}
-        for conversation in self.active(now):
-            entry = demand.get(conversation.model_name)
-            if entry is None:
-                entry = demand[conversation.model_name] = Demand()
-            entry.add(conversation.context_tokens, self.state_tokens(conversation.model_name))
+        for (_model, name), part in (self.live(now) if live is None else live).items():
+            demand.setdefault(name, Demand()).merge(part)
         return demand
 
     def model_names(self) -> set[str]:
@@ -191,24 +212,22 @@ def attribute(model_name: str, served: Mapping[str, set[str]]) -> tuple[str, str
     return None
 
 
-def by_target(tracker: ConversationTracker, engine: EngineState,
-              now: float) -> dict[tuple[str, str], Demand]:
+def by_target(tracker: ConversationTracker, engine: EngineState, now: float,
+              live: dict[tuple[str, str], Demand] | None = None
+              ) -> dict[tuple[str, str], Demand]:
     """Demand per (target, vLLM model_name), for the conversations that can be attributed;
-    a target that any tracked model maps to has an entry even when nothing is live on it."""
+    a target that any tracked model maps to has an entry even when nothing is live on it.
+    ``live``: the tracker's ``live(now)``, when the caller has it already."""
     served = served_models(engine)
     demand: dict[tuple[str, str], Demand] = {}
     for model_name in sorted(tracker.model_names()):
         where = attribute(model_name, served)
         if where is not None:
             demand.setdefault(where, Demand())
-    for model_name, live in tracker.by_model_name(now).items():
+    for model_name, part in tracker.by_model_name(now, live).items():
         where = attribute(model_name, served)
-        if where is None:
-            continue
-        entry = demand[where]
-        entry.conversations += live.conversations
-        entry.context_tokens += live.context_tokens
-        entry.state_tokens += live.state_tokens
+        if where is not None:
+            demand[where].merge(part)
     return demand
 
 
