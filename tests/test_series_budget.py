@@ -10,6 +10,7 @@ from pathlib import Path
 from exporter.config import Config
 from exporter.metrics import build_registry
 from exporter.metrics.exposition import generate_openmetrics, generate_text
+from exporter.metrics.usage import UsageCollector
 from exporter.signals.callers import OTHER
 from exporter.signals.usage import SERIES_PER_PAIR
 from exporter.values import PromptPrint, UsageEvent
@@ -25,6 +26,7 @@ PER_CALLER = ("vllm_cache_requests_total", "vllm_cache_prompt_tokens_total",
               "vllm_cache_prompt_order_variable_top_total",
               "vllm_cache_prompt_order_shared_bytes_total",
               "vllm_cache_prompt_order_first_difference_bytes_total")
+USAGE_FAMILIES = PER_CALLER[:6]  # what UsageCollector renders
 # One turn per state, the unreported one first so that it stays unreported.
 TURNS = ((5000, None, None), (91_070, 86_016, None), (60_000, 30_720, None),
          (40_000, 0, None), (100, 0, None), (5000, 0, 500))
@@ -78,6 +80,12 @@ def test_the_worst_case_stays_within_the_documented_bounds():
         assert len(lines) <= max_series
         assert len(lines) >= max_series - SERIES_PER_PAIR  # the fill did reach the bound
         assert len(body) <= max_bytes
+    # The lines kept for the next scrape's reuse are at most the per-caller part of a body.
+    (usage,) = [collector for collector in registry.collectors()
+                if isinstance(collector, UsageCollector)]
+    per_caller = sum(len(line) + 1 for line in body.decode().splitlines()
+                     if line.startswith(USAGE_FAMILIES))
+    assert 0.9 * per_caller < usage.kept_characters() <= per_caller
     text = generate_text(registry).decode()
     flagged = [line for line in text.splitlines()
                if line.startswith("vllm_cache_prompt_order_variable_top_total{")]

@@ -103,7 +103,8 @@ SERIES_PER_SLICE = 32
 # A series whose lines are reused (unchanged since the last render) costs about this much
 # less than one rendered anew: so many of them make one slice's worth of work.
 REUSED_PER_RENDERED = 64
-# Series' lines of one family joined in one slice at the end (a few MB at most).
+# Series' (or histograms') lines of one family joined in one slice at the end (a few MB at
+# most).
 SERIES_PER_PIECE = 256
 
 
@@ -137,6 +138,11 @@ class _HistogramText:
         self.lines = ""
 
 
+# One series' lines: requests, prompt, cached and unreported tokens (a string each), then its
+# TTFT and queue-wait histograms' (a string per histogram, the one its _HistogramText keeps).
+SeriesLines = tuple[str, str, str, str, list[str], list[str]]
+
+
 class _SeriesText:
     """A (caller, model) series' escaped label text, built once (label values never change),
     and its sample lines as last rendered, reused while the series has not changed.
@@ -164,7 +170,7 @@ class _SeriesText:
         # the series object and the version they were rendered from; None until reusable.
         self.series: Series | None = None
         self.version = -1
-        self.lines: tuple[str, str, str, str, str, str] = ("", "", "", "", "", "")
+        self.lines: SeriesLines = ("", "", "", "", [], [])
 
     def ttft_text(self, state: str, source: str) -> _HistogramText:
         text = self.ttft.get((state, source))
@@ -251,35 +257,30 @@ def _fully_shown(series: Series, now: float) -> bool:
     return True
 
 
-def _series_lines(text: _SeriesText, real: Series,
-                  now: float) -> tuple[str, str, str, str, str, str]:
-    """One series' lines in each per-caller family, as shown at ``now``: requests, prompt,
-    cached and unreported tokens, TTFT and queue wait ("" when it has no such histogram)."""
+def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
+    """One series' lines in each per-caller family, as shown at ``now``."""
     fmt_value = format_value
     series = _shown(real, now)
     counts = series.requests
     requests = "".join([f"{prefix}{fmt_value(counts[state])}\n"
                         for prefix, state in zip(text.requests, STATES, strict=True)])
-    ttft = queue = ""
+    ttft: list[str] = []
+    queue: list[str] = []
     engine_ttft, proxy_ttft = real.engine_ttft, real.ttft
     if proxy_ttft or engine_ttft:
-        lines: list[str] = []
         for state in STATES:  # as _ttft_histograms, inlined: once per series
             hist = engine_ttft.get(state)
             if hist is not None:
-                _histogram_lines(lines, text.ttft_text(state, ENGINE),
+                _histogram_lines(ttft, text.ttft_text(state, ENGINE),
                                  _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
             hist = proxy_ttft.get(state)
             if hist is not None:
-                _histogram_lines(lines, text.ttft_text(state, PROXY),
+                _histogram_lines(ttft, text.ttft_text(state, PROXY),
                                  _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
-        ttft = "".join(lines)
     if real.queue is not None or real.engine_queue is not None:
-        lines = []
         for source, hist in _queue_histograms(real):
-            _histogram_lines(lines, text.queue_text(source),
+            _histogram_lines(queue, text.queue_text(source),
                              _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
-        queue = "".join(lines)
     return (requests, f"{text.prompt}{fmt_value(series.prompt_tokens)}\n",
             f"{text.cached}{fmt_value(series.cached_tokens)}\n",
             f"{text.unreported}{fmt_value(series.unreported_prompt_tokens)}\n", ttft, queue)
@@ -293,6 +294,16 @@ class UsageCollector:
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+    def kept_characters(self) -> int:
+        """Characters of the lines kept for reuse: at most the per-caller part of one body
+        (each kept string is a series' or a histogram's lines as last rendered)."""
+        kept = 0
+        for text in self._text.values():
+            kept += sum(len(part) for part in text.lines[:4])
+            for hists in (text.ttft.values(), text.queue.values()):
+                kept += sum(len(hist.lines) for hist in hists)
+        return kept
 
     def collect(self) -> Iterator[Metric]:
         """The reference rendering (registry.get_sample_value, client_python's encoders, tests)."""
@@ -361,9 +372,9 @@ class UsageCollector:
         cache = self._text
         if len(cache) > len(usage.series):
             cache.clear()
-        # One string per series and family (its lines joined): few objects to hand over and
-        # free at the end, where one per line would cost tens of milliseconds at thousands
-        # of series.
+        # One string per series and family (a histogram's lines joined): few objects to hand
+        # over and free at the end, where one per line would cost tens of milliseconds at
+        # thousands of series; kept strings are shared, never copied, between renders.
         requests: list[str] = []
         prompt: list[str] = []
         cached: list[str] = []
@@ -395,10 +406,8 @@ class UsageCollector:
             prompt.append(lines[1])
             cached.append(lines[2])
             unreported.append(lines[3])
-            if lines[4]:
-                ttft.append(lines[4])
-            if lines[5]:
-                queue.append(lines[5])
+            ttft.extend(lines[4])
+            queue.extend(lines[5])
             if work >= per_slice * REUSED_PER_RENDERED:
                 work = 0
                 yield
