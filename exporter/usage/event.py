@@ -251,7 +251,7 @@ def validate_row(obj: Mapping[str, Any]) -> UsageRow:
     if queue is not None and not (type(queue) is float and 0.0 <= queue <= MAX_SECONDS):
         queue = _seconds(obj, "queue_seconds", MAX_SECONDS)
     when = get("time")
-    if when is not None and not (type(when) is float and 0.0 <= when < math.inf):
+    if when is not None and not (type(when) is float and 0.0 <= when <= MAX_TIMESTAMP):
         when = _seconds(obj, "time", MAX_TIMESTAMP)
     model = get("model")
     if type(model) is not str or model not in _valid_models:
