@@ -7,10 +7,12 @@ POSTs the batches to ``/v1/usage`` one after another on one keep-alive connectio
 the exporter's CPU time (user + system, /proc) before and after each repeat, so the figure
 is the exporter's whole cost per event: HTTP, splitting, decoding, validation,
 classification, counting, and whatever else its event loop does meanwhile. The floor, in
-this process between the exporter's repeats: the stdlib ``json.loads`` and a counter
-increment per line of the same bodies (CPU time of this process), nothing else. Reported:
-the median of the repeats for each, and their ratio. Each repeat starts a fresh exporter,
-so every repeat sees the same callers arrive.
+this process: the stdlib ``json.loads`` and a counter increment per line of the same bodies
+(CPU time of this process), nothing else. Each body goes through the floor and then every
+exporter measured (``--before``, ``--also-args``) in turn before the next body, so that on a
+shared machine all of them see the same load. Reported: the median of the repeats for each,
+and their ratios. Each repeat starts fresh exporters, so every repeat sees the same callers
+arrive.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -65,15 +68,14 @@ def make_bodies(batches: int, batch_size: int, callers: int, seed: int) -> list[
     return bodies
 
 
-def bare_loop(bodies: list[bytes]) -> tuple[float, int]:
-    """CPU seconds of this process for json.loads + a counter over every line."""
+def bare_body(body: bytes) -> tuple[float, int]:
+    """CPU seconds of this process for json.loads + a counter over every line of a body."""
     loads = json.loads
     count = 0
     start = time.process_time()
-    for body in bodies:
-        for line in body.split(b"\n"):
-            loads(line)
-            count += 1
+    for line in body.split(b"\n"):
+        loads(line)
+        count += 1
     return time.process_time() - start, count
 
 
@@ -92,31 +94,51 @@ def events_counted(text: str) -> float:
     return total
 
 
-async def through_exporter(bodies: list[bytes], exporter_args: list[str],
-                           root: Path | None = None) -> tuple[float, int]:
-    """(exporter CPU seconds, events accepted) for POSTing every body once."""
-    workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
-    exporter = (ExporterProcess(workdir, exporter_args) if root is None
-                else ExporterProcess(workdir, exporter_args, root=root))
-    exporter.start()
-    accepted = 0
+async def one_run(bodies: list[bytes],
+                  targets: list[tuple[list[str], Path | None]]) -> tuple[float, list[float]]:
+    """(floor CPU seconds, each target exporter's CPU seconds) for every body once.
+
+    Each body is decoded by the floor loop, then POSTed to each exporter in turn, before the
+    next body: on a machine shared with other work, the figures compared are taken within
+    milliseconds of each other, not a second or more apart.
+    """
+    exporters = []
     try:
-        url = exporter.base_url + "/v1/usage"
-        connector = aiohttp.TCPConnector(limit=1)
+        for exporter_args, root in targets:
+            workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+            exporter = (ExporterProcess(workdir, exporter_args) if root is None
+                        else ExporterProcess(workdir, exporter_args, root=root))
+            exporters.append(exporter)
+            exporter.start()
+        connector = aiohttp.TCPConnector(limit=len(exporters))
         async with aiohttp.ClientSession(connector=connector) as session:
-            before = exporter_cpu(exporter)
+            accepted = [0] * len(exporters)
+            floor = 0.0
+            before = [exporter_cpu(exporter) for exporter in exporters]
             for body in bodies:
-                async with session.post(url, data=body, headers={
-                        "Content-Type": "application/x-ndjson"}) as response:
-                    reply = await response.json()
-                    accepted += reply["accepted"]
-            spent = exporter_cpu(exporter) - before
-            async with session.get(exporter.base_url + "/metrics") as response:
-                counted = events_counted(await response.text())
-        assert counted == accepted, (counted, accepted)
+                spent, count = bare_body(body)
+                floor += spent
+                for index, exporter in enumerate(exporters):
+                    async with session.post(exporter.base_url + "/v1/usage", data=body,
+                                            headers={"Content-Type": "application/x-ndjson"}
+                                            ) as response:
+                        reply = await response.json()
+                        accepted[index] += reply["accepted"]
+                    assert reply["accepted"] == count, (reply, count)
+            spent_by = [exporter_cpu(exporter) - start
+                        for exporter, start in zip(exporters, before, strict=True)]
+            for exporter, events in zip(exporters, accepted, strict=True):
+                async with session.get(exporter.base_url + "/metrics") as response:
+                    counted = events_counted(await response.text())
+                assert counted == events, (counted, events)
     finally:
-        exporter.stop()
-    return spent, accepted
+        for exporter in exporters:
+            exporter.stop()
+    return floor, spent_by
+
+
+def runs_text(rates: list[float]) -> str:
+    return ", ".join(f"{rate:,.0f}" for rate in rates)
 
 
 def main() -> int:
@@ -138,50 +160,38 @@ def main() -> int:
     events = args.batches * args.batch_size
     exporter_args = ["--callers.max", str(max(100, args.callers)), "--log.level", "warning",
                      *args.exporter_args.split()]
-    app_rates: list[float] = []
+    targets: list[tuple[list[str], Path | None]] = [(exporter_args, None)]
+    if args.before is not None:
+        targets.append((exporter_args, args.before))
+    if args.also_args is not None:
+        targets.append(([*exporter_args, *args.also_args.split()], None))
     bare_rates: list[float] = []
-    before_rates: list[float] = []
-    also_rates: list[float] = []
-    also_args = None if args.also_args is None else [*exporter_args, *args.also_args.split()]
+    rates: list[list[float]] = [[] for _ in targets]
     for _ in range(args.repeats):
-        spent, bare_count = bare_loop(bodies)
-        assert bare_count == events
-        bare_rates.append(events / spent)
-        spent, accepted = asyncio.run(through_exporter(bodies, exporter_args))
-        assert accepted == events, accepted
-        app_rates.append(events / spent)
-        if args.before is not None:
-            spent, accepted = asyncio.run(through_exporter(bodies, exporter_args, args.before))
-            assert accepted == events, accepted
-            before_rates.append(events / spent)
-        if also_args is not None:
-            spent, accepted = asyncio.run(through_exporter(bodies, also_args))
-            assert accepted == events, accepted
-            also_rates.append(events / spent)
-    app_median = statistics.median(app_rates)
+        floor, spent_by = asyncio.run(one_run(bodies, targets))
+        bare_rates.append(events / floor)
+        for target_rates, spent in zip(rates, spent_by, strict=True):
+            target_rates.append(events / spent)
     bare_median = statistics.median(bare_rates)
+    medians = [statistics.median(target_rates) for target_rates in rates]
+    app_median = medians[0]
     ratio = app_median / bare_median
-    print(f"machine: {machine()}; exporter at {commit()}")
+    print(f"machine: {machine()}; exporter at {commit()}; load average "
+          f"{', '.join(f'{load:.2f}' for load in os.getloadavg())} at the end")
     print(f"events per run: {events:,} in {args.batches} NDJSON batches of {args.batch_size:,}"
-          f" ({sum(map(len, bodies)) / events:.0f} bytes/event), {args.repeats} runs")
+          f" ({sum(map(len, bodies)) / events:.0f} bytes/event), {args.repeats} runs; each "
+          f"body through the floor and every exporter in turn")
     print(f"POST /v1/usage, per exporter CPU-second (HTTP + decode + validate + classify + "
-          f"count): median {app_median:,.0f} events  "
-          f"(runs: {', '.join(f'{r:,.0f}' for r in app_rates)})")
+          f"count): median {app_median:,.0f} events  (runs: {runs_text(rates[0])})")
     print(f"bare json.loads + counter, per CPU-second:                             "
-          f"median {bare_median:,.0f} events  "
-          f"(runs: {', '.join(f'{r:,.0f}' for r in bare_rates)})")
-    if before_rates:
-        before_median = statistics.median(before_rates)
-        print(f"the exporter in {args.before}, same bodies:                               "
-              f"median {before_median:,.0f} events  "
-              f"(runs: {', '.join(f'{r:,.0f}' for r in before_rates)}); ratio to bare "
-              f"{before_median / bare_median:.2f}")
-    if also_rates:
-        also_median = statistics.median(also_rates)
-        print(f"this exporter with {args.also_args!r}:                       "
-              f"median {also_median:,.0f} events  "
-              f"(runs: {', '.join(f'{r:,.0f}' for r in also_rates)}); ratio to bare "
-              f"{also_median / bare_median:.2f}")
+          f"median {bare_median:,.0f} events  (runs: {runs_text(bare_rates)})")
+    labels = [f"the exporter in {args.before}, same bodies:"] if args.before else []
+    if args.also_args is not None:
+        labels.append(f"this exporter with {args.also_args!r}:")
+    for label, median, target_rates in zip(labels, medians[1:], rates[1:], strict=True):
+        print(f"{label:71s}median {median:,.0f} events  (runs: {runs_text(target_rates)}); "
+              f"ratio to bare {median / bare_median:.2f}, this one / it "
+              f"{app_median / median:.2f}")
     met = app_median >= GOAL_EVENTS and ratio >= GOAL_RATIO
     print(f"ratio exporter / bare: {ratio:.2f}  (goal: >= {GOAL_EVENTS:,} events per CPU-second"
           f" and ratio >= {GOAL_RATIO}: {'met' if met else 'MISSED'})")
