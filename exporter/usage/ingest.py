@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from orjson import JSONDecodeError as OrjsonDecodeError
 from orjson import loads as _orjson_loads
 
 from exporter.usage.event import InvalidEvent, validate_row
@@ -125,7 +126,7 @@ def read_body(body: bytes | bytearray) -> Iterable[Item]:
     """``iter_body``, raising BodyError at once rather than at the first item.
 
     The ingest's own entry: an NDJSON body comes back as its ``NdjsonLines``, which
-    ``UsageIngest.process`` reads a run of lines at a time rather than an item at a time.
+    ``UsageIngest.process`` reads its lines directly rather than an item at a time.
     """
     start = len(BOM) if body.startswith(BOM) else 0
     size = len(body)
@@ -237,8 +238,8 @@ class NdjsonLines:
     """An NDJSON body split into its lines (after any leading BOM and whitespace).
 
     Iterating gives its items one at a time, as ``iter_body`` does; ``UsageIngest.process``
-    reads the lines themselves, a run at a time (``_line_run``), which is where the ingest
-    spends its time.
+    reads the lines themselves (``_process_lines``), which is where the ingest spends its
+    time.
     """
 
     __slots__ = ("lines", "first", "first_line", "_long_digits")
@@ -253,7 +254,7 @@ class NdjsonLines:
     @property
     def long_digits(self) -> set[int]:
         """The (1-based) numbers of the lines left to ``json`` (see ``_line_items``): a scan
-        of the whole body, made when first asked (the native format's runs need none)."""
+        of the whole body, made when first asked (the native format needs none)."""
         if self._long_digits is None:
             self._long_digits = _long_digit_lines(b"\n".join(self.lines))
         return self._long_digits
@@ -289,10 +290,15 @@ def _read_line(line: bytes, number: int, long_digits: set[int]) -> Item | None:
         return _decode_line(line, number)
 
 
+def _has_long_digits(line: bytes) -> bool:
+    """Whether ``line`` holds a run of 19 or more digits (orjson may read it differently)."""
+    return _LONG_DIGITS in line.translate(_DIGITS_TO_ZERO)
+
+
 def _read_line_exactly(line: bytes, number: int) -> Item | None:
     """``_read_line`` for a line read on its own: whether ``json`` reads it is decided by
     the line itself."""
-    if _LONG_DIGITS in line.translate(_DIGITS_TO_ZERO):
+    if _has_long_digits(line):
         return _decode_line(line, number)
     try:
         return _orjson_loads(line), number
@@ -304,26 +310,6 @@ def _is_blank(line: bytes) -> bool:
     """Whether ``_decode_line`` reads ``line`` as no event at all."""
     line = line.strip(_LINE_BLANK)
     return not line or line == BOM
-
-
-def _line_run(lines: Iterator[bytes], count: int, convert_row: RowConverter,
-              rows: list[UsageRow]) -> bytes | None:
-    """Decode (orjson) and convert up to ``count`` lines into ``rows``; the line it stopped
-    at (taken from ``lines``, not converted) if one could not be taken as it comes.
-
-    Anything raised stops the run without a verdict: that line is read again one item at a
-    time (``_read_line``, ``UsageIngest._item_row``), which gives the reason, or json's
-    reading, or a blank line's nothing, exactly as if the run had not been tried.
-    """
-    append = rows.append
-    loads = _orjson_loads
-    line = None
-    try:
-        for line in itertools.islice(lines, count):
-            append(convert_row(loads(line)))
-    except Exception:
-        return line
-    return None
 
 
 def _decode_line(line: bytes, number: int) -> Item | None:
@@ -397,11 +383,11 @@ class UsageIngest:
     async def process(self, items: Iterable[Item], convert: Converter) -> BatchResult:
         """Count a body's events in order, a slice (``EVENTS_PER_SLICE``) at a time.
 
-        An NDJSON body goes in runs of lines (``_process_lines``) when orjson's reading of
+        An NDJSON body is read line by line (``_process_lines``) when orjson's reading of
         each accepted line is ``json``'s: always in the native format, whose check rejects
         every number orjson reads differently (an integer beyond 64 bits, read as a float of
         at least 2**63 in size, is out of every field's range or of its type), so such a
-        line stops the run and is read again by ``json``; in other formats, when no line
+        line is rejected and then read again by ``json``; in other formats, when no line
         holds a run of 19 digits (``_long_digit_lines``).
         """
         convert_row = row_converter(convert)
@@ -442,59 +428,72 @@ class UsageIngest:
     async def _process_lines(self, body: NdjsonLines,
                              convert_row: RowConverter) -> BatchResult:
         """``process`` for an NDJSON body: the same items, slices and replies as one item
-        at a time, but the lines of a slice are decoded and converted in one run
-        (``_line_run``) that stops only at a line it cannot take as it comes (blank, not
-        orjson's, rejected); that line alone then goes the item-at-a-time way."""
+        at a time, without an item per line. Each line is decoded by orjson and converted
+        in one step; only a line that step refuses is looked at again: one orjson refused
+        gets ``json``'s reading (or is blank, no event), one the converter refused is
+        rejected with its reason, unless orjson may have read it differently from ``json``
+        (a run of 19 digits), or the converter failed otherwise: then it is read again on
+        its own (``_read_line_exactly``, ``_item_row``)."""
         result = BatchResult()
         record_rows = self.record_rows
         rows: list[UsageRow] = []
+        append = rows.append
         accepted = 0
         row = self._item_row(*body.first, 0, convert_row, result)
         if row is not None:
-            rows.append(row)
+            append(row)
         slice_left = EVENTS_PER_SLICE - 1
-        lines = body.lines
-        total = len(lines)
-        position = body.first_line  # lines consumed from ``remaining``
-        remaining = itertools.islice(lines, position, None)
-        while position < total:
+        loads = _orjson_loads
+        position = body.first_line  # the number of the line at hand, once counted up
+        for line in itertools.islice(body.lines, position, None):
+            position += 1
             if not slice_left:
-                # A new slice begins with its first event, not with blank lines.
-                while position < total and _is_blank(lines[position]):
-                    next(remaining)
-                    position += 1
-                if position == total:
-                    break
+                if _is_blank(line):  # a new slice begins with its first event
+                    continue
                 slice_left = EVENTS_PER_SLICE
                 # The slice's events are counted before anything else may run.
                 if rows:
                     record_rows(rows)
                     accepted += len(rows)
                     rows = []
+                    append = rows.append
                 if await self._abandon_after_slice(accepted, result):
                     break
-            before = len(rows)
-            stopped_at = _line_run(remaining, min(slice_left, total - position), convert_row,
-                                   rows)
-            taken = len(rows) - before
-            position += taken
-            slice_left -= taken
-            if stopped_at is None:
-                continue
-            position += 1  # the line the run stopped at, consumed; ``position`` is its number
-            item = _read_line_exactly(stopped_at, position)
-            if item is None:  # a blank line is no event
-                continue
+            try:
+                append(convert_row(loads(line)))
+            except OrjsonDecodeError:
+                item = _decode_line(line, position)
+                if item is None:  # a blank line is no event
+                    continue
+                row = self._item_row(item[0], position, accepted + len(rows) + result.rejected,
+                                     convert_row, result)
+                if row is not None:
+                    append(row)
+            except InvalidEvent as err:
+                if _has_long_digits(line):
+                    self._line_again(line, position, accepted + len(rows) + result.rejected,
+                                     convert_row, result, rows)
+                else:  # the converter's verdict on the line as json reads it too
+                    self._refused(err, accepted + len(rows) + result.rejected, position,
+                                  result)
+            except Exception:  # a converter bug: the item path says it, once
+                self._line_again(line, position, accepted + len(rows) + result.rejected,
+                                 convert_row, result, rows)
             slice_left -= 1
-            index = accepted + len(rows) + result.rejected
-            row = self._item_row(item[0], item[1], index, convert_row, result)
-            if row is not None:
-                rows.append(row)
         if rows:
             record_rows(rows)
             accepted += len(rows)
         result.accepted = accepted
         return result
+
+    def _line_again(self, line: bytes, number: int, index: int, convert_row: RowConverter,
+                    result: BatchResult, rows: list[UsageRow]) -> None:
+        """A line read on its own, as if it had never been tried (it is not blank)."""
+        item = _read_line_exactly(line, number)
+        assert item is not None
+        row = self._item_row(item[0], item[1], index, convert_row, result)
+        if row is not None:
+            rows.append(row)
 
     async def _abandon_after_slice(self, accepted: int, result: BatchResult) -> bool:
         """Yield to the loop between slices; whether the body is to be abandoned (nothing
@@ -506,6 +505,11 @@ class UsageIngest:
             return True
         return False
 
+    def _refused(self, err: InvalidEvent, index: int, line: int | None,
+                 result: BatchResult) -> None:
+        self.reject(err.reason)
+        result.add_error(index, err.reason, str(err), line)
+
     def _item_row(self, value: Any, line: int | None, index: int, convert_row: RowConverter,
                   result: BatchResult) -> UsageRow | None:
         """One item's event as a row, or None with the item rejected and its reason counted."""
@@ -516,8 +520,7 @@ class UsageIngest:
         try:
             return convert_row(value)
         except InvalidEvent as err:
-            self.reject(err.reason)
-            result.add_error(index, err.reason, str(err), line)
+            self._refused(err, index, line, result)
         except Exception:  # a converter bug must not cost the rest of the batch
             log.warning("usage event %d could not be converted", index, exc_info=True)
             self.reject("unprocessable")

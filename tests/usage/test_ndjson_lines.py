@@ -1,12 +1,12 @@
-"""Property: an NDJSON body read in runs of lines gives what reading it an item at a time gives.
+"""Property: an NDJSON body read line by line gives what reading it an item at a time gives.
 
-``POST /v1/usage`` decodes and converts the lines of an NDJSON body in runs (orjson, then the
-converter, line after line) and reads a line on its own only where a run stops: a blank line,
-one orjson refuses or reads differently from ``json`` (an integer beyond 64 bits), one the
-converter rejects. The reference is the body's items one at a time, as ``iter_body`` gives
-them (``json``'s reading wherever orjson's could differ). Both must hand the same events to
-the signals in the same slices, reject the same events with the same reasons, indexes and
-lines, and abandon the same bodies.
+``POST /v1/usage`` decodes (orjson) and converts each line of an NDJSON body in one step, and
+looks at a line again only when that step refuses it: a blank line, one orjson refuses or may
+read differently from ``json`` (an integer beyond 64 bits), one the converter rejects or
+fails on. The reference is the body's items one at a time, as ``iter_body`` gives them
+(``json``'s reading wherever orjson's could differ). Both must hand the same events to the
+signals in the same slices, reject the same events with the same reasons, indexes and lines,
+and abandon the same bodies.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def both_ways(body: bytes, convert: Any) -> tuple[Any, Any] | None:
     except BodyError:
         return None
     one_at_a_time = Recorder(convert).run(iter(list(items)))  # not an NdjsonLines
-    in_runs = Recorder(convert).run(read_body(body))
-    return one_at_a_time, in_runs
+    by_lines = Recorder(convert).run(read_body(body))
+    return one_at_a_time, by_lines
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -106,29 +106,29 @@ def both_ways(body: bytes, convert: Any) -> tuple[Any, Any] | None:
        per_slice=st.integers(min_value=1, max_value=7),
        abandon_after=st.integers(min_value=1, max_value=12),
        convert=st.sampled_from([native, revalidated]))
-def test_runs_of_lines_count_what_one_item_at_a_time_counts(body_lines, per_slice,
+def test_lines_count_what_one_item_at_a_time_counts(body_lines, per_slice,
                                                             abandon_after, convert):
     body = "\n".join(body_lines).encode("utf-8", "surrogateescape")
     with mock.patch.object(ingest, "EVENTS_PER_SLICE", per_slice), \
             mock.patch.object(ingest, "ABANDON_AFTER_REJECTIONS", abandon_after):
         outcome = both_ways(body, convert)
     if outcome is not None:
-        one_at_a_time, in_runs = outcome
-        assert in_runs == one_at_a_time
+        one_at_a_time, by_lines = outcome
+        assert by_lines == one_at_a_time
 
 
 @pytest.mark.parametrize("convert", [native, revalidated], ids=["native", "other"])
 @pytest.mark.parametrize("field", FIELDS)
 def test_every_field_holding_a_long_integer_is_read_as_json_reads_it(field, convert):
-    """Each field with each integer of 19 digits or more, after a line that is read on
-    its own (the first) and before one that is not: the runs must count what json reads."""
+    """Each field with each integer of 19 digits or more, after the first line (which
+    ``read_body`` reads on its own) and before another: counted as json reads it."""
     good = json.dumps({"caller": "alpha", "prompt_tokens": 4096, "cached_tokens": 2048})
     for big in BIG_VALUES:
         for value in (big, str(big)):
             line = json.dumps({"caller": "beta", "prompt_tokens": 4096, field: value})
             body = "\n".join([good, line, good]).encode()
-            one_at_a_time, in_runs = both_ways(body, convert)
-            assert in_runs == one_at_a_time, (field, value)
+            one_at_a_time, by_lines = both_ways(body, convert)
+            assert by_lines == one_at_a_time, (field, value)
 
 
 def test_a_native_line_with_an_integer_beyond_64_bits_gets_json_reading():
@@ -151,6 +151,6 @@ def test_blank_lines_after_a_full_slice_begin_no_slice(tail):
             mock.patch.object(ingest, "ABANDON_AFTER_REJECTIONS", 2):
         outcome = both_ways(body, native)
     assert outcome is not None
-    one_at_a_time, in_runs = outcome
-    assert in_runs == one_at_a_time
-    assert "abandoned" not in in_runs[0] and in_runs[0]["rejected"] == 2
+    one_at_a_time, by_lines = outcome
+    assert by_lines == one_at_a_time
+    assert "abandoned" not in by_lines[0] and by_lines[0]["rejected"] == 2
