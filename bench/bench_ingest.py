@@ -23,6 +23,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -141,6 +143,96 @@ def runs_text(rates: list[float]) -> str:
     return ", ".join(f"{rate:,.0f}" for rate in rates)
 
 
+IN_PROCESS_STAGES = ("split", "ingest without recording", "record", "whole", "floor")
+
+
+def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
+    """Microseconds per event of each stage of the ingest, in this process, best of
+    ``repeats`` (each on a fresh state): the body split (``read_body``); the ingest with
+    recording a no-op (decoding, validation, the loop); recording alone (``record_rows`` of
+    the validated rows, in the ingest's slices); the whole ingest; and the floor. Imports the
+    exporter of the working directory, so it measures whichever checkout it runs in."""
+    from exporter.config import Config
+    from exporter.usage.event import validate_row
+    from exporter.usage.formats import native
+    from exporter.usage.ingest import EVENTS_PER_SLICE, read_body
+    from exporter.wiring import HTTP_READER, signals_state, usage_ingest
+
+    config = Config(callers_max=100)
+    events = sum(body.count(b"\n") + 1 for body in bodies)
+    rows = [[validate_row(value) for value, _line in read_body(body)] for body in bodies]
+
+    def split() -> float:
+        start = time.perf_counter()
+        for body in bodies:
+            read_body(body)
+        return time.perf_counter() - start
+
+    def ingest(recording: bool) -> float:
+        state = signals_state(config)
+        reader = usage_ingest(config, state.usage)
+        if not recording:
+            reader.record_rows = len
+        loop = asyncio.new_event_loop()
+        try:
+            start = time.perf_counter()
+            for body in bodies:
+                loop.run_until_complete(reader.process(read_body(body), native))
+            return time.perf_counter() - start
+        finally:
+            loop.close()
+
+    def record() -> float:
+        record_rows = signals_state(config).usage.record_rows
+        start = time.perf_counter()
+        for body_rows in rows:
+            for at in range(0, len(body_rows), EVENTS_PER_SLICE):
+                record_rows(body_rows[at:at + EVENTS_PER_SLICE], HTTP_READER)
+        return time.perf_counter() - start
+
+    def floor() -> float:
+        start = time.perf_counter()
+        for body in bodies:
+            bare_body(body)
+        return time.perf_counter() - start
+
+    stages = (split, lambda: ingest(False), record, lambda: ingest(True), floor)
+    best = [min(stage() for _ in range(repeats)) for stage in stages]
+    return {name: spent / events * 1e6
+            for name, spent in zip(IN_PROCESS_STAGES, best, strict=True)}
+
+
+def in_process_of(root: Path, batches: int, batch_size: int, callers: int,
+                  repeats: int) -> dict[str, float]:
+    """``in_process`` run in a child process on the exporter of checkout ``root``."""
+    output = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--in-process-here",
+         "--batches", str(batches), "--batch-size", str(batch_size), "--callers", str(callers),
+         "--repeats", str(repeats)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, check=True,
+        capture_output=True, text=True).stdout
+    return {name: float(value) for name, value in json.loads(output).items()}
+
+
+def report_in_process(args: argparse.Namespace) -> int:
+    """``--in-process``: the stages of this checkout and of ``--before``, interleaved."""
+    roots = [Path(__file__).resolve().parent.parent]
+    if args.before is not None:
+        roots.append(args.before)
+    runs: list[list[dict[str, float]]] = [[] for _ in roots]
+    for _ in range(3):
+        for root, found in zip(roots, runs, strict=True):
+            found.append(in_process_of(root, 10, args.batch_size, args.callers, args.repeats))
+    print(f"machine: {machine()}; exporter at {commit()}; in-process, µs per event, best of "
+          f"{args.repeats} on 10 bodies of {args.batch_size:,}, the median of 3 such runs")
+    for root, found in zip(roots, runs, strict=True):
+        medians = {name: statistics.median(run[name] for run in found)
+                   for name in IN_PROCESS_STAGES}
+        print(f"{str(root):28s} " + "  ".join(f"{name} {value:.2f}"
+                                               for name, value in medians.items()))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=100)
@@ -155,7 +247,18 @@ def main() -> int:
     parser.add_argument("--also-args", default=None,
                         help="also measure this checkout's exporter with these flags instead "
                              "(e.g. '--no-web.uvloop'), between the others")
+    parser.add_argument("--in-process", action="store_true",
+                        help="instead: each stage of the ingest in-process, µs per event, "
+                             "this checkout and --before's")
+    parser.add_argument("--in-process-here", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.in_process_here:
+        stages = in_process(make_bodies(args.batches, args.batch_size, args.callers, seed=3),
+                            args.repeats)
+        print(json.dumps(stages))
+        return 0
+    if args.in_process:
+        return report_in_process(args)
     bodies = make_bodies(args.batches, args.batch_size, args.callers, seed=3)
     events = args.batches * args.batch_size
     exporter_args = ["--callers.max", str(max(100, args.callers)), "--log.level", "warning",
