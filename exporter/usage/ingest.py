@@ -125,8 +125,8 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
 def read_body(body: bytes | bytearray) -> Iterable[Item]:
     """``iter_body``, raising BodyError at once rather than at the first item.
 
-    The ingest's own entry: an NDJSON body comes back as its ``NdjsonLines``, which
-    ``UsageIngest.process`` reads its lines directly rather than an item at a time.
+    The ingest's own entry: an NDJSON body comes back as its ``NdjsonLines``, whose lines
+    ``UsageIngest.process`` reads directly rather than an item at a time.
     """
     start = len(BOM) if body.startswith(BOM) else 0
     size = len(body)
