@@ -143,15 +143,31 @@ def runs_text(rates: list[float]) -> str:
     return ", ".join(f"{rate:,.0f}" for rate in rates)
 
 
-IN_PROCESS_STAGES = ("split", "ingest without recording", "record", "whole", "floor")
+IN_PROCESS_STAGES = ("split", "ingest without recording", "record", "whole", "floor",
+                     "whole, 1 line in 10 rejected", "whole, every line rejected")
+# What the rejected lines of the last two stages hold: an event the check refuses (a negative
+# prompt), which costs a decode, a check and a rejection with its reason.
+REJECTED_LINE = b'{"caller":"agent-0","model":"qwen3.8-27b","prompt_tokens":-1}'
+
+
+def with_rejections(bodies: list[bytes], every: int) -> list[bytes]:
+    """The bodies with every ``every``-th line replaced by one the check rejects."""
+    out = []
+    for body in bodies:
+        lines = body.split(b"\n")
+        lines[every - 1::every] = [REJECTED_LINE] * len(lines[every - 1::every])
+        out.append(b"\n".join(lines))
+    return out
 
 
 def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
     """Microseconds per event of each stage of the ingest, in this process, best of
     ``repeats`` (each on a fresh state): the body split (``read_body``); the ingest with
     recording a no-op (decoding, validation, the loop); recording alone (``record_rows`` of
-    the validated rows, in the ingest's slices); the whole ingest; and the floor. Imports the
-    exporter of the working directory, so it measures whichever checkout it runs in."""
+    the validated rows, in the ingest's slices); the whole ingest; the floor; and the whole
+    ingest of the same bodies with 1 line in 10, then every line, rejected (per line).
+    Imports the exporter of the working directory, so it measures whichever checkout it runs
+    in."""
     from exporter.config import Config
     from exporter.usage.event import validate_row
     from exporter.usage.formats import native
@@ -168,7 +184,7 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
             read_body(body)
         return time.perf_counter() - start
 
-    def ingest(recording: bool) -> float:
+    def ingest(recording: bool, bodies: list[bytes] = bodies) -> float:
         state = signals_state(config)
         reader = usage_ingest(config, state.usage)
         if not recording:
@@ -196,7 +212,9 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
             bare_body(body)
         return time.perf_counter() - start
 
-    stages = (split, lambda: ingest(False), record, lambda: ingest(True), floor)
+    some_rejected, all_rejected = with_rejections(bodies, 10), with_rejections(bodies, 1)
+    stages = (split, lambda: ingest(False), record, lambda: ingest(True), floor,
+              lambda: ingest(True, some_rejected), lambda: ingest(True, all_rejected))
     best = [min(stage() for _ in range(repeats)) for stage in stages]
     return {name: spent / events * 1e6
             for name, spent in zip(IN_PROCESS_STAGES, best, strict=True)}
@@ -228,8 +246,8 @@ def report_in_process(args: argparse.Namespace) -> int:
     for root, found in zip(roots, runs, strict=True):
         medians = {name: statistics.median(run[name] for run in found)
                    for name in IN_PROCESS_STAGES}
-        print(f"{str(root):28s} " + "  ".join(f"{name} {value:.2f}"
-                                               for name, value in medians.items()))
+        print(f"{root}:\n    " + "\n    ".join(f"{name:30s} {value:.2f}"
+                                                for name, value in medians.items()))
     return 0
 
 
