@@ -31,7 +31,7 @@ from aiohttp import web
 from orjson import JSONDecodeError as OrjsonDecodeError
 from orjson import loads as _orjson_loads
 
-from exporter.usage.event import InvalidEvent, validate_row
+from exporter.usage.event import READING_DEPENDENT_REASONS, InvalidEvent, validate_row
 from exporter.usage.formats import Converter, RowConverter, row_converter
 from exporter.values import UsageRow
 
@@ -431,9 +431,10 @@ class UsageIngest:
         at a time, without an item per line. Each line is decoded by orjson and converted
         in one step; only a line that step refuses is looked at again: one orjson refused
         gets ``json``'s reading (or is blank, no event), one the converter refused is
-        rejected with its reason, unless orjson may have read it differently from ``json``
-        (a run of 19 digits), or the converter failed otherwise: then it is read again on
-        its own (``_read_line_exactly``, ``_item_row``)."""
+        rejected with its reason, unless that reason may differ on ``json``'s reading (a run
+        of 19 digits in the line, and a reason of ``READING_DEPENDENT_REASONS``), or the
+        converter failed otherwise: then it is read again on its own
+        (``_read_line_exactly``, ``_item_row``)."""
         result = BatchResult()
         record_rows = self.record_rows
         rows: list[UsageRow] = []
@@ -444,6 +445,8 @@ class UsageIngest:
             append(row)
         slice_left = EVENTS_PER_SLICE - 1
         loads = _orjson_loads
+        # Other formats come here only when no line holds a run of 19 digits (``process``).
+        native = convert_row is validate_row
         position = body.first_line  # the number of the line at hand, once counted up
         for line in itertools.islice(body.lines, position, None):
             position += 1
@@ -470,7 +473,8 @@ class UsageIngest:
                 if row is not None:
                     append(row)
             except InvalidEvent as err:
-                if _has_long_digits(line):
+                if native and err.reason in READING_DEPENDENT_REASONS \
+                        and _has_long_digits(line):
                     self._line_again(line, position, accepted + len(rows) + result.rejected,
                                      convert_row, result, rows)
                 else:  # the converter's verdict on the line as json reads it too
