@@ -7,10 +7,12 @@ POSTs the batches to ``/v1/usage`` one after another on one keep-alive connectio
 the exporter's CPU time (user + system, /proc) before and after each repeat, so the figure
 is the exporter's whole cost per event: HTTP, splitting, decoding, validation,
 classification, counting, and whatever else its event loop does meanwhile. The floor, in
-this process between the exporter's repeats: the stdlib ``json.loads`` and a counter
-increment per line of the same bodies (CPU time of this process), nothing else. Reported:
-the median of the repeats for each, and their ratio. Each repeat starts a fresh exporter,
-so every repeat sees the same callers arrive.
+this process: the stdlib ``json.loads`` and a counter increment per line of the same bodies
+(CPU time of this process), nothing else. Each body goes through the floor and then every
+exporter measured (``--before``, ``--also-args``) in turn before the next body, so that on a
+shared machine all of them see the same load. Reported: the median of the repeats for each,
+and their ratios. Each repeat starts fresh exporters, so every repeat sees the same callers
+arrive.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -65,15 +70,14 @@ def make_bodies(batches: int, batch_size: int, callers: int, seed: int) -> list[
     return bodies
 
 
-def bare_loop(bodies: list[bytes]) -> tuple[float, int]:
-    """CPU seconds of this process for json.loads + a counter over every line."""
+def bare_body(body: bytes) -> tuple[float, int]:
+    """CPU seconds of this process for json.loads + a counter over every line of a body."""
     loads = json.loads
     count = 0
     start = time.process_time()
-    for body in bodies:
-        for line in body.split(b"\n"):
-            loads(line)
-            count += 1
+    for line in body.split(b"\n"):
+        loads(line)
+        count += 1
     return time.process_time() - start, count
 
 
@@ -92,31 +96,159 @@ def events_counted(text: str) -> float:
     return total
 
 
-async def through_exporter(bodies: list[bytes], exporter_args: list[str],
-                           root: Path | None = None) -> tuple[float, int]:
-    """(exporter CPU seconds, events accepted) for POSTing every body once."""
-    workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
-    exporter = (ExporterProcess(workdir, exporter_args) if root is None
-                else ExporterProcess(workdir, exporter_args, root=root))
-    exporter.start()
-    accepted = 0
+async def one_run(bodies: list[bytes],
+                  targets: list[tuple[list[str], Path | None]]) -> tuple[float, list[float]]:
+    """(floor CPU seconds, each target exporter's CPU seconds) for every body once.
+
+    Each body is decoded by the floor loop, then POSTed to each exporter in turn, before the
+    next body: on a machine shared with other work, the figures compared are taken within
+    milliseconds of each other, not a second or more apart.
+    """
+    exporters = []
     try:
-        url = exporter.base_url + "/v1/usage"
-        connector = aiohttp.TCPConnector(limit=1)
+        for exporter_args, root in targets:
+            workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
+            exporter = (ExporterProcess(workdir, exporter_args) if root is None
+                        else ExporterProcess(workdir, exporter_args, root=root))
+            exporters.append(exporter)
+            exporter.start()
+        connector = aiohttp.TCPConnector(limit=len(exporters))
         async with aiohttp.ClientSession(connector=connector) as session:
-            before = exporter_cpu(exporter)
+            accepted = [0] * len(exporters)
+            floor = 0.0
+            before = [exporter_cpu(exporter) for exporter in exporters]
             for body in bodies:
-                async with session.post(url, data=body, headers={
-                        "Content-Type": "application/x-ndjson"}) as response:
-                    reply = await response.json()
-                    accepted += reply["accepted"]
-            spent = exporter_cpu(exporter) - before
-            async with session.get(exporter.base_url + "/metrics") as response:
-                counted = events_counted(await response.text())
-        assert counted == accepted, (counted, accepted)
+                spent, count = bare_body(body)
+                floor += spent
+                for index, exporter in enumerate(exporters):
+                    async with session.post(exporter.base_url + "/v1/usage", data=body,
+                                            headers={"Content-Type": "application/x-ndjson"}
+                                            ) as response:
+                        reply = await response.json()
+                        accepted[index] += reply["accepted"]
+                    assert reply["accepted"] == count, (reply, count)
+            spent_by = [exporter_cpu(exporter) - start
+                        for exporter, start in zip(exporters, before, strict=True)]
+            for exporter, events in zip(exporters, accepted, strict=True):
+                async with session.get(exporter.base_url + "/metrics") as response:
+                    counted = events_counted(await response.text())
+                assert counted == events, (counted, events)
     finally:
-        exporter.stop()
-    return spent, accepted
+        for exporter in exporters:
+            exporter.stop()
+    return floor, spent_by
+
+
+def runs_text(rates: list[float]) -> str:
+    return ", ".join(f"{rate:,.0f}" for rate in rates)
+
+
+IN_PROCESS_STAGES = ("split", "ingest without recording", "record", "whole", "floor",
+                     "whole, 1 line in 10 rejected", "whole, every line rejected")
+# What the rejected lines of the last two stages hold: an event the check refuses (a negative
+# prompt), which costs a decode, a check and a rejection with its reason.
+REJECTED_LINE = b'{"caller":"agent-0","model":"qwen3.8-27b","prompt_tokens":-1}'
+
+
+def with_rejections(bodies: list[bytes], every: int) -> list[bytes]:
+    """The bodies with every ``every``-th line replaced by one the check rejects."""
+    out = []
+    for body in bodies:
+        lines = body.split(b"\n")
+        lines[every - 1::every] = [REJECTED_LINE] * len(lines[every - 1::every])
+        out.append(b"\n".join(lines))
+    return out
+
+
+def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
+    """Microseconds per event of each stage of the ingest, in this process, best of
+    ``repeats`` (each on a fresh state): the body split (``read_body``); the ingest with
+    recording a no-op (decoding, validation, the loop); recording alone (``record_rows`` of
+    the validated rows, in the ingest's slices); the whole ingest; the floor; and the whole
+    ingest of the same bodies with 1 line in 10, then every line, rejected (per line).
+    Imports the exporter of the working directory, so it measures whichever checkout it runs
+    in."""
+    from exporter.config import Config
+    from exporter.usage.event import validate_row
+    from exporter.usage.formats import native
+    from exporter.usage.ingest import EVENTS_PER_SLICE, read_body
+    from exporter.wiring import HTTP_READER, signals_state, usage_ingest
+
+    config = Config(callers_max=100)
+    events = sum(body.count(b"\n") + 1 for body in bodies)
+    rows = [[validate_row(value) for value, _line in read_body(body)] for body in bodies]
+
+    def split() -> float:
+        start = time.perf_counter()
+        for body in bodies:
+            read_body(body)
+        return time.perf_counter() - start
+
+    def ingest(recording: bool, bodies: list[bytes] = bodies) -> float:
+        state = signals_state(config)
+        reader = usage_ingest(config, state.usage)
+        if not recording:
+            reader.record_rows = len
+        loop = asyncio.new_event_loop()
+        try:
+            start = time.perf_counter()
+            for body in bodies:
+                loop.run_until_complete(reader.process(read_body(body), native))
+            return time.perf_counter() - start
+        finally:
+            loop.close()
+
+    def record() -> float:
+        record_rows = signals_state(config).usage.record_rows
+        start = time.perf_counter()
+        for body_rows in rows:
+            for at in range(0, len(body_rows), EVENTS_PER_SLICE):
+                record_rows(body_rows[at:at + EVENTS_PER_SLICE], HTTP_READER)
+        return time.perf_counter() - start
+
+    def floor() -> float:
+        start = time.perf_counter()
+        for body in bodies:
+            bare_body(body)
+        return time.perf_counter() - start
+
+    some_rejected, all_rejected = with_rejections(bodies, 10), with_rejections(bodies, 1)
+    stages = (split, lambda: ingest(False), record, lambda: ingest(True), floor,
+              lambda: ingest(True, some_rejected), lambda: ingest(True, all_rejected))
+    best = [min(stage() for _ in range(repeats)) for stage in stages]
+    return {name: spent / events * 1e6
+            for name, spent in zip(IN_PROCESS_STAGES, best, strict=True)}
+
+
+def in_process_of(root: Path, batches: int, batch_size: int, callers: int,
+                  repeats: int) -> dict[str, float]:
+    """``in_process`` run in a child process on the exporter of checkout ``root``."""
+    output = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--in-process-here",
+         "--batches", str(batches), "--batch-size", str(batch_size), "--callers", str(callers),
+         "--repeats", str(repeats)],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, check=True,
+        capture_output=True, text=True).stdout
+    return {name: float(value) for name, value in json.loads(output).items()}
+
+
+def report_in_process(args: argparse.Namespace) -> int:
+    """``--in-process``: the stages of this checkout and of ``--before``, interleaved."""
+    roots = [Path(__file__).resolve().parent.parent]
+    if args.before is not None:
+        roots.append(args.before)
+    runs: list[list[dict[str, float]]] = [[] for _ in roots]
+    for _ in range(3):
+        for root, found in zip(roots, runs, strict=True):
+            found.append(in_process_of(root, 10, args.batch_size, args.callers, args.repeats))
+    print(f"machine: {machine()}; exporter at {commit()}; in-process, µs per event, best of "
+          f"{args.repeats} on 10 bodies of {args.batch_size:,}, the median of 3 such runs")
+    for root, found in zip(roots, runs, strict=True):
+        medians = {name: statistics.median(run[name] for run in found)
+                   for name in IN_PROCESS_STAGES}
+        print(f"{root}:\n    " + "\n    ".join(f"{name:30s} {value:.2f}"
+                                                for name, value in medians.items()))
+    return 0
 
 
 def main() -> int:
@@ -133,55 +265,54 @@ def main() -> int:
     parser.add_argument("--also-args", default=None,
                         help="also measure this checkout's exporter with these flags instead "
                              "(e.g. '--no-web.uvloop'), between the others")
+    parser.add_argument("--in-process", action="store_true",
+                        help="instead: each stage of the ingest in-process, µs per event, "
+                             "this checkout and --before's")
+    parser.add_argument("--in-process-here", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.in_process_here:
+        stages = in_process(make_bodies(args.batches, args.batch_size, args.callers, seed=3),
+                            args.repeats)
+        print(json.dumps(stages))
+        return 0
+    if args.in_process:
+        return report_in_process(args)
     bodies = make_bodies(args.batches, args.batch_size, args.callers, seed=3)
     events = args.batches * args.batch_size
     exporter_args = ["--callers.max", str(max(100, args.callers)), "--log.level", "warning",
                      *args.exporter_args.split()]
-    app_rates: list[float] = []
+    targets: list[tuple[list[str], Path | None]] = [(exporter_args, None)]
+    if args.before is not None:
+        targets.append((exporter_args, args.before))
+    if args.also_args is not None:
+        targets.append(([*exporter_args, *args.also_args.split()], None))
     bare_rates: list[float] = []
-    before_rates: list[float] = []
-    also_rates: list[float] = []
-    also_args = None if args.also_args is None else [*exporter_args, *args.also_args.split()]
+    rates: list[list[float]] = [[] for _ in targets]
     for _ in range(args.repeats):
-        spent, bare_count = bare_loop(bodies)
-        assert bare_count == events
-        bare_rates.append(events / spent)
-        spent, accepted = asyncio.run(through_exporter(bodies, exporter_args))
-        assert accepted == events, accepted
-        app_rates.append(events / spent)
-        if args.before is not None:
-            spent, accepted = asyncio.run(through_exporter(bodies, exporter_args, args.before))
-            assert accepted == events, accepted
-            before_rates.append(events / spent)
-        if also_args is not None:
-            spent, accepted = asyncio.run(through_exporter(bodies, also_args))
-            assert accepted == events, accepted
-            also_rates.append(events / spent)
-    app_median = statistics.median(app_rates)
+        floor, spent_by = asyncio.run(one_run(bodies, targets))
+        bare_rates.append(events / floor)
+        for target_rates, spent in zip(rates, spent_by, strict=True):
+            target_rates.append(events / spent)
     bare_median = statistics.median(bare_rates)
+    medians = [statistics.median(target_rates) for target_rates in rates]
+    app_median = medians[0]
     ratio = app_median / bare_median
-    print(f"machine: {machine()}; exporter at {commit()}")
+    print(f"machine: {machine()}; exporter at {commit()}; load average "
+          f"{', '.join(f'{load:.2f}' for load in os.getloadavg())} at the end")
     print(f"events per run: {events:,} in {args.batches} NDJSON batches of {args.batch_size:,}"
-          f" ({sum(map(len, bodies)) / events:.0f} bytes/event), {args.repeats} runs")
+          f" ({sum(map(len, bodies)) / events:.0f} bytes/event), {args.repeats} runs; each "
+          f"body through the floor and every exporter in turn")
     print(f"POST /v1/usage, per exporter CPU-second (HTTP + decode + validate + classify + "
-          f"count): median {app_median:,.0f} events  "
-          f"(runs: {', '.join(f'{r:,.0f}' for r in app_rates)})")
+          f"count): median {app_median:,.0f} events  (runs: {runs_text(rates[0])})")
     print(f"bare json.loads + counter, per CPU-second:                             "
-          f"median {bare_median:,.0f} events  "
-          f"(runs: {', '.join(f'{r:,.0f}' for r in bare_rates)})")
-    if before_rates:
-        before_median = statistics.median(before_rates)
-        print(f"the exporter in {args.before}, same bodies:                               "
-              f"median {before_median:,.0f} events  "
-              f"(runs: {', '.join(f'{r:,.0f}' for r in before_rates)}); ratio to bare "
-              f"{before_median / bare_median:.2f}")
-    if also_rates:
-        also_median = statistics.median(also_rates)
-        print(f"this exporter with {args.also_args!r}:                       "
-              f"median {also_median:,.0f} events  "
-              f"(runs: {', '.join(f'{r:,.0f}' for r in also_rates)}); ratio to bare "
-              f"{also_median / bare_median:.2f}")
+          f"median {bare_median:,.0f} events  (runs: {runs_text(bare_rates)})")
+    labels = [f"the exporter in {args.before}, same bodies:"] if args.before else []
+    if args.also_args is not None:
+        labels.append(f"this exporter with {args.also_args!r}:")
+    for label, median, target_rates in zip(labels, medians[1:], rates[1:], strict=True):
+        print(f"{label:71s}median {median:,.0f} events  (runs: {runs_text(target_rates)}); "
+              f"ratio to bare {median / bare_median:.2f}, this one / it "
+              f"{app_median / median:.2f}")
     met = app_median >= GOAL_EVENTS and ratio >= GOAL_RATIO
     print(f"ratio exporter / bare: {ratio:.2f}  (goal: >= {GOAL_EVENTS:,} events per CPU-second"
           f" and ratio >= {GOAL_RATIO}: {'met' if met else 'MISSED'})")

@@ -103,14 +103,18 @@ class ConversationTracker:
         self.idle_seconds = settings.conversation_idle_seconds
         self.max_conversations = max(1, settings.max_conversations)
         self._state_tokens = dict(settings.state_tokens)
-        self._conversations: dict[tuple[str, str, str | None], Conversation] = {}
+        # (caller, model name, session) -> its conversation, least recently seen first.
+        # Updated in place by UsageState.record_rows (the steps of ``observe``, inlined).
+        self.by_key: dict[tuple[str, str, str | None], Conversation] = {}
         self.dropped_active = 0
         self.models: dict[str, None] = {}  # model labels seen, for series kept at 0
 
     def observe(self, caller: str, model_name: str, model: str, session: str | None,
                 context_tokens: int, when: float, now: float) -> None:
-        """One successful turn that ended at ``when`` (``now`` decides what is still live)."""
-        conversations = self._conversations
+        """One successful turn that ended at ``when`` (``now`` decides what is still live).
+
+        ``UsageState.record_rows`` takes these same steps inline, on ``by_key``."""
+        conversations = self.by_key
         key = (caller, model_name, session)
         known = conversations.pop(key, None)
         if known is None:
@@ -123,9 +127,13 @@ class ConversationTracker:
         if model not in self.models:
             self.models[model] = None
         if len(conversations) > self.max_conversations:
-            oldest = conversations.pop(next(iter(conversations)))
-            if oldest.last_seen >= now - self.idle_seconds:
-                self.dropped_active += 1
+            self.drop_oldest(now)
+
+    def drop_oldest(self, now: float) -> None:
+        """Forget the least recently seen conversation (the bound is passed)."""
+        oldest = self.by_key.pop(next(iter(self.by_key)))
+        if oldest.last_seen >= now - self.idle_seconds:
+            self.dropped_active += 1
 
     def state_tokens(self, model_name: str) -> int:
         """Pool tokens one conversation of this model holds beside its context."""
@@ -135,7 +143,7 @@ class ConversationTracker:
         """Conversations seen within the idle window (a full scan: event times need not
         arrive in order, so recency of arrival says nothing; bounded by the LRU)."""
         cutoff = now - self.idle_seconds
-        for conversation in self._conversations.values():
+        for conversation in self.by_key.values():
             if conversation.last_seen >= cutoff:
                 yield conversation
 
@@ -174,10 +182,10 @@ class ConversationTracker:
         return demand
 
     def model_names(self) -> set[str]:
-        return {conversation.model_name for conversation in self._conversations.values()}
+        return {conversation.model_name for conversation in self.by_key.values()}
 
     def __len__(self) -> int:
-        return len(self._conversations)
+        return len(self.by_key)
 
 
 # ---- which vLLM a model's conversations live on --------------------------------------------

@@ -23,11 +23,23 @@ DEFAULT_MIN_GRANULARITY = 16
 
 
 @dataclass(slots=True)
-class _ModelSamples:
+class ModelSamples:
     window: deque[int]
     gcd: int = 0
     agreeing: int = 0  # consecutive samples over which ``gcd`` did not change
     since_full_gcd: int = 0  # samples since the gcd was last computed over the whole window
+    # How many more samples may take the common case (a multiple of ``gcd`` once it has held
+    # for ``min_agreeing``: nothing changes but the counts) before the window has turned
+    # over; 0 while the gcd has not held long enough.
+    quick_left: int = 0
+
+    def take_quickly(self, cached_tokens: int) -> None:
+        """The common case of ``GranularityLearner.observe`` (``quick_left`` and the gcd
+        dividing ``cached_tokens`` checked by the caller)."""
+        self.window.append(cached_tokens)
+        self.since_full_gcd += 1
+        self.agreeing += 1
+        self.quick_left -= 1
 
 
 class GranularityLearner:
@@ -36,27 +48,26 @@ class GranularityLearner:
         self.window = window
         self.min_agreeing = min_agreeing
         self.min_granularity = min_granularity
-        self._models: dict[str, _ModelSamples] = {}
-        # Read directly by UsageState.record on the hot path.
+        # Read directly by UsageState.record_rows on the hot path, which takes the common
+        # case itself (``ModelSamples.quick_left``).
+        self.samples_by_model: dict[str, ModelSamples] = {}
         self.learned_by_model: dict[str, int] = {}
 
     def observe(self, model: str, cached_tokens: int) -> None:
         """Fold in one reported cached count (zeros carry no information and are skipped)."""
         if cached_tokens <= 0:
             return
-        samples = self._models.get(model)
+        samples = self.samples_by_model.get(model)
         if samples is None:
-            samples = self._models[model] = _ModelSamples(deque(maxlen=self.window))
+            samples = self.samples_by_model[model] = ModelSamples(deque(maxlen=self.window))
+        if samples.quick_left and cached_tokens % samples.gcd == 0:
+            # The common case once learned: the sample keeps the gcd, which stays adopted
+            # (or stays too small to adopt) as it was.
+            samples.take_quickly(cached_tokens)
+            return
         window = samples.window
         window.append(cached_tokens)
         samples.since_full_gcd += 1
-        if samples.since_full_gcd < self.window and samples.agreeing >= self.min_agreeing \
-                and samples.gcd \
-                and cached_tokens % samples.gcd == 0:
-            # The common case once learned: the sample keeps the gcd, which stays adopted
-            # (or stays too small to adopt) as it was.
-            samples.agreeing += 1
-            return
         # A new sample can only lower the gcd, so it is folded in cheaply; samples leaving the
         # window can raise it, so once the window has turned over the gcd is recomputed over
         # it. The learned value thus reflects the last ``window`` to ``2 * window`` samples.
@@ -70,6 +81,10 @@ class GranularityLearner:
         else:
             samples.gcd = gcd
             samples.agreeing = 1
+        # The common case is open while the sample after next still falls before the window
+        # turns over (``since_full_gcd`` reaching ``window``).
+        samples.quick_left = max(0, self.window - 1 - samples.since_full_gcd) \
+            if samples.agreeing >= self.min_agreeing and gcd else 0
         if samples.agreeing >= self.min_agreeing and gcd >= self.min_granularity:
             self.learned_by_model[model] = gcd
         else:

@@ -24,9 +24,9 @@ from exporter.signals.callers import (
     LabelCap,
     NamePolicy,
 )
-from exporter.signals.classify import COLD, ERROR, STATES, WARM, classify
+from exporter.signals.classify import COLD, ERROR, PARTIAL, SHORT, STATES, UNKNOWN, WARM
 from exporter.signals.engine import EngineState
-from exporter.signals.foresight import ConversationTracker, ForesightSettings
+from exporter.signals.foresight import Conversation, ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner, provisional_granularity
 from exporter.signals.history import CALLER_FIELDS, History
 from exporter.signals.order import DEFAULT_WINDOW_SECONDS, OrderTracker
@@ -251,11 +251,18 @@ class UsageState:
         history = self._history
         history_pop = history.pop
         learner_observe = self.learner.observe
+        learner_samples_get = self.learner.samples_by_model.get
         learned_get = self.learner.learned_by_model.get
         configured = self.configured_granularity
         warm_tail = self.warm_tail_granules
         missing_as_zero = self.missing_cached_as_zero
-        observe_conversation = self.conversations.observe
+        # The live conversations (signals/foresight.py), kept here inline: the same key as
+        # the history's, and a method call per event saved.
+        tracker = self.conversations
+        conversations = tracker.by_key
+        conversations_pop = conversations.pop
+        conversation_models = tracker.models
+        max_conversations = tracker.max_conversations
         overflowed_events = folded_events = 0
         state = ERROR
         for row in rows:
@@ -282,18 +289,45 @@ class UsageState:
                 if not series.reported_cached:
                     series.reported_cached = True
                 if cached:
-                    learner_observe(model, cached)
+                    samples = learner_samples_get(model)
+                    if samples is not None and samples.quick_left \
+                            and cached % samples.gcd == 0:
+                        # the learner's common case (ModelSamples.take_quickly), inlined
+                        samples.window.append(cached)
+                        samples.since_full_gcd += 1
+                        samples.agreeing += 1
+                        samples.quick_left -= 1
+                    else:
+                        learner_observe(model, cached)
 
-            history_key = (caller, model_name, session)
-            previous = history_pop(history_key, None)
-            history[history_key] = prompt_tokens
+            key = (caller, model_name, session)  # the conversation
+            previous = history_pop(key, None)
+            history[key] = prompt_tokens
             if len(history) > HISTORY_MAX:
                 del history[next(iter(history))]
 
             granularity = configured or learned_get(model) or self.granularity(model)[0]
             if granularity == 1:  # nothing known yet: estimate from this request alone
                 granularity = provisional_granularity(cached)
-            state = classify(prompt_tokens, cached, granularity, previous, warm_tail)
+            # classify(prompt_tokens, cached, granularity, previous, warm_tail), inlined (one
+            # call per event saved); tests/usage/test_classify.py holds the two together.
+            bound = (prompt_tokens - 1) // granularity * granularity
+            if previous is not None and previous < prompt_tokens:
+                previous_bound = (previous - 1) // granularity * granularity
+                if previous_bound < bound:
+                    bound = previous_bound
+            if cached is not None and cached > bound:
+                bound = cached
+            if bound < granularity:
+                state = SHORT
+            elif cached is None:
+                state = UNKNOWN
+            elif cached == 0:
+                state = COLD
+            elif cached >= bound - warm_tail * granularity:
+                state = WARM
+            else:
+                state = PARTIAL
             series.requests[state] += 1
             if previous is not None and previous < prompt_tokens:
                 series.followups += 1
@@ -338,9 +372,22 @@ class UsageState:
                 hist.total += engine_queue
             # Foresight: the conversation's latest context, and what the turn used of the
             # completion budget it declared.
-            observe_conversation(caller, model_name, model, session,
-                                 prompt_tokens + (completion or 0),
-                                 now if when is None else when, now)
+            # (ConversationTracker's LRU: moved to the end, the oldest out past the bound.)
+            context_tokens = prompt_tokens + completion if completion else prompt_tokens
+            if when is None:
+                when = now
+            conversation = conversations_pop(key, None)
+            if conversation is None:
+                conversation = Conversation(model_name, model, context_tokens, when)
+            else:
+                conversation.context_tokens = context_tokens
+                if when > conversation.last_seen:
+                    conversation.last_seen = when
+            conversations[key] = conversation
+            if model not in conversation_models:
+                conversation_models[model] = None
+            if len(conversations) > max_conversations:
+                tracker.drop_oldest(now)
             if declared is not None and completion is not None:
                 hist = series.completion
                 if hist is None:

@@ -42,6 +42,12 @@ REASONS = (
     "too_large", "cached_exceeds_prompt", "bad_status",
 )
 
+# The reasons ``validate_row`` can give differently for a JSON integer beyond 64 bits read as
+# an integer (json) or as a float (orjson): its status is refused with another message, and
+# its model or session is a valid name as an integer's text. Every other reason is reached
+# alike (such a float is out of every number field's range, as the integer is).
+READING_DEPENDENT_REASONS = frozenset({"bad_status", "bad_model", "bad_session"})
+
 
 def loads(data: str | bytes | bytearray) -> Any:
     """``json.loads`` whose every failure is a ValueError.
@@ -251,7 +257,7 @@ def validate_row(obj: Mapping[str, Any]) -> UsageRow:
     if queue is not None and not (type(queue) is float and 0.0 <= queue <= MAX_SECONDS):
         queue = _seconds(obj, "queue_seconds", MAX_SECONDS)
     when = get("time")
-    if when is not None and not (type(when) is float and 0.0 <= when < math.inf):
+    if when is not None and not (type(when) is float and 0.0 <= when <= MAX_TIMESTAMP):
         when = _seconds(obj, "time", MAX_TIMESTAMP)
     model = get("model")
     if type(model) is not str or model not in _valid_models:

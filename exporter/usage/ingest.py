@@ -23,15 +23,16 @@ import itertools
 import json
 import json.scanner
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from orjson import JSONDecodeError as OrjsonDecodeError
 from orjson import loads as _orjson_loads
 
-from exporter.usage.event import InvalidEvent
-from exporter.usage.formats import Converter, row_converter
+from exporter.usage.event import READING_DEPENDENT_REASONS, InvalidEvent, validate_row
+from exporter.usage.formats import Converter, RowConverter, row_converter
 from exporter.values import UsageRow
 
 log = logging.getLogger(__name__)
@@ -121,12 +122,11 @@ def iter_body(body: bytes | bytearray) -> Iterator[Item]:
     yield from read_body(body)
 
 
-def read_body(body: bytes | bytearray) -> Iterator[Item]:
+def read_body(body: bytes | bytearray) -> Iterable[Item]:
     """``iter_body``, raising BodyError at once rather than at the first item.
 
-    The ingest's own entry: what it returns is the line reader itself (behind the first
-    line it looked at), with no generator of its own in between, since every event of a
-    body passes through each layer.
+    The ingest's own entry: an NDJSON body comes back as its ``NdjsonLines``, whose lines
+    ``UsageIngest.process`` reads directly rather than an item at a time.
     """
     start = len(BOM) if body.startswith(BOM) else 0
     size = len(body)
@@ -156,13 +156,18 @@ def read_body(body: bytes | bytearray) -> Iterator[Item]:
         value, stop = _scan_value(text, 0)
         if stop >= 0 and not text[stop:].strip(_WHITESPACE):
             return iter(((value, None),))
-    items = _iter_lines(body, start)
-    first = next(items, None)
-    if first is None:  # nothing but blank lines and byte-order marks
+    data = bytes(memoryview(body)[start:])
+    lines = data.split(b"\n")
+    del data
+    for number, line in enumerate(lines, 1):
+        first = _read_line_exactly(line, number)
+        if first is not None:
+            break
+    else:  # nothing but blank lines and byte-order marks
         raise BodyError("bad_body", "the body is empty")
     if type(first[0]) is Unreadable and first_newline < 0:
         raise BodyError("bad_body", "the body is not JSON, a JSON array, or NDJSON")
-    return itertools.chain((first,), items)
+    return NdjsonLines(lines, first, number)
 
 
 def _is_value(body: bytes | bytearray, start: int, end: int) -> bool:
@@ -229,7 +234,37 @@ def _array_elements(text: str) -> Iterator[Any]:
         raise BodyError("bad_body", "text follows the JSON array")
 
 
-def _iter_lines(body: bytes | bytearray, start: int) -> Iterator[Item]:
+class NdjsonLines:
+    """An NDJSON body split into its lines (after any leading BOM and whitespace).
+
+    Iterating gives its items one at a time, as ``iter_body`` does; ``UsageIngest.process``
+    reads the lines themselves (``_process_lines``), which is where the ingest spends its
+    time.
+    """
+
+    __slots__ = ("lines", "first", "first_line", "_long_digits")
+
+    def __init__(self, lines: list[bytes], first: Item, first_line: int) -> None:
+        self.lines = lines
+        # The first item, already read (to tell NDJSON from other bodies), and its line.
+        self.first = first
+        self.first_line = first_line
+        self._long_digits: set[int] | None = None
+
+    @property
+    def long_digits(self) -> set[int]:
+        """The (1-based) numbers of the lines left to ``json`` (see ``_line_items``): a scan
+        of the whole body, made when first asked (the native format needs none)."""
+        if self._long_digits is None:
+            self._long_digits = _long_digit_lines(b"\n".join(self.lines))
+        return self._long_digits
+
+    def __iter__(self) -> Iterator[Item]:
+        yield self.first
+        yield from _line_items(self.lines, self.long_digits, self.first_line)
+
+
+def _line_items(lines: list[bytes], long_digits: set[int], start: int = 0) -> Iterator[Item]:
     """NDJSON lines, decoded by orjson where it reads a line exactly as ``json`` does.
 
     orjson refuses what ``json`` takes beyond the JSON standard (NaN and the infinities,
@@ -239,19 +274,42 @@ def _iter_lines(body: bytes | bytearray, start: int) -> Iterator[Item]:
     64 bits (as a float): lines with a run of 19 or more digits (a cheap superset of those)
     are left to ``json``.
     """
-    data = bytes(memoryview(body)[start:])
-    long_digits = _long_digit_lines(data)
-    fast = _orjson_loads
-    for number, line in enumerate(data.split(b"\n"), 1):
-        if long_digits and number in long_digits:
-            item = _decode_line(line, number)
-        else:
-            try:
-                item = fast(line), number
-            except ValueError:  # orjson.JSONDecodeError is a ValueError
-                item = _decode_line(line, number)
+    for number, line in enumerate(itertools.islice(lines, start, None), start + 1):
+        item = _read_line(line, number, long_digits)
         if item is not None:
             yield item
+
+
+def _read_line(line: bytes, number: int, long_digits: set[int]) -> Item | None:
+    """One NDJSON line's item (None for a blank line), as ``_line_items`` reads it."""
+    if long_digits and number in long_digits:
+        return _decode_line(line, number)
+    try:
+        return _orjson_loads(line), number
+    except ValueError:  # orjson.JSONDecodeError is a ValueError
+        return _decode_line(line, number)
+
+
+def _has_long_digits(line: bytes) -> bool:
+    """Whether ``line`` holds a run of 19 or more digits (orjson may read it differently)."""
+    return _LONG_DIGITS in line.translate(_DIGITS_TO_ZERO)
+
+
+def _read_line_exactly(line: bytes, number: int) -> Item | None:
+    """``_read_line`` for a line read on its own: whether ``json`` reads it is decided by
+    the line itself."""
+    if _has_long_digits(line):
+        return _decode_line(line, number)
+    try:
+        return _orjson_loads(line), number
+    except ValueError:
+        return _decode_line(line, number)
+
+
+def _is_blank(line: bytes) -> bool:
+    """Whether ``_decode_line`` reads ``line`` as no event at all."""
+    line = line.strip(_LINE_BLANK)
+    return not line or line == BOM
 
 
 def _decode_line(line: bytes, number: int) -> Item | None:
@@ -322,11 +380,28 @@ class UsageIngest:
             return False
         return hmac.compare_digest(credentials.strip().encode("utf-8"), self.token)
 
-    async def process(self, items: Iterator[Item], convert: Converter) -> BatchResult:
+    async def process(self, items: Iterable[Item], convert: Converter) -> BatchResult:
+        """Count a body's events in order, a slice (``EVENTS_PER_SLICE``) at a time.
+
+        An NDJSON body is read line by line (``_process_lines``) when orjson's reading of
+        each accepted line is ``json``'s: always in the native format, whose check rejects
+        every number orjson reads differently (an integer beyond 64 bits, read as a float of
+        at least 2**63 in size, is out of every field's range or of its type), so such a
+        line is rejected and then read again by ``json``; in other formats, when no line
+        holds a run of 19 digits (``_long_digit_lines``).
+        """
+        convert_row = row_converter(convert)
+        if type(items) is NdjsonLines and (convert_row is validate_row
+                                           or not items.long_digits):
+            return await self._process_lines(items, convert_row)
+        return await self._process_items(iter(items), convert_row)
+
+    async def _process_items(self, items: Iterator[Item],
+                             convert_row: RowConverter) -> BatchResult:
+        """``process``, one decoded item at a time (JSON arrays, and NDJSON bodies with
+        lines left to ``json``)."""
         result = BatchResult()
         record_rows = self.record_rows
-        reject = self.reject
-        convert_row = row_converter(convert)
         rows: list[UsageRow] = []
         accepted = 0
         slice_left = EVENTS_PER_SLICE
@@ -338,34 +413,123 @@ class UsageIngest:
                     record_rows(rows)
                     accepted += len(rows)
                     rows = []
-                await asyncio.sleep(0)
-                if not accepted and result.rejected >= ABANDON_AFTER_REJECTIONS:
-                    result.abandoned = True
-                    self.reject_request("abandoned")
+                if await self._abandon_after_slice(accepted, result):
                     break
             slice_left -= 1
-            if type(value) is Unreadable:
-                reject(value.reason)
-                result.add_error(index, value.reason, value.message, line)
-                continue
-            try:
-                row = convert_row(value)
-            except InvalidEvent as err:
-                reject(err.reason)
-                result.add_error(index, err.reason, str(err), line)
-                continue
-            except Exception:  # a converter bug must not cost the rest of the batch
-                log.warning("usage event %d could not be converted", index, exc_info=True)
-                reject("unprocessable")
-                result.add_error(index, "unprocessable", "the event could not be read",
-                                 line)
-                continue
-            rows.append(row)
+            row = self._item_row(value, line, index, convert_row, result)
+            if row is not None:
+                rows.append(row)
         if rows:
             record_rows(rows)
             accepted += len(rows)
         result.accepted = accepted
         return result
+
+    async def _process_lines(self, body: NdjsonLines,
+                             convert_row: RowConverter) -> BatchResult:
+        """``process`` for an NDJSON body: the same items, slices and replies as one item
+        at a time, without an item per line. Each line is decoded by orjson and converted
+        in one step; only a line that step refuses is looked at again: one orjson refused
+        gets ``json``'s reading (or is blank, no event), one the converter refused is
+        rejected with its reason, unless that reason may differ on ``json``'s reading (a run
+        of 19 digits in the line, and a reason of ``READING_DEPENDENT_REASONS``), or the
+        converter failed otherwise: then it is read again on its own
+        (``_read_line_exactly``, ``_item_row``)."""
+        result = BatchResult()
+        record_rows = self.record_rows
+        rows: list[UsageRow] = []
+        append = rows.append
+        accepted = 0
+        row = self._item_row(*body.first, 0, convert_row, result)
+        if row is not None:
+            append(row)
+        slice_left = EVENTS_PER_SLICE - 1
+        loads = _orjson_loads
+        # Other formats come here only when no line holds a run of 19 digits (``process``).
+        native = convert_row is validate_row
+        position = body.first_line  # the number of the line at hand, once counted up
+        for line in itertools.islice(body.lines, position, None):
+            position += 1
+            if not slice_left:
+                if _is_blank(line):  # a new slice begins with its first event
+                    continue
+                slice_left = EVENTS_PER_SLICE
+                # The slice's events are counted before anything else may run.
+                if rows:
+                    record_rows(rows)
+                    accepted += len(rows)
+                    rows = []
+                    append = rows.append
+                if await self._abandon_after_slice(accepted, result):
+                    break
+            try:
+                append(convert_row(loads(line)))
+            except OrjsonDecodeError:
+                item = _decode_line(line, position)
+                if item is None:  # a blank line is no event
+                    continue
+                row = self._item_row(item[0], position, accepted + len(rows) + result.rejected,
+                                     convert_row, result)
+                if row is not None:
+                    append(row)
+            except InvalidEvent as err:
+                if native and err.reason in READING_DEPENDENT_REASONS \
+                        and _has_long_digits(line):
+                    self._line_again(line, position, accepted + len(rows) + result.rejected,
+                                     convert_row, result, rows)
+                else:  # the converter's verdict on the line as json reads it too
+                    self._refused(err, accepted + len(rows) + result.rejected, position,
+                                  result)
+            except Exception:  # a converter bug: the item path says it, once
+                self._line_again(line, position, accepted + len(rows) + result.rejected,
+                                 convert_row, result, rows)
+            slice_left -= 1
+        if rows:
+            record_rows(rows)
+            accepted += len(rows)
+        result.accepted = accepted
+        return result
+
+    def _line_again(self, line: bytes, number: int, index: int, convert_row: RowConverter,
+                    result: BatchResult, rows: list[UsageRow]) -> None:
+        """A line read on its own, as if it had never been tried (it is not blank)."""
+        item = _read_line_exactly(line, number)
+        assert item is not None
+        row = self._item_row(item[0], item[1], index, convert_row, result)
+        if row is not None:
+            rows.append(row)
+
+    async def _abandon_after_slice(self, accepted: int, result: BatchResult) -> bool:
+        """Yield to the loop between slices; whether the body is to be abandoned (nothing
+        accepted in the first ``ABANDON_AFTER_REJECTIONS`` events)."""
+        await asyncio.sleep(0)
+        if not accepted and result.rejected >= ABANDON_AFTER_REJECTIONS:
+            result.abandoned = True
+            self.reject_request("abandoned")
+            return True
+        return False
+
+    def _refused(self, err: InvalidEvent, index: int, line: int | None,
+                 result: BatchResult) -> None:
+        self.reject(err.reason)
+        result.add_error(index, err.reason, str(err), line)
+
+    def _item_row(self, value: Any, line: int | None, index: int, convert_row: RowConverter,
+                  result: BatchResult) -> UsageRow | None:
+        """One item's event as a row, or None with the item rejected and its reason counted."""
+        if type(value) is Unreadable:
+            self.reject(value.reason)
+            result.add_error(index, value.reason, value.message, line)
+            return None
+        try:
+            return convert_row(value)
+        except InvalidEvent as err:
+            self._refused(err, index, line, result)
+        except Exception:  # a converter bug must not cost the rest of the batch
+            log.warning("usage event %d could not be converted", index, exc_info=True)
+            self.reject("unprocessable")
+            result.add_error(index, "unprocessable", "the event could not be read", line)
+        return None
 
     def _refuse(self, status: int, reason: str, message: str,
                 headers: dict[str, str] | None = None) -> web.Response:

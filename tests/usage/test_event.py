@@ -78,6 +78,10 @@ BAD = [
     ({"caller": "a", "prompt_tokens": 10, "engine_queue_seconds": 2**1024}, "too_large"),
     ({"caller": "a", "prompt_tokens": 10, "engine_queue_seconds": float("inf")}, "not_finite"),
     ({"caller": "a", "prompt_tokens": 10, "time": float("inf")}, "not_finite"),
+    # no timestamp past the year 5138, whether the number is written as an integer or not
+    ({"caller": "a", "prompt_tokens": 10, "time": 10**20}, "too_large"),
+    ({"caller": "a", "prompt_tokens": 10, "time": 1e20}, "too_large"),
+    ({"caller": "a", "prompt_tokens": 10, "time": 1.5e11}, "too_large"),
     ({"caller": "a", "prompt_tokens": 10, "cached_tokens": 11}, "cached_exceeds_prompt"),
     ({"caller": "a", "prompt_tokens": 10, "status": 999}, "bad_status"),
     ({"caller": "a", "prompt_tokens": 10, "status": "x" * 100}, "bad_status"),
