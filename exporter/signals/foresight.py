@@ -152,7 +152,7 @@ class ConversationTracker:
         (a scrape reads it once for every family that sums it differently)."""
         cutoff = now - self.idle_seconds
         sums: dict[tuple[str, str], list[int]] = {}  # [conversations, context tokens]
-        for conversation in self._conversations.values():
+        for conversation in self.by_key.values():
             if conversation.last_seen >= cutoff:
                 key = (conversation.model, conversation.model_name)
                 entry = sums.get(key)
