@@ -73,7 +73,7 @@ def test_ci_proves_the_declared_dependency_floors():
     """pyproject.toml's lowest admitted releases are exactly those .ci/run installs to prove."""
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    for package in ("prometheus-client", "aiohttp", "orjson", "uvloop"):
+    for package in ("prometheus-client", "aiohttp", "orjson", "msgspec", "uvloop"):
         floor = re.search(rf'"{package}>=([\d.]+)[";]', pyproject)
         assert floor, f"{package} has no floor in pyproject.toml"
         assert f"'{package}=={floor.group(1)}'" in ci, f"{package} floor not proven in .ci/run"

@@ -31,7 +31,12 @@ from aiohttp import web
 from orjson import JSONDecodeError as OrjsonDecodeError
 from orjson import loads as _orjson_loads
 
-from exporter.usage.event import READING_DEPENDENT_REASONS, InvalidEvent, validate_row
+from exporter.usage.event import (
+    READING_DEPENDENT_REASONS,
+    InvalidEvent,
+    quick_row,
+    validate_row,
+)
 from exporter.usage.formats import Converter, RowConverter, row_converter
 from exporter.values import UsageRow
 
@@ -447,6 +452,7 @@ class UsageIngest:
         loads = _orjson_loads
         # Other formats come here only when no line holds a run of 19 digits (``process``).
         native = convert_row is validate_row
+        quick = quick_row
         position = body.first_line  # the number of the line at hand, once counted up
         for line in itertools.islice(body.lines, position, None):
             position += 1
@@ -462,6 +468,17 @@ class UsageIngest:
                     append = rows.append
                 if await self._abandon_after_slice(accepted, result):
                     break
+            if native:
+                # The common native event in one step (msgspec); anything else, including
+                # whatever it raises, is read below as if it had never been tried.
+                try:
+                    row = quick(line)
+                except Exception:
+                    row = None
+                if row is not None:
+                    append(row)
+                    slice_left -= 1
+                    continue
             try:
                 append(convert_row(loads(line)))
             except OrjsonDecodeError:
