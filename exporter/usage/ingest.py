@@ -58,6 +58,10 @@ RETRY_AFTER_SECONDS = 1
 # format wrong: the rest of it is not read (422, counted as "abandoned"), so that one bad
 # sender cannot hold a body slot for minutes.
 ABANDON_AFTER_REJECTIONS = 10_000
+# The one-step reading of the common native event (``quick_row``) is tried on every line of
+# an NDJSON body until it has missed this many lines and more than half of those read: then
+# the rest of the body goes straight to the general reading (a miss costs more than it).
+QUICK_MISSES_TRIED = 64
 
 BOM = b"\xef\xbb\xbf"
 _LINE_BLANK = b" \t\r"
@@ -453,6 +457,8 @@ class UsageIngest:
         # Other formats come here only when no line holds a run of 19 digits (``process``).
         native = convert_row is validate_row
         quick = quick_row
+        quick_on = native
+        quick_misses = 0
         position = body.first_line  # the number of the line at hand, once counted up
         for line in itertools.islice(body.lines, position, None):
             position += 1
@@ -468,7 +474,7 @@ class UsageIngest:
                     append = rows.append
                 if await self._abandon_after_slice(accepted, result):
                     break
-            if native:
+            if quick_on:
                 # The common native event in one step (msgspec); anything else, including
                 # whatever it raises, is read below as if it had never been tried.
                 try:
@@ -479,6 +485,11 @@ class UsageIngest:
                     append(row)
                     slice_left -= 1
                     continue
+                # A body of mostly uncommon lines (bad ones, new names) stops trying: each
+                # miss costs a decode and often an exception before the reading below.
+                quick_misses += 1
+                if quick_misses >= QUICK_MISSES_TRIED and 2 * quick_misses > position:
+                    quick_on = False
             try:
                 append(convert_row(loads(line)))
             except OrjsonDecodeError:

@@ -105,12 +105,15 @@ def both_ways(body: bytes, convert: Any) -> tuple[Any, Any] | None:
 @given(body_lines=st.lists(lines(), min_size=1, max_size=40),
        per_slice=st.integers(min_value=1, max_value=7),
        abandon_after=st.integers(min_value=1, max_value=12),
+       quick_misses=st.integers(min_value=1, max_value=8),
        convert=st.sampled_from([native, revalidated]))
 def test_lines_count_what_one_item_at_a_time_counts(body_lines, per_slice,
-                                                            abandon_after, convert):
+                                                            abandon_after, quick_misses,
+                                                            convert):
     body = "\n".join(body_lines).encode("utf-8", "surrogateescape")
     with mock.patch.object(ingest, "EVENTS_PER_SLICE", per_slice), \
-            mock.patch.object(ingest, "ABANDON_AFTER_REJECTIONS", abandon_after):
+            mock.patch.object(ingest, "ABANDON_AFTER_REJECTIONS", abandon_after), \
+            mock.patch.object(ingest, "QUICK_MISSES_TRIED", quick_misses):
         outcome = both_ways(body, convert)
     if outcome is not None:
         one_at_a_time, by_lines = outcome
@@ -154,3 +157,31 @@ def test_blank_lines_after_a_full_slice_begin_no_slice(tail):
     one_at_a_time, by_lines = outcome
     assert by_lines == one_at_a_time
     assert "abandoned" not in by_lines[0] and by_lines[0]["rejected"] == 2
+
+
+def test_the_quick_reading_is_tried_on_every_common_line_and_given_up_on_bad_bodies():
+    """Every line of a body of common events is read in one step; a body of bad lines stops
+    trying after QUICK_MISSES_TRIED misses (each costs a decode and an exception), and is
+    counted the same either way."""
+    calls = []
+
+    def counting(line: bytes) -> Any:
+        calls.append(line)
+        return original(line)
+
+    original = ingest.quick_row
+    good = b'{"caller": "alpha", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048}'
+    bad = b'{"caller": "alpha", "model": "m", "prompt_tokens": -1}'
+    with mock.patch.object(ingest, "quick_row", counting):
+        reply, slices, _rejected, _refused = Recorder(native).run(read_body(b"\n".join(
+            [good] * 500)))
+        assert reply["accepted"] == 500 and len(calls) == 499  # the first line: read_body's
+        calls.clear()
+        reply, _slices, rejected, _refused = Recorder(native).run(read_body(b"\n".join(
+            [good] + [bad] * 500)))
+        assert reply["accepted"] == 1 and rejected == ["negative"] * 500
+        assert len(calls) == ingest.QUICK_MISSES_TRIED
+        calls.clear()
+        body = b"\n".join(([good] * 9 + [bad]) * 50)  # 1 line in 10 bad: always tried
+        reply, _slices, rejected, _refused = Recorder(native).run(read_body(body))
+        assert reply["accepted"] == 450 and len(rejected) == 50 and len(calls) == 499
