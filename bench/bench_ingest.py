@@ -238,16 +238,19 @@ def report_in_process(args: argparse.Namespace) -> int:
     if args.before is not None:
         roots.append(args.before)
     runs: list[list[dict[str, float]]] = [[] for _ in roots]
-    for _ in range(3):
+    for _ in range(args.rounds):
         for root, found in zip(roots, runs, strict=True):
             found.append(in_process_of(root, 10, args.batch_size, args.callers, args.repeats))
     print(f"machine: {machine()}; exporter at {commit()}; in-process, µs per event, best of "
-          f"{args.repeats} on 10 bodies of {args.batch_size:,}, the median of 3 such runs")
+          f"{args.repeats} on 10 bodies of {args.batch_size:,}, the median of {args.rounds} "
+          f"such runs (checkouts in turn); floor / whole: the median of each run's own ratio")
     for root, found in zip(roots, runs, strict=True):
         medians = {name: statistics.median(run[name] for run in found)
                    for name in IN_PROCESS_STAGES}
+        ratio = statistics.median(run["floor"] / run["whole"] for run in found)
         print(f"{root}:\n    " + "\n    ".join(f"{name:30s} {value:.2f}"
-                                                for name, value in medians.items()))
+                                                for name, value in medians.items())
+              + f"\n    {'floor / whole':30s} {ratio:.2f}")
     return 0
 
 
@@ -268,6 +271,9 @@ def main() -> int:
     parser.add_argument("--in-process", action="store_true",
                         help="instead: each stage of the ingest in-process, µs per event, "
                              "this checkout and --before's")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="--in-process: runs of each checkout, in turn (this machine's "
+                             "speed drifts over tens of seconds: more rounds, steadier medians)")
     parser.add_argument("--in-process-here", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.in_process_here:
