@@ -302,23 +302,19 @@ _Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
 _Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMESTAMP)]
 
 
-class _NativeEvent(msgspec.Struct, gc=False):
-    """The fields of ``FIELDS`` in ``UsageRow``'s order (``msgspec.structs.astuple`` of one is
-    the row); unknown keys are skipped, a repeated key's last value counts, as ``json``."""
-
-    caller: str | None = None
-    model: str | None = None
-    prompt_tokens: _Tokens | None = None
-    cached_tokens: _Tokens | None = None
-    completion_tokens: _Tokens | None = None
-    ttft_seconds: _Seconds | None = None
-    queue_seconds: _Seconds | None = None
-    session: str | None = None
-    time: _Timestamp | None = None
-    status: int | str | None = None
-    engine_ttft_seconds: _Seconds | None = None
-    engine_queue_seconds: _Seconds | None = None
-    max_tokens: _Tokens | None = None
+# Each field's type as msgspec checks it (every one may also be absent or null).
+_NATIVE_TYPES: dict[str, Any] = {
+    "caller": str, "model": str, "session": str, "status": int | str,
+    "prompt_tokens": _Tokens, "cached_tokens": _Tokens, "completion_tokens": _Tokens,
+    "max_tokens": _Tokens, "time": _Timestamp, "ttft_seconds": _Seconds,
+    "queue_seconds": _Seconds, "engine_ttft_seconds": _Seconds,
+    "engine_queue_seconds": _Seconds,
+}
+# The fields of ``FIELDS``, in its order, which is ``UsageRow``'s (``astuple`` of one is the
+# row; tests/usage/test_quick_row.py holds the orders together). Unknown keys are skipped, a
+# repeated key's last value counts, as ``json``.
+_NativeEvent = msgspec.defstruct(
+    "_NativeEvent", [(name, _NATIVE_TYPES[name] | None, None) for name in FIELDS], gc=False)
 
 
 _decode_native_event = msgspec.json.Decoder(_NativeEvent).decode
@@ -338,7 +334,7 @@ def quick_row(line: bytes) -> UsageRow | None:
     """
     if not line.isascii():
         return None
-    event = _decode_native_event(line)
+    event: Any = _decode_native_event(line)  # a _NativeEvent (built at run time)
     prompt_tokens = event.prompt_tokens
     cached_tokens = event.cached_tokens
     status = event.status

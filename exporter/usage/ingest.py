@@ -291,7 +291,13 @@ def _line_items(lines: list[bytes], long_digits: set[int], start: int = 0) -> It
 
 def _read_line(line: bytes, number: int, long_digits: set[int]) -> Item | None:
     """One NDJSON line's item (None for a blank line), as ``_line_items`` reads it."""
-    if long_digits and number in long_digits:
+    return _decoded(line, number, bool(long_digits) and number in long_digits)
+
+
+def _decoded(line: bytes, number: int, json_only: bool) -> Item | None:
+    """A line's item by orjson, or by ``json`` where orjson refuses it or ``json_only`` (a
+    run of 19 digits, which orjson may read differently)."""
+    if json_only:
         return _decode_line(line, number)
     try:
         return _orjson_loads(line), number
@@ -307,12 +313,7 @@ def _has_long_digits(line: bytes) -> bool:
 def _read_line_exactly(line: bytes, number: int) -> Item | None:
     """``_read_line`` for a line read on its own: whether ``json`` reads it is decided by
     the line itself."""
-    if _has_long_digits(line):
-        return _decode_line(line, number)
-    try:
-        return _orjson_loads(line), number
-    except ValueError:
-        return _decode_line(line, number)
+    return _decoded(line, number, _has_long_digits(line))
 
 
 def _is_blank(line: bytes) -> bool:

@@ -22,8 +22,10 @@ from exporter.usage.event import (
     MAX_TOKENS,
     InvalidEvent,
     quick_row,
+    validate,
     validate_row,
 )
+from exporter.values import event_row
 
 TOKEN_EDGES = [0, 1, 2048, MAX_TOKENS, MAX_TOKENS + 1, -1, -(2**63), 2**63 - 1, 2**63, 2**64,
                10**30, 1.0, 2048.0, float(MAX_TOKENS) + 0.5, -0.0, True]
@@ -149,3 +151,15 @@ def test_the_common_event_takes_the_quick_path() -> None:
     assert quick_row(line.replace(b"\"status\":200", b"\"status\":503")) is None, "a failure"
     assert quick_row(line.replace(b'"cached_tokens":10240', b'"cached_tokens":20000')) is None
     assert quick_row(line.replace(b"agent-7", "agent-\u00e9".encode())) is None, "not ASCII"
+
+
+def test_the_quick_fields_are_in_the_rows_order() -> None:
+    """``quick_row``'s struct is built from FIELDS, and its row is the struct's fields in that
+    order: FIELDS must be ``UsageRow``'s order, field for field."""
+    event = validate({name: None for name in FIELDS} | {
+        "caller": "c", "model": "m", "prompt_tokens": 9, "cached_tokens": 8,
+        "completion_tokens": 7, "ttft_seconds": 6.0, "queue_seconds": 5.0, "session": "s",
+        "time": 4.0, "status": 204, "engine_ttft_seconds": 3.0, "engine_queue_seconds": 2.0,
+        "max_tokens": 1})
+    assert event_row(event) == tuple(getattr(event, name) for name in FIELDS)
+    assert len(set(event_row(event))) == len(FIELDS), "every field told apart"
