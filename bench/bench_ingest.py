@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -144,7 +145,8 @@ def runs_text(rates: list[float]) -> str:
 
 
 IN_PROCESS_STAGES = ("split", "ingest without recording", "record", "whole", "floor",
-                     "whole, 1 line in 10 rejected", "whole, every line rejected")
+                     "whole, 1 line in 10 rejected", "whole, every line rejected",
+                     "file follower, replay")
 # What the rejected lines of the last two stages hold: an event the check refuses (a negative
 # prompt), which costs a decode, a check and a rejection with its reason.
 REJECTED_LINE = b'{"caller":"agent-0","model":"qwen3.8-27b","prompt_tokens":-1}'
@@ -165,14 +167,22 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
     ``repeats`` (each on a fresh state): the body split (``read_body``); the ingest with
     recording a no-op (decoding, validation, the loop); recording alone (``record_rows`` of
     the validated rows, in the ingest's slices); the whole ingest; the floor; and the whole
-    ingest of the same bodies with 1 line in 10, then every line, rejected (per line).
-    Imports the exporter of the working directory, so it measures whichever checkout it runs
-    in."""
+    ingest of the same bodies with 1 line in 10, then every line, rejected (per line); and
+    the file follower (``--usage.file``) replaying the same lines from a file, recording
+    into its own fresh state (``--usage.file.from-start``: reading, decoding, validation and
+    counting, as the whole ingest but from a file). Imports the exporter of the working
+    directory, so it measures whichever checkout it runs in."""
     from exporter.config import Config
     from exporter.usage.event import validate_row
     from exporter.usage.formats import native
     from exporter.usage.ingest import EVENTS_PER_SLICE, read_body
-    from exporter.wiring import HTTP_READER, signals_state, usage_ingest
+    from exporter.wiring import (
+        FILE_READER,
+        HTTP_READER,
+        file_follower,
+        signals_state,
+        usage_ingest,
+    )
 
     config = Config(callers_max=100)
     events = sum(body.count(b"\n") + 1 for body in bodies)
@@ -212,10 +222,31 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
             bare_body(body)
         return time.perf_counter() - start
 
+    workdir = Path(tempfile.mkdtemp(prefix="bench-follow-"))
+    usage_file = workdir / "usage.jsonl"
+    usage_file.write_bytes(b"".join(body + b"\n" for body in bodies))
+
+    def replay() -> float:
+        follow_config = Config(callers_max=100, usage_file=(str(usage_file),),
+                               usage_file_from_start=True)
+        state = signals_state(follow_config)
+        follower = file_follower(follow_config, state.usage)
+        try:
+            start = time.perf_counter()
+            while follower.poll():
+                pass
+            spent = time.perf_counter() - start
+        finally:
+            follower.close()
+        if state.usage.events.get(FILE_READER) != events:
+            raise RuntimeError(f"the follower counted {state.usage.events} of {events}")
+        return spent
+
     some_rejected, all_rejected = with_rejections(bodies, 10), with_rejections(bodies, 1)
     stages = (split, lambda: ingest(False), record, lambda: ingest(True), floor,
-              lambda: ingest(True, some_rejected), lambda: ingest(True, all_rejected))
+              lambda: ingest(True, some_rejected), lambda: ingest(True, all_rejected), replay)
     best = [min(stage() for _ in range(repeats)) for stage in stages]
+    shutil.rmtree(workdir)
     return {name: spent / events * 1e6
             for name, spent in zip(IN_PROCESS_STAGES, best, strict=True)}
 

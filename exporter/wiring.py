@@ -85,7 +85,7 @@ def engine_poller(config: Config, state: SignalsState,
 def file_follower(config: Config, usage: UsageState) -> FileFollower:
     return FileFollower(
         config.usage_file, converters(config)[config.usage_file_format],
-        sink=lambda event: usage.record(event, FILE_READER),
+        record_rows=lambda rows: usage.record_rows(rows, FILE_READER),
         reject=lambda reason: usage.reject(FILE_READER, reason),
         from_start=config.usage_file_from_start)
 

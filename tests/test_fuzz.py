@@ -123,7 +123,7 @@ def test_the_file_follower_reads_every_complete_line_once(lines, tmp_path_factor
     path.write_bytes(b"")
     events: list[Any] = []
     rejected: list[str] = []
-    follower = FileFollower([str(path)], validate, events.append, rejected.append)
+    follower = FileFollower([str(path)], validate, events.extend, rejected.append)
     follower.poll()
     with path.open("ab") as handle:
         for line in lines:

@@ -169,7 +169,7 @@ def read_body(body: bytes | bytearray) -> Iterable[Item]:
     lines = data.split(b"\n")
     del data
     for number, line in enumerate(lines, 1):
-        first = _read_line_exactly(line, number)
+        first = read_line(line, number)
         if first is not None:
             break
     else:  # nothing but blank lines and byte-order marks
@@ -310,9 +310,10 @@ def _has_long_digits(line: bytes) -> bool:
     return _LONG_DIGITS in line.translate(_DIGITS_TO_ZERO)
 
 
-def _read_line_exactly(line: bytes, number: int) -> Item | None:
-    """``_read_line`` for a line read on its own: whether ``json`` reads it is decided by
-    the line itself."""
+def read_line(line: bytes, number: int) -> Item | None:
+    """One NDJSON line read on its own, exactly as ``json`` reads it (orjson where the two
+    agree; whether they may not is decided by the line itself): None for a blank line, else
+    (the value or an ``Unreadable``, ``number``). The file follower's reading too."""
     return _decoded(line, number, _has_long_digits(line))
 
 
@@ -444,7 +445,7 @@ class UsageIngest:
         rejected with its reason, unless that reason may differ on ``json``'s reading (a run
         of 19 digits in the line, and a reason of ``READING_DEPENDENT_REASONS``), or the
         converter failed otherwise: then it is read again on its own
-        (``_read_line_exactly``, ``_item_row``)."""
+        (``read_line``, ``_item_row``)."""
         result = BatchResult()
         record_rows = self.record_rows
         rows: list[UsageRow] = []
@@ -522,7 +523,7 @@ class UsageIngest:
     def _line_again(self, line: bytes, number: int, index: int, convert_row: RowConverter,
                     result: BatchResult, rows: list[UsageRow]) -> None:
         """A line read on its own, as if it had never been tried (it is not blank)."""
-        item = _read_line_exactly(line, number)
+        item = read_line(line, number)
         assert item is not None
         row = self._item_row(item[0], item[1], index, convert_row, result)
         if row is not None:

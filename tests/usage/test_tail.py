@@ -11,13 +11,19 @@ import asyncio
 import json
 import os
 from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from exporter.config import Config
-from exporter.usage.event import validate
+from exporter.usage.event import InvalidEvent, validate, validate_row
 from exporter.usage.tail import GONE_IDLE_POLLS, MAX_LINE_BYTES, FileFollower, follow
-from exporter.values import UsageEvent
+from exporter.values import UsageEvent, UsageRow
 from exporter.wiring import file_follower
 from tests.usage.conftest import make_state
+from tests.usage.test_quick_row import exactly
+from tests.usage.test_quick_row import lines as native_lines
 
 
 def line(seq: int, caller: str = "agent") -> str:
@@ -28,6 +34,11 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[UsageEvent] = []
         self.rejected: list[str] = []
+        self.batches = 0  # record_rows calls
+
+    def record_rows(self, rows: list[UsageRow]) -> None:
+        self.batches += 1
+        self.events.extend(UsageEvent(*row) for row in rows)
 
     @property
     def seqs(self) -> list[int]:
@@ -36,7 +47,7 @@ class Recorder:
 
 def follower(pattern: str | Path, from_start: bool = False) -> tuple[FileFollower, Recorder]:
     seen = Recorder()
-    return FileFollower([str(pattern)], validate, seen.events.append, seen.rejected.append,
+    return FileFollower([str(pattern)], validate, seen.record_rows, seen.rejected.append,
                         from_start=from_start), seen
 
 
@@ -247,3 +258,72 @@ async def test_follow_counts_into_the_state_and_stops_on_cancel(tmp_path):
     task.cancel()
     done, _ = await asyncio.wait([task], timeout=5)
     assert done and task.cancelled()
+
+
+# --- the same reading as POST /v1/usage -----------------------------------------------------
+
+
+def reference(line: bytes) -> tuple[str, Any] | None:
+    """How ``POST /v1/usage`` reads one NDJSON line (docs/metrics.md, Rejection reasons): None
+    for a blank line, ("row", the row) or ("rejected", the reason)."""
+    line = line.strip(b" \t\r")
+    if line.startswith(b"\xef\xbb\xbf"):
+        line = line[3:]
+    if not line:
+        return None
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return ("rejected", "bad_encoding")
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return ("rejected", "malformed_json")
+    try:
+        return ("row", validate_row(value))
+    except InvalidEvent as err:
+        return ("rejected", err.reason)
+
+
+ODD_LINES = st.one_of(
+    st.binary(max_size=40).map(lambda raw: raw.replace(b"\n", b" ")),
+    st.sampled_from([b"", b"  \r", b"\xef\xbb\xbf", b"garbage", b"[1, 2]", b"null",
+                     b'{"caller": "a"}', b'{"caller": "a", "prompt_tokens": 1e400}',
+                     b'{"caller": "a", "prompt_tokens": NaN}',
+                     b'{"caller": "\\ud800", "prompt_tokens": 1}',
+                     b'{"caller": "a", "prompt_tokens": 12345678901234567890123}',
+                     b'{"caller": "a", "prompt_tokens": 1, "status": 123456789012345678901}',
+                     b"[" * 5000 + b"]" * 5000, b'{"caller": "caf\xc3\xa9", "prompt_tokens": 5}',
+                     b'{"caller": "a", "prompt_tokens": 5, "x": "\xff"}']))
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(lines=st.lists(st.one_of(native_lines(), ODD_LINES), max_size=40))
+def test_a_followed_line_is_read_as_post_v1_usage_reads_it(lines, tmp_path_factory):
+    """Each line's verdict, value for value and type for type (an accepted event's row) or
+    reason for reason, is the HTTP ingest's: the two readers share the line reading."""
+    path = tmp_path_factory.mktemp("same") / "usage.jsonl"
+    path.write_bytes(b"".join(raw + b"\n" for raw in lines))
+    rows: list[Any] = []
+    rejected: list[str] = []
+    tail = FileFollower([str(path)], validate, rows.extend, rejected.append, from_start=True)
+    while tail.poll():
+        pass
+    tail.close()
+    expected = [verdict for verdict in map(reference, lines) if verdict is not None]
+    assert [exactly(row) for row in rows] == [
+        exactly(value) for kind, value in expected if kind == "row"]
+    assert rejected == [value for kind, value in expected if kind == "rejected"]
+
+
+def test_a_chunk_s_events_are_counted_together(tmp_path):
+    """One ``record_rows`` per chunk read, as the HTTP ingest does per body: a replayed file
+    does not pay the per-call cost once per line."""
+    path = tmp_path / "usage.jsonl"
+    path.write_text("".join(line(seq) for seq in range(1, 2001)) + "not json\n")
+    tail, seen = follower(path, from_start=True)
+    tail.poll()
+    assert seen.seqs == list(range(1, 2001)) and seen.rejected == ["malformed_json"]
+    assert seen.batches == 1
+    tail.close()
