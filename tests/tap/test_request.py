@@ -357,8 +357,12 @@ def test_output_limit_and_prompt_span(endpoint: Endpoint, body: bytes, limit: in
     assert (body[slice(*span)] if span else None) == prompt
 
 
-def test_a_body_the_scan_cannot_read_is_rewritten_whole_only_for_stream_options() -> None:
-    body = "{\"stream\":true,\"model\":\"m\"}".encode("utf-16")
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32-le"])
+def test_a_body_the_scan_cannot_read_is_rewritten_whole_only_for_stream_options(
+        encoding: str) -> None:
+    """json reads UTF-16 and UTF-32 bodies, with or without a BOM; a UTF-16-LE one begins
+    with the object's "{" byte all the same, and nothing may be spliced after it."""
+    body = "{\"stream\":true,\"model\":\"m\"}".encode(encoding)
     facts = facts_of(body, Endpoint.CHAT)
     assert not facts.scanned and facts.stream
     assert json.loads(with_include_usage(body, facts)) == {

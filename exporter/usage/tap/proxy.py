@@ -215,6 +215,7 @@ class Tap:
             pair = f"{upstream.user or ''}:{upstream.password or ''}".encode()
             self.upstream_auth = "Basic " + base64.b64encode(pair).decode("ascii")
         self.upstream = upstream.with_user(None)
+        self._upstream_text = str(self.upstream)  # each call's URL starts with it
         self.upstream_shown = redact_url(settings.upstream)
         self.aliases = KeyAliases(settings.key_alias)
         self.timeout = aiohttp.ClientTimeout(total=settings.timeout)
@@ -307,7 +308,7 @@ class Tap:
     # -- proxying ----------------------------------------------------------------------
 
     def upstream_url(self, request: web.Request) -> URL:
-        return URL(str(self.upstream) + request.raw_path, encoded=True)
+        return URL(self._upstream_text + request.raw_path, encoded=True)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = self.monotonic()

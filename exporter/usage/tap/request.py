@@ -404,11 +404,18 @@ def with_include_usage(body: bytes, facts: RequestFacts) -> bytes:
     """
     start, span = facts.object_start, facts.stream_options_span
     if not facts.scanned:  # a small body, decoded whole: find the places now
-        try:
-            start, spans = scan_spans(body)
-            span = spans.get("stream_options")
-        except Undecidable:
-            start = -1
+        opening = _OBJECT_START.match(body)
+        if not facts.has_stream_options and opening is not None and b"\x00" not in body:
+            # Only the object's "{" is needed, and json read the body as an object: UTF-8
+            # (UTF-16 and UTF-32 text has NULs, which UTF-8 JSON cannot), so its first "{"
+            # after any BOM and whitespace is the object's. The scan would say the same.
+            start = opening.end() - 1
+        else:
+            try:
+                start, spans = scan_spans(body)
+                span = spans.get("stream_options")
+            except Undecidable:
+                start = -1
     if start >= 0 and not facts.has_stream_options:
         at = start + 1
         if body[_ws(body, at):_ws(body, at) + 1] == b"}":  # {}: no member to separate
