@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
+from orjson import loads as _orjson_loads
 
 from exporter.values import UsageEvent, UsageRow, status_is_error
 
@@ -51,12 +52,37 @@ REASONS = (
 READING_DEPENDENT_REASONS = frozenset({"bad_status", "bad_model", "bad_session"})
 
 
+# A run of 19 digits or more: where orjson may read a number otherwise than json.
+DIGITS_TO_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+LONG_DIGITS = b"0" * 19
+
+
+def has_long_digits(data: bytes) -> bool:
+    """Whether ``data`` holds a run of 19 or more digits. The one value orjson reads
+    otherwise than ``json`` is an integer beyond 64 bits (a float, not an int); such an
+    integer has 20 digits or more, so this is a cheap superset of the texts it can be in."""
+    return LONG_DIGITS in data.translate(DIGITS_TO_ZERO)
+
+
 def loads(data: str | bytes | bytearray) -> Any:
-    """``json.loads`` whose every failure is a ValueError.
+    """``json.loads``'s reading, whose every failure is a ValueError.
+
+    Bytes are read by orjson (4-5x faster on an answer or a stream event) where it reads
+    them exactly as ``json`` does: not where they hold a run of 19 digits, and not where
+    orjson refuses them, which covers everything else ``json`` reads its own way (NaN and
+    the infinities, numbers past a float's range, lone surrogate escapes, a byte-order mark,
+    UTF-16 and UTF-32): those get ``json``'s reading, or its error.
 
     Outside input can nest arrays a thousand deep in two kilobytes; the decoder then raises
-    RecursionError, which is a malformed record like any other, not a crash.
+    RecursionError, which is a malformed record like any other, not a crash. (Nesting between
+    ``json``'s limit, the interpreter's recursion limit less the stack in use, and orjson's
+    1,024 levels is read where ``json`` would give up.)
     """
+    if type(data) is bytes and not has_long_digits(data):
+        try:
+            return _orjson_loads(data)
+        except ValueError:  # orjson.JSONDecodeError: json's reading decides
+            pass
     try:
         return json.loads(data)
     except RecursionError:

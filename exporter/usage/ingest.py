@@ -32,8 +32,11 @@ from orjson import JSONDecodeError as OrjsonDecodeError
 from orjson import loads as _orjson_loads
 
 from exporter.usage.event import (
+    DIGITS_TO_ZERO,
+    LONG_DIGITS,
     READING_DEPENDENT_REASONS,
     InvalidEvent,
+    has_long_digits,
     quick_row,
     validate_row,
 )
@@ -305,16 +308,11 @@ def _decoded(line: bytes, number: int, json_only: bool) -> Item | None:
         return _decode_line(line, number)
 
 
-def _has_long_digits(line: bytes) -> bool:
-    """Whether ``line`` holds a run of 19 or more digits (orjson may read it differently)."""
-    return _LONG_DIGITS in line.translate(_DIGITS_TO_ZERO)
-
-
 def read_line(line: bytes, number: int) -> Item | None:
     """One NDJSON line read on its own, exactly as ``json`` reads it (orjson where the two
     agree; whether they may not is decided by the line itself): None for a blank line, else
     (the value or an ``Unreadable``, ``number``). The file follower's reading too."""
-    return _decoded(line, number, _has_long_digits(line))
+    return _decoded(line, number, has_long_digits(line))
 
 
 def _is_blank(line: bytes) -> bool:
@@ -340,14 +338,12 @@ def _decode_line(line: bytes, number: int) -> Item | None:
     return value, number
 
 
-_DIGITS_TO_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
-_LONG_DIGITS = b"0" * 19
 
 
 def _long_digit_lines(data: bytes) -> set[int]:
     """The (1-based) numbers of the lines holding a run of 19 or more digits."""
-    marked = data.translate(_DIGITS_TO_ZERO)
-    at = marked.find(_LONG_DIGITS)
+    marked = data.translate(DIGITS_TO_ZERO)
+    at = marked.find(LONG_DIGITS)
     numbers: set[int] = set()
     line, counted_to = 1, 0
     while at >= 0:
@@ -356,7 +352,7 @@ def _long_digit_lines(data: bytes) -> set[int]:
         counted_to = marked.find(b"\n", at)
         if counted_to < 0:
             break
-        at = marked.find(_LONG_DIGITS, counted_to)
+        at = marked.find(LONG_DIGITS, counted_to)
     return numbers
 
 
@@ -504,7 +500,7 @@ class UsageIngest:
                     append(row)
             except InvalidEvent as err:
                 if native and err.reason in READING_DEPENDENT_REASONS \
-                        and _has_long_digits(line):
+                        and has_long_digits(line):
                     self._line_again(line, position, accepted + len(rows) + result.rejected,
                                      convert_row, result, rows)
                 else:  # the converter's verdict on the line as json reads it too
