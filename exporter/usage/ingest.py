@@ -338,8 +338,6 @@ def _decode_line(line: bytes, number: int) -> Item | None:
     return value, number
 
 
-
-
 def _long_digit_lines(data: bytes) -> set[int]:
     """The (1-based) numbers of the lines holding a run of 19 or more digits."""
     marked = data.translate(DIGITS_TO_ZERO)
