@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 
 from exporter.config import Config
 from exporter.usage.event import InvalidEvent, validate, validate_row
-from exporter.usage.tail import GONE_IDLE_POLLS, MAX_LINE_BYTES, FileFollower, follow
+from exporter.usage.tail import (
+    GONE_IDLE_POLLS,
+    MAX_LINE_BYTES,
+    READ_CHUNK_BYTES,
+    FileFollower,
+    follow,
+)
 from exporter.values import UsageEvent, UsageRow
 from exporter.wiring import file_follower
 from tests.usage.conftest import make_state
@@ -327,3 +333,21 @@ def test_a_chunk_s_events_are_counted_together(tmp_path):
     assert seen.seqs == list(range(1, 2001)) and seen.rejected == ["malformed_json"]
     assert seen.batches == 1
     tail.close()
+
+
+def test_rows_held_at_once_are_bounded_by_one_read(tmp_path):
+    """The worst case of the rows held before they are counted: the shortest accepted line,
+    over more than one read. Each record_rows call holds at most one read's lines."""
+    shortest = b'{"caller":"a","prompt_tokens":1}\n'
+    assert len(shortest) == 33
+    lines = 3 * READ_CHUNK_BYTES // len(shortest)
+    path = tmp_path / "usage.jsonl"
+    path.write_bytes(shortest * lines)
+    batches: list[int] = []
+    tail = FileFollower([str(path)], validate, lambda rows: batches.append(len(rows)),
+                        [].append, from_start=True)
+    while tail.poll():
+        pass
+    tail.close()
+    assert sum(batches) == lines and len(batches) >= 3
+    assert max(batches) <= (MAX_LINE_BYTES + READ_CHUNK_BYTES) // len(shortest)
