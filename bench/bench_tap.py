@@ -294,6 +294,16 @@ class Target:
     pids: list[int]
 
 
+def stop_processes(stack: list[subprocess.Popen]) -> None:
+    """Stop every process started (each in its own session, with its children), last first."""
+    for process in reversed(stack):
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=10)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
 def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str,
                     before: Path | None = None, also_asyncio: bool = False,
                     order_off: bool = False) -> dict[str, Target]:
@@ -591,12 +601,7 @@ def main() -> int:
             results = asyncio.run(measure(targets, args.rounds, args.requests, phases))
             recorded = tap_events(targets["_web"].port) - events_before
         finally:
-            for process in reversed(stack):
-                try:
-                    os.killpg(process.pid, signal.SIGTERM)
-                    process.wait(timeout=10)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(process.pid, signal.SIGKILL)
+            stop_processes(stack)
     print(f"machine: {machine()}")
     print(f"rounds: {args.rounds}, medians over rounds; the tap recorded {recorded:.0f} "
           "events (every request it proxied, warm-ups included)")

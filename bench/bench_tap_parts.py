@@ -133,12 +133,7 @@ def main() -> int:
             targets[f"tap {level}"] = (port, stack[-1].pid)
         found = asyncio.run(measure(targets, args.rounds, args.requests))
     finally:
-        for process in reversed(stack):
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(process.pid, signal.SIGKILL)
+        bench_tap.stop_processes(stack)
     print(f"machine: {machine()}; {args.rounds} rounds of {args.requests} requests, "
           "CPU ms per request, medians over rounds")
     for phase, _stream in PHASES:
