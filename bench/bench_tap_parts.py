@@ -61,11 +61,8 @@ def serve_tap(level: int, flags: list[str]) -> None:
         def feed(self: openai.StreamReader, chunk: bytes, now: float) -> bytes:
             return chunk
 
-        async def read_body_usage(self: proxy.Tap, *args: object) -> None:
-            return None
-
         openai.StreamReader.feed = feed  # type: ignore[method-assign]
-        proxy.Tap.read_body_usage = read_body_usage  # type: ignore[method-assign]
+        proxy.Tap.body_readable = lambda self, upstream: False  # type: ignore[method-assign]
     if level >= 4:
         remembered: dict[bytes, object] = {}
         read_request = proxy.read_request

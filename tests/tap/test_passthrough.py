@@ -61,6 +61,29 @@ async def test_responses_api_reads_input_tokens_details(upstream, start_tap):
     assert (event.prompt_tokens, event.cached_tokens, event.completion_tokens) == (268, 256, 4)
 
 
+async def test_an_answer_over_256_kib_is_read_off_the_loop_and_relayed_unchanged(
+        upstream, start_tap):
+    """Past PARSE_INLINE_MAX_BYTES the answer's JSON is decoded in a worker thread, before
+    it is sent; the client gets it byte for byte, and its usage or its fault is counted."""
+    answer = json.loads(fixture_bytes("02_chat_warm.json"))
+    answer["choices"][0]["message"]["content"] = "tok " * 80_000  # 320 KB
+    body = json.dumps(answer).encode()
+    assert len(body) > 256 * 1024
+    upstream.reply("/v1/chat/completions", Reply(body=body))
+    tap = await start_tap()
+    status, _, received = await tap.post("/v1/chat/completions", CHAT)
+    assert (status, received) == (200, body)
+    event = await tap.usage.next_event()
+    assert (event.prompt_tokens, event.cached_tokens) == (1396, 1376)
+
+    broken = body[:-1]  # cut short: not JSON
+    upstream.reply("/v1/chat/completions", Reply(body=broken))
+    status, _, received = await tap.post("/v1/chat/completions", CHAT)
+    assert (status, received) == (200, broken)
+    assert tap.usage.rejected == [("tap", "malformed_response")]
+    assert len(tap.usage.events) == 1
+
+
 async def test_missing_prompt_tokens_details_is_not_reported_not_zero(upstream, start_tap):
     """vLLM without --enable-prompt-tokens-details: prompt_tokens_details is null."""
     answer = json.loads(fixture_bytes("02_chat_warm.json"))

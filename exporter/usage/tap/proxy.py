@@ -233,8 +233,10 @@ class Tap:
     def record(self, exchange: Exchange) -> None:
         """Hand the call to the usage signals through the same validation as every reader.
 
-        Once per call. A stream is recorded before its last byte goes out, so a client that
-        has read the whole answer can count on its event being counted.
+        Once per call. A call is recorded in the same turn of the event loop that hands its
+        answer's last byte to the socket (right after), before the process does anything
+        else, so a client that has read the whole answer can count on its event being
+        counted.
         """
         if exchange.recorded:
             return
@@ -405,7 +407,7 @@ class Tap:
             if upstream.content_type == "text/event-stream":
                 return await self.relay_events(request, upstream, headers, exchange, started,
                                                strip)
-            return await self.relay_body(upstream, headers, exchange)
+            return await self.relay_body(request, upstream, headers, exchange)
         return await self.relay_raw(request, upstream, headers)
 
     async def relay_raw(self, request: web.Request, upstream: aiohttp.ClientResponse,
@@ -426,8 +428,8 @@ class Tap:
         await _write_eof(response)
         return response
 
-    async def relay_body(self, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str],
-                         exchange: Exchange) -> web.Response:
+    async def relay_body(self, request: web.Request, upstream: aiohttp.ClientResponse,
+                         headers: CIMultiDict[str], exchange: Exchange) -> web.Response:
         """A whole (non-streamed) answer: read it within the limit, pass it byte for byte."""
         limit = self.settings.max_response_bytes
         try:
@@ -439,27 +441,59 @@ class Tap:
                               f"({limit} bytes)", "response_too_large")
         response = web.Response(status=upstream.status, reason=upstream.reason, body=body,
                                 headers=headers)
-        await self.read_body_usage(body, upstream, exchange)
+        if len(body) > PARSE_INLINE_MAX_BYTES:
+            # Decoded in a worker thread, before the answer goes: an await after it would be
+            # a point where the client's hang-up could cancel the call's record.
+            await self.read_body_usage(body, upstream, exchange)
+            return response
+        # The answer goes out first; its usage is read and counted right after, in the same
+        # turn of the event loop (nothing awaited in between), so nothing the process does
+        # next, such as answering a scrape, sees the call uncounted, and the client does not
+        # wait for the tap's own bookkeeping. A client gone by then changes nothing: the
+        # call is counted as vLLM answered it, as when aiohttp sent the answer itself.
+        try:
+            await _prepare(response, request)
+            await _write_eof(response)
+        finally:
+            if self.body_readable(upstream):
+                try:
+                    answer = loads(body)
+                except ValueError:
+                    self.reject("malformed_response")
+                else:
+                    self.take_answer(answer, exchange)
+            self.record(exchange)
         return response
 
     async def read_body_usage(self, body: bytes, upstream: aiohttp.ClientResponse,
                               exchange: Exchange) -> None:
-        if upstream.status >= 400 or upstream.content_type != "application/json":
-            if upstream.status < 400:
-                self.reject("malformed_response")
+        """A large answer's usage, its JSON decoded in a worker thread."""
+        if not self.body_readable(upstream):
             return
         try:
-            if len(body) > PARSE_INLINE_MAX_BYTES:
-                obj = await asyncio.get_running_loop().run_in_executor(None, loads, body)
-            else:
-                obj = loads(body)
-            usage, model = usage_of(obj)
-            engine = engine_timings_of(obj)
-        except InvalidEvent as err:
-            self.reject(err.reason)
-            return
+            answer = await asyncio.get_running_loop().run_in_executor(None, loads, body)
         except ValueError:
             self.reject("malformed_response")
+            return
+        self.take_answer(answer, exchange)
+
+    def body_readable(self, upstream: aiohttp.ClientResponse) -> bool:
+        """An answer that should carry usage (a success, JSON); one that should and is not
+        JSON is counted as ``malformed_response``."""
+        if upstream.status >= 400:
+            return False
+        if upstream.content_type != "application/json":
+            self.reject("malformed_response")
+            return False
+        return True
+
+    def take_answer(self, answer: object, exchange: Exchange) -> None:
+        """The usage, model and vLLM's timings of a whole answer's decoded JSON."""
+        try:
+            usage, model = usage_of(answer)
+            engine = engine_timings_of(answer)
+        except InvalidEvent as err:
+            self.reject(err.reason)
             return
         if model:
             exchange.model = model
@@ -502,8 +536,13 @@ class Tap:
         if broken is not None:
             self.record(exchange)
             raise broken
-        self.record(exchange)
-        await _write_eof(response)
+        # Counted right after the last byte is handed over, in the same turn of the loop
+        # (see relay_body); a client gone at the very end still leaves the call counted as
+        # vLLM answered it.
+        try:
+            await _write_eof(response)
+        finally:
+            self.record(exchange)
         return response
 
     def take_stream(self, reader: StreamReader, exchange: Exchange) -> None:
