@@ -246,7 +246,6 @@ class StreamReader:
         self.ttft_seconds: float | None = None
         self.error_status: int | None = None
         self.problems: list[str] = []  # rejection reasons of events that could not be read
-        self.events = 0
         self._buffer = bytearray()
         self._scan_from = 0
         self._oversized = False  # inside an event too large to read; skip to its end
@@ -255,6 +254,11 @@ class StreamReader:
         """Take one upstream chunk; return the bytes to send the client now."""
         if not self._buffer and not self._oversized and chunk.endswith(b"\n\n") \
                 and b"\r" not in chunk:
+            if self.ttft_seconds is not None and _USAGE not in chunk \
+                    and _ERROR not in chunk and _RESPONSE_FAILED not in chunk:
+                # Most of a stream: whole events after the first content, none of them a
+                # usage chunk or an error (what _read_event would skip, one by one).
+                return chunk
             return self._whole_events(chunk, now)
         if not self.strip:
             self._consume(chunk, now)
@@ -334,7 +338,6 @@ class StreamReader:
 
     def _read_event(self, event: bytes, now: float) -> bool:
         """Read one complete event; True when it is the injected usage chunk to drop."""
-        self.events += 1
         need_content = self.ttft_seconds is None
         if not need_content and _USAGE not in event and _ERROR not in event \
                 and _RESPONSE_FAILED not in event:

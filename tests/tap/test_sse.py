@@ -56,6 +56,27 @@ def test_crlf_line_endings(cuts):
     assert reader.usage is not None and reader.usage.cached_tokens == 1376
 
 
+@given(raw=st.sampled_from([CHAT, COMPLETION, RESPONSES]), strip=st.booleans(),
+       failure=st.sampled_from([None, b'data: {"error": {"message": "engine died", '
+                                      b'"code": 503}}\n\n',
+                                b'data: {"type": "response.failed"}\n\n']))
+def test_event_by_event_as_vllm_writes_them(raw, strip, failure):
+    """vLLM writes one event per chunk: after the first content, the chunks without usage or
+    an error pass untouched, and the usage chunk and an error after them are still read."""
+    strip = strip and raw is not RESPONSES  # the Responses API has no injected chunk
+    events = [part + b"\n\n" for part in raw.split(b"\n\n") if part]
+    if failure is not None:
+        events.insert(len(events) - 1, failure)
+    reader = StreamReader(strip_usage_chunk=strip, started=0.0)
+    out = b"".join(reader.feed(event, float(n)) for n, event in enumerate(events))
+    whole = b"".join(events)
+    assert out + reader.finish() == (without_usage_chunk(whole) if strip else whole)
+    assert reader.usage is not None and reader.usage.cached_tokens in (1376, 1344, 256)
+    assert reader.ttft_seconds is not None and reader.ttft_seconds < len(events) - 2
+    assert reader.error_status == (None if failure is None else
+                                   503 if b"503" in failure else 500)
+
+
 def test_ttft_is_the_time_of_the_first_content_chunk():
     reader = StreamReader(strip_usage_chunk=False, started=10.0)
     events = [part + b"\n\n" for part in CHAT.split(b"\n\n") if part]
