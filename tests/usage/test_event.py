@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from array import array
 
 import pytest
 
-from exporter.usage.event import REASONS, InvalidEvent, validate
-from exporter.values import UsageEvent, status_is_error
+from exporter.usage.event import REASONS, InvalidEvent, validate, with_prompt
+from exporter.values import PromptPrint, UsageEvent, status_is_error
 
 GOOD = {"caller": "agent-1", "model": "qwen", "prompt_tokens": 1396, "cached_tokens": 1376,
         "completion_tokens": 8, "ttft_seconds": 0.5, "queue_seconds": 0.1, "session": "s1",
@@ -130,3 +131,21 @@ def test_status_words():
     assert status_is_error("500")
     assert status_is_error("failure")
     assert status_is_error("timeout")
+
+
+@pytest.mark.parametrize("event", [
+    UsageEvent(caller="a"),
+    validate({"caller": "b", "model": "m", "prompt_tokens": 9, "cached_tokens": 8,
+              "completion_tokens": 1, "ttft_seconds": 0.5, "session": "s", "time": 1.0,
+              "status": 200, "engine_ttft_seconds": 0.1, "engine_queue_seconds": 0.2,
+              "max_tokens": 4}),
+])
+def test_with_prompt_is_replace(event):
+    """The tap's cheap copy with the prompt's fingerprint equals dataclasses.replace's, field
+    by field, and leaves the original as it was."""
+    prompt = PromptPrint(digests=array("Q", [7]), ends=array("I", [100]), length=100)
+    copy = with_prompt(event, prompt)
+    assert copy == dataclasses.replace(event, prompt=prompt)
+    assert dataclasses.asdict(copy) == dataclasses.asdict(dataclasses.replace(event,
+                                                                             prompt=prompt))
+    assert event.prompt is None and copy.prompt is prompt

@@ -38,7 +38,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from exporter.redaction import redact_url
-from exporter.usage.event import MAX_TOKENS, InvalidEvent, loads, validate
+from exporter.usage.event import MAX_TOKENS, InvalidEvent, loads, validate, with_prompt
 from exporter.usage.openai import (
     ENDPOINTS,
     USAGE_OPT_IN,
@@ -282,7 +282,7 @@ class Tap:
         try:
             prompt = self.prompt_print(exchange)
             if prompt is not None and self._record_prompt is not None:
-                self._record_prompt(dataclasses.replace(event, prompt=prompt))
+                self._record_prompt(with_prompt(event, prompt))
         except Exception as err:  # noqa: BLE001 - a diagnosis never takes the tap down
             # The type only: a message could quote the prompt.
             log.warning("tap: prompt order not recorded: %s", type(err).__name__)
