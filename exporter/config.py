@@ -373,9 +373,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("signals.conversation-idle", "Foresight", "Seconds after its last turn that a "
          "conversation still counts as active, i.e. still wants its prefix cached.", _to_float,
          DEFAULT_IDLE_SECONDS, metavar="SECONDS", check=_positive),
-    Flag("signals.conversations-max", "Foresight", "Most conversations tracked (least recently "
-         "seen forgotten first; vllm_cache_conversations_dropped_total counts active ones "
-         "forgotten).", _to_int, DEFAULT_MAX_CONVERSATIONS, metavar="N", check=_positive),
+    Flag("signals.conversations-max", "Foresight", "Most conversations tracked: each one's "
+         "latest context (foresight) and previous turn (classification). The least recently "
+         "seen is forgotten first; vllm_cache_conversations_dropped_total counts active ones "
+         "forgotten.", _to_int, DEFAULT_MAX_CONVERSATIONS, metavar="N", check=_positive),
     Flag("signals.state-tokens", "Foresight", "KV-pool tokens one copy of a hybrid model's "
          "per-sequence recurrent state takes, MODEL=TOKENS (repeatable; the model as usage "
          "names it). Each active conversation is charged two copies: its live state and the "

@@ -53,14 +53,16 @@ class ForesightSettings:
 
 
 class Conversation:
-    """What is known of one conversation: its latest context and when it was last seen."""
+    """What is known of one conversation: its latest turn's prompt and context, and when it
+    was last seen."""
 
-    __slots__ = ("model_name", "model", "context_tokens", "last_seen")
+    __slots__ = ("model_name", "model", "prompt_tokens", "context_tokens", "last_seen")
 
-    def __init__(self, model_name: str, model: str, context_tokens: int,
+    def __init__(self, model_name: str, model: str, prompt_tokens: int, context_tokens: int,
                  last_seen: float) -> None:
         self.model_name = model_name  # as the usage event names it
         self.model = model  # its label (after the model cap)
+        self.prompt_tokens = prompt_tokens  # the classifier's "previous turn" for the next
         self.context_tokens = context_tokens
         self.last_seen = last_seen
 
@@ -91,11 +93,12 @@ class Demand:
 class ConversationTracker:
     """The live conversations, keyed by (caller, model, session).
 
-    A conversation is the usage events of one ``session`` (else of one caller and model), as
-    the classifier's history defines it. Its context is the prompt plus the completion of
-    its latest successful turn: what the next turn will find in the cache if nothing evicts
-    it. Bounded by ``max_conversations``; a conversation dropped by the bound while still
-    active is counted in ``dropped_active`` (the demand is then a lower bound).
+    A conversation is the usage events of one ``session`` (else of one caller and model).
+    Its context is the prompt plus the completion of its latest successful turn: what the
+    next turn will find in the cache if nothing evicts it; that turn's prompt is the
+    classifier's "previous turn" for the next one. Bounded by ``max_conversations``; a
+    conversation dropped by the bound while still active is counted in ``dropped_active``
+    (the demand is then a lower bound), and its next turn is classified as a first one.
     """
 
     def __init__(self, settings: ForesightSettings) -> None:
@@ -110,16 +113,18 @@ class ConversationTracker:
         self.models: dict[str, None] = {}  # model labels seen, for series kept at 0
 
     def observe(self, caller: str, model_name: str, model: str, session: str | None,
-                context_tokens: int, when: float, now: float) -> None:
+                prompt_tokens: int, context_tokens: int, when: float, now: float) -> None:
         """One successful turn that ended at ``when`` (``now`` decides what is still live).
 
-        ``UsageState.record_rows`` takes these same steps inline, on ``by_key``."""
+        ``UsageState.record_rows`` takes these same steps inline, on ``by_key``
+        (tests/usage/test_record_inline.py holds the two together)."""
         conversations = self.by_key
         key = (caller, model_name, session)
         known = conversations.pop(key, None)
         if known is None:
-            known = Conversation(model_name, model, context_tokens, when)
+            known = Conversation(model_name, model, prompt_tokens, context_tokens, when)
         else:
+            known.prompt_tokens = prompt_tokens
             known.context_tokens = context_tokens
             if when > known.last_seen:
                 known.last_seen = when

@@ -5,8 +5,8 @@ Readers hand in validated ``UsageEvent``s (``record``) or report what they could
 does I/O; the only clock read is the injected ``clock``, for the "last event" gauge.
 
 Memory is bounded whatever the senders do: caller and model label values are capped
-(``LabelCap``), the conversation histories the classifier consults are an LRU of
-``HISTORY_MAX`` entries, and rejection reasons are a closed set per reader.
+(``LabelCap``), the conversations (whose previous turn the classifier consults) are an LRU of
+``--signals.conversations-max`` entries, and rejection reasons are a closed set per reader.
 """
 
 from __future__ import annotations
@@ -58,8 +58,6 @@ COMPLETION_BUCKETS = (64.0, 128.0, 256.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 
                       8192.0, 12288.0, 16384.0, 32768.0, 65536.0, 131072.0)
 # Distinct model label values; models are named by the operator, so this is only a guard.
 MAX_MODELS = 32
-# Conversation histories kept for the "previous turn" bound (an LRU; ~100 bytes each).
-HISTORY_MAX = 10_000
 OVERFLOW_PAIR = (OTHER, OTHER)
 # Why POST /v1/usage refuses a request as a whole (its reply's "error").
 INGEST_REFUSALS = ("unauthorized", "body_too_large", "bad_body", "bad_format", "overloaded",
@@ -206,7 +204,6 @@ class UsageState:
         # Whole requests refused, by reason: every reason exists at 0 from the start.
         self.ingest_requests_rejected: dict[str, int] = dict.fromkeys(INGEST_REFUSALS, 0)
         self._model_names: dict[str, str] = {}  # model label -> a raw name, for block size
-        self._history: dict[tuple[str, str, str | None], int] = {}
         self._pairs: dict[tuple[str, str], tuple[Series, str, bool, bool]] = {}
         # Pairs the budget admits; one is always left for (__other__, __other__).
         self.max_pairs = max(1, settings.max_series // SERIES_PER_PAIR)
@@ -248,16 +245,14 @@ class UsageState:
             self.sample_history(now)  # totals at it (never for a clock gone wrong)
         pairs_get = self._pairs.get
         resolve_pair = self._pair
-        history = self._history
-        history_pop = history.pop
         learner_observe = self.learner.observe
         learner_samples_get = self.learner.samples_by_model.get
         learned_get = self.learner.learned_by_model.get
         configured = self.configured_granularity
         warm_tail = self.warm_tail_granules
         missing_as_zero = self.missing_cached_as_zero
-        # The live conversations (signals/foresight.py), kept here inline: the same key as
-        # the history's, and a method call per event saved.
+        # The conversations (signals/foresight.py), kept here inline: a method call per
+        # event saved. Each holds its latest turn's prompt, the classifier's previous turn.
         tracker = self.conversations
         conversations = tracker.by_key
         conversations_pop = conversations.pop
@@ -301,10 +296,8 @@ class UsageState:
                         learner_observe(model, cached)
 
             key = (caller, model_name, session)  # the conversation
-            previous = history_pop(key, None)
-            history[key] = prompt_tokens
-            if len(history) > HISTORY_MAX:
-                del history[next(iter(history))]
+            conversation = conversations_pop(key, None)
+            previous = conversation.prompt_tokens if conversation is not None else None
 
             granularity = configured or learned_get(model) or self.granularity(model)[0]
             if granularity == 1:  # nothing known yet: estimate from this request alone
@@ -376,10 +369,11 @@ class UsageState:
             context_tokens = prompt_tokens + completion if completion else prompt_tokens
             if when is None:
                 when = now
-            conversation = conversations_pop(key, None)
             if conversation is None:
-                conversation = Conversation(model_name, model, context_tokens, when)
+                conversation = Conversation(model_name, model, prompt_tokens, context_tokens,
+                                            when)
             else:
+                conversation.prompt_tokens = prompt_tokens
                 conversation.context_tokens = context_tokens
                 if when > conversation.last_seen:
                     conversation.last_seen = when

@@ -94,18 +94,24 @@ def test_history_is_per_session_when_given_else_per_caller_and_model():
     assert usage.record(UsageEvent("solo2", "m", 60_000, 53_248), "http") == WARM
 
 
-def test_history_is_bounded(monkeypatch):
-    import exporter.signals.usage as usage_module
-
-    monkeypatch.setattr(usage_module, "HISTORY_MAX", 100)
-    state = make_state(signals_granularity=2048)
+def test_history_is_bounded_by_the_conversations_kept():
+    """The previous turns the classifier remembers are the conversations'
+    (--signals.conversations-max), least recently seen forgotten first."""
+    state = make_state(signals_granularity=2048, signals_conversations_max=100)
     usage = state.usage
     usage.record(UsageEvent("first", "m", 57_400, 0), "http")
-    for index in range(150):
+    usage.record(UsageEvent("second", "m", 57_400, 0), "http")
+    for index in range(98):
         usage.record(UsageEvent(f"c{index}", "m", 10_000, 0), "http")
-    assert len(usage._history) == 100
-    # "first" was evicted: its next turn is judged without the previous-turn bound.
+    assert len(usage.conversations.by_key) == 100
+    # "second" is seen again: now "first" is the least recently seen, and goes next.
+    assert usage.record(UsageEvent("second", "m", 57_400, 0), "http") == COLD
+    usage.record(UsageEvent("one-more", "m", 10_000, 0), "http")
+    assert len(usage.conversations.by_key) == 100
+    # "first" was forgotten: its next turn is judged without the previous-turn bound.
     assert usage.record(UsageEvent("first", "m", 60_000, 53_248), "http") == PARTIAL
+    # "second" is remembered: its previous turn (57,400) bounds what could be cached.
+    assert usage.record(UsageEvent("second", "m", 60_000, 53_248), "http") == WARM
 
 
 def test_errors_count_only_as_errors():

@@ -6,7 +6,8 @@ tracker inline, and must give exactly what those give.
 their steps itself. These functions stay the definition: here each event's state is
 ``classify``'s, and a learner and a tracker fed the same events through their own methods
 end equal to the state's, on streams that make the learner adopt, doubt and re-learn a
-granule, and that overflow a small conversation bound.
+granule, and that overflow a small conversation bound (a forgotten conversation's next turn
+is classified without its previous turn: the tracker is the classifier's memory).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def samples_of(learner: GranularityLearner) -> dict:
 
 
 def conversations_of(tracker: ConversationTracker) -> list:
-    return [(key, c.model_name, c.model, c.context_tokens, c.last_seen)
+    return [(key, c.model_name, c.model, c.prompt_tokens, c.context_tokens, c.last_seen)
             for key, c in tracker.by_key.items()]
 
 
@@ -73,7 +74,6 @@ def test_recording_gives_what_the_functions_it_inlines_give(stream, conversation
     usage = state.usage
     learner = GranularityLearner()
     tracker = ConversationTracker(usage.conversations.settings)
-    previous: dict = {}
     for event_fields, pause in stream:
         clock.now += pause
         event = validate(event_fields)
@@ -88,11 +88,12 @@ def test_recording_gives_what_the_functions_it_inlines_give(stream, conversation
         granularity = configured or learner.learned(event.model) or 1
         if granularity == 1:
             granularity = provisional_granularity(cached)
-        assert got == classify(event.prompt_tokens, cached, granularity, previous.get(key),
-                               warm_tail)
-        previous[key] = event.prompt_tokens
+        # The previous turn: the conversation's, while the bound keeps it.
+        known = tracker.by_key.get(key)
+        previous = known.prompt_tokens if known is not None else None
+        assert got == classify(event.prompt_tokens, cached, granularity, previous, warm_tail)
         tracker.observe(event.caller, event.model, event.model, event.session,
-                        event.prompt_tokens + (event.completion_tokens or 0),
+                        event.prompt_tokens, event.prompt_tokens + (event.completion_tokens or 0),
                         clock.now if event.time is None else event.time, clock.now)
         assert samples_of(usage.learner) == samples_of(learner)
         assert usage.learner.learned_by_model == learner.learned_by_model
