@@ -26,6 +26,9 @@ proxy's own clock cannot give.
 
 Streams are read by ``StreamReader``, event by event whatever the chunk boundaries; nothing
 here reads a clock (the caller passes the time in).
+
+What is read is decoded JSON, so a JSON object is a ``dict`` (as ``json`` and orjson give
+it), and that is what is checked for: anything else is not an object here.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def parse_usage(usage: Any) -> Usage | None:
 
     Raises InvalidEvent (with the reason a usage record would get) for unusable numbers.
     """
-    if not isinstance(usage, Mapping):
+    if not isinstance(usage, dict):
         return None
     if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
         read = token_count(usage, "cache_read_input_tokens", required=False)
@@ -80,7 +83,7 @@ def parse_usage(usage: Any) -> Usage | None:
     completion = token_count(usage, completion_key, required=False)
     details = usage.get(details_key)
     cached = (token_count(details, "cached_tokens", required=False)
-              if isinstance(details, Mapping) else None)
+              if isinstance(details, dict) else None)
     return _checked(prompt, completion, cached)
 
 
@@ -92,7 +95,7 @@ def _checked(prompt: int, completion: int | None, cached: int | None) -> Usage:
 
 def usage_of(obj: Any) -> tuple[Usage | None, str | None]:
     """(usage, model) of a whole response body or of one stream event's JSON."""
-    if not isinstance(obj, Mapping):
+    if not isinstance(obj, dict):
         return None, None
     obj = _response_object(obj)
     model = obj.get("model")
@@ -102,7 +105,7 @@ def usage_of(obj: Any) -> tuple[Usage | None, str | None]:
 def _response_object(obj: Mapping[str, Any]) -> Mapping[str, Any]:
     """The object that holds usage and metrics: a Responses API stream event wraps it."""
     response = obj.get("response")
-    if isinstance(response, Mapping) and "usage" in response:
+    if isinstance(response, dict) and "usage" in response:
         return response
     return obj
 
@@ -122,10 +125,10 @@ def engine_timings_of(obj: Any) -> EngineTimings | None:
     or ``n > 1``). A figure that is there but not a usable number of milliseconds raises
     InvalidEvent with the reason any other unusable number gets.
     """
-    if not isinstance(obj, Mapping):
+    if not isinstance(obj, dict):
         return None
     metrics = _response_object(obj).get("metrics")
-    if not isinstance(metrics, Mapping):
+    if not isinstance(metrics, dict):
         return None
     return EngineTimings(_milliseconds(metrics, "time_to_first_token_ms"),
                          _milliseconds(metrics, "queue_time_ms"))
@@ -139,30 +142,33 @@ def _milliseconds(metrics: Mapping[str, Any], key: str) -> float | None:
 
 def is_usage_only_chunk(obj: Any) -> bool:
     """The final ``choices: []`` chunk that include_usage adds to a chat/completion stream."""
-    return (isinstance(obj, Mapping) and obj.get("choices") == []
-            and isinstance(obj.get("usage"), Mapping))
+    return (isinstance(obj, dict) and obj.get("choices") == []
+            and isinstance(obj.get("usage"), dict))
 
 
 def _non_empty(value: Any) -> bool:
     return bool(value) if isinstance(value, (str, list, dict)) else False
 
 
+_CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
+
+
 def carries_content(obj: Any) -> bool:
     """True for the first stream event a user would see text (or a tool call) from."""
-    if not isinstance(obj, Mapping):
+    if not isinstance(obj, dict):
         return False
     choices = obj.get("choices")
     if isinstance(choices, list):
         for choice in choices:
-            if not isinstance(choice, Mapping):
+            if not isinstance(choice, dict):
                 continue
             if _non_empty(choice.get("text")):  # completions
                 return True
             delta = choice.get("delta")
-            if isinstance(delta, Mapping) and any(
-                    _non_empty(delta.get(key))
-                    for key in ("content", "reasoning_content", "reasoning", "tool_calls")):
-                return True
+            if isinstance(delta, dict):
+                for key in _CONTENT_KEYS:
+                    if _non_empty(delta.get(key)):
+                        return True
         return False
     event_type = obj.get("type")  # Responses API: response.output_text.delta etc.
     return (isinstance(event_type, str) and event_type.endswith(".delta")
@@ -171,10 +177,10 @@ def carries_content(obj: Any) -> bool:
 
 def stream_error_status(obj: Any) -> int | None:
     """vLLM reports a failure inside a 200 stream as ``{"error": {..., "code": 400}}``."""
-    if not isinstance(obj, Mapping):
+    if not isinstance(obj, dict):
         return None
     error = obj.get("error")
-    if not isinstance(error, Mapping):
+    if not isinstance(error, dict):
         if obj.get("type") in ("error", "response.failed"):
             return 500
         return None
@@ -190,6 +196,16 @@ _TERMINATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
 _USAGE = b'"usage"'
 _ERROR = b'"error"'
 _RESPONSE_FAILED = b"response.failed"
+
+
+def _next_mention(chunk: bytes, start: int) -> int:
+    """Where, at or after ``start``, the first mention of usage or an error is (else -1)."""
+    first = -1
+    for mention in (_USAGE, _ERROR, _RESPONSE_FAILED):
+        at = chunk.find(mention, start)
+        if at >= 0 and (first < 0 or at < first):
+            first = at
+    return first
 
 
 def _find_end(buffer: bytearray, start: int) -> int:
@@ -270,22 +286,39 @@ class StreamReader:
     def _whole_events(self, chunk: bytes, now: float) -> bytes:
         """The common case, a chunk of whole events (vLLM writes one event per chunk), each
         ending in a blank line, and nothing held: the events are read where they lie, and
-        the chunk is forwarded as it is, or without the injected usage chunk."""
+        the chunk is forwarded as it is, or without the injected usage chunk.
+
+        Once the first content is seen, only events that mention usage or an error are
+        read (``_read_event`` skips the others): the reading jumps from one such mention to
+        the next, to the start of the event holding it, instead of visiting every event."""
         start = 0
-        for event in chunk.split(b"\n\n")[:-1]:
-            end = start + len(event) + 2
-            if self._read_event(event, now):
+        size = len(chunk)
+        while start < size:
+            if self.ttft_seconds is not None:
+                mention = _next_mention(chunk, start)
+                if mention < 0:
+                    return chunk
+                # The event holding it begins after the last blank line before it (an event
+                # holds none). In a run of more than two line feeds, the pairs are taken
+                # from the left, as ``split`` takes them: an odd one begins the event.
+                blank = chunk.rfind(b"\n\n", start, mention)
+                if blank >= 0:
+                    run = blank
+                    while run > start and chunk[run - 1] == 10:  # b"\n"
+                        run -= 1
+                    start = run + (blank + 2 - run) // 2 * 2
+            end = chunk.find(b"\n\n", start) + 2
+            if end < 2:  # a lone line feed after the last blank line: not an event
+                return chunk
+            if self._read_event(chunk[start:end - 2], now):
                 # The injected usage chunk is gone; the rest of the stream passes untouched.
                 self.strip = False
                 rest = chunk[end:]
-                self._read_events(rest, now)
+                if rest:
+                    self._whole_events(rest, now)
                 return chunk[:start] + rest
             start = end
         return chunk
-
-    def _read_events(self, whole: bytes, now: float) -> None:
-        for event in whole.split(b"\n\n")[:-1]:
-            self._read_event(event, now)
 
     def finish(self) -> bytes:
         """End of stream: whatever is still held (an unterminated last event)."""
@@ -407,7 +440,7 @@ def read_response(response: Any) -> ResponseRead:
         except ValueError:
             raise InvalidEvent("malformed_response",
                                "the response text is not JSON or SSE") from None
-    if not isinstance(response, Mapping):
+    if not isinstance(response, dict):
         return ResponseRead(None, None, None)
     usage, model = usage_of(response)
     return ResponseRead(usage, model, engine_timings_of(response))

@@ -77,6 +77,48 @@ def test_event_by_event_as_vllm_writes_them(raw, strip, failure):
                                    503 if b"503" in failure else 500)
 
 
+def reading(reader: StreamReader) -> tuple:
+    return (reader.usage, reader.model, reader.engine, reader.ttft_seconds,
+            reader.error_status, reader.problems, reader.final_usage)
+
+
+# No content at all (a stream cut short, or a logged one): nothing to jump by.
+NO_CONTENT = b"".join(part + b"\n\n" for part in CHAT.split(b"\n\n")
+                      if b'"content":"' not in part or b'"content":""' in part)
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.sampled_from([CHAT, COMPLETION, RESPONSES, NO_CONTENT]),
+       extra=st.lists(st.sampled_from([
+           b": keep-alive", b"event: ping", b"data: {not json", b"data: [DONE]",
+           b'data: {"error": {"message": "engine died", "code": 503}}',
+           b'data: {"type": "response.failed"}', b'data: {"usage": 1}',
+           b'data: {"choices": [{"delta": {"content": "x"}}]}']), max_size=4),
+       seed=st.randoms(use_true_random=False), strip=st.booleans(),
+       cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6))
+def test_whole_chunks_read_as_the_byte_by_byte_path_does(raw, extra, seed, strip, cuts):
+    """A chunk of whole events is read where it lies, jumping to the events that mention
+    usage or an error once the content has begun; fed byte by byte, the same stream goes
+    through the buffer, event by event. Both must forward the same bytes and read the same,
+    whatever the events and however many line feeds end them (a run of more than two)."""
+    events = [part for part in raw.split(b"\n\n") if part]
+    for event in extra:
+        events.insert(seed.randrange(len(events) + 1), event)
+    stream = b"".join(event + b"\n" * seed.choice([2, 2, 2, 3, 4, 5]) for event in events)
+    if not stream.endswith(b"\n\n"):
+        stream += b"\n"
+    whole = StreamReader(strip_usage_chunk=strip, started=0.0)
+    points = sorted({0, len(stream)} | {cut % (len(stream) + 1) for cut in cuts
+                                        if stream[:cut % (len(stream) + 1)].endswith(b"\n\n")})
+    out = b"".join(whole.feed(stream[a:b], 1.0) for a, b in zip(points, points[1:], strict=False))
+    out += whole.finish()
+    by_byte = StreamReader(strip_usage_chunk=strip, started=0.0)
+    reference = b"".join(by_byte.feed(stream[i:i + 1], 1.0) for i in range(len(stream)))
+    reference += by_byte.finish()
+    assert out == reference
+    assert reading(whole) == reading(by_byte)
+
+
 def test_ttft_is_the_time_of_the_first_content_chunk():
     reader = StreamReader(strip_usage_chunk=False, started=10.0)
     events = [part + b"\n\n" for part in CHAT.split(b"\n\n") if part]
