@@ -198,8 +198,9 @@ _ERROR = b'"error"'
 _RESPONSE_FAILED = b"response.failed"
 
 
-def _next_mention(chunk: bytes, start: int) -> int:
-    """Where, at or after ``start``, the first mention of usage or an error is (else -1)."""
+def _next_mention(chunk: bytes | bytearray, start: int) -> int:
+    """Where, at or after ``start``, the first mention of usage or an error is (else -1):
+    after the first content, the only events the stream reader reads."""
     first = -1
     for mention in (_USAGE, _ERROR, _RESPONSE_FAILED):
         at = chunk.find(mention, start)
@@ -270,11 +271,6 @@ class StreamReader:
         """Take one upstream chunk; return the bytes to send the client now."""
         if not self._buffer and not self._oversized and chunk.endswith(b"\n\n") \
                 and b"\r" not in chunk:
-            if self.ttft_seconds is not None and _USAGE not in chunk \
-                    and _ERROR not in chunk and _RESPONSE_FAILED not in chunk:
-                # Most of a stream: whole events after the first content, none of them a
-                # usage chunk or an error (what _read_event would skip, one by one).
-                return chunk
             return self._whole_events(chunk, now)
         if not self.strip:
             self._consume(chunk, now)
@@ -290,7 +286,9 @@ class StreamReader:
 
         Once the first content is seen, only events that mention usage or an error are
         read (``_read_event`` skips the others): the reading jumps from one such mention to
-        the next, to the start of the event holding it, instead of visiting every event."""
+        the next, to the start of the event holding it, instead of visiting every event, and
+        a chunk with none (most of a stream: vLLM writes one event per chunk) is forwarded
+        at once."""
         start = 0
         size = len(chunk)
         while start < size:
@@ -372,8 +370,7 @@ class StreamReader:
     def _read_event(self, event: bytes, now: float) -> bool:
         """Read one complete event; True when it is the injected usage chunk to drop."""
         need_content = self.ttft_seconds is None
-        if not need_content and _USAGE not in event and _ERROR not in event \
-                and _RESPONSE_FAILED not in event:
+        if not need_content and _next_mention(event, 0) < 0:
             return False
         data = event_data(event)
         if data is None or data == b"[DONE]":
