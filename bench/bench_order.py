@@ -27,7 +27,7 @@ from bench_tap import chat_payload  # noqa: E402
 from exporter.signals.order import PRINTS_PER_PAIR, OrderTracker  # noqa: E402
 from exporter.usage.openai import Endpoint  # noqa: E402
 from exporter.usage.tap.fingerprint import fingerprint, new_key  # noqa: E402
-from exporter.usage.tap.request import facts_of, prompt_span  # noqa: E402
+from exporter.usage.tap.request import facts_of, prompt_bytes  # noqa: E402
 
 CAP = 32 * 1024  # --tap.prompt-order-bytes default
 
@@ -44,15 +44,15 @@ def median_us(work: Callable[[], object], repeat: int) -> float:
 def measure(chars: int, key: bytes, repeat: int) -> None:
     body = json.dumps(chat_payload(False, chars)).encode()
     facts = facts_of(body, Endpoint.CHAT)
-    span = prompt_span(body, Endpoint.CHAT, facts)
-    assert span is not None
-    prompt = fingerprint(body, span, key, CAP)
+    prompt_text = prompt_bytes(body, Endpoint.CHAT, facts)
+    assert prompt_text is not None
+    prompt = fingerprint(prompt_text, key, CAP)
     tracker = OrderTracker()
     for _ in range(PRINTS_PER_PAIR):
         tracker.observe("pair", prompt, 1.0)
     scan = median_us(lambda: facts_of(body, Endpoint.CHAT), repeat)
-    find = median_us(lambda: prompt_span(body, Endpoint.CHAT, facts), repeat)
-    cut = median_us(lambda: fingerprint(body, span, key, CAP), repeat)
+    find = median_us(lambda: prompt_bytes(body, Endpoint.CHAT, facts), repeat)
+    cut = median_us(lambda: fingerprint(prompt_text, key, CAP), repeat)
     compare = median_us(lambda: tracker.observe("pair", prompt, 1.0), repeat)
     total = find + cut + compare
     print(f"{len(body) // 1000:>6}KB {len(prompt.digests):>6} {scan:>14.1f}us "

@@ -19,7 +19,8 @@ from exporter.usage.tap.request import (
     RequestFacts,
     Undecidable,
     facts_of,
-    prompt_span,
+    prompt_bytes,
+    read,
     scan,
     scan_spans,
     with_include_usage,
@@ -147,13 +148,15 @@ def check_agrees(body: bytes, endpoint: Endpoint) -> None:
         return
     assert observed_facts(scanned) == expected_facts(obj, endpoint)
     prompt_key = PROMPT_KEYS[endpoint]
-    span = prompt_span(body, endpoint, facts)
-    assert span == scanned.prompt_span
+    prompt = prompt_bytes(body, endpoint, facts)
+    span = scanned.prompt_span
+    assert (None if prompt is None else bytes(prompt)) == (None if span is None
+                                                          else body[slice(*span)])
     if prompt_key in obj:
-        assert span is not None
-        assert same(json.loads(body[slice(*span)]), obj[prompt_key])
+        assert prompt is not None
+        assert same(json.loads(bytes(prompt)), obj[prompt_key])
     else:
-        assert span is None
+        assert prompt is None
 
 
 # ---- properties ------------------------------------------------------------------------------
@@ -252,13 +255,37 @@ def test_include_usage_changes_nothing_else(body: bytes) -> None:
 # ---- the cases the properties might not draw -------------------------------------------
 
 
-def test_small_bodies_are_decoded_whole_large_ones_scanned() -> None:
+def test_each_body_goes_to_the_cheapest_reader_that_can_tell() -> None:
     small = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
-    large = small[:-1] + b',"pad":"' + b"x" * scanner.WALK_MIN_BYTES + b'"}'
-    assert not facts_of(small, Endpoint.CHAT).scanned
-    assert facts_of(large, Endpoint.CHAT).scanned
-    assert facts_of(large, Endpoint.CHAT).prompt_span == prompt_span(
-        small, Endpoint.CHAT, facts_of(small, Endpoint.CHAT))
+    prompt = b'[{"role":"user","content":"hi"}]'
+    long_string = small[:-1] + b',"pad":"' + b"x" * scanner.WALK_MIN_BYTES + b'"}'
+    dense = small[:-1] + b',"pad":[' + b",".join([b'{"a":"b"}'] * 4000) + b"]}"
+
+    def prompt_of(body: bytes, facts: RequestFacts) -> bytes:
+        found = prompt_bytes(body, Endpoint.CHAT, facts)
+        assert found is not None
+        return bytes(found)
+
+    # Small, or large and dense: msgspec (the prompt handed over as its bytes).
+    for body in (small, dense):
+        facts = facts_of(body, Endpoint.CHAT)
+        assert facts == read(body, Endpoint.CHAT) and facts.prompt_span is None
+        assert (facts.model, facts.stream, prompt_of(body, facts)) == ("m", True, prompt)
+    # Large with long strings: the walk (the prompt as a span of the body).
+    facts = facts_of(long_string, Endpoint.CHAT)
+    assert facts == scan(long_string, Endpoint.CHAT, decoder=False)
+    assert facts.prompt is None and facts.prompt_span is not None
+    assert (facts.model, facts.stream, prompt_of(long_string, facts)) == ("m", True, prompt)
+    # What msgspec refuses (NaN, which json reads): json for a small body, the scan with the
+    # C decoder for a large dense one; the same facts, the prompt found all the same.
+    for body, scanned in ((small, False), (dense, True)):
+        body = body[:-1] + b',"t":NaN}'
+        with pytest.raises(Undecidable):
+            read(body, Endpoint.CHAT)
+        facts = facts_of(body, Endpoint.CHAT)
+        assert (facts.model, facts.stream, facts.scanned) == ("m", True, scanned)
+        assert prompt_of(body, facts) == prompt
+        check_agrees(body, Endpoint.CHAT)
 
 
 @pytest.mark.parametrize("body, stream, model", [
@@ -349,12 +376,15 @@ def test_many_escaped_quotes_go_to_the_c_scanner() -> None:
      b"[1,2,3]"),
     (Endpoint.RESPONSES, b'{"input":"x","max_output_tokens":3,"max_tokens":9}', 3, b'"x"'),
 ])
-def test_output_limit_and_prompt_span(endpoint: Endpoint, body: bytes, limit: int | None,
+def test_output_limit_and_prompt(endpoint: Endpoint, body: bytes, limit: int | None,
                                       prompt: bytes | None) -> None:
     facts = facts_of(body, endpoint)
     assert facts.output_limit == limit
-    span = prompt_span(body, endpoint, facts)
-    assert (body[slice(*span)] if span else None) == prompt
+    found = prompt_bytes(body, endpoint, facts)
+    assert (bytes(found) if found is not None else None) == prompt
+    parsed = scanner.parse(body, endpoint)  # the same from a full parse: found on demand
+    found = prompt_bytes(body, endpoint, parsed)
+    assert (bytes(found) if found is not None else None) == prompt
 
 
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32-le"])
@@ -381,3 +411,40 @@ def test_scan_raises_only_undecidable(body: bytes) -> None:
 def test_not_a_number_is_kept_as_json_loads_keeps_it() -> None:
     facts = facts_of(b'{"stream_options":{"x":NaN},"stream":true}', Endpoint.CHAT)
     assert math.isnan(facts.stream_options["x"])
+
+
+def test_large_bodies_are_read_on_the_loop_unless_only_a_decoder_can_read_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past PARSE_INLINE_MAX_BYTES a body goes to a worker thread only when neither the walk
+    nor (up to READ_INLINE_MAX_BYTES) msgspec can read it."""
+    import asyncio
+
+    from exporter.usage.tap import proxy
+
+    head = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"pad":'
+    long_string = head + b'"' + b"x" * 400_000 + b'"}'
+    dense = head + b"[" + b",".join([b'{"a":"b"}'] * 40_000) + b"]}"  # 400 KB of it
+    huge_dense = head + b"[" + b",".join([b'{"a":"b"}'] * 150_000) + b"]}"  # 1.5 MB
+    refused = dense[:-1] + b',"t":NaN}'  # msgspec refuses it; json reads it
+    assert proxy.PARSE_INLINE_MAX_BYTES < len(dense) < proxy.READ_INLINE_MAX_BYTES
+    assert len(huge_dense) > proxy.READ_INLINE_MAX_BYTES
+
+    async def facts(body: bytes) -> tuple[RequestFacts, bool]:
+        loop = asyncio.get_running_loop()
+        threaded = []
+        original = loop.run_in_executor
+
+        def spy(*args: Any) -> Any:
+            threaded.append(args[1])
+            return original(*args)
+
+        monkeypatch.setattr(loop, "run_in_executor", spy)
+        return await proxy.read_request(body, Endpoint.CHAT), bool(threaded)
+
+    for body, off_the_loop in ((long_string, False), (dense, False), (huge_dense, True),
+                               (refused, True)):
+        found, threaded = asyncio.run(facts(body))
+        assert threaded == off_the_loop
+        assert (found.model, found.stream) == ("m", True)
+        prompt = prompt_bytes(body, Endpoint.CHAT, found)
+        assert prompt is not None and bytes(prompt) == b'[{"role":"user","content":"hi"}]'

@@ -42,14 +42,14 @@ def documented_kib(what: str) -> int:
 
 def test_a_print_holds_at_most_cap_over_min_block_blocks():
     body = worst_prompt(1)
-    prompt = fingerprint(body, (0, len(body)), KEY, CAP)
+    prompt = fingerprint(body, KEY, CAP)
     assert len(prompt.digests) == CAP // MIN_BLOCK_BYTES
     assert prompt.covered == CAP and prompt.length == len(body)
 
 
 def test_a_400_kb_prompt_is_read_only_to_the_cap():
     body = b'{"prompt":"' + b"x" * 400_000 + b'"}'
-    prompt = fingerprint(body, (10, len(body) - 1), KEY, CAP)
+    prompt = fingerprint(body[10:-1], KEY, CAP)
     assert prompt.covered == CAP
     assert len(prompt.digests) == CAP // MAX_BLOCK_BYTES  # no anchor: cut every max block
     assert prompt.length == 400_002
@@ -59,7 +59,7 @@ def test_memory_per_pair_and_in_total_stays_within_the_documented_bounds():
     """Each request's print is a new one made inside the measurement, as the tap makes one
     per request: what is measured is what the tracker keeps alive."""
     bodies = [worst_prompt(seed) for seed in range(12)]
-    made = [fingerprint(body, (0, len(body)), KEY, CAP) for body in bodies]
+    made = [fingerprint(body, KEY, CAP) for body in bodies]
 
     def print_of(index: int) -> PromptPrint:
         model = made[index % len(made)]
@@ -87,7 +87,7 @@ def test_memory_per_pair_and_in_total_stays_within_the_documented_bounds():
 
 def test_prints_are_forgotten_past_the_window():
     body = worst_prompt(3)
-    prompt = fingerprint(body, (0, len(body)), KEY, CAP)
+    prompt = fingerprint(body, KEY, CAP)
     tracker = OrderTracker(window_seconds=60)
     assert tracker.observe("p", prompt, 1000.0) is None
     assert tracker.observe("p", prompt, 1061.0) is None  # the first one is gone
@@ -98,8 +98,8 @@ def test_prints_are_forgotten_past_the_window():
 
 def test_digests_depend_on_the_key():
     body = worst_prompt(4)
-    mine = fingerprint(body, (0, len(body)), KEY, CAP)
-    theirs = fingerprint(body, (0, len(body)), bytes(range(16)), CAP)
+    mine = fingerprint(body, KEY, CAP)
+    theirs = fingerprint(body, bytes(range(16)), CAP)
     assert set(mine.digests).isdisjoint(theirs.digests)
     assert list(mine.ends) == list(theirs.ends)  # blocks are cut by content, not by key
     assert compare(mine, theirs).shared_bytes == 0

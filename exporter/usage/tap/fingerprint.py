@@ -66,10 +66,9 @@ def block_ends(data: bytes) -> list[int]:
     return ends
 
 
-def fingerprint(body: bytes, span: tuple[int, int], key: bytes, max_bytes: int) -> PromptPrint:
-    """The print of the prompt at ``span`` in ``body``: at most its first ``max_bytes``."""
-    begin, end = span
-    data = body[begin:min(end, begin + max_bytes)]
+def fingerprint(prompt: bytes | memoryview, key: bytes, max_bytes: int) -> PromptPrint:
+    """The print of ``prompt`` (its JSON bytes as sent): at most its first ``max_bytes``."""
+    data = bytes(prompt[:max_bytes])
     ends = block_ends(data)
     digests = array("Q")
     view = memoryview(data)
@@ -80,4 +79,4 @@ def fingerprint(body: bytes, span: tuple[int, int], key: bytes, max_bytes: int) 
         block.update(view[start:stop])
         digests.append(int.from_bytes(block.digest(), "little"))
         start = stop
-    return PromptPrint(digests, array("I", ends), end - begin)
+    return PromptPrint(digests, array("I", ends), len(prompt))

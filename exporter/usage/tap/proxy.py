@@ -57,7 +57,8 @@ from exporter.usage.tap.request import (
     Undecidable,
     facts_of,
     parse,
-    prompt_span,
+    prompt_bytes,
+    read,
     scan,
     with_include_usage,
 )
@@ -81,6 +82,9 @@ SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 # Bodies above this are decoded in a worker thread (requests only when the scan needs the
 # C decoder).
 PARSE_INLINE_MAX_BYTES = 256 * 1024
+# Requests up to this that the scan's walk cannot read are read by msgspec on the event loop
+# (about 1 ms a megabyte of dense JSON); larger ones in a worker thread.
+READ_INLINE_MAX_BYTES = 1024 * 1024
 
 
 
@@ -179,8 +183,9 @@ async def read_bounded(stream: aiohttp.StreamReader, declared: int | None,
 
 
 async def read_request(body: bytes, endpoint: Endpoint) -> RequestFacts:
-    """The request's facts (``request``): scanned on the loop, or decoded in a worker thread
-    when the body is large and the scan cannot do without the C decoder."""
+    """The request's facts (``request``): read on the loop, or decoded in a worker thread
+    when the body is large and neither the scan's walk nor, up to READ_INLINE_MAX_BYTES,
+    msgspec can read it."""
     if len(body) <= PARSE_INLINE_MAX_BYTES:
         return facts_of(body, endpoint)
     try:
@@ -189,6 +194,11 @@ async def read_request(body: bytes, endpoint: Endpoint) -> RequestFacts:
         work = facts_of
     except Undecidable:
         work = parse
+    if work is facts_of and len(body) <= READ_INLINE_MAX_BYTES:
+        try:
+            return read(body, endpoint)
+        except Undecidable:
+            pass
     return await asyncio.get_running_loop().run_in_executor(None, work, body, endpoint)
 
 
@@ -288,11 +298,10 @@ class Tap:
             log.warning("tap: prompt order not recorded: %s", type(err).__name__)
 
     def prompt_print(self, exchange: Exchange) -> PromptPrint | None:
-        body = exchange.body
-        span = prompt_span(body, exchange.endpoint, exchange.request)
-        if span is None:
+        prompt = prompt_bytes(exchange.body, exchange.endpoint, exchange.request)
+        if prompt is None:
             return None
-        return fingerprint(body, span, self.fingerprint_key, self.settings.prompt_order_bytes)
+        return fingerprint(prompt, self.fingerprint_key, self.settings.prompt_order_bytes)
 
     def say_no_engine_timings(self) -> None:
         """Once per tap: vLLM answered without its per-request metrics, so the TTFT recorded

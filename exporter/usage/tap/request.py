@@ -20,13 +20,22 @@ was most of the tap's cost on long prompts. So ``scan`` walks the top-level obje
 - skipped values are delimited, not validated: a body that is not valid JSON may still be
   scanned. vLLM refuses it (400) and the tap records that answer as it would any other.
 
+Where the walk would need the C scanner (a body under WALK_MIN_BYTES, whose containers the
+walk does not pay off on, or dense JSON), ``read`` gives the same facts from one pass of
+msgspec's C decoder, which decodes the fields above, hands the prompt's value over as its
+bytes (``msgspec.Raw``, no copy) and skips every other value in C (1 ms for a megabyte of
+dense JSON; the walk stays ahead on long strings, which msgspec reads byte by byte). It
+reads JSON strictly: where ``json.loads`` reads a body its own way (NaN and the infinities,
+numbers past a float's range, integers of thousands of digits in a field it decodes, lone
+surrogates, a byte-order mark, UTF-16) msgspec refuses the body and the scan or ``json``
+reads it instead. Like the scan, it delimits the values it skips without holding them to
+``json``'s limits (an integer of 5,000 digits in a message).
+
 Whatever the scan cannot decide (the body is not an object, a value it needs does not
 decode, text after the object, an encoding other than UTF-8) falls back to ``json``
 decoding the whole body (``parse``), which the caller runs in a worker thread when the body
-is large. A body under WALK_MIN_BYTES (most chat turns) is decoded whole by ``json`` in the
-first place: its C decoder reads a few kilobytes faster than the scan's Python steps. Nothing
-here changes a body except ``with_include_usage``, which splices in the usage request and
-leaves every other byte as the client sent it.
+is large. Nothing here changes a body except ``with_include_usage``, which splices in the
+usage request and leaves every other byte as the client sent it.
 """
 
 from __future__ import annotations
@@ -35,8 +44,11 @@ import json
 import json.decoder
 import json.scanner
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from exporter.usage.event import loads
 from exporter.usage.openai import Endpoint
@@ -99,9 +111,10 @@ class RequestFacts:
 
     ``prompt_span`` is the byte range of the prompt's JSON value in the body (``messages``
     for chat, ``prompt`` for completions, ``input`` for responses), so that a later reader
-    can hash or measure it without decoding it; None when it is absent or the facts came
-    from a full parse (``scanned`` False: small bodies, and what the scan cannot read),
-    where ``prompt_span()`` finds it on demand. ``output_limit`` is the request's output
+    can hash or measure it without decoding it; None when it is absent, when ``read`` handed
+    the prompt's bytes over instead (``prompt``), or when the facts came from a full parse
+    (``scanned`` False: what neither ``read`` nor the scan can read), where
+    ``prompt_bytes()`` finds it on demand. ``output_limit`` is the request's output
     token limit (an integer, else None).
     """
 
@@ -114,8 +127,11 @@ class RequestFacts:
     output_limit: int | None = None
     prompt_span: tuple[int, int] | None = None
     scanned: bool = True
+    # The prompt's JSON bytes as sent, from ``read`` (a msgspec.Raw: a buffer over the
+    # body); None when absent or not read that way.
+    prompt: Any = field(default=None, repr=False)
     # Where the include_usage injection goes.
-    object_start: int = -1  # the top-level "{" (scanned bodies only)
+    object_start: int = -1  # the top-level "{" (found by the scan only)
     stream_options_span: tuple[int, int] | None = None  # its last value's bytes
 
     @property
@@ -322,6 +338,36 @@ def scan(body: bytes, endpoint: Endpoint, decoder: bool = True) -> RequestFacts:
                   prompt_span=prompt_span, stream_options_span=spans.get("stream_options"))
 
 
+def _request_type(prompt_key: str) -> type:
+    """The fields ``read`` decodes (absent: UNSET), the prompt kept as its bytes."""
+    fields: list[tuple[str, Any, Any]] = [(key, Any, msgspec.UNSET) for key in sorted(DECODED)]
+    fields.append((prompt_key, msgspec.Raw, msgspec.UNSET))
+    return msgspec.defstruct(f"Request_{prompt_key}", fields)
+
+
+_READERS: dict[Endpoint, Callable[[bytes], Any]] = {
+    endpoint: msgspec.json.Decoder(_request_type(key)).decode
+    for endpoint, key in PROMPT_KEYS.items()}
+_ORDERED_DECODED = tuple(sorted(DECODED))
+
+
+def read(body: bytes, endpoint: Endpoint) -> RequestFacts:
+    """The request's facts from one pass of msgspec's decoder; raises Undecidable where it
+    refuses the body (then ``scan`` or ``parse``, which read it as ``json.loads`` does)."""
+    try:
+        request = _READERS[endpoint](body)
+    except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
+        raise Undecidable("msgspec refuses the body") from None
+    unset = msgspec.UNSET
+    values = {}
+    for key in _ORDERED_DECODED:
+        value = getattr(request, key)
+        if value is not unset:
+            values[key] = value
+    prompt = getattr(request, PROMPT_KEYS[endpoint])
+    return _facts(values, endpoint, scanned=True, prompt=None if prompt is unset else prompt)
+
+
 def _decode(raw: bytes) -> Any:
     """One delimited value, as ``json.loads`` decodes it (its own scanner, without the
     encoding detection and whitespace handling a whole document needs)."""
@@ -347,19 +393,44 @@ def parse(body: bytes, endpoint: Endpoint) -> RequestFacts:
 
 
 def facts_of(body: bytes, endpoint: Endpoint) -> RequestFacts:
-    """``scan``'s facts, else ``parse``'s; ``parse``'s straight away for a body under
-    WALK_MIN_BYTES, which the C decoder reads whole faster than the scan walks it."""
-    if len(body) < WALK_MIN_BYTES:
-        return parse(body, endpoint)
+    """The request's facts, by the cheapest reader that can tell:
+
+    - from WALK_MIN_BYTES up, the scan's walk first (a long prompt is a few ``memchr``
+      calls, where msgspec reads every byte), as long as it needs no C decoder;
+    - then msgspec's ``read`` (one pass in C: most bodies);
+    - where msgspec refuses the body, the scan with the C decoder (from WALK_MIN_BYTES up),
+      else ``parse`` (``json`` decoding the whole body).
+    """
+    large = len(body) >= WALK_MIN_BYTES
+    if large:
+        try:
+            return scan(body, endpoint, decoder=False)
+        except (NeedsDecoder, Undecidable):
+            pass
     try:
-        return scan(body, endpoint)
+        return read(body, endpoint)
     except Undecidable:
-        return parse(body, endpoint)
+        pass
+    if large:
+        try:
+            return scan(body, endpoint)
+        except Undecidable:
+            pass
+    return parse(body, endpoint)
+
+
+def prompt_bytes(body: bytes, endpoint: Endpoint, facts: RequestFacts) -> memoryview | None:
+    """The prompt's JSON value as sent (a view, no copy); None when the body has none."""
+    if facts.prompt is not None:
+        return memoryview(facts.prompt)
+    span = prompt_span(body, endpoint, facts)
+    return None if span is None else memoryview(body)[span[0]:span[1]]
 
 
 def prompt_span(body: bytes, endpoint: Endpoint, facts: RequestFacts) -> tuple[int, int] | None:
-    """Where the prompt's JSON value is in ``body`` (facts from a full parse do not say)."""
-    if facts.scanned:
+    """Where the prompt's JSON value is in ``body``: the scan's, else found now (facts from
+    ``read`` or a full parse do not say)."""
+    if facts.scanned and facts.object_start >= 0:
         return facts.prompt_span
     try:
         _start, spans = scan_spans(body)
@@ -370,7 +441,8 @@ def prompt_span(body: bytes, endpoint: Endpoint, facts: RequestFacts) -> tuple[i
 
 def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_start: int = -1,
            prompt_span: tuple[int, int] | None = None,
-           stream_options_span: tuple[int, int] | None = None) -> RequestFacts:
+           stream_options_span: tuple[int, int] | None = None,
+           prompt: Any = None) -> RequestFacts:
     model = values.get("model")
     limit = None
     for key in LIMIT_KEYS[endpoint]:
@@ -384,7 +456,7 @@ def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_sta
         has_stream_options="stream_options" in values,
         stream_options=values.get("stream_options"), output_limit=limit,
         prompt_span=prompt_span, scanned=scanned, object_start=object_start,
-        stream_options_span=stream_options_span)
+        stream_options_span=stream_options_span, prompt=prompt)
 
 
 # ---- the one change the tap makes to a request ---------------------------------------------
@@ -403,10 +475,11 @@ def with_include_usage(body: bytes, facts: RequestFacts) -> bytes:
     ``stream_options``.
     """
     start, span = facts.object_start, facts.stream_options_span
-    if not facts.scanned:  # a small body, decoded whole: find the places now
+    if start < 0:  # read by msgspec or decoded whole: find the places now
         opening = _OBJECT_START.match(body)
         if not facts.has_stream_options and opening is not None and b"\x00" not in body:
-            # Only the object's "{" is needed, and json read the body as an object: UTF-8
+            # Only the object's "{" is needed, and json or msgspec read the body as an
+            # object: UTF-8
             # (UTF-16 and UTF-32 text has NULs, which UTF-8 JSON cannot), so its first "{"
             # after any BOM and whitespace is the object's. The scan would say the same.
             start = opening.end() - 1
