@@ -9,6 +9,9 @@ import tracemalloc
 from array import array
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from exporter.signals.order import (
     MAX_PRINTS,
     PRINTS_PER_PAIR,
@@ -16,7 +19,13 @@ from exporter.signals.order import (
     common_prefix,
     compare,
 )
-from exporter.usage.tap.fingerprint import MAX_BLOCK_BYTES, MIN_BLOCK_BYTES, fingerprint
+from exporter.usage.tap.fingerprint import (
+    ANCHORS,
+    MAX_BLOCK_BYTES,
+    MIN_BLOCK_BYTES,
+    block_ends,
+    fingerprint,
+)
 from exporter.values import PromptPrint
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text("utf-8")
@@ -138,3 +147,40 @@ def test_the_common_prefix_is_found_to_the_block():
         other = array("Q", [*range(length), *(1000 + index for index in range(64 - length))])
         assert common_prefix(digests, other) == length
     assert common_prefix(digests, array("Q", range(10))) == 10
+
+
+def block_ends_by_definition(data: bytes) -> list[int]:
+    """The cut as documented, written plainly: each block ends after the first anchor that
+    ends MIN_BLOCK_BYTES or more after its start, else MAX_BLOCK_BYTES after it."""
+    ends = []
+    start = 0
+    while len(data) - start > MIN_BLOCK_BYTES:
+        end = min(start + MAX_BLOCK_BYTES, len(data))
+        for at in range(start + MIN_BLOCK_BYTES - 1, end):
+            if data[at:at + 1] in ANCHORS:
+                end = at + 1
+                break
+        ends.append(end)
+        start = end
+    if start < len(data):
+        ends.append(len(data))
+    return ends
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([*ANCHORS, b"x"]), st.integers(0, 2600)),
+                max_size=40))
+def test_blocks_are_cut_as_documented(runs: list[tuple[bytes, int]]) -> None:
+    """Anchors dense, sparse, missing for a while or altogether: the cut that remembers
+    where each anchor is next is the plain one."""
+    data = b"".join(b"a" * length + anchor for anchor, length in runs)
+    assert block_ends(data) == block_ends_by_definition(data)
+
+
+def test_equal_blocks_have_equal_digests_and_others_differ():
+    one, other = worst_prompt(5), worst_prompt(6)
+    first, again = fingerprint(one, KEY, CAP), fingerprint(one, KEY, CAP)
+    assert (first.digests, first.ends) == (again.digests, again.ends)
+    spliced = fingerprint(one[:MIN_BLOCK_BYTES] + other[MIN_BLOCK_BYTES:], KEY, CAP)
+    assert spliced.digests[0] == first.digests[0]
+    assert set(spliced.digests[1:]).isdisjoint(first.digests)
