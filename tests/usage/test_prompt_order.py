@@ -184,3 +184,12 @@ def test_equal_blocks_have_equal_digests_and_others_differ():
     spliced = fingerprint(one[:MIN_BLOCK_BYTES] + other[MIN_BLOCK_BYTES:], KEY, CAP)
     assert spliced.digests[0] == first.digests[0]
     assert set(spliced.digests[1:]).isdisjoint(first.digests)
+
+
+def test_the_interpreter_hashes_bytes_with_a_keyed_siphash():
+    """The digests are Python's own bytes hash: keyed SipHash on every build the image and
+    CI run (CPython's default since 3.4), never the unkeyed FNV some odd builds choose."""
+    import sys
+
+    assert sys.hash_info.algorithm.startswith("siphash")
+    assert sys.hash_info.hash_bits == 64
