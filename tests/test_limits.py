@@ -120,6 +120,63 @@ async def test_a_connection_without_a_whole_request_is_closed_after_the_idle_tim
         await runner.cleanup()
 
 
+def slow_app() -> tuple[web.Application, asyncio.Event, asyncio.Event]:
+    """An app whose one route answers once ``release`` is set (``started`` says it runs)."""
+    app = web.Application()
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(_request: web.Request) -> web.Response:
+        started.set()
+        await release.wait()
+        return web.Response(text="answered")
+
+    app.router.add_get("/slow", slow)
+    return app, started, release
+
+
+async def test_an_evicted_connection_finishes_the_request_it_is_answering():
+    """At the cap the oldest connection goes, but one busy answering is closed only once its
+    answer is out; an idle one would be cut at once."""
+    app, started, release = slow_app()
+    stats = ListenerStats("web", cap=1)
+    runner, port = await start(app, stats)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 10)
+        newcomer = await asyncio.open_connection("127.0.0.1", port)  # evicts the busy one
+        await wait_for(lambda: stats.evicted == 1)
+        release.set()
+        answer = await asyncio.wait_for(reader.read(), 10)  # then closed
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"answered")
+        writer.close()
+        newcomer[1].close()
+        await wait_for(lambda: stats.open == 0)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_long_answer_is_not_taken_for_an_idle_connection():
+    app, started, release = slow_app()
+    stats = ListenerStats("web", cap=10)
+    runner, port = await start(app, stats, keepalive_timeout=0.3)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 10)
+        await asyncio.sleep(1.0)  # several idle times: only the clock can pass them
+        release.set()
+        head = await asyncio.wait_for(reader.readuntil(b"answered"), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert stats.idle_closed == 0
+        # Idle after its answer, it is closed after the idle time as any other.
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        await wait_for(lambda: stats.open == 0)
+    finally:
+        await runner.cleanup()
+
+
 def test_the_cap_stays_below_the_descriptors_the_process_has():
     assert connection_cap(512, 1024) == 512
     assert connection_cap(2048, 1024) == 1024 - limits.RESERVED_FDS - limits.HARD_SLACK
