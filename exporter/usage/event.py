@@ -82,7 +82,8 @@ def loads(data: str | bytes | bytearray) -> Any:
     if type(data) is bytes:
         try:
             return _msgspec_loads(data)
-        except (msgspec.DecodeError, RecursionError):  # json's reading decides
+        # UnicodeDecodeError too, from msgspec 0.18 on invalid UTF-8
+        except (msgspec.DecodeError, ValueError, RecursionError):  # json's reading decides
             pass
     try:
         return json.loads(data)

@@ -356,7 +356,9 @@ def read(body: bytes, endpoint: Endpoint) -> RequestFacts:
     refuses the body (then ``scan`` or ``parse``, which read it as ``json.loads`` does)."""
     try:
         request = _READERS[endpoint](body)
-    except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
+    # A ValidationError is a DecodeError; msgspec 0.18 raises UnicodeDecodeError (a
+    # ValueError) on invalid UTF-8.
+    except (msgspec.DecodeError, ValueError, RecursionError):
         raise Undecidable("msgspec refuses the body") from None
     unset = msgspec.UNSET
     values = {}
