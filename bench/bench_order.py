@@ -4,10 +4,11 @@
 
 For a chat body as bench_tap.py sends it (prose, 4 KB and 400 KB prompts): the tap's own
 request scan (``facts_of``, what every recorded call already pays) as the baseline, then
-the diagnosis' steps: finding the prompt's span again where the scan did not keep it, the
-fingerprint (at most --tap.prompt-order-bytes, default 32 KiB) and the comparison with the
-last 8 requests of the same caller and model (``OrderTracker.observe`` with 8 kept, all
-sharing the prompt: the most work a comparison does). Medians of --repeat runs.
+the diagnosis' steps: finding the prompt's bytes (handed over by msgspec, or a span of the
+scan's), the fingerprint (at most --tap.prompt-order-bytes, default 32 KiB) and the
+comparison with the last 8 requests of the same caller and model
+(``OrderTracker.observe`` with 8 kept, all sharing the prompt: the most work a comparison
+does). Medians of --repeat runs.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2000)
     args = parser.parse_args()
     key = new_key()
-    print(f"{'prompt':>8} {'blocks':>6} {'scan (baseline)':>16} {'span':>8} "
+    print(f"{'prompt':>8} {'blocks':>6} {'scan (baseline)':>16} {'prompt':>8} "
           f"{'fingerprint':>12} {'compare x8':>11} {'diagnosis':>10} {'ratio':>6}")
     for chars in (4_000, 400_000):
         measure(chars, key, args.repeat)
