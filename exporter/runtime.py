@@ -21,6 +21,7 @@ from exporter.limits import (
     RateLimitedLogs,
     connection_cap,
     install_log_limits,
+    keep_freed_memory,
     raise_fd_limit,
 )
 from exporter.server import REGISTRY_KEY, create_app
@@ -73,6 +74,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     logs = RateLimitedLogs()
     install_log_limits(logs)
     fd_limit = raise_fd_limit()
+    keep_freed_memory()
     web_stats = ListenerStats("web", connection_cap(config.web_max_connections, fd_limit))
     tap_stats = ListenerStats("tap", connection_cap(config.tap_max_connections, fd_limit))
     state = wiring.signals_state(config)

@@ -4,8 +4,12 @@ of a reader that never reads, and the log. Each case is sent as a client would s
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import os
 import socket
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -19,6 +23,7 @@ from exporter.limits import (
     ListenerStats,
     RateLimitedLogs,
     connection_cap,
+    keep_freed_memory,
 )
 from exporter.server import REGISTRY_KEY, create_app
 from exporter.values import UsageEvent
@@ -243,3 +248,45 @@ def test_a_flood_of_one_message_is_counted_not_written():
                            "were not logged in the last window"]
     finally:
         logger.removeHandler(handler)
+
+
+FAULTS_PER_ROUND = """
+import os, resource, sys
+from exporter.limits import keep_freed_memory
+if sys.argv[1] == "kept":
+    assert keep_freed_memory({})
+
+def one_round():  # a 100k-token request's buffers: two of 400 KB alive together
+    body = os.urandom(16) * 25_000
+    copy = body + b"x"
+    del body, copy
+
+for _ in range(50):
+    one_round()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(500):
+    one_round()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 500)
+"""
+
+
+def faults_per_round(mode: str) -> float:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-c", FAULTS_PER_ROUND, mode], env=env,
+                          capture_output=True, text=True, timeout=60, check=True)
+    return float(done.stdout)
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="not glibc")
+def test_large_bodies_reuse_freed_memory_instead_of_faulting_it_in_again():
+    """By default glibc gives two freed 400 KB buffers back to the system and faults them in
+    again on the next request (hundreds of page faults a round); with the thresholds fixed
+    the memory is reused."""
+    assert faults_per_round("default") > 50  # what the setting is for, on this glibc
+    assert faults_per_round("kept") < 1
+
+
+def test_malloc_tuning_from_the_environment_is_left_alone():
+    assert not keep_freed_memory({"MALLOC_TRIM_THRESHOLD_": "1000"})
+    assert not keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000"})
