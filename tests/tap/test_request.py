@@ -448,3 +448,38 @@ def test_large_bodies_are_read_on_the_loop_unless_only_a_decoder_can_read_them(
         assert (found.model, found.stream) == ("m", True)
         prompt = prompt_bytes(body, Endpoint.CHAT, found)
         assert prompt is not None and bytes(prompt) == b'[{"role":"user","content":"hi"}]'
+
+
+def test_asking_a_large_dense_body_for_usage_finds_its_options_off_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Facts read by msgspec have no positions: a large body whose stream_options must be
+    rewritten is searched by the C scanner in a worker thread, and changes only there."""
+    import asyncio
+
+    from exporter.usage.tap import proxy
+
+    messages = b"[" + b",".join([b'{"a":"b"}'] * 40_000) + b"]"  # 400 KB, dense
+    options = b'{"continuous_usage_stats":true}'
+    body = (b'{"model":"m","stream":true,"stream_options":' + options
+            + b',"messages":' + messages + b"}")
+    small = b'{"model":"m","stream":true,"stream_options":' + options + b',"messages":[]}'
+
+    async def rewritten(body: bytes) -> tuple[bytes, list[Any]]:
+        loop = asyncio.get_running_loop()
+        threaded: list[Any] = []
+        original = loop.run_in_executor
+
+        def spy(*args: Any) -> Any:
+            threaded.append(args[1])
+            return original(*args)
+
+        monkeypatch.setattr(loop, "run_in_executor", spy)
+        facts = await proxy.read_request(body, Endpoint.CHAT)
+        return await proxy.ask_for_usage(body, facts), threaded
+
+    sent, threaded = asyncio.run(rewritten(body))
+    assert threaded == [with_include_usage]  # read by msgspec on the loop, rewritten off it
+    assert sent == body.replace(options, b'{"include_usage":true}')
+    sent, threaded = asyncio.run(rewritten(small))
+    assert threaded == []
+    assert sent == small.replace(options, b'{"include_usage":true}')
