@@ -425,6 +425,8 @@ def prompt_bytes(body: bytes, endpoint: Endpoint, facts: RequestFacts) -> memory
     """The prompt's JSON value as sent (a view, no copy); None when the body has none."""
     if facts.prompt is not None:
         return memoryview(facts.prompt)
+    if facts.scanned and facts.object_start < 0:  # read by msgspec, which found none
+        return None
     span = prompt_span(body, endpoint, facts)
     return None if span is None else memoryview(body)[span[0]:span[1]]
 
