@@ -82,7 +82,8 @@ def loads(data: str | bytes | bytearray) -> Any:
     if type(data) is bytes:
         try:
             return _msgspec_loads(data)
-        # UnicodeDecodeError too, from msgspec 0.18 on invalid UTF-8
+        # (older msgspec releases: DecodeError is no ValueError, and invalid UTF-8 raises
+        # UnicodeDecodeError)
         except (msgspec.DecodeError, ValueError, RecursionError):  # json's reading decides
             pass
     try:

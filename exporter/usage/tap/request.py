@@ -356,8 +356,8 @@ def read(body: bytes, endpoint: Endpoint) -> RequestFacts:
     refuses the body (then ``scan`` or ``parse``, which read it as ``json.loads`` does)."""
     try:
         request = _READERS[endpoint](body)
-    # A ValidationError is a DecodeError; msgspec 0.18 raises UnicodeDecodeError (a
-    # ValueError) on invalid UTF-8.
+    # A ValidationError is a DecodeError. Older msgspec releases: DecodeError is no
+    # ValueError, and invalid UTF-8 raises UnicodeDecodeError.
     except (msgspec.DecodeError, ValueError, RecursionError):
         raise Undecidable("msgspec refuses the body") from None
     unset = msgspec.UNSET
