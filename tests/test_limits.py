@@ -139,6 +139,15 @@ def slow_app() -> tuple[web.Application, asyncio.Event, asyncio.Event]:
     return app, started, release
 
 
+async def ask_slowly(port: int, started: asyncio.Event
+                     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose request the slow route is now answering."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(started.wait(), 10)
+    return reader, writer
+
+
 async def test_an_evicted_connection_finishes_the_request_it_is_answering():
     """At the cap the oldest connection goes, but one busy answering is closed only once its
     answer is out; an idle one would be cut at once."""
@@ -146,9 +155,7 @@ async def test_an_evicted_connection_finishes_the_request_it_is_answering():
     stats = ListenerStats("web", cap=1)
     runner, port = await start(app, stats)
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-        await asyncio.wait_for(started.wait(), 10)
+        reader, writer = await ask_slowly(port, started)
         newcomer = await asyncio.open_connection("127.0.0.1", port)  # evicts the busy one
         await wait_for(lambda: stats.evicted == 1)
         release.set()
@@ -166,9 +173,7 @@ async def test_a_long_answer_is_not_taken_for_an_idle_connection():
     stats = ListenerStats("web", cap=10)
     runner, port = await start(app, stats, keepalive_timeout=0.3)
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-        await asyncio.wait_for(started.wait(), 10)
+        reader, writer = await ask_slowly(port, started)
         await asyncio.sleep(1.0)  # several idle times: only the clock can pass them
         release.set()
         head = await asyncio.wait_for(reader.readuntil(b"answered"), 10)

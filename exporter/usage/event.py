@@ -64,6 +64,10 @@ def has_long_digits(data: bytes) -> bool:
 
 
 _msgspec_loads = msgspec.json.Decoder().decode
+# What msgspec raises on a document it does not read (then json's reading decides). A
+# ValidationError is a DecodeError; in older releases DecodeError is no ValueError, and
+# invalid UTF-8 raises UnicodeDecodeError.
+MSGSPEC_REFUSALS = (msgspec.DecodeError, ValueError, RecursionError)
 
 
 def loads(data: str | bytes | bytearray) -> Any:
@@ -82,9 +86,7 @@ def loads(data: str | bytes | bytearray) -> Any:
     if type(data) is bytes:
         try:
             return _msgspec_loads(data)
-        # (older msgspec releases: DecodeError is no ValueError, and invalid UTF-8 raises
-        # UnicodeDecodeError)
-        except (msgspec.DecodeError, ValueError, RecursionError):  # json's reading decides
+        except MSGSPEC_REFUSALS:
             pass
     try:
         return json.loads(data)

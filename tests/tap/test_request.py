@@ -3,6 +3,7 @@ the body, and never fails in any other way on anything else."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -413,12 +414,24 @@ def test_not_a_number_is_kept_as_json_loads_keeps_it() -> None:
     assert math.isnan(facts.stream_options["x"])
 
 
+def handed_to_threads(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The functions the running loop hands to worker threads from now on."""
+    loop = asyncio.get_running_loop()
+    handed: list[Any] = []
+    original = loop.run_in_executor
+
+    def spy(executor: Any, work: Any, *args: Any) -> Any:
+        handed.append(work)
+        return original(executor, work, *args)
+
+    monkeypatch.setattr(loop, "run_in_executor", spy)
+    return handed
+
+
 def test_large_bodies_are_read_on_the_loop_unless_only_a_decoder_can_read_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Past PARSE_INLINE_MAX_BYTES a body goes to a worker thread only when neither the walk
     nor (up to READ_INLINE_MAX_BYTES) msgspec can read it."""
-    import asyncio
-
     from exporter.usage.tap import proxy
 
     head = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}],"pad":'
@@ -430,15 +443,7 @@ def test_large_bodies_are_read_on_the_loop_unless_only_a_decoder_can_read_them(
     assert len(huge_dense) > proxy.READ_INLINE_MAX_BYTES
 
     async def facts(body: bytes) -> tuple[RequestFacts, bool]:
-        loop = asyncio.get_running_loop()
-        threaded = []
-        original = loop.run_in_executor
-
-        def spy(*args: Any) -> Any:
-            threaded.append(args[1])
-            return original(*args)
-
-        monkeypatch.setattr(loop, "run_in_executor", spy)
+        threaded = handed_to_threads(monkeypatch)
         return await proxy.read_request(body, Endpoint.CHAT), bool(threaded)
 
     for body, off_the_loop in ((long_string, False), (dense, False), (huge_dense, True),
@@ -454,8 +459,6 @@ def test_asking_a_large_dense_body_for_usage_finds_its_options_off_the_loop(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Facts read by msgspec have no positions: a large body whose stream_options must be
     rewritten is searched by the C scanner in a worker thread, and changes only there."""
-    import asyncio
-
     from exporter.usage.tap import proxy
 
     messages = b"[" + b",".join([b'{"a":"b"}'] * 40_000) + b"]"  # 400 KB, dense
@@ -465,15 +468,7 @@ def test_asking_a_large_dense_body_for_usage_finds_its_options_off_the_loop(
     small = b'{"model":"m","stream":true,"stream_options":' + options + b',"messages":[]}'
 
     async def rewritten(body: bytes) -> tuple[bytes, list[Any]]:
-        loop = asyncio.get_running_loop()
-        threaded: list[Any] = []
-        original = loop.run_in_executor
-
-        def spy(*args: Any) -> Any:
-            threaded.append(args[1])
-            return original(*args)
-
-        monkeypatch.setattr(loop, "run_in_executor", spy)
+        threaded = handed_to_threads(monkeypatch)
         facts = await proxy.read_request(body, Endpoint.CHAT)
         return await proxy.ask_for_usage(body, facts), threaded
 

@@ -62,6 +62,8 @@ def block_ends(data: bytes) -> list[int]:
     size = len(data)
     start = 0
     find = data.find
+    # The three anchors written out: a loop over them cost a third more (64 blocks: 32 us
+    # against 24 us).
     first_anchor, second_anchor, third_anchor = ANCHORS
     # Each anchor's next place at or after where it was last looked for (size: none left).
     first = second = third = -1

@@ -189,16 +189,16 @@ async def read_request(body: bytes, endpoint: Endpoint) -> RequestFacts:
     if len(body) <= PARSE_INLINE_MAX_BYTES:
         return facts_of(body, endpoint)
     try:
-        return scan(body, endpoint, decoder=False)
+        return scan(body, endpoint, decoder=False)  # facts_of's order: the walk first,
     except NeedsDecoder:
+        if len(body) <= READ_INLINE_MAX_BYTES:
+            try:
+                return read(body, endpoint)  # then msgspec
+            except Undecidable:
+                pass
         work = facts_of
     except Undecidable:
         work = parse
-    if work is facts_of and len(body) <= READ_INLINE_MAX_BYTES:
-        try:
-            return read(body, endpoint)
-        except Undecidable:
-            pass
     return await asyncio.get_running_loop().run_in_executor(None, work, body, endpoint)
 
 

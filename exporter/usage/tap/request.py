@@ -50,7 +50,7 @@ from typing import Any
 
 import msgspec
 
-from exporter.usage.event import loads
+from exporter.usage.event import MSGSPEC_REFUSALS, loads
 from exporter.usage.openai import Endpoint
 
 BOM = b"\xef\xbb\xbf"
@@ -356,9 +356,7 @@ def read(body: bytes, endpoint: Endpoint) -> RequestFacts:
     refuses the body (then ``scan`` or ``parse``, which read it as ``json.loads`` does)."""
     try:
         request = _READERS[endpoint](body)
-    # A ValidationError is a DecodeError. Older msgspec releases: DecodeError is no
-    # ValueError, and invalid UTF-8 raises UnicodeDecodeError.
-    except (msgspec.DecodeError, ValueError, RecursionError):
+    except MSGSPEC_REFUSALS:
         raise Undecidable("msgspec refuses the body") from None
     unset = msgspec.UNSET
     values = {}
@@ -423,24 +421,17 @@ def facts_of(body: bytes, endpoint: Endpoint) -> RequestFacts:
 
 def prompt_bytes(body: bytes, endpoint: Endpoint, facts: RequestFacts) -> memoryview | None:
     """The prompt's JSON value as sent (a view, no copy); None when the body has none."""
-    if facts.prompt is not None:
+    if facts.prompt is not None:  # handed over by msgspec
         return memoryview(facts.prompt)
-    if facts.scanned and facts.object_start < 0:  # read by msgspec, which found none
-        return None
-    span = prompt_span(body, endpoint, facts)
+    if facts.scanned:  # the scan's span, or none (msgspec found no prompt)
+        span = facts.prompt_span
+    else:  # a full parse keeps no positions: found now
+        try:
+            _start, spans = scan_spans(body)
+        except Undecidable:
+            return None
+        span = spans.get(PROMPT_KEYS[endpoint])
     return None if span is None else memoryview(body)[span[0]:span[1]]
-
-
-def prompt_span(body: bytes, endpoint: Endpoint, facts: RequestFacts) -> tuple[int, int] | None:
-    """Where the prompt's JSON value is in ``body``: the scan's, else found now (facts from
-    ``read`` or a full parse do not say)."""
-    if facts.scanned and facts.object_start >= 0:
-        return facts.prompt_span
-    try:
-        _start, spans = scan_spans(body)
-    except Undecidable:
-        return None
-    return spans.get(PROMPT_KEYS[endpoint])
 
 
 def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_start: int = -1,
