@@ -5,7 +5,9 @@ every request to ``--tap.upstream`` unchanged except for what it must do to read
 
 - chat, completions and responses calls (POST) are recorded: caller, model, prompt, cached
   and completion tokens, TTFT (first event that carries content) and the HTTP status the
-  client saw (499 when the client went away, 504 on upstream timeout, 502 when upstream was
+  client saw (499 when the client went away before the usage arrived: one that closes once
+  it has read the usage, as the openai SDK's sync stream does at ``[DONE]``, succeeded; 504
+  on upstream timeout, 502 when upstream was
   unreachable or broke mid-answer or answered above ``--tap.max-response-bytes``); and, from
   vLLM started with ``--enable-per-request-metrics``, vLLM's own TTFT and queue wait, read
   from the body or the usage chunk the tap decodes anyway (so no extra work per call);
@@ -386,11 +388,11 @@ class Tap:
                     upstream.close()  # never leave vLLM generating for nobody
                     raise
         except asyncio.CancelledError:
-            if exchange is not None:
+            if exchange is not None and not exchange.recorded:
                 exchange.status = STATUS_CLIENT_CLOSED
             raise
         except _ClientGone:
-            if exchange is not None:
+            if exchange is not None and not exchange.recorded:
                 exchange.status = STATUS_CLIENT_CLOSED
             return _dropped()
         except _StreamBroken as broken:
@@ -540,6 +542,15 @@ class Tap:
                 out = reader.feed(chunk, self.monotonic())
                 if out:
                     await _write(response, out)
+        except (asyncio.CancelledError, _ClientGone):
+            # The client hung up. One that has read the usage has had every event it needs
+            # (the usage comes after the last content): the openai SDK's sync stream stops
+            # at [DONE] and closes before the chunked terminator. That call succeeded, and
+            # is counted as vLLM answered it; one that left before the usage is a 499.
+            if reader.usage is not None:
+                self.take_stream(reader, exchange)
+                self.record(exchange)
+            raise
         except (asyncio.TimeoutError, aiohttp.ClientError) as err:
             timed_out = isinstance(err, asyncio.TimeoutError)
             broken = _StreamBroken(request, response, 504 if timed_out else 502,
