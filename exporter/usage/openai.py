@@ -8,9 +8,12 @@ tap (the live response, whole or streamed), so both read the same fields the sam
   runs with ``--enable-prompt-tokens-details``);
 - the Responses API in the response object's ``usage``: ``input_tokens``, ``output_tokens``,
   ``input_tokens_details.cached_tokens``;
-- Anthropic-style usage (LiteLLM and some gateways translate to it): ``input_tokens``
-  excludes both ``cache_read_input_tokens`` and ``cache_creation_input_tokens``, so the
-  prompt is their sum and the cached part is the cache read.
+- Anthropic's Messages API (vLLM serves ``/v1/messages``; LiteLLM and some gateways
+  translate to it): ``input_tokens`` excludes both ``cache_read_input_tokens`` and
+  ``cache_creation_input_tokens``, so the prompt is their sum and the cached part is the
+  cache read. A whole message has it in ``usage``; a stream in ``message_start``'s
+  ``message.usage`` and then, cumulatively, in ``message_delta``'s ``usage``, whose fields
+  replace the start's (vLLM sends every field there; Anthropic only ``output_tokens``).
 
 A missing or null cached count means "not reported", never 0. Counts are checked with the
 same rules and rejection reasons as every other usage record (``exporter.usage.event``).
@@ -34,6 +37,7 @@ it), and that is what is checked for: anything else is not an object here.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +49,7 @@ class Endpoint(enum.Enum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
     RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"  # Anthropic's Messages API
 
 
 ENDPOINTS = {endpoint.value: endpoint for endpoint in Endpoint}
@@ -94,19 +99,28 @@ def _checked(prompt: int, completion: int | None, cached: int | None) -> Usage:
 
 
 def usage_of(obj: Any) -> tuple[Usage | None, str | None]:
-    """(usage, model) of a whole response body or of one stream event's JSON."""
+    """(usage, model) of a whole response body or of one stream event's JSON.
+
+    An Anthropic message always carries usage: one whose usage is not an object raises
+    InvalidEvent ``malformed_messages``.
+    """
     if not isinstance(obj, dict):
         return None, None
     obj = _response_object(obj)
     model = obj.get("model")
-    return parse_usage(obj.get("usage")), model if isinstance(model, str) else None
+    usage = obj.get("usage")
+    if obj.get("type") == "message" and not isinstance(usage, dict):
+        raise InvalidEvent("malformed_messages", "an Anthropic message has no usage object")
+    return parse_usage(usage), model if isinstance(model, str) else None
 
 
 def _response_object(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The object that holds usage and metrics: a Responses API stream event wraps it."""
-    response = obj.get("response")
-    if isinstance(response, dict) and "usage" in response:
-        return response
+    """The object that holds usage and metrics: a Responses API stream event wraps it in
+    ``response``, an Anthropic ``message_start`` in ``message``."""
+    for wrapper in ("response", "message"):
+        inner = obj.get(wrapper)
+        if isinstance(inner, dict) and "usage" in inner:
+            return inner
     return obj
 
 
@@ -151,6 +165,7 @@ def _non_empty(value: Any) -> bool:
 
 
 _CONTENT_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
+_MESSAGES_DELTA_KEYS = ("text", "thinking", "partial_json")
 
 
 def carries_content(obj: Any) -> bool:
@@ -170,7 +185,12 @@ def carries_content(obj: Any) -> bool:
                     if _non_empty(delta.get(key)):
                         return True
         return False
-    event_type = obj.get("type")  # Responses API: response.output_text.delta etc.
+    event_type = obj.get("type")
+    if event_type == "content_block_delta":  # Anthropic: text, thinking or tool input
+        delta = obj.get("delta")
+        return isinstance(delta, dict) and any(
+            _non_empty(delta.get(key)) for key in _MESSAGES_DELTA_KEYS)
+    # Responses API: response.output_text.delta etc.
     return (isinstance(event_type, str) and event_type.endswith(".delta")
             and _non_empty(obj.get("delta")))
 
@@ -266,9 +286,19 @@ class StreamReader:
         self._buffer = bytearray()
         self._scan_from = 0
         self._oversized = False  # inside an event too large to read; skip to its end
+        # An Anthropic stream's message_start usage, which its message_deltas update.
+        self._messages_usage: dict[str, Any] | None = None
+        # Strip mode: terminal chunks held until the usage chunk, and its fingerprint.
+        self._held: bytearray | None = None
+        self._fingerprint: Any = None
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         """Take one upstream chunk; return the bytes to send the client now."""
+        if not self.strip:
+            return self._read(chunk, now)
+        return self._hold_terminal(self._read(chunk, now))
+
+    def _read(self, chunk: bytes, now: float) -> bytes:
         if not self._buffer and not self._oversized and chunk.endswith(b"\n\n") \
                 and b"\r" not in chunk:
             return self._whole_events(chunk, now)
@@ -278,6 +308,30 @@ class StreamReader:
         out = bytearray()
         self._consume(chunk, now, out)
         return bytes(out)
+
+    def _hold_terminal(self, out: bytes) -> bytes:
+        """Strip mode: what to send of ``out`` (whole events, the usage chunk removed).
+
+        vLLM stamps ``system_fingerprint`` on a stream's terminal chunks (those with a
+        ``finish_reason``) only when no usage chunk follows; asked for usage, it puts it on
+        the usage chunk instead, which the tap drops. So from the first terminal chunk on,
+        events are held back until the usage chunk has been read (vLLM sends it right after
+        them), and go out with its ``system_fingerprint``, as vLLM would have sent them to
+        the client directly."""
+        if self._held is None:
+            at = out.find(_TERMINAL)
+            if at < 0:
+                return out
+            begin = out.rfind(b"\n\n", 0, at)
+            begin = 0 if begin < 0 else begin + 2
+            send, self._held = out[:begin], bytearray(out[begin:])
+        else:
+            send = b""
+            self._held += out
+        if self.strip:  # the usage chunk is still to come
+            return send
+        held, self._held = bytes(self._held), None
+        return send + with_fingerprint(held, self._fingerprint)
 
     def _whole_events(self, chunk: bytes, now: float) -> bytes:
         """The common case, a chunk of whole events (vLLM writes one event per chunk), each
@@ -319,8 +373,10 @@ class StreamReader:
         return chunk
 
     def finish(self) -> bytes:
-        """End of stream: whatever is still held (an unterminated last event)."""
-        held = bytes(self._buffer) if self.strip else b""
+        """End of stream: whatever is still held (terminal chunks whose usage chunk never
+        came, an unterminated last event)."""
+        held = bytes(self._held or b"") + (bytes(self._buffer) if self.strip else b"")
+        self._held = None
         self._buffer.clear()
         return held
 
@@ -385,7 +441,13 @@ class StreamReader:
         status = stream_error_status(obj)
         if status is not None and self.error_status is None:
             self.error_status = status
-        if not isinstance(obj, dict) or ("usage" not in obj and "response" not in obj):
+        if not isinstance(obj, dict):
+            return False
+        kind = obj.get("type")
+        if isinstance(kind, str) and kind in _MESSAGES_USAGE_EVENTS:
+            self._read_messages_usage(obj)
+            return False
+        if "usage" not in obj and "response" not in obj:
             return False
         only_usage = is_usage_only_chunk(obj)
         try:
@@ -396,6 +458,8 @@ class StreamReader:
             return self.strip and only_usage  # unreadable, but still the tap's own chunk
         if model is not None:
             self.model = model
+        if self.strip and only_usage:
+            self._fingerprint = obj.get("system_fingerprint")
         if usage is None:
             return False
         if only_usage or not self.final_usage:
@@ -407,6 +471,65 @@ class StreamReader:
             if timings is not None:
                 self.engine = timings
         return self.strip and only_usage
+
+    def _read_messages_usage(self, obj: dict[str, Any]) -> None:
+        """An Anthropic stream's usage: ``message_start``'s ``message.usage``, then each
+        ``message_delta``'s ``usage`` over it (cumulative counts: a field there replaces the
+        start's). The last delta is the final figure. An event whose usage is not an object
+        is counted as ``malformed_messages``."""
+        if obj["type"] == "message_start":
+            message = obj.get("message")
+            raw = message.get("usage") if isinstance(message, dict) else None
+            model = message.get("model") if isinstance(message, dict) else None
+            if isinstance(model, str):
+                self.model = model
+        else:
+            raw = obj.get("usage")
+        if not isinstance(raw, dict):
+            self.problems.append("malformed_messages")
+            return
+        if obj["type"] == "message_start":
+            self._messages_usage = raw
+        elif self._messages_usage is not None:
+            raw = {**self._messages_usage, **raw}
+        try:
+            self.usage = parse_usage(raw)
+        except InvalidEvent as err:
+            self.problems.append(err.reason)
+            return
+        self.final_usage = obj["type"] == "message_delta"
+
+
+_MESSAGES_USAGE_EVENTS = frozenset({"message_start", "message_delta"})
+# How vLLM writes a choice's finish_reason once it is set (null before): the terminal chunk.
+_TERMINAL = b'"finish_reason":"'
+_FINGERPRINT_KEY = b'"system_fingerprint"'
+
+
+def with_fingerprint(events: bytes, fingerprint: Any) -> bytes:
+    """``events`` with ``system_fingerprint`` added to each terminal chunk that lacks it.
+
+    vLLM writes the field last in the chunk's object, so it goes before the object's closing
+    brace: the bytes are then the ones vLLM sends without a usage chunk."""
+    if not isinstance(fingerprint, str) or _TERMINAL not in events:
+        return events
+    field = b',"system_fingerprint":' + json.dumps(fingerprint, ensure_ascii=False).encode()
+    parts = events.split(b"\n\n")
+    for index, part in enumerate(parts):
+        if _TERMINAL not in part or _FINGERPRINT_KEY in part:
+            continue
+        data = event_data(part + b"\n\n")
+        try:
+            obj = loads(data) if data is not None else None
+        except ValueError:
+            continue
+        if not (isinstance(obj, dict) and isinstance(obj.get("choices"), list) and any(
+                isinstance(choice, dict) and choice.get("finish_reason") is not None
+                for choice in obj["choices"])):
+            continue
+        brace = part.rfind(b"}")
+        parts[index] = part[:brace] + field + part[brace:]
+    return b"\n\n".join(parts)
 
 
 # ---- a logged response, whole ------------------------------------------------------------

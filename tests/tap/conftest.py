@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,17 @@ def sse_events(raw: bytes) -> list[bytes]:
 
 
 def without_usage_chunk(raw: bytes) -> bytes:
-    return b"".join(event for event in sse_events(raw) if b'"choices":[],"usage"' not in event)
+    """What vLLM sends a client that did not ask for usage, from a stream that has it: no
+    usage chunk, and its ``system_fingerprint`` on the terminal chunks instead (see
+    ``23_chat_stream_no_usage.sse.txt`` beside ``24_chat_stream_usage.sse.txt``)."""
+    events = sse_events(raw)
+    fingerprint = re.search(rb'"choices":\[\],"usage".*?("system_fingerprint":"[^"]*")',
+                            b"".join(events))
+    kept = [event for event in events if b'"choices":[],"usage"' not in event]
+    if fingerprint is None:
+        return b"".join(kept)
+    return b"".join(event.replace(b"}\n\n", b"," + fingerprint.group(1) + b"}\n\n")
+                    if b'"finish_reason":"' in event else event for event in kept)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from exporter.usage.tap.request import (
 
 KEYS = ["model", "user", "stream", "stream_options", "max_tokens", "max_completion_tokens",
         "max_output_tokens", "messages", "prompt", "input", "include_usage", "content",
-        "role", "continuous_usage_stats"]
+        "role", "continuous_usage_stats", "metadata", "user_id"]
 WHITESPACE = st.sampled_from(["", " ", "  ", "\n", "\t", "\r\n", " \n\t "])
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(10 ** 30), max_value=10 ** 30),
@@ -98,12 +98,17 @@ def expected_facts(obj: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
     """What the tap should know, from json.loads' reading, written independently."""
     limit_keys = {Endpoint.CHAT: ["max_completion_tokens", "max_tokens"],
                   Endpoint.COMPLETIONS: ["max_tokens"],
-                  Endpoint.RESPONSES: ["max_output_tokens"]}[endpoint]
+                  Endpoint.RESPONSES: ["max_output_tokens"],
+                  Endpoint.MESSAGES: ["max_tokens"]}[endpoint]
     limit = next((obj[key] for key in limit_keys if obj.get(key) is not None), None)
     options = obj.get("stream_options")
+    user = obj.get("user")
+    if endpoint is Endpoint.MESSAGES:  # Anthropic names the end user in metadata.user_id
+        metadata = obj.get("metadata")
+        user = metadata.get("user_id") if isinstance(metadata, dict) else None
     return {
         "model": obj["model"] if isinstance(obj.get("model"), str) else None,
-        "user": json.dumps(obj.get("user")),
+        "user": json.dumps(user),
         "stream": obj.get("stream") is True,
         "has_stream_options": "stream_options" in obj,
         "stream_options": json.dumps(options),
@@ -128,7 +133,7 @@ def loads_object(body: bytes) -> dict[str, Any] | None:
 
 
 PROMPT_KEYS = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt",
-               Endpoint.RESPONSES: "input"}
+               Endpoint.RESPONSES: "input", Endpoint.MESSAGES: "messages"}
 
 
 def check_agrees(body: bytes, endpoint: Endpoint) -> None:

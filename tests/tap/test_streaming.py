@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -206,3 +207,41 @@ async def test_nested_stream_flag_is_not_the_requests(upstream, start_tap):
     assert upstream.received[0].body == request
     event = await tap.usage.next_event()
     assert (event.caller, event.cached_tokens) == ("dave", 1376)
+
+
+def normalised(raw: bytes) -> bytes:
+    """A stream without what differs from call to call: ids and timestamps."""
+    return re.sub(rb'"created":\d+', b'"created":0',
+                  re.sub(rb'"id":"chatcmpl-[0-9a-f]+"', b'"id":"x"', raw))
+
+
+@pytest.mark.parametrize("size", [None, 1, 50, 400])
+async def test_a_client_that_did_not_ask_for_usage_gets_what_vllm_would_send_it(
+        upstream, start_tap, size):
+    """Asked for usage, vLLM moves ``system_fingerprint`` from the terminal chunk to the
+    usage chunk, which the tap removes: the client gets it back where vLLM puts it when not
+    asked. Both captures are the same call to the same vLLM 0.32, without and with
+    ``include_usage``."""
+    with_usage = fixture_bytes("24_chat_stream_usage.sse.txt")
+    direct = fixture_bytes("23_chat_stream_no_usage.sse.txt")
+    chunks = (sse_events(with_usage) if size is None
+              else split_every(with_usage, size))
+    upstream.reply("/v1/chat/completions", Reply(content_type=SSE, chunks=chunks))
+    tap = await start_tap()
+    status, _, body = await tap.post("/v1/chat/completions", CHAT_STREAM)
+    assert status == 200
+    assert normalised(body) == normalised(direct)
+    assert b'"system_fingerprint":"vllm-0.32.0-2890b983"}' in body
+    event = await tap.usage.next_event()
+    assert (event.prompt_tokens, event.cached_tokens) == (346, 320)
+
+
+async def test_terminal_chunks_held_for_a_usage_chunk_that_never_comes_are_delivered(
+        upstream, start_tap):
+    with_usage = fixture_bytes("24_chat_stream_usage.sse.txt")
+    events = [event for event in sse_events(with_usage) if b'"choices":[]' not in event]
+    upstream.reply("/v1/chat/completions", Reply(content_type=SSE, chunks=events))
+    tap = await start_tap()
+    status, _, body = await tap.post("/v1/chat/completions", CHAT_STREAM)
+    assert (status, body) == (200, b"".join(events))  # nothing to add, nothing lost
+    assert tap.usage.rejected == [("tap", "missing_usage")]

@@ -1,8 +1,11 @@
 """Who sent a request through the tap, without ever keeping the API key.
 
-Order: the configured caller header, else the OpenAI ``user`` field of the body, else a
-configured alias of the API key, else ``key-`` + a short SHA-256 of the key, else
-``anonymous``. Keys are matched by a prefix of their SHA-256 hex digest, so the operator's
+Order: the configured caller header, else the end user the body names (OpenAI's ``user``
+field, Anthropic's ``metadata.user_id``), else a configured alias of the API key, else
+``key-`` + a short SHA-256 of the key, else ``anonymous``. The key is the one of
+``Authorization: Bearer``, else of ``x-api-key`` (how the ``anthropic`` client sends it).
+The end user comes before the key as the more specific name: one key often serves a whole
+application. Keys are matched by a prefix of their SHA-256 hex digest, so the operator's
 configuration holds no secret either; the raw key only lives in the forwarded header.
 """
 
@@ -65,8 +68,8 @@ def resolve_caller(headers: Mapping[str, str], user: Any, caller_header: str,
         return named
     if isinstance(user, str) and user.strip():
         return user.strip()
-    key = bearer_key(headers.get("Authorization"))
-    if key is None:
+    key = bearer_key(headers.get("Authorization")) or headers.get("x-api-key", "").strip()
+    if not key:
         return ANONYMOUS
     digest = key_digest(key)
     return aliases.lookup(digest) or key_label(key)

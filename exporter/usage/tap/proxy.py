@@ -287,8 +287,8 @@ class Tap:
             self._reject(err.reason)
             log.debug("tap: event refused (%s): %s", err.reason, err)
             return
-        if engine is None and not failed:
-            self.say_no_engine_timings()
+        if engine is None and not failed and exchange.endpoint is not Endpoint.MESSAGES:
+            self.say_no_engine_timings()  # (vLLM's Messages API never sends them)
         self._record(event)
         if (not failed and self._record_prompt is not None
                 and self.settings.prompt_order_bytes > 0):

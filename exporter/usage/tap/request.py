@@ -1,9 +1,10 @@
 """What the tap needs from a request body, read without parsing the whole body.
 
-The tap needs a handful of top-level fields: ``model``, ``user`` (the caller fallback),
-``stream`` and ``stream_options`` (whether to ask for the usage chunk), and keeps for later
-use the output limit (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) and
-where the prompt is (``messages``, ``prompt`` or ``input``). Agent turns carry hundreds of
+The tap needs a handful of top-level fields: ``model``, ``user`` (the caller fallback; on
+Anthropic's Messages API ``metadata.user_id``), ``stream`` and ``stream_options`` (whether to
+ask for the usage chunk), and keeps for later use the output limit (``max_tokens``,
+``max_completion_tokens``, ``max_output_tokens``) and where the prompt is (``messages``,
+``prompt`` or ``input``). Agent turns carry hundreds of
 kilobytes of prompt, and decoding all of it into Python objects to read five short fields
 was most of the tap's cost on long prompts. So ``scan`` walks the top-level object only:
 
@@ -86,14 +87,18 @@ WALK_MIN_BYTES = 16 * 1024
 ESCAPED_QUOTES = 256
 
 PROMPT_KEYS = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt",
-               Endpoint.RESPONSES: "input"}
+               Endpoint.RESPONSES: "input", Endpoint.MESSAGES: "messages"}
 # Output limit keys by endpoint, the first one set (not null) wins: vLLM's chat request
 # takes max_completion_tokens over the older max_tokens.
 LIMIT_KEYS = {Endpoint.CHAT: ("max_completion_tokens", "max_tokens"),
               Endpoint.COMPLETIONS: ("max_tokens",),
-              Endpoint.RESPONSES: ("max_output_tokens",)}
+              Endpoint.RESPONSES: ("max_output_tokens",),
+              Endpoint.MESSAGES: ("max_tokens",)}
+# Where the end user's name is: OpenAI's top-level ``user``, Anthropic's ``metadata.user_id``.
+USER_KEYS = {Endpoint.CHAT: "user", Endpoint.COMPLETIONS: "user", Endpoint.RESPONSES: "user",
+             Endpoint.MESSAGES: "metadata"}
 # Keys whose values are decoded (all others are only delimited).
-DECODED = frozenset({"model", "user", "stream", "stream_options", "max_tokens",
+DECODED = frozenset({"model", "user", "metadata", "stream", "stream_options", "max_tokens",
                      "max_completion_tokens", "max_output_tokens"})
 
 
@@ -445,9 +450,12 @@ def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_sta
         if value is not None:
             limit = value if type(value) is int else None
             break
+    user = values.get(USER_KEYS[endpoint])
+    if endpoint is Endpoint.MESSAGES:
+        user = user.get("user_id") if isinstance(user, dict) else None
     return RequestFacts(
         is_object=True, model=model if isinstance(model, str) else None,
-        user=values.get("user"), stream=values.get("stream") is True,
+        user=user, stream=values.get("stream") is True,
         has_stream_options="stream_options" in values,
         stream_options=values.get("stream_options"), output_limit=limit,
         prompt_span=prompt_span, scanned=scanned, object_start=object_start,
