@@ -238,6 +238,10 @@ class UsageEvent:
     ``max_tokens`` is the completion budget the request declared (``max_tokens`` or
     ``max_completion_tokens``), where the reader sees the request; None when unknown. Set
     against ``completion_tokens`` it shows how far callers overstate what they use.
+    ``sequences`` is how many completions of the prompt the request asked for (``n``), where
+    the reader knows it; above 1, vLLM's ``cached_tokens`` is one sequence's, which may have
+    found the blocks its siblings had just written, so it says nothing of the request's own
+    reuse (counted as not reported, classified ``unknown``).
     """
 
     caller: str
@@ -255,6 +259,8 @@ class UsageEvent:
     engine_queue_seconds: float | None = None
     # ---- foresight (optional; readers fill them where their input has them) ----
     max_tokens: int | None = None
+    # ---- how many sequences of the prompt vLLM ran (n) ----
+    sequences: int | None = None
     # ---- prompt order (the tap only: the one reader that sees prompts) ----
     prompt: PromptPrint | None = None
 
@@ -263,7 +269,8 @@ class UsageEvent:
 # events travels from a reader to the signals (``UsageState.record_rows``). Making a tuple
 # costs a fraction of making an object, and a batch of thousands is made per body.
 UsageRow = tuple[str, str, int, int | None, int | None, float | None, float | None, str | None,
-                 float | None, int | str | None, float | None, float | None, int | None]
+                 float | None, int | str | None, float | None, float | None, int | None,
+                 int | None]
 
 
 def event_row(event: UsageEvent) -> UsageRow:
@@ -271,7 +278,7 @@ def event_row(event: UsageEvent) -> UsageRow:
     return (event.caller, event.model, event.prompt_tokens, event.cached_tokens,
             event.completion_tokens, event.ttft_seconds, event.queue_seconds, event.session,
             event.time, event.status, event.engine_ttft_seconds, event.engine_queue_seconds,
-            event.max_tokens)
+            event.max_tokens, event.sequences)
 
 
 def status_is_error(status: int | str | None) -> bool:

@@ -262,7 +262,7 @@ class UsageState:
         state = ERROR
         for row in rows:
             (caller, model_name, prompt_tokens, cached, completion, ttft, queue, session,
-             when, status, engine_ttft, engine_queue, declared) = row
+             when, status, engine_ttft, engine_queue, declared, sequences) = row
             pair = pairs_get((caller, model_name))
             if pair is None:
                 pair = resolve_pair(caller, model_name)
@@ -277,7 +277,11 @@ class UsageState:
                 state = ERROR
                 continue
 
-            if cached is None:
+            if sequences is not None and sequences > 1:
+                # One of the n sequences' count, perhaps of its siblings' blocks: nothing
+                # of this request's own reuse (not learned from either).
+                cached = None
+            elif cached is None:
                 if missing_as_zero and series.reported_cached:
                     cached = 0
             else:

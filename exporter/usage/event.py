@@ -22,6 +22,8 @@ from exporter.values import PromptPrint, UsageEvent, UsageRow, status_is_error
 
 # Absurd sizes: no prompt is this large (the longest-context models hold ~10M tokens).
 MAX_TOKENS = 10_000_000
+# No request asks for more sequences of one prompt than this (OpenAI caps n at 128).
+MAX_SEQUENCES = 128
 # No single request waits or computes for more than a day; larger values are unit mistakes.
 MAX_SECONDS = 86_400.0
 # Unix time in seconds, up to the year 5138: beyond it a number is no timestamp.
@@ -35,7 +37,9 @@ FIELDS = ("caller", "model", "prompt_tokens", "cached_tokens", "completion_token
           "ttft_seconds", "queue_seconds", "session", "time", "status",
           "engine_ttft_seconds", "engine_queue_seconds",
           # foresight
-          "max_tokens")
+          "max_tokens",
+          # n: sequences of one prompt
+          "sequences")
 
 # Every reason validate() can give, so the docs and tests can enumerate them.
 REASONS = (
@@ -205,7 +209,7 @@ def _make(caller: str, model: str, prompt_tokens: int, cached_tokens: int | None
           queue_seconds: float | None, session: str | None, time: float | None,
           status: int | str | None, engine_ttft_seconds: float | None = None,
           engine_queue_seconds: float | None = None,
-          max_tokens: int | None = None) -> UsageEvent:
+          max_tokens: int | None = None, sequences: int | None = None) -> UsageEvent:
     """Build a UsageEvent from values already checked, without the frozen ``__init__``.
 
     A frozen dataclass sets each field through ``object.__setattr__``; filling ``__dict__``
@@ -218,7 +222,7 @@ def _make(caller: str, model: str, prompt_tokens: int, cached_tokens: int | None
                           session=session, time=time, status=status,
                           engine_ttft_seconds=engine_ttft_seconds,
                           engine_queue_seconds=engine_queue_seconds,
-                          max_tokens=max_tokens)
+                          max_tokens=max_tokens, sequences=sequences)
     return event
 
 
@@ -329,8 +333,24 @@ def validate_row(obj: Mapping[str, Any]) -> UsageRow:
     if max_tokens is not None and not (type(max_tokens) is int
                                        and 0 <= max_tokens <= MAX_TOKENS):
         max_tokens = token_count(obj, "max_tokens", required=False)
+    sequences = get("sequences")
+    if sequences is not None and not (type(sequences) is int
+                                      and 1 <= sequences <= MAX_SEQUENCES):
+        sequences = _sequences(obj)
     return (caller, model, prompt_tokens, cached_tokens, completion_tokens, ttft, queue,
-            session, when, status, engine_ttft, engine_queue, max_tokens)
+            session, when, status, engine_ttft, engine_queue, max_tokens, sequences)
+
+
+def _sequences(obj: Mapping[str, Any]) -> int | None:
+    """``sequences``: a whole number from 1 to MAX_SEQUENCES."""
+    value = token_count(obj, "sequences", required=False)
+    if value is None:
+        return None
+    if value == 0:
+        raise InvalidEvent("not_a_number", "sequences must be at least 1")
+    if value > MAX_SEQUENCES:
+        raise InvalidEvent("too_large", f"sequences is larger than {MAX_SEQUENCES}")
+    return value
 
 
 # ---- the common native event, decoded and checked in one step --------------------------------
@@ -350,6 +370,7 @@ _NATIVE_TYPES: dict[str, Any] = {
     "max_tokens": _Tokens, "time": _Timestamp, "ttft_seconds": _Seconds,
     "queue_seconds": _Seconds, "engine_ttft_seconds": _Seconds,
     "engine_queue_seconds": _Seconds,
+    "sequences": Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQUENCES)],
 }
 # The fields of ``FIELDS``, in its order, which is ``UsageRow``'s (``astuple`` of one is the
 # row; tests/usage/test_quick_row.py holds the orders together). Unknown keys are skipped, a

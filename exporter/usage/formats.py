@@ -101,6 +101,7 @@ class LiteLLMFormat:
     - status: ``status`` ("success" / "failure"); failures count as errors.
     - max_tokens: the request's ``model_parameters.max_tokens`` (else
       ``max_completion_tokens``): LiteLLM keeps the optional parameters it sent there.
+    - sequences: ``model_parameters.n`` (an integer; anything else is left out).
     """
 
     SESSION_FIELDS = (("session_id",), ("metadata", "requester_metadata", "session_id"))
@@ -141,6 +142,9 @@ class LiteLLMFormat:
         native_form["time"] = _timestamp(payload.get("startTime"))
         native_form["ttft_seconds"] = _litellm_ttft(payload)
         native_form["max_tokens"] = _first_text(payload, self.MAX_TOKENS_FIELDS)
+        n = get_path(payload, ("model_parameters", "n"))
+        if type(n) is int and n >= 1:
+            native_form["sequences"] = n
         timings = engine_timings_of(payload.get("response"))
         if timings is not None:
             native_form["engine_ttft_seconds"] = timings.ttft_seconds
@@ -232,30 +236,43 @@ class MappingFormat:
     """Any JSON record, read with a YAML mapping of UsageEvent fields to dotted paths.
 
     Each field maps to a path (``usage.prompt_tokens``), a list of paths (the first that is
-    present wins), or ``{path: ..., scale: 0.001, minus: other.path}`` for values that need
-    arithmetic (milliseconds, or a TTFT given as two timestamps).
+    present wins), or ``{path: ..., scale: 0.001, minus: other.path, plus: [a, b]}`` for
+    values that need arithmetic (milliseconds, a TTFT given as two timestamps, a prompt
+    given in parts as Anthropic's usage gives it). ``minus`` is one value (a path, or a
+    list of paths of which the first present counts), and without it the field is left
+    out; ``plus`` is a list of terms (each a path, or a list of alternative paths) that are
+    added, an absent term adding nothing. ``scale`` applies to the result.
     """
 
     def __init__(self, spec: Mapping[str, Any], source: str = "mapping") -> None:
-        self.rules: list[tuple[str, list[list[str]], float, list[list[str]]]] = []
+        self.rules: list[tuple[str, list[list[str]], float, list[list[str]],
+                               list[list[list[str]]]]] = []
         for field, rule in spec.items():
             if field not in FIELDS:
                 raise MappingError(f"{source}: {field}",
                                   f"unknown field (known: {', '.join(FIELDS)})")
-            scale, minus = 1.0, []
+            scale, minus, plus = 1.0, [], []
             if isinstance(rule, Mapping):
-                unknown = set(rule) - {"path", "scale", "minus"}
+                unknown = set(rule) - {"path", "scale", "minus", "plus"}
                 if unknown or "path" not in rule:
                     raise MappingError(f"{source}: {field}",
                                       "expected a path, a list of paths, or {path, scale, "
-                                      "minus}")
+                                      "minus, plus}")
                 scale_raw = rule.get("scale", 1.0)
                 if isinstance(scale_raw, bool) or not isinstance(scale_raw, (int, float)):
                     raise MappingError(f"{source}: {field}.scale", "expected a number")
                 scale = float(scale_raw)
                 minus = self._paths(rule.get("minus", []), f"{source}: {field}.minus")
+                terms = rule.get("plus", [])
+                if isinstance(terms, str):
+                    terms = [terms]
+                if not isinstance(terms, list):
+                    raise MappingError(f"{source}: {field}.plus",
+                                       "expected a list of paths to add")
+                plus = [self._paths(term, f"{source}: {field}.plus") for term in terms]
                 rule = rule["path"]
-            self.rules.append((field, self._paths(rule, f"{source}: {field}"), scale, minus))
+            self.rules.append((field, self._paths(rule, f"{source}: {field}"), scale, minus,
+                               plus))
         mapped = {rule[0] for rule in self.rules}
         for required in ("caller", "prompt_tokens"):
             if required not in mapped:
@@ -272,10 +289,14 @@ class MappingFormat:
     def __call__(self, obj: Any) -> UsageEvent:
         record = _object(obj)
         native_form: dict[str, Any] = {}
-        for field, paths, scale, minus in self.rules:
+        for field, paths, scale, minus, plus in self.rules:
             value = _first(record, paths)
             if value is None:
                 continue
+            for term in plus:
+                addend = _first(record, term)
+                if addend is not None:
+                    value = _operand(value, field) + _operand(addend, field)
             if minus:
                 other = _first(record, minus)
                 if other is None:

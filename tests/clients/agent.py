@@ -61,6 +61,11 @@ class OpenAIAgent:
     def call(self, system: str, turns: list[dict[str, str]]) -> Call:
         kind = self.kind
         messages = [{"role": "system", "content": system}, *turns]
+        if kind == "chat_n2":  # two sequences of one prompt
+            answer = self.client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=1.0, n=2,
+                seed=7, **self.extra())
+            return dump(answer), answer.choices[0].message.content or "", dump(answer.usage)
         if kind.startswith("chat"):
             stream = "stream" in kind
             options = {"stream_options": {"include_usage": True}} if "usage" in kind else {}

@@ -196,3 +196,18 @@ async def test_the_per_caller_series_say_who_measured(upstream, aiohttp_client):
     assert value(text, "vllm_cache_ttft_seconds_count", state="cold", source="proxy",
                  **alice) is None
     assert value(text, "vllm_cache_queue_wait_seconds_count", source="proxy", **alice) is None
+
+
+async def test_a_request_for_several_sequences_has_no_cached_count_of_its_own(upstream,
+                                                                            start_tap):
+    """For n > 1 vLLM reports the cached count of one of the n sequences, which may have
+    found the blocks its siblings had just written (a first turn then reads as warm): the
+    tap says how many sequences ran, and the signals do not judge the request by it."""
+    upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("02_chat_warm.json")))
+    tap = await start_tap()
+    await tap.post("/v1/chat/completions", {**CHAT, "n": 2})
+    event = await tap.usage.next_event()
+    assert (event.prompt_tokens, event.cached_tokens, event.sequences) == (1396, 1376, 2)
+    for n in (1, "2", None):  # n=1, and an n that is not a count: one sequence
+        await tap.post("/v1/chat/completions", {**CHAT, "n": n})
+        assert (await tap.usage.next_event()).sequences == 1

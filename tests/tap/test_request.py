@@ -29,7 +29,7 @@ from exporter.usage.tap.request import (
 
 KEYS = ["model", "user", "stream", "stream_options", "max_tokens", "max_completion_tokens",
         "max_output_tokens", "messages", "prompt", "input", "include_usage", "content",
-        "role", "continuous_usage_stats", "metadata", "user_id"]
+        "role", "continuous_usage_stats", "metadata", "user_id", "n"]
 WHITESPACE = st.sampled_from(["", " ", "  ", "\n", "\t", "\r\n", " \n\t "])
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(10 ** 30), max_value=10 ** 30),
@@ -114,6 +114,7 @@ def expected_facts(obj: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
         "stream_options": json.dumps(options),
         "wants_usage": isinstance(options, dict) and options.get("include_usage") is True,
         "output_limit": limit if type(limit) is int else None,
+        "sequences": obj["n"] if type(obj.get("n")) is int and obj["n"] > 1 else 1,
     }
 
 
@@ -121,7 +122,8 @@ def observed_facts(facts: RequestFacts) -> dict[str, Any]:
     return {"model": facts.model, "user": json.dumps(facts.user), "stream": facts.stream,
             "has_stream_options": facts.has_stream_options,
             "stream_options": json.dumps(facts.stream_options),
-            "wants_usage": facts.wants_usage, "output_limit": facts.output_limit}
+            "wants_usage": facts.wants_usage, "output_limit": facts.output_limit,
+            "sequences": facts.sequences}
 
 
 def loads_object(body: bytes) -> dict[str, Any] | None:

@@ -361,6 +361,8 @@ def test_mapping_reads_dotted_paths(tmp_path):
     ("caller: a\nprompt_tokens: {scale: 2}\n", "path"),
     ("caller: a\nprompt_tokens: {path: b, scale: lots}\n", "number"),
     ("caller: a\nprompt_tokens: [1, 2]\n", "dotted path"),
+    ("caller: a\nprompt_tokens: {path: b, plus: {c: d}}\n", "paths to add"),
+    ("caller: a\nprompt_tokens: {path: b, plus: [[1]]}\n", "dotted path"),
     ("- just\n- a list\n", "must map"),
     ("caller: [unclosed\n", "not valid YAML"),
 ])
@@ -424,3 +426,37 @@ def test_anthropic_shaped_usage_counts_both_cache_fields_in_the_prompt():
                                              "output_tokens": 8}}
     event = OpenAIFormat()(record(body))
     assert (event.prompt_tokens, event.cached_tokens, event.completion_tokens) == (1396, 1376, 8)
+
+
+def test_mapping_adds_an_anthropic_prompt_from_its_parts():
+    """An Anthropic-shaped gateway log: the prompt is input + cache read + cache creation.
+    Mapped as the input alone, a warm turn's cache read exceeds it (cached_exceeds_prompt);
+    ``plus`` adds the parts, and an absent part adds nothing."""
+    convert = MappingFormat({
+        "caller": "user",
+        "prompt_tokens": {"path": "usage.input_tokens",
+                          "plus": ["usage.cache_read_input_tokens",
+                                   "usage.cache_creation_input_tokens"]},
+        "cached_tokens": "usage.cache_read_input_tokens",
+    })
+    warm = {"user": "claude-agent", "usage": vllm_json("20_messages_warm.json")["usage"]}
+    assert (convert(warm).prompt_tokens, convert(warm).cached_tokens) == (446, 416)
+    cold = {"user": "claude-agent", "usage": {"input_tokens": 30,
+                                              "cache_creation_input_tokens": 416}}
+    assert (convert(cold).prompt_tokens, convert(cold).cached_tokens) == (446, None)
+    only_input = MappingFormat({"caller": "user", "prompt_tokens": "usage.input_tokens",
+                                "cached_tokens": "usage.cache_read_input_tokens"})
+    with pytest.raises(InvalidEvent) as caught:
+        only_input(warm)
+    assert caught.value.reason == "cached_exceeds_prompt"
+    with pytest.raises(InvalidEvent) as caught:
+        convert({"user": "a", "usage": {"input_tokens": 3, "cache_read_input_tokens": "x"}})
+    assert caught.value.reason == "not_a_number"
+
+
+def test_litellm_reads_how_many_sequences_the_request_asked_for():
+    convert = LiteLLMFormat(LITELLM_FIELDS)
+    payload = litellm_payloads()[0]
+    assert convert({**payload, "model_parameters": {"n": 2}}).sequences == 2
+    assert convert({**payload, "model_parameters": {"n": "2"}}).sequences is None
+    assert convert(payload).sequences is None

@@ -18,6 +18,7 @@ from exporter.usage.event import (
     FIELDS,
     MAX_CALLER_CHARS,
     MAX_SECONDS,
+    MAX_SEQUENCES,
     MAX_TIMESTAMP,
     MAX_TOKENS,
     InvalidEvent,
@@ -37,6 +38,7 @@ TIME_EDGES = [1.8e9 + 0.001, MAX_TIMESTAMP, MAX_TIMESTAMP * (1 + 1e-15), int(MAX
 NAME_EDGES = ["agent-0", "agent-1", "qwen3.8-27b", "s1", "", " lead", "tail ", "caf\u00e9",
               "\U0001f600", "tab\there", "nul\x00", "\ud800", "\u200b", "x" * MAX_CALLER_CHARS,
               "x" * (MAX_CALLER_CHARS + 1), 7, None]
+SEQUENCE_EDGES = [1, 2, MAX_SEQUENCES, MAX_SEQUENCES + 1, 0, -1, 2.0, 1.5, 2**64, True]
 STATUS_EDGES = [200, 204, 299, 300, 301, 429, 503, 100, 99, 600, "200", "299", "503", "ok", "",
                 "timeout", True, False, 200.0, None]
 OTHER = st.one_of(st.none(), st.booleans(), st.just([]), st.just({}), st.just([1, {"a": 2}]),
@@ -51,6 +53,8 @@ def field_value(key: str) -> st.SearchStrategy[Any]:
         edges = STATUS_EDGES
     elif key == "time":
         edges = TIME_EDGES
+    elif key == "sequences":
+        edges = SEQUENCE_EDGES
     elif key.endswith("tokens"):
         edges = TOKEN_EDGES
     else:
@@ -72,6 +76,7 @@ VALID = {
     "engine_ttft_seconds": st.floats(0.0, 120.0),
     "engine_queue_seconds": st.floats(0.0, 5.0),
     "max_tokens": st.integers(0, 8192),
+    "sequences": st.integers(1, 4),
 }
 
 
@@ -160,6 +165,6 @@ def test_the_quick_fields_are_in_the_rows_order() -> None:
         "caller": "c", "model": "m", "prompt_tokens": 9, "cached_tokens": 8,
         "completion_tokens": 7, "ttft_seconds": 6.0, "queue_seconds": 5.0, "session": "s",
         "time": 4.0, "status": 204, "engine_ttft_seconds": 3.0, "engine_queue_seconds": 2.0,
-        "max_tokens": 1})
+        "max_tokens": 1, "sequences": 10})
     assert event_row(event) == tuple(getattr(event, name) for name in FIELDS)
     assert len(set(event_row(event))) == len(FIELDS), "every field told apart"

@@ -48,6 +48,28 @@ def test_once_a_caller_reported_cached_tokens_a_missing_field_is_zero():
         6_396, 1_376, 0)
 
 
+def test_a_request_for_several_sequences_is_not_judged_by_its_siblings_blocks():
+    """n = 2: vLLM reports one sequence's cached count, which found the blocks the other had
+    just written. Counted as not reported (whatever the caller reported before), classified
+    unknown, and not learned from."""
+    state = make_state()
+    usage = state.usage
+    assert usage.record(UsageEvent("a", "m", 1_396, 1_376), "tap") == WARM
+    first_turn = UsageEvent("a", "m", 3_000, 2_976, session="new", sequences=2)
+    assert usage.record(first_turn, "tap") == UNKNOWN
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_prompt_tokens_total", caller="a", model="m") == 1_396
+    assert value(registry, "vllm_cache_cached_tokens_total", caller="a", model="m") == 1_376
+    assert value(registry, "vllm_cache_unreported_prompt_tokens_total", caller="a",
+                 model="m") == 3_000
+    assert list(usage.learner.samples_by_model["m"].window) == [1_376]  # 2,976 not learned
+    # One sequence is an ordinary request.
+    single = UsageEvent("a", "m", 3_000, 2_976, session="other", sequences=1)
+    assert usage.record(single, "tap") != UNKNOWN
+    assert value(build_registry(state), "vllm_cache_cached_tokens_total", caller="a",
+                 model="m") == 1_376 + 2_976
+
+
 def test_missing_as_zero_can_be_turned_off():
     state = make_state(signals_granularity=32, signals_missing_cached_as_zero=False)
     state.usage.record(UsageEvent("a", "m", 1_396, 1_376), "http")

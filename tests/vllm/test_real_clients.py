@@ -65,6 +65,8 @@ KINDS: dict[str, str | None] = {
     "messages_whole": None,
     "messages_stream": "agent-messages",
 }
+# Counted on their own terms (test_several_sequences_...): vLLM counts their prompt n times.
+OTHER_KINDS: dict[str, str | None] = {"chat_n2": None}
 VLLM_FLAGS = ("--max-model-len", "4096", "--enable-prompt-tokens-details",
               "--enable-per-request-metrics", "--enable-auto-tool-choice",
               "--tool-call-parser", "hermes")
@@ -110,7 +112,8 @@ def vllm(vllm_python: Path, tiny_model: Path,
 
 
 def expected_caller(kind: str) -> str:
-    return KINDS[kind] or "key-" + hashlib.sha256(api_key(kind).encode()).hexdigest()[:12]
+    named = {**KINDS, **OTHER_KINDS}[kind]
+    return named or "key-" + hashlib.sha256(api_key(kind).encode()).hexdigest()[:12]
 
 
 def api_key(kind: str) -> str:
@@ -119,7 +122,7 @@ def api_key(kind: str) -> str:
 
 async def run_agent(python: Path, base_url: str, kind: str, seeds: list[int]) -> list[Any]:
     plan = {"base_url": base_url, "kind": kind, "api_key": api_key(kind), "seeds": seeds,
-            "turns": TURNS, "user": KINDS[kind]}
+            "turns": TURNS, "user": {**KINDS, **OTHER_KINDS}[kind]}
     process = await asyncio.create_subprocess_exec(
         str(python), str(AGENT), json.dumps(plan), stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
@@ -230,5 +233,38 @@ async def test_a_real_client_is_counted_exactly_and_answered_as_vllm_answers(
             assert stable(without_input_split(tapped["parsed"])) == stable(
                 without_input_split(straight["parsed"])), (kind, tapped["turn"])
             assert (tapped["usage"] is None) == (straight["usage"] is None)
+    finally:
+        await exporter.close()
+
+
+async def test_several_sequences_of_one_prompt_are_not_read_as_a_warm_first_turn(
+        vllm: VllmServer, clients_python: Path) -> None:
+    """``n=2``: vLLM runs the prompt twice; its counters count it twice, the usage once,
+    and the usage's cached count is one sequence's, which found the blocks its sibling had
+    just written (so even a first turn comes back almost wholly cached). The exporter counts
+    the prompt once, as not reported, and classifies no such request: ``unknown``."""
+    kind = "chat_n2"
+    exporter = await start_exporter(vllm.url)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            before = await vllm_metrics(session, vllm.url)
+            calls = await run_agent(clients_python, exporter.tap_url, kind, [9001, 9002])
+            after = await vllm_metrics_after(session, vllm.url, before, len(calls))
+            scrape = await exporter.scrape(session)
+        first_turns = [call for call in calls if call["turn"] == 0]
+        reported = [call["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    for call in first_turns]
+        assert all(cached > 0 for cached in reported), reported  # the siblings' blocks
+        prompt = vllm_counter(after, "vllm:prompt_tokens_total") - vllm_counter(
+            before, "vllm:prompt_tokens_total")
+        labels = {"caller": expected_caller(kind), "model": MODEL_NAME}
+        counted = metric(scrape, "vllm_cache_unreported_prompt_tokens_total", **labels)
+        assert counted == prompt / 2 == sum(call["usage"]["prompt_tokens"] for call in calls)
+        # Out of the hit ratio: neither its numerator nor its denominator.
+        assert metric(scrape, "vllm_cache_prompt_tokens_total", **labels) == 0
+        assert metric(scrape, "vllm_cache_cached_tokens_total", **labels) == 0
+        assert metric(scrape, "vllm_cache_requests_total", state="unknown",
+                      **labels) == len(calls)
+        assert metric(scrape, "vllm_cache_requests_total", state="warm", **labels) == 0
     finally:
         await exporter.close()

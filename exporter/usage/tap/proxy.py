@@ -281,14 +281,17 @@ class Tap:
                 "engine_ttft_seconds": engine.ttft_seconds if engine else None,
                 "engine_queue_seconds": engine.queue_seconds if engine else None,
                 "max_tokens": declared_budget(exchange.request.output_limit),
+                "sequences": exchange.request.sequences,
             })
         except InvalidEvent as err:
             # The call itself went through; only its record is refused, and counted.
             self._reject(err.reason)
             log.debug("tap: event refused (%s): %s", err.reason, err)
             return
-        if engine is None and not failed and exchange.endpoint is not Endpoint.MESSAGES:
-            self.say_no_engine_timings()  # (vLLM's Messages API never sends them)
+        if (engine is None and not failed and exchange.endpoint is not Endpoint.MESSAGES
+                and exchange.request.sequences == 1):
+            # (vLLM's Messages API never sends them, nor any answer for n > 1)
+            self.say_no_engine_timings()
         self._record(event)
         if (not failed and self._record_prompt is not None
                 and self.settings.prompt_order_bytes > 0):

@@ -99,7 +99,7 @@ USER_KEYS = {Endpoint.CHAT: "user", Endpoint.COMPLETIONS: "user", Endpoint.RESPO
              Endpoint.MESSAGES: "metadata"}
 # Keys whose values are decoded (all others are only delimited).
 DECODED = frozenset({"model", "user", "metadata", "stream", "stream_options", "max_tokens",
-                     "max_completion_tokens", "max_output_tokens"})
+                     "max_completion_tokens", "max_output_tokens", "n"})
 
 
 class Undecidable(ValueError):
@@ -120,7 +120,8 @@ class RequestFacts:
     the prompt's bytes over instead (``prompt``), or when the facts came from a full parse
     (``scanned`` False: what neither ``read`` nor the scan can read), where
     ``prompt_bytes()`` finds it on demand. ``output_limit`` is the request's output
-    token limit (an integer, else None).
+    token limit (an integer, else None). ``sequences`` is how many completions the request
+    asks for (chat and completions' ``n``; 1 when absent or not an integer above 1).
     """
 
     is_object: bool = False  # False: not a JSON object (nothing else is known)
@@ -130,6 +131,7 @@ class RequestFacts:
     has_stream_options: bool = False
     stream_options: Any = None
     output_limit: int | None = None
+    sequences: int = 1
     prompt_span: tuple[int, int] | None = None
     scanned: bool = True
     # The prompt's JSON bytes as sent, from ``read`` (a msgspec.Raw: a buffer over the
@@ -450,6 +452,7 @@ def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_sta
         if value is not None:
             limit = value if type(value) is int else None
             break
+    n = values.get("n")
     user = values.get(USER_KEYS[endpoint])
     if endpoint is Endpoint.MESSAGES:
         user = user.get("user_id") if isinstance(user, dict) else None
@@ -458,6 +461,7 @@ def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_sta
         user=user, stream=values.get("stream") is True,
         has_stream_options="stream_options" in values,
         stream_options=values.get("stream_options"), output_limit=limit,
+        sequences=n if type(n) is int and n > 1 else 1,
         prompt_span=prompt_span, scanned=scanned, object_start=object_start,
         stream_options_span=stream_options_span, prompt=prompt)
 
