@@ -77,3 +77,16 @@ def test_ci_proves_the_declared_dependency_floors():
         floor = re.search(rf'"{package}>=([\d.]+)[";]', pyproject)
         assert floor, f"{package} has no floor in pyproject.toml"
         assert f"'{package}=={floor.group(1)}'" in ci, f"{package} floor not proven in .ci/run"
+
+
+def test_the_openai_format_examples_read_as_the_readme_says():
+    """One record per response shape (chat, completions, Responses, Anthropic Messages):
+    each is accepted, with the prompt and cached tokens its usage says."""
+    import json
+
+    from exporter.usage.formats import OpenAIFormat
+
+    block = README.split("One record of each")[1].split("```json\n", 1)[1].split("```")[0]
+    events = [OpenAIFormat()(json.loads(line)) for line in block.splitlines() if line.strip()]
+    assert [(event.caller, event.prompt_tokens, event.cached_tokens) for event in events] == [
+        ("a", 1396, 1376), ("b", 1373, 1344), ("c", 268, 256), ("d", 446, 416)]
