@@ -29,7 +29,7 @@ from exporter.usage.tap.request import (
 
 KEYS = ["model", "user", "stream", "stream_options", "max_tokens", "max_completion_tokens",
         "max_output_tokens", "messages", "prompt", "input", "include_usage", "content",
-        "role", "continuous_usage_stats", "metadata", "user_id", "n"]
+        "role", "continuous_usage_stats", "metadata", "user_id", "n", "system"]
 WHITESPACE = st.sampled_from(["", " ", "  ", "\n", "\t", "\r\n", " \n\t "])
 SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(10 ** 30), max_value=10 ** 30),
@@ -158,13 +158,18 @@ def check_agrees(body: bytes, endpoint: Endpoint) -> None:
     prompt_key = PROMPT_KEYS[endpoint]
     prompt = prompt_bytes(body, endpoint, facts)
     span = scanned.prompt_span
-    assert (None if prompt is None else bytes(prompt)) == (None if span is None
-                                                          else body[slice(*span)])
+    # Anthropic's system prompt comes first in the model's input, so first in the print.
+    preamble = scanned.preamble_span if endpoint is Endpoint.MESSAGES else None
+    expected = b"".join(body[slice(*part)] for part in (preamble, span) if part is not None)
+    assert (None if prompt is None else bytes(prompt)) == (expected or None)
+    if preamble is not None:
+        assert same(json.loads(body[slice(*preamble)]), obj["system"])
     if prompt_key in obj:
-        assert prompt is not None
-        assert same(json.loads(bytes(prompt)), obj[prompt_key])
+        assert prompt is not None and span is not None
+        assert same(json.loads(body[slice(*span)]), obj[prompt_key])
+        assert bytes(prompt).endswith(body[slice(*span)])
     else:
-        assert prompt is None
+        assert span is None
 
 
 # ---- properties ------------------------------------------------------------------------------
@@ -485,3 +490,22 @@ def test_asking_a_large_dense_body_for_usage_finds_its_options_off_the_loop(
     sent, threaded = asyncio.run(rewritten(small))
     assert threaded == []
     assert sent == small.replace(options, b'{"include_usage":true}')
+
+
+def test_an_anthropic_prompt_print_starts_with_its_system_prompt():
+    """The model reads Messages' ``system`` first: a timestamp at its top is a variable top,
+    so the print covers the system prompt, then the messages, whichever reader ran."""
+    system = "Current time: 2026-12-01T20:00Z. " + "You are a careful agent. " * 40
+    messages = [{"role": "user", "content": "step 1"}]
+    for body in (json.dumps({"model": "m", "max_tokens": 8, "system": system,
+                             "messages": messages}).encode(),
+                 json.dumps({"messages": messages, "system": system, "pad": "x" * 20000,
+                             "max_tokens": 8}).encode()):
+        for facts in (facts_of(body, Endpoint.MESSAGES), scan(body, Endpoint.MESSAGES),
+                      scanner.parse(body, Endpoint.MESSAGES)):
+            printed = bytes(prompt_bytes(body, Endpoint.MESSAGES, facts) or b"")
+            assert printed == json.dumps(system).encode() + json.dumps(messages).encode()
+    # Without a system prompt, the messages alone.
+    body = json.dumps({"messages": messages}).encode()
+    assert bytes(prompt_bytes(body, Endpoint.MESSAGES, facts_of(body, Endpoint.MESSAGES))
+                 or b"") == json.dumps(messages).encode()

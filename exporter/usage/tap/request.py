@@ -94,6 +94,9 @@ LIMIT_KEYS = {Endpoint.CHAT: ("max_completion_tokens", "max_tokens"),
               Endpoint.COMPLETIONS: ("max_tokens",),
               Endpoint.RESPONSES: ("max_output_tokens",),
               Endpoint.MESSAGES: ("max_tokens",)}
+# What the model reads before the prompt key, when it is a key of its own: Anthropic's
+# ``system`` (rendered first). The prompt-order diagnosis fingerprints it, then the prompt.
+PREAMBLE_KEYS = {Endpoint.MESSAGES: "system"}
 # Where the end user's name is: OpenAI's top-level ``user``, Anthropic's ``metadata.user_id``.
 USER_KEYS = {Endpoint.CHAT: "user", Endpoint.COMPLETIONS: "user", Endpoint.RESPONSES: "user",
              Endpoint.MESSAGES: "metadata"}
@@ -135,8 +138,11 @@ class RequestFacts:
     prompt_span: tuple[int, int] | None = None
     scanned: bool = True
     # The prompt's JSON bytes as sent, from ``read`` (a msgspec.Raw: a buffer over the
-    # body); None when absent or not read that way.
+    # body); None when absent or not read that way. The same for the preamble (Anthropic's
+    # ``system``), and the span of that one.
     prompt: Any = field(default=None, repr=False)
+    preamble: Any = field(default=None, repr=False)
+    preamble_span: tuple[int, int] | None = None
     # Where the include_usage injection goes.
     object_start: int = -1  # the top-level "{" (found by the scan only)
     stream_options_span: tuple[int, int] | None = None  # its last value's bytes
@@ -341,20 +347,23 @@ def scan(body: bytes, endpoint: Endpoint, decoder: bool = True) -> RequestFacts:
             raise NeedsDecoder
         values[key] = _decode(body[begin:end])
     prompt_span = spans.get(PROMPT_KEYS[endpoint])
+    preamble = PREAMBLE_KEYS.get(endpoint)
     return _facts(values, endpoint, scanned=True, object_start=start,
-                  prompt_span=prompt_span, stream_options_span=spans.get("stream_options"))
+                  prompt_span=prompt_span, stream_options_span=spans.get("stream_options"),
+                  preamble_span=spans.get(preamble) if preamble else None)
 
 
-def _request_type(prompt_key: str) -> type:
-    """The fields ``read`` decodes (absent: UNSET), the prompt kept as its bytes."""
+def _request_type(endpoint: Endpoint) -> type:
+    """The fields ``read`` decodes (absent: UNSET), the prompt (and preamble) kept as bytes."""
     fields: list[tuple[str, Any, Any]] = [(key, Any, msgspec.UNSET) for key in sorted(DECODED)]
-    fields.append((prompt_key, msgspec.Raw, msgspec.UNSET))
-    return msgspec.defstruct(f"Request_{prompt_key}", fields)
+    fields.append((PROMPT_KEYS[endpoint], msgspec.Raw, msgspec.UNSET))
+    if endpoint in PREAMBLE_KEYS:
+        fields.append((PREAMBLE_KEYS[endpoint], msgspec.Raw, msgspec.UNSET))
+    return msgspec.defstruct(f"Request_{endpoint.name.lower()}", fields)
 
 
 _READERS: dict[Endpoint, Callable[[bytes], Any]] = {
-    endpoint: msgspec.json.Decoder(_request_type(key)).decode
-    for endpoint, key in PROMPT_KEYS.items()}
+    endpoint: msgspec.json.Decoder(_request_type(endpoint)).decode for endpoint in PROMPT_KEYS}
 _ORDERED_DECODED = tuple(sorted(DECODED))
 
 
@@ -372,7 +381,10 @@ def read(body: bytes, endpoint: Endpoint) -> RequestFacts:
         if value is not unset:
             values[key] = value
     prompt = getattr(request, PROMPT_KEYS[endpoint])
-    return _facts(values, endpoint, scanned=True, prompt=None if prompt is unset else prompt)
+    preamble = getattr(request, PREAMBLE_KEYS[endpoint], unset) \
+        if endpoint in PREAMBLE_KEYS else unset
+    return _facts(values, endpoint, scanned=True, prompt=None if prompt is unset else prompt,
+                  preamble=None if preamble is unset else preamble)
 
 
 def _decode(raw: bytes) -> Any:
@@ -426,25 +438,41 @@ def facts_of(body: bytes, endpoint: Endpoint) -> RequestFacts:
     return parse(body, endpoint)
 
 
-def prompt_bytes(body: bytes, endpoint: Endpoint, facts: RequestFacts) -> memoryview | None:
-    """The prompt's JSON value as sent (a view, no copy); None when the body has none."""
-    if facts.prompt is not None:  # handed over by msgspec
-        return memoryview(facts.prompt)
-    if facts.scanned:  # the scan's span, or none (msgspec found no prompt)
-        span = facts.prompt_span
+def prompt_bytes(body: bytes, endpoint: Endpoint,
+                 facts: RequestFacts) -> memoryview | bytes | None:
+    """The prompt's JSON value as sent (a view, no copy); None when the body has none.
+
+    Where the model reads a preamble first (Anthropic's ``system``), the preamble's JSON
+    value then the prompt's, joined (a copy): what comes first in the model's input comes
+    first here, so a variable system prompt shows as a variable top."""
+    if facts.prompt is not None or facts.preamble is not None:  # handed over by msgspec
+        prompt = None if facts.prompt is None else memoryview(facts.prompt)
+        preamble = None if facts.preamble is None else memoryview(facts.preamble)
+    elif facts.scanned:  # the scan's spans, or none (msgspec found no prompt)
+        prompt = _view(body, facts.prompt_span)
+        preamble = _view(body, facts.preamble_span)
     else:  # a full parse keeps no positions: found now
         try:
             _start, spans = scan_spans(body)
         except Undecidable:
             return None
-        span = spans.get(PROMPT_KEYS[endpoint])
+        prompt = _view(body, spans.get(PROMPT_KEYS[endpoint]))
+        key = PREAMBLE_KEYS.get(endpoint)
+        preamble = _view(body, spans.get(key)) if key else None
+    if preamble is None:
+        return prompt
+    return bytes(preamble) + bytes(prompt) if prompt is not None else preamble
+
+
+def _view(body: bytes, span: tuple[int, int] | None) -> memoryview | None:
     return None if span is None else memoryview(body)[span[0]:span[1]]
 
 
 def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_start: int = -1,
            prompt_span: tuple[int, int] | None = None,
            stream_options_span: tuple[int, int] | None = None,
-           prompt: Any = None) -> RequestFacts:
+           prompt: Any = None, preamble: Any = None,
+           preamble_span: tuple[int, int] | None = None) -> RequestFacts:
     model = values.get("model")
     limit = None
     for key in LIMIT_KEYS[endpoint]:
@@ -463,7 +491,8 @@ def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_sta
         stream_options=values.get("stream_options"), output_limit=limit,
         sequences=n if type(n) is int and n > 1 else 1,
         prompt_span=prompt_span, scanned=scanned, object_start=object_start,
-        stream_options_span=stream_options_span, prompt=prompt)
+        stream_options_span=stream_options_span, prompt=prompt, preamble=preamble,
+        preamble_span=preamble_span)
 
 
 # ---- the one change the tap makes to a request ---------------------------------------------
