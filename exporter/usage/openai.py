@@ -510,25 +510,16 @@ def with_fingerprint(events: bytes, fingerprint: Any) -> bytes:
     """``events`` with ``system_fingerprint`` added to each terminal chunk that lacks it.
 
     vLLM writes the field last in the chunk's object, so it goes before the object's closing
-    brace: the bytes are then the ones vLLM sends without a usage chunk."""
+    brace: the bytes are then the ones vLLM sends without a usage chunk. A terminal chunk is
+    one where ``_TERMINAL`` occurs: JSON escapes a quote inside a string, so that text can
+    only be a choice's own ``finish_reason`` key with a string value."""
     if not isinstance(fingerprint, str) or _TERMINAL not in events:
         return events
     field = b',"system_fingerprint":' + json.dumps(fingerprint, ensure_ascii=False).encode()
     parts = events.split(b"\n\n")
     for index, part in enumerate(parts):
-        if _TERMINAL not in part or _FINGERPRINT_KEY in part:
-            continue
-        data = event_data(part + b"\n\n")
-        try:
-            obj = loads(data) if data is not None else None
-        except ValueError:
-            continue
-        if not (isinstance(obj, dict) and isinstance(obj.get("choices"), list) and any(
-                isinstance(choice, dict) and choice.get("finish_reason") is not None
-                for choice in obj["choices"])):
-            continue
-        brace = part.rfind(b"}")
-        parts[index] = part[:brace] + field + part[brace:]
+        if _TERMINAL in part and _FINGERPRINT_KEY not in part and part.endswith(b"}"):
+            parts[index] = part[:-1] + field + b"}"
     return b"\n\n".join(parts)
 
 
