@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -516,11 +517,17 @@ def with_fingerprint(events: bytes, fingerprint: Any) -> bytes:
     if not isinstance(fingerprint, str) or _TERMINAL not in events:
         return events
     field = b',"system_fingerprint":' + json.dumps(fingerprint, ensure_ascii=False).encode()
-    parts = events.split(b"\n\n")
-    for index, part in enumerate(parts):
+    # Whole events and their terminators, in turn; the last piece is what follows the last
+    # terminator (nothing, or the start of an event), never changed.
+    parts = _EVENT_END.split(events)
+    for index in range(0, len(parts) - 1, 2):
+        part = parts[index]
         if _TERMINAL in part and _FINGERPRINT_KEY not in part and part.endswith(b"}"):
             parts[index] = part[:-1] + field + b"}"
-    return b"\n\n".join(parts)
+    return b"".join(parts)
+
+
+_EVENT_END = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
 
 
 # ---- a logged response, whole ------------------------------------------------------------
