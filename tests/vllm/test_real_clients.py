@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,13 @@ import aiohttp
 import pytest
 
 from tests.clients.bootstrap import BootstrapError, ensure_clients
-from tests.vllm.harness import metric, start_exporter, vllm_counter
+from tests.vllm.harness import (
+    metric,
+    start_exporter,
+    vllm_counter,
+    vllm_metrics,
+    vllm_metrics_after,
+)
 from tests.vllm.server import MODEL_NAME, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -71,8 +76,6 @@ VLLM_FLAGS = ("--max-model-len", "4096", "--enable-prompt-tokens-details",
               "--enable-per-request-metrics", "--enable-auto-tool-choice",
               "--tool-call-parser", "hermes")
 AGENT_TIMEOUT_SECONDS = 600
-# vLLM records a finished request's stats on its next engine step: poll for them.
-STATS_DEADLINE_SECONDS = 30.0
 # Keys whose values differ from call to call whatever the proxy does: ids and times, the
 # generated text, and what depends on the cache's state at that moment.
 UNSTABLE = frozenset({
@@ -129,25 +132,6 @@ async def run_agent(python: Path, base_url: str, kind: str, seeds: list[int]) ->
     out, err = await asyncio.wait_for(process.communicate(), AGENT_TIMEOUT_SECONDS)
     assert process.returncode == 0, err.decode(errors="replace")[-3000:]
     return json.loads(out)["calls"]
-
-
-async def vllm_metrics(session: aiohttp.ClientSession, url: str) -> str:
-    async with session.get(url + "/metrics") as response:
-        assert response.status == 200
-        return await response.text()
-
-
-async def vllm_metrics_after(session: aiohttp.ClientSession, url: str, before: str,
-                             requests: int) -> str:
-    """vLLM's /metrics once it has recorded ``requests`` more finished requests."""
-    deadline = time.monotonic() + STATS_DEADLINE_SECONDS
-    name = "vllm:request_success_total"
-    while True:
-        text = await vllm_metrics(session, url)
-        if vllm_counter(text, name) - vllm_counter(before, name) >= requests:
-            return text
-        assert time.monotonic() < deadline, "vLLM did not record every request"
-        await asyncio.sleep(0.2)
 
 
 def stable(value: Any) -> Any:
@@ -249,7 +233,8 @@ async def test_several_sequences_of_one_prompt_are_not_read_as_a_warm_first_turn
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             before = await vllm_metrics(session, vllm.url)
             calls = await run_agent(clients_python, exporter.tap_url, kind, [9001, 9002])
-            after = await vllm_metrics_after(session, vllm.url, before, len(calls))
+            # vLLM finishes (and times) each of the two sequences as a request of its own.
+            after = await vllm_metrics_after(session, vllm.url, before, 2 * len(calls))
             scrape = await exporter.scrape(session)
         first_turns = [call for call in calls if call["turn"] == 0]
         reported = [call["usage"]["prompt_tokens_details"]["cached_tokens"]
