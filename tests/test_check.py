@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from exporter.check import Report, describe, describe_exporter, read_exporter
 from exporter.engine.parse import parse
 from exporter.signals import advice
@@ -348,3 +350,29 @@ async def test_the_readme_example_is_what_check_prints(fake_vllm):
     assert code == 0, out
     assert out.replace(fake_vllm.url, "http://127.0.0.1:8000/metrics") == shown
 
+
+@pytest.mark.parametrize(("name", "granule", "default_too_big"), [
+    ("granite-2048", 2048, False), ("nemotron-h-384", 384, True)])
+def test_a_hybrid_engine_is_told_its_granule_and_the_cpu_batching_limit(
+        name: str, granule: int, default_too_big: bool) -> None:
+    """Real vLLM 0.32 (CPU) captures of two hybrid models: check names the granule
+    (block_size, not the stale mamba_block_size of 16), and the CPU Mamba2 kernel's limit on
+    batching, which the 384-token granule's engine only meets when started with
+    --max-num-batched-tokens 384: the default, 2,048, ends the engine at a long prompt."""
+    report = Report("http://vllm:8000/metrics")
+    describe(parse(fixture_text(f"vllm-0.32.0-cpu-hybrid/{name}.prom")), report, 4096)
+    (line,) = [line for line in report.lines if "hybrid model" in line]
+    assert f"cached in whole {granule:,}-token granules: a warm turn re-reads its last " \
+        "granule" in line
+    assert "mamba_block_size label, 16, is stale" in line
+    (note,) = [note for note in report.notes if "--max-num-batched-tokens" in note]
+    assert f"keep --max-num-batched-tokens at {granule:,} or below" in note
+    assert (f"start it with --max-num-batched-tokens {granule}" in note) is default_too_big
+    assert not report.problems
+
+
+def test_a_dense_engine_gets_no_hybrid_advice() -> None:
+    report = Report("http://vllm:8000/metrics")
+    describe(parse(fixture_text("vllm-0.32.0-cpu/metrics_after.prom")), report, 4096)
+    assert not any("hybrid" in line or "max-num-batched" in line
+                   for line in report.lines + report.notes)
