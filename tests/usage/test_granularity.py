@@ -197,3 +197,23 @@ def test_a_hybrid_engine_gives_its_block_size_never_its_mamba_block_size():
     state = make_state(vllm_url=(TARGET,))
     state.engine.record_success(TARGET, parse(text), 0.01, 1.0)
     assert state.usage.granularity("tiny-granite-2048") == (2048, "block_size")
+
+
+def test_each_target_gives_its_own_models_granule():
+    """Two vLLMs serving two hybrid models of different granules (real captures: 2,048 and
+    384): each model is read from its own target's block_size, and learns its own gcd."""
+    other = "http://vllm2:8000/metrics"
+    state = make_state(vllm_url=(TARGET, other))
+    for target, name in ((TARGET, "granite-2048"), (other, "nemotron-h-384")):
+        text = fixture_text(f"vllm-0.32.0-cpu-hybrid/{name}.prom")
+        state.engine.record_success(target, parse(text), 0.01, 1.0)
+    usage = state.usage
+    assert usage.granularity("tiny-granite-2048") == (2048, "block_size")
+    assert usage.granularity("tiny-nemotron-h-384") == (384, "block_size")
+    for turn in range(2, 12):
+        usage.record(UsageEvent("a", "tiny-granite-2048", 2048 * turn + 100, 2048 * turn),
+                     "http")
+        usage.record(UsageEvent("b", "tiny-nemotron-h-384", 384 * turn + 100, 384 * turn),
+                     "http")
+    assert usage.granularity("tiny-granite-2048") == (2048, "learned")
+    assert usage.granularity("tiny-nemotron-h-384") == (384, "learned")
