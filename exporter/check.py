@@ -32,7 +32,7 @@ from exporter.engine import names
 from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
 from exporter.engine.parse import Samples
 from exporter.redaction import redact_text, redact_url
-from exporter.signals import advice
+from exporter.signals import advice, kvpool
 from exporter.signals.foresight import admission_budget
 from exporter.values import EngineSnapshot, EngineValues, HistogramValue
 
@@ -268,6 +268,11 @@ def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,
             if pool:
                 report.lines.append("  " + _pool_sentence(pool, report.target, values.engine,
                                                           headroom, view))
+            granule = kvpool.granule(config)
+            if kvpool.is_hybrid(config) and granule:
+                report.lines.append("  " + advice.hybrid_granule_sentence(
+                    granule, config.fields.get("mamba_block_size")))
+                report.notes.append(advice.hybrid_cpu_batching_sentence(label, granule))
             if caching is False:
                 report.problems.append(advice.prefix_caching_off_sentence(label))
         queries = values.values.get(names.PREFIX_CACHE_QUERIES.name)

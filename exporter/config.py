@@ -377,11 +377,12 @@ FLAGS: tuple[Flag, ...] = (
          "latest context (foresight) and previous turn (classification). The least recently "
          "seen is forgotten first; vllm_cache_conversations_dropped_total counts active ones "
          "forgotten.", _to_int, DEFAULT_MAX_CONVERSATIONS, metavar="N", check=_positive),
-    Flag("signals.state-tokens", "Foresight", "KV-pool tokens one copy of a hybrid model's "
-         "per-sequence recurrent state takes, MODEL=TOKENS (repeatable; the model as usage "
-         "names it). Each active conversation is charged two copies: its live state and the "
-         "checkpoint its next turn resumes from.", _to_token_mapping, (), kind="list",
-         metavar="MODEL=TOKENS"),
+    Flag("signals.state-tokens", "Foresight", "Override: KV-pool tokens one copy of a "
+         "hybrid model's per-sequence recurrent state takes, MODEL=TOKENS (repeatable; the "
+         "model as usage names it). Without it the state comes from the vLLM serving the "
+         "model (vllm:cache_config_info). Each active conversation is charged one copy (the "
+         "checkpoint its next turn resumes from), the turn being computed one more.",
+         _to_token_mapping, (), kind="list", metavar="MODEL=TOKENS"),
     Flag("signals.admission-headroom", "Foresight", "Tokens the admission budget stays under "
          "the smallest KV pool seen (a few thousand: the conversations' next turns).", _to_int,
          DEFAULT_HEADROOM_TOKENS, metavar="TOKENS", check=_non_negative,
@@ -477,8 +478,11 @@ FLAGS: tuple[Flag, ...] = (
               "fraction.", _optional_float, "X"),
     _sim_flag("prefill-interference", "Each decoding stream slows prompt reading by this "
               "factor.", _optional_float, "X"),
-    _sim_flag("state-tokens", "Pool tokens one recurrent-state copy of a hybrid model takes "
-              "(one per running request, one per resumable prefix).", _optional_int, "N"),
+    _sim_flag("state-tokens", "Tokens one recurrent-state copy of a hybrid model takes, in "
+              "whole blocks, one per state group (a running request holds its live state and "
+              "the checkpoint it will leave; a resumable prefix holds one). vLLM reserves the "
+              "copies of each full-length request in the pool it prints, so the pool has that "
+              "many more blocks.", _optional_int, "N"),
     _sim_flag("hybrid", "Simulate a hybrid (Mamba / linear-attention) model: prefix caching "
               "off by default, reuse only where a state checkpoint was saved.",
               _to_bool, None, kind="bool"),

@@ -7,6 +7,7 @@ sides can depend on it without a cycle (the rule is enforced by tests/test_archi
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass, field
 
@@ -103,35 +104,37 @@ class CacheConfig:
     engine: str
     fields: dict[str, str]
 
-    def _int(self, key: str) -> int | None:
+    def positive_float(self, key: str) -> float | None:
+        """A label read as a positive finite number; None when absent, "None" or not one."""
         raw = self.fields.get(key)
         if raw is None or raw in ("None", ""):
             return None
         try:
-            value = int(float(raw))
-        except (ValueError, OverflowError):
+            value = float(raw)
+        except ValueError:
             return None
-        return value if value > 0 else None
+        return value if 0 < value < math.inf else None
+
+    def positive(self, key: str) -> int | None:
+        """A label read as a positive whole number (a float label is truncated)."""
+        value = self.positive_float(key)
+        return int(value) if value is not None and value >= 1 else None
 
     @property
     def block_size(self) -> int | None:
-        return self._int("block_size")
+        return self.positive("block_size")
 
     @property
     def num_gpu_blocks(self) -> int | None:
-        return self._int("num_gpu_blocks")
+        return self.positive("num_gpu_blocks")
 
     @property
     def kv_cache_size_tokens(self) -> int | None:
-        return self._int("kv_cache_size_tokens")
+        return self.positive("kv_cache_size_tokens")
 
     @property
     def prefix_match_unit(self) -> int | None:
-        return self._int("prefix_match_unit")
-
-    @property
-    def mamba_block_size(self) -> int | None:
-        return self._int("mamba_block_size")
+        return self.positive("prefix_match_unit")
 
     @property
     def enable_prefix_caching(self) -> bool | None:

@@ -66,16 +66,14 @@ class Replay:
 def replay(name: str, target: str = "http://vllm:8000/metrics",
            config: Config | None = None) -> Replay:
     """The scenario ``name``, ready to replay into a fresh state for ``config`` (default: one
-    vLLM at ``target``, told the scenario's recurrent-state size as an operator would)."""
+    vLLM at ``target``, nothing else: run's defaults, as compose.yaml starts it)."""
     scenario = scenarios.load(name)
     scrapes: list[tuple[float, str, object]] = []
     run = play(scenario, sampler=lambda when, sim: scrapes.append(
         (when, SCRAPE, sim.render_metrics().decode())))
     steps = sorted([*scrapes, *((when, EVENT, event) for when, event in run.events)],
                    key=lambda step: (step[0], step[1] == EVENT))
-    engine = scenario.engine_config()
-    state_tokens = ((engine.served_model_name, engine.state_tokens),) if engine.hybrid else ()
-    config = config or Config(vllm_url=(target,), signals_state_tokens=state_tokens)
+    config = config or Config(vllm_url=(target,))
     clock = [BASE]
     state = wiring.signals_state(config, clock=lambda: clock[0])
     return Replay(state, config.engine_targets[0], steps, clock)

@@ -66,7 +66,7 @@ def per_caller(text: str) -> dict[str, dict[str, float]]:
 
 async def test_the_status_page_in_a_browser_during_a_collapse(tmp_path: Path, fake_vllm,
                                                               aiohttp_server):
-    config = Config(vllm_url=(fake_vllm.url,), signals_state_tokens=(("qwen3.8-27b", 12288),))
+    config = Config(vllm_url=(fake_vllm.url,))
     replay = replay_scenario("two-agents-collapse", config=config)
     replay.on_scrape = lambda text: setattr(fake_vllm, "body", text)
     state = replay.state

@@ -122,14 +122,11 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
 
 def exporter_config(scenario: Scenario, sim_port: int) -> Config:
     """The exporter as the demo runs it: reading the simulator, no new-series hold (the view
-    reads /metrics itself, it is no Prometheus), and told the recurrent state a hybrid
-    model keeps per conversation (as an operator would, with --signals.state-tokens)."""
-    engine = scenario.engine_config()
-    state_tokens = ((engine.served_model_name, engine.state_tokens),) if (
-        engine.hybrid and engine.state_tokens) else ()
+    reads /metrics itself, it is no Prometheus). Nothing scenario-specific: what a hybrid
+    model's conversations hold in the pool comes from the simulator's cache configuration, as
+    from a real vLLM's (compose.yaml and the Kubernetes sidecar run it the same way)."""
     config = Config(web_listen_address=f"{HOST}:0", vllm_url=(f"http://{HOST}:{sim_port}",),
-                    log_level="warning", usage_new_series_hold=0.0,
-                    signals_state_tokens=state_tokens)
+                    log_level="warning", usage_new_series_hold=0.0)
     if scenario.demo_tap:
         config = dataclasses.replace(config, tap_listen_address=f"{HOST}:0",
                                      tap_upstream=f"http://{HOST}:{sim_port}")

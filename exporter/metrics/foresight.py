@@ -55,10 +55,12 @@ class ForesightCollector:
             "the idle window (--signals.conversation-idle).", labels=["model"])
         demand = GaugeMetricFamily(
             "vllm_cache_conversations_demand_tokens",
-            "KV-pool tokens the active conversations need to stay cached: the sum of each "
-            "one's latest context (prompt + completion of its last turn), plus the recurrent "
-            "state of each on hybrid models (--signals.state-tokens).", labels=["model"])
-        live = tracker.live(now)  # one pass over the conversations for both sums
+            "KV-pool tokens the active conversations need to stay cached: each one's latest "
+            "context (prompt + completion of its last turn) in whole KV blocks, plus on a "
+            "hybrid model one copy of its recurrent state and one for the turn being computed, "
+            "in the terms of the pool of the vLLM serving the model (vllm:cache_config_info).",
+            labels=["model"])
+        live = foresight.live_demand(tracker, self.engine, now)  # one pass for both sums
         for model, part in sorted(tracker.by_model(now, live).items()):
             active.add_metric([model], part.conversations)
             demand.add_metric([model], part.tokens)

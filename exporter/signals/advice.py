@@ -94,6 +94,35 @@ def engine_collapse_sentence(target: str, ratio_now: float, baseline: float,
             f"{percent(baseline)} before, while prompts keep coming.")
 
 
+# vLLM's CPU build batches this many tokens per engine step unless told otherwise
+# (--max-num-batched-tokens; engine/arg_utils.py, the CPU platform's default).
+CPU_DEFAULT_BATCHED_TOKENS = 2048
+
+
+def hybrid_granule_sentence(granule: int, stale_label: str | None) -> str:
+    """What prefix caching can resume on a hybrid engine (``mamba_cache_mode="align"``)."""
+    stale = (f" (its mamba_block_size label, {stale_label}, is stale: the granule is "
+             "block_size)") if stale_label and stale_label != str(granule) else ""
+    return (f"hybrid model (mamba_cache_mode \"align\"): cached in whole {granule:,}-token "
+            f"granules: a warm turn re-reads its last granule as well as what it added, so "
+            f"well under 100% cached can be a full hit{stale}.")
+
+
+def hybrid_cpu_batching_sentence(where: str, granule: int) -> str:
+    """The CPU Mamba2 kernel's limit (vLLM 0.32), which /metrics cannot show is kept."""
+    rule = (f"On vLLM's CPU build, keep --max-num-batched-tokens at {granule:,} or below "
+            f"for {where}: the CPU Mamba2 kernel ends the engine (IndexError in "
+            f"mamba_mixer2) when one prefill step spans more than one {granule:,}-token "
+            "granule")
+    if granule < CPU_DEFAULT_BATCHED_TOKENS:
+        return (f"{rule}, and its default batch, {CPU_DEFAULT_BATCHED_TOKENS:,} tokens, "
+                f"does: start it with --max-num-batched-tokens {granule}. (/metrics does not "
+                "show the batch size, nor the build; on a GPU this does not apply.)")
+    return (f"{rule}; its default batch, {CPU_DEFAULT_BATCHED_TOKENS:,} tokens, does not. "
+            "(/metrics does not show the batch size, nor the build; on a GPU this does not "
+            "apply.)")
+
+
 def prefix_caching_off_sentence(where: str) -> str:
     return (f"{where}: prefix caching is off, so every turn re-reads its whole prompt. Start "
             "vLLM with --enable-prefix-caching (hybrid models default to off in older vLLM).")

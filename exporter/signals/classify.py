@@ -1,10 +1,11 @@
 """Warm / partial / cold / short per request, aware of the cache's block boundaries.
 
 A flat "hit ratio above 90%" bar misjudges real traffic: vLLM caches whole granules (blocks
-of 16-32 tokens on dense models, 2,048 or ~800 on hybrid models where the recurrent state is
-only checkpointed at block boundaries), never caches the last prompt token, and a warm turn
-of a conversation re-reads its new tokens plus the tail granule of the previous turn. So the
-bar is set per request, from what that request *could* have reused:
+of 16-32 tokens on dense models; on hybrid models, where the recurrent state is only
+checkpointed at block boundaries, whatever block vLLM sized to hold one state page: 2,048,
+384, 640, ~800, no power of two implied), never caches the last prompt token, and a warm
+turn of a conversation re-reads its new tokens plus the tail granule of the previous turn.
+So the bar is set per request, from what that request *could* have reused:
 
     n = prompt_tokens, c = cached_tokens, G = granularity, K = warm tail granules
     R = floor((n - 1) / G) * G                      (whole granules, last token excluded)

@@ -2,16 +2,19 @@
 
 The hit ratio only sees a collapse once it has happened. What decides it beforehand is
 arithmetic the field reports did by hand: "how many tokens of conversation fit at once".
-Conversations keep their prefix cached only while their summed context (plus, on a hybrid
-model, the recurrent state each one keeps) stays a few thousand tokens under the KV pool; past
-that, each arrival evicts another's blocks. So this module keeps:
+Conversations keep their prefix cached only while what they hold in the KV pool stays a few
+thousand tokens under it; past that, each arrival evicts another's blocks. So this module
+keeps:
 
 - the live conversations: each one's latest context (prompt + completion of its last turn)
   and when it was last seen, in an LRU of ``ForesightSettings.max_conversations``;
-  "active" means seen within ``conversation_idle_seconds``. Their sum against the pool is
-  the demand the rules and ``check`` compare;
+  "active" means seen within ``conversation_idle_seconds``. What they hold against the pool
+  is the demand the rules and ``check`` compare;
 - which vLLM a model's conversations live on (``attribute``), so demand can be set against
-  that engine's pool;
+  that engine's pool, in that engine's terms (``kvpool.PoolLayout``, read from its
+  ``vllm:cache_config_info``): each context in whole blocks at what a block is worth of the
+  pool, and on a hybrid model its recurrent state: one copy per conversation (the checkpoint
+  its next turn resumes from) and one more for the turn being computed (its live state);
 - the admission budget a token-gating proxy should use: the smallest pool seen (kept in
   ``signals.engine``, across vLLM restarts) minus a headroom.
 
@@ -20,10 +23,11 @@ Pure: times are handed in, nothing is read from a clock or a socket.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from exporter.signals.engine import EngineState
+from exporter.signals.kvpool import PoolLayout, layout
 
 # Conversations remembered (least recently seen first out). An entry is a few hundred bytes
 # (three strings of at most 256 characters, validated upstream, and four numbers).
@@ -34,11 +38,6 @@ DEFAULT_IDLE_SECONDS = 600.0
 # "A few thousand tokens under N": the field report's admission budget sat 3,732 tokens
 # under its smallest pool.
 DEFAULT_HEADROOM_TOKENS = 4096
-# Copies of a hybrid model's recurrent state one conversation holds in the pool: the state of
-# the running sequence and the checkpoint its next turn resumes from (vLLM keeps the latest
-# checkpoint of every cached conversation; the running one holds its live state too).
-STATE_COPIES_PER_CONVERSATION = 2
-
 
 @dataclass(frozen=True)
 class ForesightSettings:
@@ -47,7 +46,7 @@ class ForesightSettings:
     conversation_idle_seconds: float = DEFAULT_IDLE_SECONDS
     max_conversations: int = DEFAULT_MAX_CONVERSATIONS
     # Model name (as usage events carry it) -> pool tokens one copy of its per-sequence
-    # recurrent state takes (hybrid models; the simulator's --state-tokens).
+    # recurrent state takes, overriding what the engine's cache configuration implies.
     state_tokens: Mapping[str, int] = field(default_factory=dict)
     admission_headroom_tokens: int = DEFAULT_HEADROOM_TOKENS
 
@@ -69,25 +68,26 @@ class Conversation:
 
 @dataclass
 class Demand:
-    """Live conversations of one model (or on one engine) and what they need in the pool."""
+    """Live conversations of one model (or on one engine) and what they hold in the pool:
+    their contexts, one copy of the recurrent state each (hybrid models: the checkpoint each
+    next turn resumes from), and one more copy for the turn being computed (its live state;
+    several models or names merged count it once, the largest)."""
 
     conversations: int = 0
     context_tokens: int = 0
     state_tokens: int = 0
+    turn_state_tokens: int = 0
 
     @property
     def tokens(self) -> int:
-        return self.context_tokens + self.state_tokens
-
-    def add(self, context_tokens: int, state_tokens: int) -> None:
-        self.conversations += 1
-        self.context_tokens += context_tokens
-        self.state_tokens += state_tokens
+        return self.context_tokens + self.state_tokens + (
+            self.turn_state_tokens if self.conversations else 0)
 
     def merge(self, other: Demand) -> None:
         self.conversations += other.conversations
         self.context_tokens += other.context_tokens
         self.state_tokens += other.state_tokens
+        self.turn_state_tokens = max(self.turn_state_tokens, other.turn_state_tokens)
 
 
 class ConversationTracker:
@@ -140,9 +140,13 @@ class ConversationTracker:
         if oldest.last_seen >= now - self.idle_seconds:
             self.dropped_active += 1
 
-    def state_tokens(self, model_name: str) -> int:
-        """Pool tokens one conversation of this model holds beside its context."""
-        return STATE_COPIES_PER_CONVERSATION * self._state_tokens.get(model_name, 0)
+    def state_tokens(self, model_name: str, pool: PoolLayout | None = None) -> int:
+        """Pool tokens one copy of a conversation's recurrent state takes on this model:
+        ``--signals.state-tokens`` where given, else what its engine's layout implies."""
+        configured = self._state_tokens.get(model_name)
+        if configured is not None:
+            return configured
+        return round(pool.state_tokens) if pool is not None else 0
 
     def active(self, now: float) -> Iterator[Conversation]:
         """Conversations seen within the idle window (a full scan: event times need not
@@ -152,27 +156,42 @@ class ConversationTracker:
             if conversation.last_seen >= cutoff:
                 yield conversation
 
-    def live(self, now: float) -> dict[tuple[str, str], Demand]:
+    def live(self, now: float, layouts: Mapping[str, PoolLayout] | None = None
+             ) -> dict[tuple[str, str], Demand]:
         """Demand per (model label, model name) of the active conversations, in one pass
-        (a scrape reads it once for every family that sums it differently)."""
+        (a scrape reads it once for every family that sums it differently). ``layouts``:
+        model name -> the layout of the pool its conversations live in (``pool_layouts``);
+        a context on a model without one counts its tokens as they are."""
+        layouts = layouts or {}
         cutoff = now - self.idle_seconds
-        sums: dict[tuple[str, str], list[int]] = {}  # [conversations, context tokens]
+        # [conversations, context tokens, context blocks]
+        sums: dict[tuple[str, str], list[int]] = {}
         for conversation in self.by_key.values():
             if conversation.last_seen >= cutoff:
                 key = (conversation.model, conversation.model_name)
+                pool = layouts.get(conversation.model_name)
+                context = conversation.context_tokens
+                blocks = -(-context // pool.block_tokens) if pool is not None else 0
                 entry = sums.get(key)
                 if entry is None:
-                    sums[key] = [1, conversation.context_tokens]
+                    sums[key] = [1, context, blocks]
                 else:
                     entry[0] += 1
-                    entry[1] += conversation.context_tokens
-        return {key: Demand(count, context, count * self.state_tokens(key[1]))
-                for key, (count, context) in sums.items()}
+                    entry[1] += context
+                    entry[2] += blocks
+        demand = {}
+        for key, (count, context, blocks) in sums.items():
+            pool = layouts.get(key[1])
+            copy = self.state_tokens(key[1], pool)
+            context_tokens = context if pool is None else round(blocks * pool.block_pool_tokens)
+            demand[key] = Demand(count, context_tokens, count * copy, copy)
+        return demand
 
     def by_model(self, now: float,
                  live: dict[tuple[str, str], Demand] | None = None) -> dict[str, Demand]:
         """Demand per model label; every model seen has an entry (0 when none is live).
-        ``live``: this tracker's ``live(now)``, when the caller has it already."""
+        ``live``: this tracker's ``live(now, layouts)``, when the caller has it (without it,
+        contexts count as they are, with no state but what is configured)."""
         demand = {model: Demand() for model in self.models}
         for (model, _name), part in (self.live(now) if live is None else live).items():
             demand[model].merge(part)
@@ -225,18 +244,58 @@ def attribute(model_name: str, served: Mapping[str, set[str]]) -> tuple[str, str
     return None
 
 
+def pool_layouts(engine: EngineState, model_names: Iterable[str]) -> dict[str, PoolLayout]:
+    """Model name (as usage events carry it) -> the layout of the pool its conversations live
+    in: that of the engine ``attribute`` names, else, for a model several replicas serve, the
+    first replica's (replicas of one model are laid out alike)."""
+    served = served_models(engine)
+    found: dict[str, PoolLayout] = {}
+    for model_name in model_names:
+        where = attribute(model_name, served)
+        if where is not None:
+            candidates: list[tuple[str, str]] = [where]
+        else:
+            candidates = [(target, model_name) for target in sorted(served.get(model_name, ()))]
+        for target, vllm_name in candidates:
+            pool = _target_layout(engine, target, vllm_name)
+            if pool is not None:
+                found[model_name] = pool
+                break
+    return found
+
+
+def _target_layout(engine: EngineState, shown: str, model_name: str) -> PoolLayout | None:
+    for target in engine.targets.values():
+        if target.shown != shown or not target.up:
+            continue
+        for row in target.rows:
+            if row.model_name == model_name and row.cache_config is not None:
+                pool = layout(row.cache_config)
+                if pool is not None:
+                    return pool
+    return None
+
+
+def live_demand(tracker: ConversationTracker, engine: EngineState, now: float
+                ) -> dict[tuple[str, str], Demand]:
+    """The tracker's ``live(now)``, each model in the terms of the pool it lives in."""
+    return tracker.live(now, pool_layouts(engine, tracker.model_names()))
+
+
 def by_target(tracker: ConversationTracker, engine: EngineState, now: float,
               live: dict[tuple[str, str], Demand] | None = None
               ) -> dict[tuple[str, str], Demand]:
     """Demand per (target, vLLM model_name), for the conversations that can be attributed;
     a target that any tracked model maps to has an entry even when nothing is live on it.
-    ``live``: the tracker's ``live(now)``, when the caller has it already."""
+    ``live``: ``live_demand(tracker, engine, now)``, when the caller has it already."""
     served = served_models(engine)
     demand: dict[tuple[str, str], Demand] = {}
     for model_name in sorted(tracker.model_names()):
         where = attribute(model_name, served)
         if where is not None:
             demand.setdefault(where, Demand())
+    if live is None:
+        live = live_demand(tracker, engine, now)
     for model_name, part in tracker.by_model_name(now, live).items():
         where = attribute(model_name, served)
         if where is not None:

@@ -470,7 +470,8 @@ def _unattributed(status: Status, engine: EngineState, usage: UsageState, now: f
     tracker = usage.conversations
     labels = {conversation.model for conversation in tracker.active(now)
               if foresight.attribute(conversation.model_name, served) is None}
-    for model, demand in sorted(tracker.by_model(now).items()):
+    live = foresight.live_demand(tracker, engine, now)
+    for model, demand in sorted(tracker.by_model(now, live).items()):
         if model in labels and demand.conversations:
             status.advice.append(Item("unattributed", ADVICE, advice.unattributed_sentence(
                 model, demand.conversations, demand.tokens), model))

@@ -27,8 +27,9 @@ from exporter.signals.callers import (
 from exporter.signals.classify import COLD, ERROR, PARTIAL, SHORT, STATES, UNKNOWN, WARM
 from exporter.signals.engine import EngineState
 from exporter.signals.foresight import Conversation, ConversationTracker, ForesightSettings
-from exporter.signals.granularity import GranularityLearner, provisional_granularity
+from exporter.signals.granularity import GranularityLearner
 from exporter.signals.history import CALLER_FIELDS, History
+from exporter.signals.kvpool import granule
 from exporter.signals.order import DEFAULT_WINDOW_SECONDS, OrderTracker
 from exporter.values import (
     PREEMPTIONS,
@@ -248,6 +249,7 @@ class UsageState:
         learner_observe = self.learner.observe
         learner_samples_get = self.learner.samples_by_model.get
         learned_get = self.learner.learned_by_model.get
+        learner_provisional = self.learner.provisional
         configured = self.configured_granularity
         warm_tail = self.warm_tail_granules
         missing_as_zero = self.missing_cached_as_zero
@@ -304,8 +306,8 @@ class UsageState:
             previous = conversation.prompt_tokens if conversation is not None else None
 
             granularity = configured or learned_get(model) or self.granularity(model)[0]
-            if granularity == 1:  # nothing known yet: estimate from this request alone
-                granularity = provisional_granularity(cached)
+            if granularity == 1:  # nothing known yet: the counts seen so far bound it
+                granularity = learner_provisional(model)
             # classify(prompt_tokens, cached, granularity, previous, warm_tail), inlined (one
             # call per event saved); tests/usage/test_classify.py holds the two together.
             bound = (prompt_tokens - 1) // granularity * granularity
@@ -564,7 +566,8 @@ class UsageState:
         return 1, SOURCE_NONE
 
     def _engine_block_size(self, model: str) -> int | None:
-        """The engine's prefix match unit (else block size) for ``model``.
+        """The granule of the engine serving ``model`` (``kvpool.granule``: the hit alignment
+        vLLM reports, else its block size; on a hybrid model the block size).
 
         Matched on vLLM's model_name; when the engines serve a single model, it is used
         whatever the proxy calls it (a LiteLLM alias, say).
@@ -578,7 +581,7 @@ class UsageState:
                 config = row.cache_config
                 if config is None:
                     continue
-                unit = config.prefix_match_unit or config.block_size
+                unit = granule(config)
                 if not unit or unit <= 0:
                     continue
                 if row.model_name == model:

@@ -65,7 +65,7 @@ async def serve(config: EngineConfig, host: str, port: int, speed: float) -> int
     log.info("simulated vLLM serving %s on http://%s:%d (pool %d tokens, block %d, granule "
              "%d, prefix caching %s, prompt token details %s, per-request metrics %s, "
              "speed x%g)",
-             config.served_model_name, host, bound, config.pool_tokens, config.block_size,
+             config.served_model_name, host, bound, config.kv_pool_tokens, config.block_size,
              config.granule, "on" if config.prefix_caching else "off",
              "on" if config.enable_prompt_tokens_details else "off",
              "on" if config.enable_per_request_metrics else "off", speed)

@@ -37,6 +37,12 @@ from exporter.sim.kvcache import BlockPool, CachedBlock, Residency, ResidencySam
 EPSILON = 1e-9
 
 
+# Recurrent-state copies of one running sequence (and vLLM's reserve per request, per state
+# group): live state and checkpoint with prefix caching, the live state alone without.
+STATE_COPIES_CACHED = 2
+STATE_COPIES_UNCACHED = 1
+
+
 class EngineConfigError(ValueError):
     pass
 
@@ -99,22 +105,44 @@ class EngineConfig:
         return self.granularity or self.block_size
 
     @property
-    def num_blocks(self) -> int:
-        return self.kv_pool_tokens // self.block_size
-
-    @property
-    def pool_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
     def context_limit(self) -> int:
-        return self.max_model_len or min(self.pool_tokens, 131_072)
+        return self.max_model_len or min(self.kv_pool_tokens, 131_072)
 
     @property
     def state_blocks(self) -> int:
+        """Blocks one copy of a sequence's recurrent state takes (one per state group)."""
         if not self.hybrid or not self.state_tokens:
             return 0
         return -(-self.state_tokens // self.block_size)
+
+    @property
+    def state_copies(self) -> int:
+        """Copies of its state a running sequence holds, and vLLM reserves per request: with
+        prefix caching the live state and the checkpoint its next turn resumes from (as
+        vLLM's "align" mode keeps them for a gated-DeltaNet hybrid); without, the live one."""
+        return STATE_COPIES_CACHED if self.prefix_caching else STATE_COPIES_UNCACHED
+
+    @property
+    def blocks_per_request(self) -> int:
+        """Blocks vLLM sets aside for one request of ``context_limit`` tokens when it sizes
+        its concurrency: the attention blocks, and the state copies of every state group."""
+        return -(-self.context_limit // self.block_size) + self.state_copies * self.state_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        """The pool's blocks. ``kv_pool_tokens`` is the pool as vLLM prints it (what the field
+        reports quote): in tokens of full-length requests, ``kv_cache_max_concurrency`` of
+        them, each taking ``blocks_per_request`` blocks. On a dense model that is the blocks'
+        own tokens; a hybrid one, whose requests also reserve state blocks, has more blocks
+        than ``kv_pool_tokens / block_size``."""
+        if not self.hybrid:
+            return self.kv_pool_tokens // self.block_size
+        return round(self.kv_pool_tokens * self.blocks_per_request / self.context_limit)
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the pool's blocks hold."""
+        return self.num_blocks * self.block_size
 
 
 # Request states
@@ -373,7 +401,7 @@ class Engine:
                 if not self.running:
                     self.waiting.popleft()
                     self._reject(seq, "The request does not fit in the KV cache "
-                                      f"({self.config.pool_tokens} tokens).")
+                                      f"({self.config.kv_pool_tokens} tokens).")
                     continue
                 return
             self.waiting.popleft()
@@ -417,7 +445,7 @@ class Engine:
         hit, hit_blocks = self._lookup(tokens, self._keys(seq, len(tokens)))
         total_blocks = -(-len(tokens) // cfg.block_size)
         new_blocks = total_blocks - len(hit_blocks)
-        states = cfg.state_blocks * (2 if cfg.prefix_caching else 1)  # live + checkpoint
+        states = cfg.state_blocks * cfg.state_copies  # live + checkpoint
         needed = new_blocks + states
         if needed > self.pool.available(hit_blocks):
             seq.blocked_at = self.pool.version

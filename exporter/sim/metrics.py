@@ -58,6 +58,8 @@ CACHE_CONFIG_KEYS = (
 
 # Bytes of KV per token we pretend the model has, only to fill kv_cache_memory_bytes.
 _KV_BYTES_PER_TOKEN = 1024
+# What vLLM 0.32 prints as mamba_block_size on a hybrid server with prefix caching on.
+STALE_MAMBA_BLOCK_SIZE = "16"
 
 
 def token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -79,8 +81,9 @@ def cache_config_labels(config: EngineConfig) -> dict[str, str]:
     caching = config.prefix_caching
     if hybrid:
         mamba_mode = "align" if caching else "none"
-        # With caching off vLLM sizes mamba blocks to the whole context (reference 3).
-        mamba_block = str(config.granule if caching else config.context_limit)
+        # With caching off vLLM sizes mamba blocks to the whole context (reference 3); with it
+        # on, vLLM 0.32 prints a stale 16 whatever the block (the granule is block_size).
+        mamba_block = STALE_MAMBA_BLOCK_SIZE if caching else str(config.context_limit)
     else:
         mamba_mode, mamba_block = "none", "None"
     values = {
@@ -96,7 +99,10 @@ def cache_config_labels(config: EngineConfig) -> dict[str, str]:
         "is_attention_free": "False",
         "kv_cache_dtype_skip_layers": "[]",
         "kv_cache_layout": "None",
-        "kv_cache_max_concurrency": str(round(config.pool_tokens / config.context_limit, 2)),
+        # Full-length requests the pool holds: num_gpu_blocks / blocks_per_request, printed
+        # as vLLM does (str of a float), so that the pool, the blocks and the concurrency
+        # agree as a real vLLM's do.
+        "kv_cache_max_concurrency": str(config.kv_pool_tokens / config.context_limit),
         "kv_cache_memory_bytes": str(config.pool_tokens * _KV_BYTES_PER_TOKEN),
         # vLLM prints the pool it sized from memory ("GPU KV cache size: N tokens"), which on
         # a hybrid model is no multiple of the block size; blocks are whole below it.
@@ -121,7 +127,8 @@ def cache_config_labels(config: EngineConfig) -> dict[str, str]:
         "swa_bounded_replay": "True",
         "use_kda_recoverssm": "False",
         "use_replayssm": "False",
-        "user_specified_block_size": "True",
+        # A hybrid's block is vLLM's choice (raised until a page holds a state page).
+        "user_specified_block_size": str(not hybrid),
     }
     return {key: values[key] for key in CACHE_CONFIG_KEYS}
 

@@ -216,8 +216,8 @@ async def landing(request: web.Request) -> web.Response:
     return web.Response(text=(
         f"vllm-cache-exporter simulator: a vLLM {VLLM_VERSION} stand-in serving "
         f"{cfg.served_model_name}\n"
-        f"KV pool {cfg.pool_tokens} tokens in blocks of {cfg.block_size}, granule "
-        f"{cfg.granule}, prefix caching {'on' if cfg.prefix_caching else 'off'}, "
+        f"KV pool {cfg.kv_pool_tokens} tokens ({cfg.num_blocks} blocks of {cfg.block_size}), "
+        f"granule {cfg.granule}, prefix caching {'on' if cfg.prefix_caching else 'off'}, "
         f"prompt token details {'on' if cfg.enable_prompt_tokens_details else 'off'}, "
         f"per-request metrics {'on' if cfg.enable_per_request_metrics else 'off'}, "
         f"speed x{sim.clock.speed:g}\n"

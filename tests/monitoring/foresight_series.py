@@ -17,6 +17,7 @@ the committed series and these builders ever disagree.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import sys
@@ -63,22 +64,15 @@ class Played:
         return {name: encode(values) for name, values in self.series.items()}
 
 
-def _state_tokens(scenario: scenarios.Scenario) -> tuple[tuple[str, int], ...]:
-    """What an operator of this engine configures: the simulator's --state-tokens, for its
-    model, when it is hybrid."""
-    config = scenario.engine_config()
-    if not config.hybrid or not config.state_tokens:
-        return ()
-    return ((config.served_model_name, config.state_tokens),)
-
-
 def _name(sample_name: str, labels: dict[str, str]) -> str:
     parts = [f'{key}="{value}"' for key, value in {**JOB, **labels}.items()]
     return f"{sample_name}{{{', '.join(parts)}}}"
 
 
-def exporter_series(name: str) -> Played:
-    """Play scenario ``name`` and return the exporter's series, one sample per step."""
+def exporter_series(name: str, config: Config | None = None) -> Played:
+    """Play scenario ``name`` and return the exporter's series, one sample per step, as an
+    exporter run with ``config`` serves them (default: nothing but the vLLM to read; the
+    vLLM read is the simulator, whatever ``config`` says)."""
     scenario = scenarios.load(name)
     scrapes: list[tuple[float, str]] = []
 
@@ -93,9 +87,8 @@ def exporter_series(name: str) -> Played:
         scrapes.append((last_time + extra * STEP_SECONDS, last_text))
 
     now = [EPOCH]
-    state = signals_state(Config(vllm_url=(TARGET,), usage_new_series_hold=0,
-                                 signals_state_tokens=_state_tokens(scenario)),
-                          clock=lambda: now[0])
+    config = dataclasses.replace(config or Config(usage_new_series_hold=0), vllm_url=(TARGET,))
+    state = signals_state(config, clock=lambda: now[0])
     registry = build_registry(state)
     events = sorted(run.events, key=lambda item: item[0])
     fed = 0

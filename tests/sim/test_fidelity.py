@@ -11,8 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from exporter.engine import names
+from exporter.engine.parse import parse
 from exporter.sim.clock import SimClock
 from exporter.sim.engine import EngineConfig
+from exporter.sim.scenario import available
 from exporter.sim.server import build_simulator, create_sim_app
 from exporter.sim.tokenizer import words
 from tests.helpers import fixture_text
@@ -237,3 +239,59 @@ async def test_without_the_flag_no_metrics_as_in_vllm(capture_replay):
     responses, _ = capture_replay
     assert responses["01"]["metrics"] is None  # model_dump() keeps the null
     assert all("metrics" not in chunk for chunk in responses["03"])
+
+
+def test_a_hybrid_engine_reads_as_vllm_serving_a_hybrid_does():
+    """The simulator configured as vLLM 0.32 was serving Qwen3-Next (a real capture: gated
+    DeltaNet, granule 640, one state group) prints the same cache configuration, label for
+    label: the stale mamba_block_size of 16, mamba_cache_mode "align", the blocks vLLM sized
+    the pool into and its concurrency (to the float's last digits: the simulator prints the
+    pool it was given, vLLM truncates it), so the exporter derives the same granule and the
+    same pool layout from either. Only the bytes behind the pool differ."""
+    from exporter.signals.kvpool import granule, layout
+    from exporter.sim.metrics import cache_config_labels
+    from exporter.values import CacheConfig
+
+    real = parse(fixture_text("vllm-0.32.0-cpu-hybrid/qwen3-next-640.prom")).cache_config_for(
+        "0")
+    assert real is not None
+    ours = CacheConfig("0", {**cache_config_labels(EngineConfig(
+        served_model_name="tiny-qwen3-next-640", hybrid=True, enable_prefix_caching=True,
+        kv_pool_tokens=1_987_925, block_size=640, max_model_len=32_768, state_tokens=640)),
+        "engine": "0"})
+    differ = {key for key in real.fields if real.fields[key] != ours.fields.get(key)}
+    assert set(real.fields) == set(ours.fields)
+    assert differ == {"kv_cache_max_concurrency", "kv_cache_memory_bytes"}, differ
+    assert float(ours.fields["kv_cache_max_concurrency"]) == pytest.approx(
+        float(real.fields["kv_cache_max_concurrency"]), rel=1e-6)
+    assert granule(ours) == granule(real) == 640
+    ours_layout, real_layout = layout(ours), layout(real)
+    assert ours_layout is not None and real_layout is not None
+    assert (ours_layout.block_tokens, ours_layout.state_blocks) == (640, 1) == (
+        real_layout.block_tokens, real_layout.state_blocks)
+    assert ours_layout.block_pool_tokens == pytest.approx(real_layout.block_pool_tokens)
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_scenario_engine_is_read_back_as_it_is_laid_out(name: str) -> None:
+    """What the exporter derives from each shipped scenario's cache configuration is the
+    simulated engine's own layout: its granule, its blocks (pool / blocks is what a block
+    is worth) and the state blocks of one sequence. The demo, compose and the tests read
+    hybrid scenarios through this derivation and no flag, so a scenario whose state the
+    derivation would misread (a reserve of a multiple of three copies, read as Mamba2's)
+    fails here."""
+    from exporter.signals.kvpool import granule, layout
+    from exporter.sim import scenario as scenarios
+    from exporter.sim.metrics import cache_config_labels
+    from exporter.values import CacheConfig
+
+    loaded = scenarios.load(name)
+    for boot in range(max(1, len(loaded.boots))):
+        config = loaded.engine_config(boot)
+        read = CacheConfig("0", cache_config_labels(config))
+        pool = layout(read)
+        assert granule(read) == config.granule
+        assert pool is not None and pool.block_tokens == config.block_size
+        assert pool.state_blocks == config.state_blocks, (name, boot)
+        assert pool.block_pool_tokens * config.num_blocks == pytest.approx(
+            config.kv_pool_tokens)

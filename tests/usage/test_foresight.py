@@ -63,12 +63,14 @@ def test_event_times_decide_liveness_so_a_replayed_file_is_not_live():
     assert demand(state) == (1, 10_300)
 
 
-def test_hybrid_state_is_charged_twice_per_live_conversation_of_that_model():
+def test_a_configured_state_is_charged_per_conversation_and_for_the_turn_in_flight():
+    """--signals.state-tokens: one copy per live conversation (the checkpoint its next turn
+    resumes from) and one for the turn being computed (its live state); not on other models."""
     state = make_state(signals_state_tokens=(("qwen", 12_288),))
     state.usage.record(turn("a", 90_000), "http")
     state.usage.record(turn("b", 35_000), "http")
     state.usage.record(turn("c", 1_000, model="dense"), "http")
-    assert demand(state) == (2, 90_300 + 35_300 + 4 * 12_288)
+    assert demand(state) == (2, 90_300 + 35_300 + 3 * 12_288)
     assert demand(state, "dense") == (1, 1_300)
 
 
@@ -127,12 +129,75 @@ async def test_demand_is_attributed_to_the_vllm_serving_the_model():
     registry = build_registry(state)
     labels = {"target": TARGET, "model_name": "tiny-llama"}
     assert value(registry, "vllm_cache_engine_conversations_active", **labels) == 2
-    assert value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels) == 3_600
+    # In whole blocks of 32 (each worth 32 of the pool's tokens on a dense model): 1,300
+    # tokens hold 41 blocks, 2,300 hold 72.
+    assert value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels) == (
+        41 + 72) * 32
+    assert value(registry, "vllm_cache_conversations_demand_tokens", model="tiny-llama") == (
+        41 + 72) * 32
     # the target goes down: nothing to attribute to, so no per-engine series
     state.engine.record_failure(TARGET, "connect", "refused", 0.01)
     registry = build_registry(state)
     assert registry.get_sample_value("vllm_cache_engine_conversations_active", labels) is None
     assert value(registry, "vllm_cache_conversations_active", model="tiny-llama") == 2
+
+
+HYBRID = fixture_text("vllm-0.32.0-cpu-hybrid/granite-2048.prom")  # GraniteMoeHybrid, G 2,048
+
+
+def test_a_hybrid_engine_says_what_its_conversations_hold_without_a_flag():
+    """vLLM 0.32 serving GraniteMoeHybrid (a real capture): 512 blocks of 2,048 tokens,
+    reported as an 883,011-token pool (26.947 requests of 32,768 tokens, each taking 16
+    attention blocks and 3 reserved state blocks: one state group). A conversation holds its
+    context in whole blocks plus one state block; the turn in flight one more. Each block is
+    worth 883,011 / 512 of the pool's tokens."""
+    state = make_state(vllm_url=(TARGET,))
+    state.engine.record_success(TARGET, parse(HYBRID), 0.01, 1.0)
+    model = "tiny-granite-2048"
+    state.usage.record(turn("a", 7_000, completion=50, model=model), "http")  # 4 blocks
+    state.usage.record(turn("b", 20_000, completion=500, model=model), "http")  # 11 blocks
+    block = 883_011 / 512
+    expected = round((4 + 11) * block) + 2 * round(block) + round(block)
+    labels = {"target": TARGET, "model_name": model}
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels) == expected
+    assert value(registry, "vllm_cache_conversations_demand_tokens", model=model) == expected
+    # --signals.state-tokens still overrides what the engine implies
+    state = make_state(vllm_url=(TARGET,), signals_state_tokens=((model, 10_000),))
+    state.engine.record_success(TARGET, parse(HYBRID), 0.01, 1.0)
+    state.usage.record(turn("a", 7_000, completion=50, model=model), "http")
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels) == round(
+        4 * block) + 2 * 10_000
+
+
+@pytest.mark.parametrize(("name", "block", "pool", "blocks", "state_blocks"), [
+    ("granite-2048", 2048, 883_011, 512, 1),  # Mamba2, one state group
+    ("nemotron-h-384", 384, 1_945_065, 5_461, 2),  # Mamba2, two state groups
+    ("qwen3-next-640", 640, 1_987_925, 3_276, 1),  # gated DeltaNet, one state group
+])
+def test_the_pool_layout_of_real_hybrid_engines(name: str, block: int, pool: int, blocks: int,
+                                                 state_blocks: int) -> None:
+    """What vLLM 0.32's cache_config_info implies on three tiny hybrids (real captures): the
+    granule is block_size, each block is worth pool / num_gpu_blocks, and the state groups
+    come out of its concurrency arithmetic (measured: a decoding sequence held exactly one
+    block per group beside its attention blocks)."""
+    from exporter.signals.kvpool import granule, is_hybrid, layout
+
+    config = parse(fixture_text(f"vllm-0.32.0-cpu-hybrid/{name}.prom")).cache_config_for("0")
+    assert config is not None and is_hybrid(config)
+    assert config.fields["mamba_block_size"] == "16"  # stale: never the granule
+    assert granule(config) == block
+    pool_layout = layout(config)
+    assert pool_layout == foresight.PoolLayout(block, pool / blocks, state_blocks)
+
+
+def test_a_dense_engine_has_no_state_and_blocks_worth_their_tokens():
+    from exporter.signals.kvpool import is_hybrid, layout
+
+    config = parse(REAL).cache_config_for("0")
+    assert config is not None and not is_hybrid(config)
+    assert layout(config) == foresight.PoolLayout(32, 32.0, 0)
 
 
 # ---- the smallest pool across restarts, and the budget ----------------------------------------

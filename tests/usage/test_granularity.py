@@ -5,7 +5,7 @@ from __future__ import annotations
 from exporter.engine.parse import parse
 from exporter.metrics import build_registry
 from exporter.signals.classify import PARTIAL, WARM
-from exporter.signals.granularity import GranularityLearner, provisional_granularity
+from exporter.signals.granularity import GranularityLearner
 from exporter.values import UsageEvent
 from tests.helpers import fixture_text
 from tests.usage.conftest import make_state, value
@@ -120,18 +120,100 @@ def test_several_models_served_match_on_name_only():
     assert usage.granularity("unknown-model") == (1, "none")
 
 
-def test_provisional_granularity_is_the_counts_power_of_two_capped():
-    assert provisional_granularity(None) == 1
-    assert provisional_granularity(0) == 1
-    assert provisional_granularity(1_376) == 32  # the real CPU capture: 43 x 32
-    assert provisional_granularity(5_008) == 16  # 313 x 16
-    assert provisional_granularity(86_016) == 2048  # 21 x 4,096, capped at 2,048
-    assert provisional_granularity(777) == 1  # not block-aligned: no estimate
+def test_provisional_granularity_is_the_gcd_of_the_counts_so_far():
+    """No power of two is assumed: the provisional G is the coarsest granule every count
+    seen is a whole number of. Qwen3-Next on vLLM 0.32 caches in granules of 640: 5,120
+    alone reads as 5,120 (a power-of-two reading said 1,024), then 4,480 narrows it to 640."""
+    learner = GranularityLearner()
+    assert learner.provisional("m") == 1  # nothing seen
+    learner.observe("m", 5_120)
+    assert learner.provisional("m") == 5_120
+    learner.observe("m", 4_480)
+    assert learner.provisional("m") == 640
+    learner.observe("m", 384 * 3)  # 1,152: gcd 128
+    assert learner.provisional("m") == 128
+    learner.observe("m", 777 * 3)  # one count that is not block-aligned: left out
+    assert learner.provisional("m") == 128
+    learner.observe("m", 1_001)  # a second one: the counts are not aligned, no estimate
+    assert learner.provisional("m") == 1
+    learner.observe("other", 0)  # zeros carry nothing
+    assert learner.provisional("other") == 1
 
 
-def test_before_g_is_known_the_issue_cases_come_out_as_stated():
+def test_before_g_is_known_classification_narrows_with_the_counts():
     state = make_state()
     usage = state.usage
     assert usage.record(UsageEvent("a", "m1", 1_396, 1_376), "http") == WARM
-    assert usage.record(UsageEvent("b", "m2", 10_000, 5_008), "http") == PARTIAL
     assert usage.record(UsageEvent("c", "m3", 3_000, 2_048), "http") == WARM
+    # A granule of 640: the first count alone cannot say 5,120 of 10,000 is short of what
+    # could be reused (G might be 5,120); with a second count G is 640, and 4,480 of 10,000
+    # is well under the 9,600 a full hit would reuse.
+    assert usage.record(UsageEvent("b", "m2", 10_000, 5_120), "http") == WARM
+    assert usage.record(UsageEvent("d", "m2", 10_000, 4_480), "http") == PARTIAL
+
+
+def test_a_stray_count_does_not_undo_an_adopted_granule():
+    """One count that is no whole number of granules (a proxy's own, a request served
+    elsewhere under the same name) is set aside; a second one within the window means the
+    counts really are not aligned, and the learned value goes."""
+    learner = GranularityLearner()
+    for turn in range(2, 12):
+        learner.observe("m", 2048 * turn)
+    assert learner.learned("m") == 2048
+    learner.observe("m", 1_000)
+    assert learner.learned("m") == 2048
+    for turn in range(3):
+        learner.observe("m", 2048 * (turn + 20))
+    assert learner.learned("m") == 2048
+    learner.observe("m", 3_000)
+    assert learner.learned("m") is None
+
+
+def test_a_stray_count_before_adoption_is_left_out_too():
+    learner = GranularityLearner()
+    counts = [777, *(384 * turn for turn in (3, 5, 8, 11, 13, 16, 19, 21, 23))]
+    for count in counts:
+        learner.observe("m", count)
+    assert learner.learned("m") == 384
+
+
+def test_a_stray_count_leaves_with_the_window():
+    learner = GranularityLearner(window=16, min_agreeing=4)
+    for turn in range(1, 9):
+        learner.observe("m", 640 * turn)
+    learner.observe("m", 1_000)
+    learner.observe("m", 1_001)  # two strays: the counts do not agree any more
+    assert learner.learned("m") is None
+    for turn in range(1, 30):  # both leave the window: 640 again
+        learner.observe("m", 640 * (turn + 8))
+    assert learner.learned("m") == 640
+
+
+def test_a_hybrid_engine_gives_its_block_size_never_its_mamba_block_size():
+    """vLLM 0.32 serving GraniteMoeHybrid (a real capture): block_size 2,048,
+    mamba_cache_mode "align", and a stale mamba_block_size of 16. The granule is 2,048."""
+    text = fixture_text("vllm-0.32.0-cpu-hybrid/granite-2048.prom")
+    assert 'mamba_block_size="16"' in text and 'mamba_cache_mode="align"' in text
+    state = make_state(vllm_url=(TARGET,))
+    state.engine.record_success(TARGET, parse(text), 0.01, 1.0)
+    assert state.usage.granularity("tiny-granite-2048") == (2048, "block_size")
+
+
+def test_each_target_gives_its_own_models_granule():
+    """Two vLLMs serving two hybrid models of different granules (real captures: 2,048 and
+    384): each model is read from its own target's block_size, and learns its own gcd."""
+    other = "http://vllm2:8000/metrics"
+    state = make_state(vllm_url=(TARGET, other))
+    for target, name in ((TARGET, "granite-2048"), (other, "nemotron-h-384")):
+        text = fixture_text(f"vllm-0.32.0-cpu-hybrid/{name}.prom")
+        state.engine.record_success(target, parse(text), 0.01, 1.0)
+    usage = state.usage
+    assert usage.granularity("tiny-granite-2048") == (2048, "block_size")
+    assert usage.granularity("tiny-nemotron-h-384") == (384, "block_size")
+    for turn in range(2, 12):
+        usage.record(UsageEvent("a", "tiny-granite-2048", 2048 * turn + 100, 2048 * turn),
+                     "http")
+        usage.record(UsageEvent("b", "tiny-nemotron-h-384", 384 * turn + 100, 384 * turn),
+                     "http")
+    assert usage.granularity("tiny-granite-2048") == (2048, "learned")
+    assert usage.granularity("tiny-nemotron-h-384") == (384, "learned")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from exporter.signals.classify import classify
 from exporter.signals.foresight import ConversationTracker
-from exporter.signals.granularity import GranularityLearner, provisional_granularity
+from exporter.signals.granularity import GranularityLearner
 from exporter.usage.event import validate
 from exporter.wiring import HTTP_READER
 from tests.usage.conftest import FakeClock, make_state
@@ -50,7 +50,7 @@ def events(draw: st.DrawFn) -> dict:
 
 def samples_of(learner: GranularityLearner) -> dict:
     return {model: (list(samples.window), samples.gcd, samples.agreeing,
-                    samples.since_full_gcd, samples.quick_left)
+                    samples.since_full_gcd, samples.quick_left, samples.stray)
             for model, samples in learner.samples_by_model.items()}
 
 
@@ -87,7 +87,7 @@ def test_recording_gives_what_the_functions_it_inlines_give(stream, conversation
             learner.observe(event.model, cached)
         granularity = configured or learner.learned(event.model) or 1
         if granularity == 1:
-            granularity = provisional_granularity(cached)
+            granularity = learner.provisional(event.model)
         # The previous turn: the conversation's, while the bound keeps it.
         known = tracker.by_key.get(key)
         previous = known.prompt_tokens if known is not None else None

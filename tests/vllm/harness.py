@@ -53,10 +53,12 @@ class Exporter:
             await runner.cleanup()
 
 
-async def start_exporter(vllm_url: str) -> Exporter:
+async def start_exporter(vllm_url: str, **overrides: Any) -> Exporter:
+    """``overrides``: more Config fields (a module-scoped caller, outside the tests'
+    autouse fixtures, sets ``usage_new_series_hold=0`` itself)."""
     config = Config(web_listen_address=f"127.0.0.1:{free_port()}", vllm_url=(vllm_url,),
                     tap_listen_address=f"127.0.0.1:{free_port()}", tap_upstream=vllm_url,
-                    vllm_timeout=10.0)
+                    vllm_timeout=10.0, **overrides)
     state = signals_state(config)
     exporter = Exporter(config, state)
     usage = state.usage

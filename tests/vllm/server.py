@@ -37,13 +37,17 @@ def free_port() -> int:
 
 class VllmServer:
     def __init__(self, python: Path, model_dir: Path, workdir: Path, name: str,
-                 extra_args: tuple[str, ...], port: int | None = None) -> None:
+                 extra_args: tuple[str, ...], port: int | None = None,
+                 served_model_name: str = MODEL_NAME,
+                 base_args: tuple[str, ...] = BASE_ARGS) -> None:
         self.python = python
         self.model_dir = model_dir
         self.workdir = workdir
         self.name = name
         self.extra_args = extra_args
         self.port = port or free_port()
+        self.served_model_name = served_model_name
+        self.base_args = base_args
         self.log_path = workdir / f"vllm-{name}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -53,8 +57,8 @@ class VllmServer:
 
     def command(self) -> list[str]:
         return [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(self.model_dir), "--served-model-name", MODEL_NAME,
-                "--host", "127.0.0.1", "--port", str(self.port), *BASE_ARGS,
+                "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.base_args,
                 *self.extra_args]
 
     def environment(self) -> dict[str, str]:
