@@ -3,12 +3,21 @@
 # Two stages: the first builds a virtualenv with pip, the second copies only that venv onto a
 # fresh slim base, so no pip cache, wheel build directory or build tool reaches the image.
 # Every runtime dependency ships manylinux wheels, so no compiler is needed in either stage.
-# tests/deploy/test_dockerfile.py checks this file statically (no Docker engine runs in CI).
+#
+# The base is a build argument: by default the pinned python image, or any Debian-like image
+# whose python3 (3.10 or newer) has the venv module, e.g. Debian bookworm with Debian's
+# python3 and python3-venv:
+#   docker build --build-arg BASE_IMAGE=my-registry/debian-python3:bookworm .
+# Both stages use the same base, so the venv's python links resolve in the final image.
+# tests/deploy/test_dockerfile.py checks this file statically; tests/deploy/test_compose_up.py
+# builds it on a Debian base and runs compose.yaml with it.
+ARG BASE_IMAGE=python:3.11.14-slim-bookworm
 
-FROM python:3.11.14-slim-bookworm AS build
+FROM ${BASE_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
-RUN python -m venv /opt/venv
+# python3, not python: Debian's own python3 has no `python` command (the venv has one).
+RUN python3 -m venv /opt/venv
 WORKDIR /src
 # Only what the package build reads (pyproject's readme is README.md); .dockerignore keeps
 # everything else out of the build context.
@@ -16,7 +25,7 @@ COPY pyproject.toml README.md ./
 COPY exporter ./exporter
 RUN /opt/venv/bin/pip install --no-cache-dir .
 
-FROM python:3.11.14-slim-bookworm
+FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="vllm-cache-exporter" \
       org.opencontainers.image.description="Prometheus sidecar for vLLM: per-caller prefix-cache hit ratio, warm/cold TTFT, preemptions, KV occupancy in tokens." \
       org.opencontainers.image.licenses="Apache-2.0"

@@ -149,6 +149,19 @@ def host_path(service: Mapping[str, Any], container_path: str) -> Path | None:
     return None if best is None else best[1]
 
 
+def published_ports(svc: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(host_ip, published port) of every published port, short or long syntax."""
+    out = []
+    for port in svc.get("ports", []):
+        if isinstance(port, Mapping):
+            out.append((str(port.get("host_ip", "")), str(port.get("published", ""))))
+            continue
+        parts = str(port).split("/")[0].split(":")
+        host_ip = ":".join(parts[:-2]) if len(parts) >= 3 else ""
+        out.append((host_ip, parts[-2] if len(parts) >= 2 else ""))
+    return out
+
+
 def command_args(service: Mapping[str, Any]) -> list[str]:
     command = service.get("command") or []
     return shlex.split(command) if isinstance(command, str) else [str(arg) for arg in command]

@@ -29,6 +29,7 @@ from tests.deploy.helpers import (
     flag_value,
     host_path,
     network_names,
+    published_ports,
     raw_compose,
     require_tool,
     resolved_compose,
@@ -142,19 +143,6 @@ def test_every_image_is_pinned_to_a_version():
             assert (ROOT / svc["build"].get("dockerfile", "Dockerfile")).is_file()
     assert {svc["image"] for svc in model()["services"].values()} >= {
         OUR_IMAGE, "prom/prometheus:v3.5.0", "prom/alertmanager:v0.28.1"}
-
-
-def published_ports(svc: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """(host_ip, published port) of every published port, short or long syntax."""
-    out = []
-    for port in svc.get("ports", []):
-        if isinstance(port, Mapping):
-            out.append((str(port.get("host_ip", "")), str(port.get("published", ""))))
-            continue
-        parts = str(port).split("/")[0].split(":")
-        host_ip = ":".join(parts[:-2]) if len(parts) >= 3 else ""
-        out.append((host_ip, parts[-2] if len(parts) >= 2 else ""))
-    return out
 
 
 def test_every_published_port_is_bound_to_loopback():
