@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from exporter.engine.parse import parse
+from exporter.signals.kvpool import layout
 from tests.vllm import hybrid
 from tests.vllm.harness import metric, vllm_counter
 from tests.vllm.server import VllmServer
@@ -150,14 +152,23 @@ def test_the_demand_of_running_conversations_is_vllms_used_kv(played: hybrid.Pla
     """No --signals.state-tokens: the recurrent state comes from vllm:cache_config_info.
     While the three conversations decode a turn together, the demand the exporter computes
     from their last turns (each context in whole blocks, a state copy each, one more for a
-    turn in flight) is within 10% of vLLM's own used KV tokens at the same scrape; once they
-    finish, vLLM holds nothing in use (their blocks stay cached, evictable)."""
+    turn in flight) is within 10% of vLLM's own used KV tokens at the same scrapes (their
+    median); no single scrape is further off than that plus the one in-flight state copy,
+    which vLLM holds only while a step runs (on two loaded cores a scrape can fall between
+    steps). Once they finish, vLLM holds nothing in use (their blocks stay cached,
+    evictable)."""
     assert played.moments, "no scrape caught the three conversations decoding together"
+    config = next(iter(parse(played.vllm_after).cache_configs.values()))
+    pool = layout(config)
+    assert pool is not None and pool.state_blocks > 0
     for moment in played.moments:
         assert moment.running == moment.conversations == len(hybrid.CALLERS)
         assert moment.used_tokens > 0
         assert abs(moment.demand_tokens - moment.used_tokens) <= DEMAND_TOLERANCE * \
-            moment.used_tokens, moment
+            moment.used_tokens + pool.state_tokens, moment
+    errors = sorted(abs(moment.demand_tokens - moment.used_tokens) / moment.used_tokens
+                    for moment in played.moments)
+    assert errors[len(errors) // 2] <= DEMAND_TOLERANCE, played.moments
     print(f"{played.architecture}: demand vs vLLM's used KV tokens while running: "
           + ", ".join(f"{m.demand_tokens:,.0f} vs {m.used_tokens:,.0f}"
                       for m in played.moments))
