@@ -165,7 +165,7 @@ def with_rejections(bodies: list[bytes], every: int) -> list[bytes]:
 def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
     """Microseconds per event of each stage of the ingest, in this process, best of
     ``repeats`` (each on a fresh state): the body split (``read_body``); the ingest with
-    recording a no-op (decoding, validation, the loop); recording alone (``record_rows`` of
+    recording a no-op (decoding, validation, the loop); recording alone (``record_events`` of
     the validated rows, in the ingest's slices); the whole ingest; the floor; and the whole
     ingest of the same bodies with 1 line in 10, then every line, rejected (per line); and
     the file follower (``--usage.file``) replaying the same lines from a file, recording
@@ -173,7 +173,7 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
     counting, as the whole ingest but from a file). Imports the exporter of the working
     directory, so it measures whichever checkout it runs in."""
     from exporter.config import Config
-    from exporter.usage.event import validate_row
+    from exporter.usage.event import validate
     from exporter.usage.formats import native
     from exporter.usage.ingest import EVENTS_PER_SLICE, read_body
     from exporter.wiring import (
@@ -186,7 +186,7 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
 
     config = Config(callers_max=100)
     events = sum(body.count(b"\n") + 1 for body in bodies)
-    rows = [[validate_row(value) for value, _line in read_body(body)] for body in bodies]
+    rows = [[validate(value) for value, _line in read_body(body)] for body in bodies]
 
     def split() -> float:
         start = time.perf_counter()
@@ -198,7 +198,7 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
         state = signals_state(config)
         reader = usage_ingest(config, state.usage)
         if not recording:
-            reader.record_rows = len
+            reader.record_events = len
         loop = asyncio.new_event_loop()
         try:
             start = time.perf_counter()
@@ -209,11 +209,11 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
             loop.close()
 
     def record() -> float:
-        record_rows = signals_state(config).usage.record_rows
+        record_events = signals_state(config).usage.record_events
         start = time.perf_counter()
         for body_rows in rows:
             for at in range(0, len(body_rows), EVENTS_PER_SLICE):
-                record_rows(body_rows[at:at + EVENTS_PER_SLICE], HTTP_READER)
+                record_events(body_rows[at:at + EVENTS_PER_SLICE], HTTP_READER)
         return time.perf_counter() - start
 
     def floor() -> float:

@@ -18,7 +18,7 @@ the difference, per event (per stream for the stream reader). Steps:
 - ``floor``: the stdlib ``json.loads`` and a counter per line (bench_ingest's floor);
 - ``ingest``: the whole ingest of a body (``UsageIngest.process``: decoding, validation,
   recording), as bench_ingest's in-process "whole";
-- ``record``: ``record_rows`` alone, of the rows already validated, in the ingest's slices;
+- ``record``: ``record_events`` alone, of the rows already validated, in the ingest's slices;
 - ``stream, 2 chunks``: ``StreamReader`` over the 11-event chat stream in the chunks the
   tap gets in bench_tap (1 event, then 10), stripping the usage chunk;
 - ``stream, per event``: the same stream one event per chunk, as vLLM writes it.
@@ -51,19 +51,23 @@ def child(step: str, events: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_ingest import bare_body, make_bodies
 
+    import exporter.usage.event as event_module
     from exporter.config import Config
-    from exporter.usage.event import validate_row
     from exporter.usage.formats import native
     from exporter.usage.ingest import EVENTS_PER_SLICE, read_body
     from exporter.usage.openai import StreamReader
     from exporter.wiring import HTTP_READER, signals_state, usage_ingest
 
+    # (A checkout before the usage event became one struct validated rows into tuples and
+    # recorded them with ``record_rows``.)
+    validate = getattr(event_module, "validate_row", event_module.validate)
     bodies = make_bodies(events // 1000, 1000, 100, seed=7)
-    rows = [[validate_row(value) for value, _line in read_body(body)] for body in bodies]
+    rows = [[validate(value) for value, _line in read_body(body)] for body in bodies]
     config = Config(callers_max=100)
     state = signals_state(config, clock=lambda: 1_800_000_000.0)
     ingest = usage_ingest(config, state.usage)
-    record_rows = signals_state(config, clock=lambda: 1_800_000_000.0).usage.record_rows
+    recorder = signals_state(config, clock=lambda: 1_800_000_000.0).usage
+    record_events = getattr(recorder, "record_rows", None) or recorder.record_events
     stream = [part + b"\n\n" for part in CAPTURE.read_bytes().split(b"\n\n") if part]
     two_chunks = [stream[0], b"".join(stream[1:])]
     loop = asyncio.new_event_loop()
@@ -85,7 +89,7 @@ def child(step: str, events: int) -> None:
     elif step == "record":
         for body_rows in rows:
             for at in range(0, len(body_rows), EVENTS_PER_SLICE):
-                record_rows(body_rows[at:at + EVENTS_PER_SLICE], HTTP_READER)
+                record_events(body_rows[at:at + EVENTS_PER_SLICE], HTTP_READER)
     elif step == "stream, 2 chunks":
         read_streams(two_chunks)
     elif step == "stream, per event":

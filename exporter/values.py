@@ -10,6 +10,9 @@ from __future__ import annotations
 import math
 from array import array
 from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
 
 # ---- engine signals ---------------------------------------------------------------------
 # The exporter's names for what it reads from vLLM, independent of vLLM's own (renamed
@@ -223,9 +226,40 @@ class PromptPrint:
 OK_STATUS_WORDS = frozenset({"ok", "success", "succeeded", "successful", "2xx", "completed"})
 
 
-@dataclass(frozen=True)
-class UsageEvent:
-    """What the proxy knows about one finished request.
+# ---- the usage event: its one schema ------------------------------------------------------
+# Every field's name, type and bounds are declared once, on ``UsageEvent``; the bounds ride
+# on the types below, so msgspec checks them in C where a reader decodes straight into the
+# event (the native format's common line, ``exporter.usage.event.quick_event``), and the
+# validation of every other reader (``exporter.usage.event.validate``) reads the same types
+# to pick each field's check and its rejection reasons.
+
+# Absurd sizes: no prompt is this large (the longest-context models hold ~10M tokens).
+MAX_TOKENS = 10_000_000
+# No single request waits or computes for more than a day; larger values are unit mistakes.
+MAX_SECONDS = 86_400.0
+# Unix time in seconds, up to the year 5138: beyond it a number is no timestamp.
+MAX_TIMESTAMP = 1e11
+MAX_CALLER_CHARS = 256
+MAX_MODEL_CHARS = 256
+MAX_SESSION_CHARS = 256
+MAX_STATUS_CHARS = 32
+# No request asks for more sequences of one prompt than this (OpenAI caps n at 128).
+MAX_SEQUENCES = 128
+
+CallerName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CALLER_CHARS)]
+ModelName = Annotated[str, msgspec.Meta(max_length=MAX_MODEL_CHARS)]
+SessionId = Annotated[str, msgspec.Meta(max_length=MAX_SESSION_CHARS)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
+Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMESTAMP)]
+# An HTTP status (100-599) or a short word; decoded as either, checked in Python.
+Status = int | str
+Sequences = Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQUENCES)]
+
+
+class UsageEvent(msgspec.Struct, frozen=True, gc=False):
+    """What the proxy knows about one finished request: the one definition of the usage
+    event, in the order of the native format's keys (``docs/metrics.md``).
 
     ``cached_tokens`` is None when the response did not report it (vLLM without
     ``--enable-prompt-tokens-details``, or < 0.24 for a cold request): never read it as 0.
@@ -236,8 +270,6 @@ class UsageEvent:
     request (its per-request ``metrics``, ``--enable-per-request-metrics``): scheduled to
     first token, and queued to scheduled, inside the engine. They are kept apart from the
     proxy's figures, which include whatever waited in front of and inside vLLM.
-    ``prompt`` is the prompt's fingerprint (``PromptPrint``), where the reader sees the
-    prompt (the tap); None elsewhere.
     ``max_tokens`` is the completion budget the request declared (``max_tokens`` or
     ``max_completion_tokens``), where the reader sees the request; None when unknown. Set
     against ``completion_tokens`` it shows how far callers overstate what they use.
@@ -245,43 +277,30 @@ class UsageEvent:
     the reader knows it; above 1, vLLM's ``cached_tokens`` is one sequence's, which may have
     found the blocks its siblings had just written, so it says nothing of the request's own
     reuse (counted as not reported, classified ``unknown``).
+
+    ``caller``, ``model`` and ``prompt_tokens`` have no default: a line decoded without one
+    of them is not the common event, and goes to the validation that knows what it means
+    (``model`` is "" when absent, ``prompt_tokens`` is 0 for a failed request and required
+    otherwise).
     """
 
-    caller: str
-    model: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None
-    completion_tokens: int | None = None
-    ttft_seconds: float | None = None
-    queue_seconds: float | None = None
-    session: str | None = None
-    time: float | None = None
-    status: int | str | None = None
+    caller: CallerName
+    model: ModelName
+    prompt_tokens: Tokens
+    cached_tokens: Tokens | None = None
+    completion_tokens: Tokens | None = None
+    ttft_seconds: Seconds | None = None
+    queue_seconds: Seconds | None = None
+    session: SessionId | None = None
+    time: Timestamp | None = None
+    status: Status | None = None
     # ---- vLLM's per-request timings (engine-measured) ----
-    engine_ttft_seconds: float | None = None
-    engine_queue_seconds: float | None = None
+    engine_ttft_seconds: Seconds | None = None
+    engine_queue_seconds: Seconds | None = None
     # ---- foresight (optional; readers fill them where their input has them) ----
-    max_tokens: int | None = None
+    max_tokens: Tokens | None = None
     # ---- how many sequences of the prompt vLLM ran (n) ----
-    sequences: int | None = None
-    # ---- prompt order (the tap only: the one reader that sees prompts) ----
-    prompt: PromptPrint | None = None
-
-
-# One UsageEvent as a plain tuple of its fields, in the dataclass's order: how a batch of
-# events travels from a reader to the signals (``UsageState.record_rows``). Making a tuple
-# costs a fraction of making an object, and a batch of thousands is made per body.
-UsageRow = tuple[str, str, int, int | None, int | None, float | None, float | None, str | None,
-                 float | None, int | str | None, float | None, float | None, int | None,
-                 int | None]
-
-
-def event_row(event: UsageEvent) -> UsageRow:
-    """``event``'s fields as a ``UsageRow``."""
-    return (event.caller, event.model, event.prompt_tokens, event.cached_tokens,
-            event.completion_tokens, event.ttft_seconds, event.queue_seconds, event.session,
-            event.time, event.status, event.engine_ttft_seconds, event.engine_queue_seconds,
-            event.max_tokens, event.sequences)
+    sequences: Sequences | None = None
 
 
 def status_is_error(status: int | str | None) -> bool:

@@ -22,7 +22,7 @@ from exporter.usage import formats
 from exporter.usage.ingest import UsageIngest
 from exporter.usage.tail import FileFollower
 from exporter.usage.tap import TapSettings, create_tap_app
-from exporter.values import UsageEvent
+from exporter.values import PromptPrint, UsageEvent
 
 HTTP_READER = "http"
 FILE_READER = "file"
@@ -68,7 +68,7 @@ def usage_ingest(config: Config, usage: UsageState) -> UsageIngest:
     return UsageIngest(
         converters(config), config.usage_ingest_format, config.usage_ingest_token,
         config.usage_ingest_max_body_bytes,
-        record_rows=lambda rows: usage.record_rows(rows, HTTP_READER),
+        record_events=lambda rows: usage.record_events(rows, HTTP_READER),
         reject=lambda reason: usage.reject(HTTP_READER, reason),
         reject_request=usage.reject_request,
         max_concurrent_bodies=config.usage_ingest_max_concurrent_bodies)
@@ -85,7 +85,7 @@ def engine_poller(config: Config, state: SignalsState,
 def file_follower(config: Config, usage: UsageState) -> FileFollower:
     return FileFollower(
         config.usage_file, converters(config)[config.usage_file_format],
-        record_rows=lambda rows: usage.record_rows(rows, FILE_READER),
+        record_events=lambda rows: usage.record_events(rows, FILE_READER),
         reject=lambda reason: usage.reject(FILE_READER, reason),
         from_start=config.usage_file_from_start)
 
@@ -117,5 +117,5 @@ def tap_reject(usage: UsageState) -> Callable[[str], None]:
     return lambda reason: usage.reject(TAP_READER, reason)
 
 
-def tap_record_prompt(usage: UsageState) -> Callable[[UsageEvent], object]:
+def tap_record_prompt(usage: UsageState) -> Callable[[UsageEvent, PromptPrint], object]:
     return usage.record_prompt

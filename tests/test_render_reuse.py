@@ -19,7 +19,7 @@ from exporter.config import Config
 from exporter.metrics import build_registry
 from exporter.metrics import usage as usage_metrics
 from exporter.metrics.exposition import OPENMETRICS, TEXT, generate
-from exporter.values import UsageEvent, event_row
+from exporter.values import UsageEvent
 from exporter.wiring import signals_state
 from tests.test_exposition import Clock, assert_equal, record_all_states
 
@@ -57,7 +57,7 @@ def test_reused_lines_are_never_stale(program):
     registry = build_registry(state)
     for step, argument in [*program, ("render", "text"), ("render", "openmetrics")]:
         if step == "events":
-            usage.record_rows([event_row(event) for event in argument], "http")
+            usage.record_events(argument, "http")
         elif step == "wait":
             clock.now += argument
         elif argument == "text":

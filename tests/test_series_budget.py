@@ -58,9 +58,9 @@ def fill_adversarially() -> tuple[Config, object]:
                 event = UsageEvent(
                     caller, model, prompt, cached, completion_tokens=9_999_999,
                     ttft_seconds=86_399.123456789, queue_seconds=86_398.987654321,
-                    status=status, max_tokens=9_999_999, prompt=PRINTS[turn % 2])
+                    status=status, max_tokens=9_999_999)
                 state.usage.record(event, "http")
-                state.usage.record_prompt(event)
+                state.usage.record_prompt(event, PRINTS[turn % 2])
                 state.usage.record(UsageEvent(
                     caller, model, prompt, cached, status=status,
                     engine_ttft_seconds=86_399.876543219,

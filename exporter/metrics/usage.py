@@ -148,7 +148,7 @@ class _SeriesText:
     and its sample lines as last rendered, reused while the series has not changed.
 
     A series changes only when an event is counted into it, and every such event adds one to
-    exactly one of its ``requests`` counts (``UsageState.record_rows``): their sum is the
+    exactly one of its ``requests`` counts (``UsageState.record_events``): their sum is the
     series' version. Lines are reused only once the series and every histogram in it are
     shown (past the new-series hold), since a held one renders zeros whatever its version.
     """

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from exporter.signals.engine import EngineState
 from exporter.signals.kvpool import PoolLayout, layout
+from exporter.values import UsageEvent
 
 # Conversations remembered (least recently seen first out). An entry is a few hundred bytes
 # (three strings of at most 256 characters, validated upstream, and four numbers).
@@ -107,27 +108,33 @@ class ConversationTracker:
         self.max_conversations = max(1, settings.max_conversations)
         self._state_tokens = dict(settings.state_tokens)
         # (caller, model name, session) -> its conversation, least recently seen first.
-        # Updated in place by UsageState.record_rows (the steps of ``observe``, inlined).
         self.by_key: dict[tuple[str, str, str | None], Conversation] = {}
         self.dropped_active = 0
         self.models: dict[str, None] = {}  # model labels seen, for series kept at 0
 
-    def observe(self, caller: str, model_name: str, model: str, session: str | None,
-                prompt_tokens: int, context_tokens: int, when: float, now: float) -> None:
-        """One successful turn that ended at ``when`` (``now`` decides what is still live).
+    def take(self, key: tuple[str, str, str | None]) -> Conversation | None:
+        """The conversation of ``key``, taken out until ``keep`` puts it back as the most
+        recently seen (its previous turn is what the classifier judges the next one by)."""
+        return self.by_key.pop(key, None)
 
-        ``UsageState.record_rows`` takes these same steps inline, on ``by_key``
-        (tests/usage/test_record_inline.py holds the two together)."""
-        conversations = self.by_key
-        key = (caller, model_name, session)
-        known = conversations.pop(key, None)
+    def keep(self, key: tuple[str, str, str | None], known: Conversation | None,
+             event: UsageEvent, model: str, now: float) -> None:
+        """Put the conversation back with ``event`` as its latest turn (``model``: its model
+        label), the oldest out past the bound (``now`` decides what was still live)."""
+        prompt_tokens = event.prompt_tokens
+        completion = event.completion_tokens
+        context_tokens = prompt_tokens + completion if completion else prompt_tokens
+        when = event.time
+        if when is None:
+            when = now
         if known is None:
-            known = Conversation(model_name, model, prompt_tokens, context_tokens, when)
+            known = Conversation(event.model, model, prompt_tokens, context_tokens, when)
         else:
             known.prompt_tokens = prompt_tokens
             known.context_tokens = context_tokens
             if when > known.last_seen:
                 known.last_seen = when
+        conversations = self.by_key
         conversations[key] = known
         if model not in self.models:
             self.models[model] = None

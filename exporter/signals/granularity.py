@@ -58,8 +58,6 @@ class GranularityLearner:
         self.window = window
         self.min_agreeing = min_agreeing
         self.min_granularity = min_granularity
-        # Read directly by UsageState.record_rows on the hot path, which takes the common
-        # case itself (``ModelSamples.quick_left``).
         self.samples_by_model: dict[str, ModelSamples] = {}
         self.learned_by_model: dict[str, int] = {}
 
@@ -72,8 +70,12 @@ class GranularityLearner:
             samples = self.samples_by_model[model] = ModelSamples(deque(maxlen=self.window))
         if samples.quick_left and cached_tokens % samples.gcd == 0:
             # The common case once learned: the sample keeps the gcd, which stays adopted
-            # (or stays too small to adopt) as it was.
-            samples.take_quickly(cached_tokens)
+            # (or stays too small to adopt) as it was (``take_quickly``, inlined: once per
+            # event).
+            samples.window.append(cached_tokens)
+            samples.since_full_gcd += 1
+            samples.agreeing += 1
+            samples.quick_left -= 1
             return
         window = samples.window
         window.append(cached_tokens)

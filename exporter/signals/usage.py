@@ -24,9 +24,9 @@ from exporter.signals.callers import (
     LabelCap,
     NamePolicy,
 )
-from exporter.signals.classify import COLD, ERROR, PARTIAL, SHORT, STATES, UNKNOWN, WARM
+from exporter.signals.classify import COLD, ERROR, STATES, WARM, classify
 from exporter.signals.engine import EngineState
-from exporter.signals.foresight import Conversation, ConversationTracker, ForesightSettings
+from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner
 from exporter.signals.history import CALLER_FIELDS, History
 from exporter.signals.kvpool import granule
@@ -35,9 +35,8 @@ from exporter.values import (
     PREEMPTIONS,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
+    PromptPrint,
     UsageEvent,
-    UsageRow,
-    event_row,
     status_is_error,
 )
 
@@ -224,109 +223,64 @@ class UsageState:
 
     def record(self, event: UsageEvent, reader: str) -> str:
         """Count one accepted event; return the state it was classified as."""
-        state = self.record_rows((event_row(event),), reader)
+        state = self.record_events((event,), reader)
         assert state is not None
         return state
 
-    def record_rows(self, rows: Sequence[UsageRow], reader: str) -> str | None:
+    def record_events(self, events: Sequence[UsageEvent], reader: str) -> str | None:
         """Count accepted events, each once and in their order; return the last one's state.
 
-        The ingest hot path: a body's events come here together, so what does not depend on
-        the event is done once (the clock read, the history's 30-s check, the reader's
-        counters, every attribute lookup) and each event is one pass of a loop over plain
-        tuples. The events of one call are counted as of one clock reading: the call runs
-        without yielding, so nothing can observe the state between two of them. Order still
-        matters within the call (a session's previous prompt, the granularity learner), and
-        is kept.
+        Each event in its steps: its series, whether it failed, what it reported cached (and
+        what that teaches the granularity learner), its conversation's previous turn, its
+        state (``classify``), then the counts, the timings, the conversation kept with its
+        latest turn and the completion budget it declared. A body's events come here
+        together, so what does not depend on the event is done once (the clock read, the
+        history's 30-s check, the reader's counters, the lookups of the steps). The events of
+        one call are counted as of one clock reading: the call runs without yielding, so
+        nothing can observe the state between two of them. Order still matters within the
+        call (a session's previous prompt, the granularity learner), and is kept.
         """
-        if not rows:
+        if not events:
             return None
         now = self._clock()
         if self.history.next_due <= now < math.inf:  # a 30-s boundary passed: keep the
             self.sample_history(now)  # totals at it (never for a clock gone wrong)
         pairs_get = self._pairs.get
         resolve_pair = self._pair
-        learner_observe = self.learner.observe
-        learner_samples_get = self.learner.samples_by_model.get
+        reported = self._reported
         learned_get = self.learner.learned_by_model.get
-        learner_provisional = self.learner.provisional
         configured = self.configured_granularity
         warm_tail = self.warm_tail_granules
-        missing_as_zero = self.missing_cached_as_zero
-        # The conversations (signals/foresight.py), kept here inline: a method call per
-        # event saved. Each holds its latest turn's prompt, the classifier's previous turn.
-        tracker = self.conversations
-        conversations = tracker.by_key
-        conversations_pop = conversations.pop
-        conversation_models = tracker.models
-        max_conversations = tracker.max_conversations
-        overflowed_events = folded_events = 0
+        conversations_pop = self.conversations.by_key.pop
+        keep = self.conversations.keep
+        observe = self._observe
         state = ERROR
-        for row in rows:
-            (caller, model_name, prompt_tokens, cached, completion, ttft, queue, session,
-             when, status, engine_ttft, engine_queue, declared, sequences) = row
+        for event in events:
+            caller, model_name = event.caller, event.model
             pair = pairs_get((caller, model_name))
             if pair is None:
                 pair = resolve_pair(caller, model_name)
             series, model, overflowed, folded = pair
             if overflowed:
-                overflowed_events += 1
+                self.callers.overflowed += 1
             if folded:
-                folded_events += 1
-            if status is not None and (type(status) is not int or not 200 <= status < 300) \
+                self.series_folded += 1
+            status = event.status
+            if status is not None and (type(status) is not int
+                                       or not 200 <= status < 300) \
                     and status_is_error(status):
                 series.requests[ERROR] += 1
                 state = ERROR
                 continue
-
-            if sequences is not None and sequences > 1:
-                # One of the n sequences' count, perhaps of its siblings' blocks: nothing
-                # of this request's own reuse (not learned from either).
-                cached = None
-            elif cached is None:
-                if missing_as_zero and series.reported_cached:
-                    cached = 0
-            else:
-                if not series.reported_cached:
-                    series.reported_cached = True
-                if cached:
-                    samples = learner_samples_get(model)
-                    if samples is not None and samples.quick_left \
-                            and cached % samples.gcd == 0:
-                        # the learner's common case (ModelSamples.take_quickly), inlined
-                        samples.window.append(cached)
-                        samples.since_full_gcd += 1
-                        samples.agreeing += 1
-                        samples.quick_left -= 1
-                    else:
-                        learner_observe(model, cached)
-
-            key = (caller, model_name, session)  # the conversation
+            cached = reported(event, series, model)
+            key = (caller, model_name, event.session)  # the conversation
             conversation = conversations_pop(key, None)
             previous = conversation.prompt_tokens if conversation is not None else None
-
-            granularity = configured or learned_get(model) or self.granularity(model)[0]
-            if granularity == 1:  # nothing known yet: the counts seen so far bound it
-                granularity = learner_provisional(model)
-            # classify(prompt_tokens, cached, granularity, previous, warm_tail), inlined (one
-            # call per event saved); tests/usage/test_classify.py holds the two together.
-            bound = (prompt_tokens - 1) // granularity * granularity
-            if previous is not None and previous < prompt_tokens:
-                previous_bound = (previous - 1) // granularity * granularity
-                if previous_bound < bound:
-                    bound = previous_bound
-            if cached is not None and cached > bound:
-                bound = cached
-            if bound < granularity:
-                state = SHORT
-            elif cached is None:
-                state = UNKNOWN
-            elif cached == 0:
-                state = COLD
-            elif cached >= bound - warm_tail * granularity:
-                state = WARM
-            else:
-                state = PARTIAL
+            prompt_tokens = event.prompt_tokens
+            state = classify(prompt_tokens, cached,
+                             configured or learned_get(model)
+                             or self._classifying_granularity(model),
+                             previous, warm_tail)
             series.requests[state] += 1
             if previous is not None and previous < prompt_tokens:
                 series.followups += 1
@@ -337,87 +291,102 @@ class UsageState:
             else:
                 series.prompt_tokens += prompt_tokens
                 series.cached_tokens += cached
-            if engine_ttft is not None:
-                # vLLM's own: from scheduling to the first token, no wait in it. The
-                # proxy's figure of the same request is not counted a second time.
-                hist = series.engine_ttft.get(state)
-                if hist is None:
-                    hist = series.engine_ttft[state] = Histogram(TTFT_BUCKETS,
-                                                                 self._shown_from())
-                hist.counts[bisect_left(hist.bounds, engine_ttft)] += 1  # observe, inlined
-                hist.total += engine_ttft
-            elif ttft is not None:
+            observe(series, state, event)
+            keep(key, conversation, event, model, now)
+        self.events[reader] = self.events.get(reader, 0) + len(events)
+        self.last_event_time[reader] = now
+        return state
+
+    def _reported(self, event: UsageEvent, series: Series, model: str) -> int | None:
+        """The cached count the event is judged and counted by (None: not reported), and
+        what it teaches the granularity learner.
+
+        A request of several sequences (n > 1) reports one sequence's count, perhaps of its
+        siblings' blocks: nothing of its own reuse, and nothing to learn from. A missing
+        count from a pair that has reported counts before is 0 (what vLLM before 0.24
+        meant), unless ``--no-signals.missing-cached-as-zero``."""
+        cached = event.cached_tokens
+        sequences = event.sequences
+        if sequences is not None and sequences > 1:
+            return None
+        if cached is None:
+            return 0 if self.missing_cached_as_zero and series.reported_cached else None
+        series.reported_cached = True
+        self.learner.observe(model, cached)
+        return cached
+
+    def _classifying_granularity(self, model: str) -> int:
+        """G to classify this model's request with where neither configured nor learned:
+        vLLM's block size, else a provisional one bounded by the counts seen so far."""
+        granularity = self.granularity(model)[0]
+        if granularity == 1:
+            granularity = self.learner.provisional(model)
+        return granularity
+
+    def _observe(self, series: Series, state: str, event: UsageEvent) -> None:
+        """The TTFT (vLLM's own where it sent one, else the proxy's less its admission
+        wait) by state, each queue's wait, and what the turn used of the completion budget
+        it declared. (``Histogram.observe``, inlined: this runs for every event.)"""
+        queue = event.queue_seconds
+        ttft = event.engine_ttft_seconds
+        if ttft is not None:
+            # vLLM's own: from scheduling to the first token, no wait in it. The proxy's
+            # figure of the same request is not counted a second time.
+            hist = series.engine_ttft.get(state) or self._histogram(
+                series.engine_ttft, state, TTFT_BUCKETS)
+        else:
+            ttft = event.ttft_seconds
+            if ttft is None:
+                hist = None
+            else:
                 if queue is not None:
                     # Proxy clocks can disagree by a few ms; a wait longer than the TTFT
                     # means the engine part was too short to measure, not negative.
                     ttft = ttft - queue if ttft > queue else 0.0
-                hist = series.ttft.get(state)
-                if hist is None:
-                    hist = series.ttft[state] = Histogram(TTFT_BUCKETS, self._shown_from())
-                hist.counts[bisect_left(hist.bounds, ttft)] += 1
-                hist.total += ttft
-            if queue is not None:
-                hist = series.queue
-                if hist is None:
-                    hist = series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
-                hist.counts[bisect_left(hist.bounds, queue)] += 1
-                hist.total += queue
-            if engine_queue is not None:
-                # A second queue, after the proxy's: a request can wait in both.
-                hist = series.engine_queue
-                if hist is None:
-                    hist = series.engine_queue = Histogram(QUEUE_BUCKETS, self._shown_from())
-                hist.counts[bisect_left(hist.bounds, engine_queue)] += 1
-                hist.total += engine_queue
-            # Foresight: the conversation's latest context, and what the turn used of the
-            # completion budget it declared.
-            # (ConversationTracker's LRU: moved to the end, the oldest out past the bound.)
-            context_tokens = prompt_tokens + completion if completion else prompt_tokens
-            if when is None:
-                when = now
-            if conversation is None:
-                conversation = Conversation(model_name, model, prompt_tokens, context_tokens,
-                                            when)
-            else:
-                conversation.prompt_tokens = prompt_tokens
-                conversation.context_tokens = context_tokens
-                if when > conversation.last_seen:
-                    conversation.last_seen = when
-            conversations[key] = conversation
-            if model not in conversation_models:
-                conversation_models[model] = None
-            if len(conversations) > max_conversations:
-                tracker.drop_oldest(now)
-            if declared is not None and completion is not None:
-                hist = series.completion
-                if hist is None:
-                    hist = series.completion = Histogram(COMPLETION_BUCKETS,
-                                                         self._shown_from())
-                hist.counts[bisect_left(hist.bounds, completion)] += 1
-                hist.total += completion
-                series.declared_completion_tokens += declared
-        self.events[reader] = self.events.get(reader, 0) + len(rows)
-        self.last_event_time[reader] = now
-        # _pair leaves callers.overflowed as it found it: the counts are added here.
-        self.callers.overflowed += overflowed_events
-        self.series_folded += folded_events
-        return state
+                hist = series.ttft.get(state) or self._histogram(series.ttft, state,
+                                                                 TTFT_BUCKETS)
+        if hist is not None and ttft is not None:
+            hist.counts[bisect_left(hist.bounds, ttft)] += 1
+            hist.total += ttft
+        if queue is not None:
+            hist = series.queue
+            if hist is None:
+                hist = series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+            hist.counts[bisect_left(hist.bounds, queue)] += 1
+            hist.total += queue
+        engine_queue = event.engine_queue_seconds
+        if engine_queue is not None:
+            # A second queue, after the proxy's: a request can wait in both.
+            hist = series.engine_queue
+            if hist is None:
+                hist = series.engine_queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+            hist.counts[bisect_left(hist.bounds, engine_queue)] += 1
+            hist.total += engine_queue
+        completion = event.completion_tokens
+        if event.max_tokens is not None and completion is not None:
+            if series.completion is None:
+                series.completion = Histogram(COMPLETION_BUCKETS, self._shown_from())
+            series.completion.observe(completion)
+            series.declared_completion_tokens += event.max_tokens
 
-    def record_prompt(self, event: UsageEvent) -> None:
+    def _histogram(self, by_state: dict[str, Histogram], state: str,
+                   bounds: tuple[float, ...]) -> Histogram:
+        hist = by_state[state] = Histogram(bounds, self._shown_from())
+        return hist
+
+    def record_prompt(self, event: UsageEvent, prompt: PromptPrint) -> None:
         """A successful call's prompt order, once ``record`` has counted the call itself:
-        the same event with its prompt's fingerprint (``event.prompt``; the tap's)."""
-        if event.prompt is None:
-            return
+        its prompt's fingerprint (the tap's), compared with the pair's recent ones."""
         pair = self._pairs.get((event.caller, event.model))
         if pair is None:
             pair = self._pair(event.caller, event.model)
-        self._order(event, pair[0], self._clock())
+        self._order(event, prompt, pair[0], self._clock())
 
-    def _order(self, event: UsageEvent, series: Series, now: float) -> None:
+    def _order(self, event: UsageEvent, prompt: PromptPrint, series: Series,
+               now: float) -> None:
         """Compare the request's prompt with the pair's recent ones (the tap's prints)."""
-        assert event.prompt is not None
         when = event.time if event.time is not None else now
-        found = self.order.observe(series, event.prompt, when)  # one key per label pair
+        found = self.order.observe(series, prompt, when)  # one key per label pair
         if found is None:
             return
         counts = series.order

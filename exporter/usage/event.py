@@ -13,33 +13,27 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from typing import Annotated, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 
-from exporter.values import PromptPrint, UsageEvent, UsageRow, status_is_error
+from exporter.values import (
+    MAX_CALLER_CHARS,
+    MAX_MODEL_CHARS,
+    MAX_SECONDS,
+    MAX_SEQUENCES,
+    MAX_SESSION_CHARS,
+    MAX_STATUS_CHARS,
+    MAX_TIMESTAMP,
+    MAX_TOKENS,
+    UsageEvent,
+    status_is_error,
+)
 
-# Absurd sizes: no prompt is this large (the longest-context models hold ~10M tokens).
-MAX_TOKENS = 10_000_000
-# No request asks for more sequences of one prompt than this (OpenAI caps n at 128).
-MAX_SEQUENCES = 128
-# No single request waits or computes for more than a day; larger values are unit mistakes.
-MAX_SECONDS = 86_400.0
-# Unix time in seconds, up to the year 5138: beyond it a number is no timestamp.
-MAX_TIMESTAMP = 1e11
-MAX_CALLER_CHARS = 256
-MAX_MODEL_CHARS = 256
-MAX_SESSION_CHARS = 256
-MAX_STATUS_CHARS = 32
-
-FIELDS = ("caller", "model", "prompt_tokens", "cached_tokens", "completion_tokens",
-          "ttft_seconds", "queue_seconds", "session", "time", "status",
-          "engine_ttft_seconds", "engine_queue_seconds",
-          # foresight
-          "max_tokens",
-          # n: sequences of one prompt
-          "sequences")
+# Every field, in UsageEvent's order: the native format's keys (the prompt fingerprint,
+# which only the tap makes, travels beside the event, never in it).
+FIELDS = tuple(field.name for field in msgspec.structs.fields(UsageEvent))
 
 # Every reason validate() can give, so the docs and tests can enumerate them.
 REASONS = (
@@ -48,7 +42,7 @@ REASONS = (
     "too_large", "cached_exceeds_prompt", "bad_status",
 )
 
-# The reasons ``validate_row`` can give differently for a JSON integer beyond 64 bits read as
+# The reasons ``validate`` can give differently for a JSON integer beyond 64 bits read as
 # an integer (json) or as a float (orjson): its status is refused with another message, and
 # its model or session is a valid name as an integer's text. Every other reason is reached
 # alike (such a float is out of every number field's range, as the integer is).
@@ -204,40 +198,6 @@ def _status(obj: Mapping[str, Any]) -> int | str | None:
     raise InvalidEvent("bad_status", "status must be an HTTP status (100-599) or a short word")
 
 
-def _make(caller: str, model: str, prompt_tokens: int, cached_tokens: int | None,
-          completion_tokens: int | None, ttft_seconds: float | None,
-          queue_seconds: float | None, session: str | None, time: float | None,
-          status: int | str | None, engine_ttft_seconds: float | None = None,
-          engine_queue_seconds: float | None = None,
-          max_tokens: int | None = None, sequences: int | None = None) -> UsageEvent:
-    """Build a UsageEvent from values already checked, without the frozen ``__init__``.
-
-    A frozen dataclass sets each field through ``object.__setattr__``; filling ``__dict__``
-    in one call is ~5x cheaper, and this runs once per ingested event.
-    """
-    event = _new(UsageEvent)
-    event.__dict__.update(caller=caller, model=model, prompt_tokens=prompt_tokens,
-                          cached_tokens=cached_tokens, completion_tokens=completion_tokens,
-                          ttft_seconds=ttft_seconds, queue_seconds=queue_seconds,
-                          session=session, time=time, status=status,
-                          engine_ttft_seconds=engine_ttft_seconds,
-                          engine_queue_seconds=engine_queue_seconds,
-                          max_tokens=max_tokens, sequences=sequences)
-    return event
-
-
-def with_prompt(event: UsageEvent, prompt: PromptPrint) -> UsageEvent:
-    """``dataclasses.replace(event, prompt=prompt)``, as ``_make`` builds events: a tenth of
-    ``replace``'s cost (which runs the frozen ``__init__`` and walks the fields), once per
-    call the tap records."""
-    copy = _new(UsageEvent)
-    copy.__dict__.update(event.__dict__)
-    copy.__dict__["prompt"] = prompt
-    return copy
-
-
-_new = object.__new__
-
 # Caller, model and session names that passed their checks recently: the same few names
 # come back event after event, and a dict lookup costs a third of checking one again.
 # Each holds at most VALID_NAMES_KEPT names and starts over when full.
@@ -253,6 +213,93 @@ def _remember(valid: dict[str, None], name: str) -> None:
     valid[name] = None
 
 
+def _model(value: Any, key: str) -> str:
+    if type(value) is str and value in _valid_models:
+        return value
+    if type(value) is str and len(value) <= MAX_MODEL_CHARS and value.isprintable():
+        _remember(_valid_models, value)
+        return value
+    return _text({key: value}, key, MAX_MODEL_CHARS, "bad_model") or ""
+
+
+def _session(value: Any, key: str) -> str | None:
+    if value is None or type(value) is str and value in _valid_sessions:
+        return value  # type: ignore[no-any-return]
+    if type(value) is str and len(value) <= MAX_SESSION_CHARS and value.isprintable():
+        _remember(_valid_sessions, value)
+        return value
+    return _text({key: value}, key, MAX_SESSION_CHARS, "bad_session")
+
+
+def _caller_name(value: Any, key: str) -> str:
+    if type(value) is str and value in _valid_callers:
+        return value
+    if type(value) is str and 0 < len(value) <= MAX_CALLER_CHARS and value.isprintable() \
+            and value[0] != " " and value[-1] != " ":
+        _remember(_valid_callers, value)
+        return value
+    return _caller({key: value})
+
+
+def _tokens(value: Any, key: str) -> int | None:
+    if value is None or type(value) is int and 0 <= value <= MAX_TOKENS:
+        return value  # type: ignore[no-any-return]
+    return token_count({key: value}, key, required=False)
+
+
+def _seconds_checker(limit: float) -> Callable[[Any, str], float | None]:
+    def check(value: Any, key: str) -> float | None:
+        if value is None or type(value) is float and 0.0 <= value <= limit:
+            return value  # type: ignore[no-any-return]
+        return _seconds({key: value}, key, limit)
+    return check
+
+
+def _status_of(value: Any, key: str) -> int | str | None:
+    if value is None or type(value) is int and 200 <= value < 300:
+        return value  # type: ignore[no-any-return]
+    return _status({"status": value})
+
+
+def _sequences(value: Any, key: str) -> int | None:
+    """A whole number from 1 to MAX_SEQUENCES."""
+    if value is None or type(value) is int and 1 <= value <= MAX_SEQUENCES:
+        return value  # type: ignore[no-any-return]
+    count = token_count({key: value}, key, required=False)
+    if count == 0:
+        raise InvalidEvent("not_a_number", f"{key} must be at least 1")
+    if count is not None and count > MAX_SEQUENCES:
+        raise InvalidEvent("too_large", f"{key} is larger than {MAX_SEQUENCES}")
+    return count
+
+
+# Each type of UsageEvent's fields (values.py) and the check of a value declared with it:
+# the fast common case inline, anything else to the helper that accepts the less common form
+# (a whole float as tokens, an integer as seconds, a numeric session) or says why not.
+_CHECK_BY_TYPE: dict[str, Callable[[Any, str], Any]] = {
+    "CallerName": _caller_name,
+    "ModelName": _model,
+    "SessionId": _session,
+    "Tokens": _tokens,
+    "Seconds": _seconds_checker(MAX_SECONDS),
+    "Timestamp": _seconds_checker(MAX_TIMESTAMP),
+    "Status": _status_of,
+    "Sequences": _sequences,
+}
+
+
+def _declared_type(field: msgspec.structs.FieldInfo) -> str:
+    """The name of the type a field is declared with (``Tokens | None`` -> ``Tokens``)."""
+    annotation = UsageEvent.__annotations__[field.name]
+    return str(annotation).split("|")[0].strip()
+
+
+# (field, its check), in UsageEvent's order. A field of a type without a check fails here,
+# at import: every field is validated, and by the rule of its type.
+_CHECKS = tuple((field.name, _CHECK_BY_TYPE[_declared_type(field)])
+                for field in msgspec.structs.fields(UsageEvent))
+
+
 def validate(obj: Mapping[str, Any]) -> UsageEvent:
     """Check one native-form record (the keys of ``FIELDS``) and build its UsageEvent.
 
@@ -260,135 +307,59 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
     an event whose ``status`` is an error (a failed request has no usage). Unknown keys are
     ignored so that senders can add fields before we know them.
     """
-    return _make(*validate_row(obj))
-
-
-def validate_row(obj: Mapping[str, Any]) -> UsageRow:
-    """``validate``, giving the event as a ``UsageRow`` (the batched ingest path's form).
-
-    Each field is tried against its common shape inline (an exact type and range check);
-    anything else goes to the helper that either accepts the less common form or raises.
-    """
     if type(obj) is not dict and not isinstance(obj, Mapping):
         raise InvalidEvent("not_an_object", "each event must be a JSON object")
-    get = obj.get
-    caller = get("caller")
-    if type(caller) is not str or caller not in _valid_callers:
-        if type(caller) is str and 0 < len(caller) <= MAX_CALLER_CHARS \
-                and caller.isprintable() and caller[0] != " " and caller[-1] != " ":
-            _remember(_valid_callers, caller)
-        else:
-            caller = _caller(obj)
-    status = get("status")
-    if status is not None and not (type(status) is int and 200 <= status < 300):
-        status = _status(obj)
-    prompt_tokens = get("prompt_tokens")
-    if not (type(prompt_tokens) is int and 0 <= prompt_tokens <= MAX_TOKENS):
-        prompt_tokens = token_count(obj, "prompt_tokens",
-                                required=not status_is_error(status)) or 0
-    cached_tokens = get("cached_tokens")
-    if cached_tokens is not None and not (type(cached_tokens) is int
-                                          and 0 <= cached_tokens <= MAX_TOKENS):
-        cached_tokens = token_count(obj, "cached_tokens", required=False)
-    if cached_tokens is not None and cached_tokens > prompt_tokens:
-        raise InvalidEvent("cached_exceeds_prompt",
-                           "cached_tokens is larger than prompt_tokens")
-    completion_tokens = get("completion_tokens")
-    if completion_tokens is not None and not (type(completion_tokens) is int
-                                              and 0 <= completion_tokens <= MAX_TOKENS):
-        completion_tokens = token_count(obj, "completion_tokens", required=False)
-    ttft = get("ttft_seconds")
-    if ttft is not None and not (type(ttft) is float and 0.0 <= ttft <= MAX_SECONDS):
-        ttft = _seconds(obj, "ttft_seconds", MAX_SECONDS)
-    queue = get("queue_seconds")
-    if queue is not None and not (type(queue) is float and 0.0 <= queue <= MAX_SECONDS):
-        queue = _seconds(obj, "queue_seconds", MAX_SECONDS)
-    when = get("time")
-    if when is not None and not (type(when) is float and 0.0 <= when <= MAX_TIMESTAMP):
-        when = _seconds(obj, "time", MAX_TIMESTAMP)
-    model = get("model")
-    if type(model) is not str or model not in _valid_models:
-        if type(model) is str and len(model) <= MAX_MODEL_CHARS and model.isprintable():
-            _remember(_valid_models, model)
-        else:
-            model = _text(obj, "model", MAX_MODEL_CHARS, "bad_model") or ""
-    session = get("session")
-    if session is not None and (type(session) is not str or session not in _valid_sessions):
-        if type(session) is str and len(session) <= MAX_SESSION_CHARS and session.isprintable():
-            _remember(_valid_sessions, session)
-        else:
-            session = _text(obj, "session", MAX_SESSION_CHARS, "bad_session")
-    # vLLM's own per-request timings, when the reader found them.
-    engine_ttft = get("engine_ttft_seconds")
-    if engine_ttft is not None and not (type(engine_ttft) is float
-                                        and 0.0 <= engine_ttft <= MAX_SECONDS):
-        engine_ttft = _seconds(obj, "engine_ttft_seconds", MAX_SECONDS)
-    engine_queue = get("engine_queue_seconds")
-    if engine_queue is not None and not (type(engine_queue) is float
-                                         and 0.0 <= engine_queue <= MAX_SECONDS):
-        engine_queue = _seconds(obj, "engine_queue_seconds", MAX_SECONDS)
-    # foresight: the completion budget the request declared (range-checked as a token count
-    # before any conversion, like the others).
-    max_tokens = get("max_tokens")
-    if max_tokens is not None and not (type(max_tokens) is int
-                                       and 0 <= max_tokens <= MAX_TOKENS):
-        max_tokens = token_count(obj, "max_tokens", required=False)
-    sequences = get("sequences")
-    if sequences is not None and not (type(sequences) is int
-                                      and 1 <= sequences <= MAX_SEQUENCES):
-        sequences = _sequences(obj)
-    return (caller, model, prompt_tokens, cached_tokens, completion_tokens, ttft, queue,
-            session, when, status, engine_ttft, engine_queue, max_tokens, sequences)
+    return _validated(obj.get)
 
 
-def _sequences(obj: Mapping[str, Any]) -> int | None:
-    """``sequences``: a whole number from 1 to MAX_SEQUENCES."""
-    value = token_count(obj, "sequences", required=False)
-    if value is None:
-        return None
-    if value == 0:
-        raise InvalidEvent("not_a_number", "sequences must be at least 1")
-    if value > MAX_SEQUENCES:
-        raise InvalidEvent("too_large", f"sequences is larger than {MAX_SEQUENCES}")
-    return value
+def checked(event: UsageEvent) -> UsageEvent:
+    """``event`` (built by a reader from what it read) held to ``validate``'s rules: the
+    same event, or InvalidEvent with the reason ``validate`` would give its native form."""
+    return _validated(lambda name: getattr(event, name))
+
+
+def _validated(get: Callable[[str], Any]) -> UsageEvent:
+    """The checks of ``_CHECKS`` in order, after the three that decide what the others mean:
+    who sent it, whether it failed, how long its prompt was (a failed request needs none)."""
+    caller = _caller_name(get("caller"), "caller")
+    status = _status_of(get("status"), "status")
+    prompt_tokens = _tokens(get("prompt_tokens"), "prompt_tokens")
+    if prompt_tokens is None:
+        if not status_is_error(status):
+            raise InvalidEvent("missing_prompt_tokens", "prompt_tokens is required")
+        prompt_tokens = 0
+    values: list[Any] = []
+    for name, check in _CHECKS:
+        if name in _DECIDED_FIRST:
+            values.append(caller if name == "caller" else status if name == "status"
+                          else prompt_tokens)
+            continue
+        value = check(get(name), name)
+        if name == "cached_tokens" and value is not None and value > prompt_tokens:
+            raise InvalidEvent("cached_exceeds_prompt",
+                               "cached_tokens is larger than prompt_tokens")
+        values.append(value)
+    return UsageEvent(*values)
+
+
+_DECIDED_FIRST = frozenset({"caller", "status", "prompt_tokens"})
 
 
 # ---- the common native event, decoded and checked in one step --------------------------------
-# msgspec decodes a line straight into the fields below, checking each number's type and range
-# in C (half of what ``validate_row`` does in Python, and faster than orjson's decode to a
-# dict alone). What it cannot check (a name's characters, the status, cached <= prompt) is
-# checked by ``quick_row`` against what ``validate_row`` already accepted.
-_Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
-_Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
-_Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMESTAMP)]
+# msgspec decodes a line straight into a UsageEvent, checking each number's type and range in
+# C from the field's declared type (half of what ``validate`` does in Python). What it cannot
+# check (a name's characters, the status, cached <= prompt) is checked by ``quick_event``
+# against what ``validate`` already accepted. A line without caller, model or prompt_tokens
+# does not decode: ``validate`` decides what it means.
+_decode_native_event = msgspec.json.Decoder(UsageEvent).decode
 
 
-# Each field's type as msgspec checks it (every one may also be absent or null).
-_NATIVE_TYPES: dict[str, Any] = {
-    "caller": str, "model": str, "session": str, "status": int | str,
-    "prompt_tokens": _Tokens, "cached_tokens": _Tokens, "completion_tokens": _Tokens,
-    "max_tokens": _Tokens, "time": _Timestamp, "ttft_seconds": _Seconds,
-    "queue_seconds": _Seconds, "engine_ttft_seconds": _Seconds,
-    "engine_queue_seconds": _Seconds,
-    "sequences": Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQUENCES)],
-}
-# The fields of ``FIELDS``, in its order, which is ``UsageRow``'s (``astuple`` of one is the
-# row; tests/usage/test_quick_row.py holds the orders together). Unknown keys are skipped, a
-# repeated key's last value counts, as ``json``.
-_NativeEvent = msgspec.defstruct(
-    "_NativeEvent", [(name, _NATIVE_TYPES[name] | None, None) for name in FIELDS], gc=False)
-
-
-_decode_native_event = msgspec.json.Decoder(_NativeEvent).decode
-_as_row = msgspec.structs.astuple
-
-
-def quick_row(line: bytes) -> UsageRow | None:
-    """``validate_row(json.loads(line))`` for the common native event, or None (or any
-    exception) where that must decide: the line is not an ASCII JSON object whose numbers are
-    all of their field's type and in its range, a name was not already accepted by
-    ``validate_row`` (``_valid_callers``...), the status is not a success or absent,
-    ``prompt_tokens`` is missing, or ``cached_tokens`` exceeds it.
+def quick_event(line: bytes) -> UsageEvent | None:
+    """``validate(json.loads(line))`` for the common native event, or None (or any
+    exception) where that must decide: the line is not an ASCII JSON object whose fields are
+    all of their declared type and in range, a name was not already accepted by ``validate``
+    (``_valid_callers``...), the status is not a success or absent, or ``cached_tokens``
+    exceeds ``prompt_tokens``.
 
     Only ASCII lines: msgspec does not check the UTF-8 of the values it skips (an unknown
     key's), which ``json`` refuses. Whatever it accepts, ``json`` reads the same way
@@ -396,15 +367,13 @@ def quick_row(line: bytes) -> UsageRow | None:
     """
     if not line.isascii():
         return None
-    event: Any = _decode_native_event(line)  # a _NativeEvent (built at run time)
-    prompt_tokens = event.prompt_tokens
+    event = _decode_native_event(line)
     cached_tokens = event.cached_tokens
     status = event.status
     session = event.session
     if event.caller in _valid_callers and event.model in _valid_models \
             and (session is None or session in _valid_sessions) \
-            and prompt_tokens is not None \
-            and (cached_tokens is None or cached_tokens <= prompt_tokens) \
+            and (cached_tokens is None or cached_tokens <= event.prompt_tokens) \
             and (status is None or type(status) is int and 200 <= status < 300):
-        return _as_row(event)  # type: ignore[return-value]
+        return event
     return None

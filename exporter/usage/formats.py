@@ -18,13 +18,11 @@ from typing import Any
 
 import yaml
 
-from exporter.usage.event import FIELDS, InvalidEvent, validate, validate_row
+from exporter.usage.event import FIELDS, InvalidEvent, validate
 from exporter.usage.openai import engine_timings_of, parse_usage, read_response
-from exporter.values import UsageEvent, UsageRow, event_row, status_is_error
+from exporter.values import UsageEvent, status_is_error
 
 Converter = Callable[[Any], UsageEvent]
-# A converter giving the event as a plain tuple, for readers that record in batches.
-RowConverter = Callable[[Any], UsageRow]
 
 
 class MappingError(ValueError):
@@ -64,13 +62,6 @@ def _object(obj: Any) -> Mapping[str, Any]:
 
 native: Converter = validate
 
-
-def row_converter(convert: Converter) -> RowConverter:
-    """``convert`` giving a ``UsageRow``: the native format's check builds the tuple itself
-    (no event object per event); any other converter's event is read into one."""
-    if convert is native:
-        return validate_row
-    return lambda value: event_row(convert(value))
 
 
 # ---- LiteLLM ---------------------------------------------------------------------------

@@ -37,11 +37,11 @@ from exporter.usage.event import (
     READING_DEPENDENT_REASONS,
     InvalidEvent,
     has_long_digits,
-    quick_row,
-    validate_row,
+    quick_event,
+    validate,
 )
-from exporter.usage.formats import Converter, RowConverter, row_converter
-from exporter.values import UsageRow
+from exporter.usage.formats import Converter
+from exporter.values import UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ ROUTE = "/v1/usage"
 MAX_ERRORS_IN_REPLY = 1000
 # Events processed between yields to the event loop, so a 16 MiB batch does not stall
 # /metrics scrapes for its whole duration. A slice's accepted events are recorded together
-# before the yield: at most this many tuples are held per body being read.
+# before the yield: at most this many events are held per body being read.
 EVENTS_PER_SLICE = 2000
 # A request that finds every body slot taken waits this long for one, then gets 503; at
 # most this many wait at once (a waiting request holds no more than aiohttp's read buffer).
@@ -61,7 +61,7 @@ RETRY_AFTER_SECONDS = 1
 # format wrong: the rest of it is not read (422, counted as "abandoned"), so that one bad
 # sender cannot hold a body slot for minutes.
 ABANDON_AFTER_REJECTIONS = 10_000
-# The one-step reading of the common native event (``quick_row``) is tried on every line of
+# The one-step reading of the common native event (``quick_event``) is tried on every line of
 # an NDJSON body until it has missed this many lines and more than half of those read: then
 # the rest of the body goes straight to the general reading (a miss costs more than it).
 QUICK_MISSES_TRIED = 64
@@ -357,20 +357,20 @@ def _long_digit_lines(data: bytes) -> set[int]:
 class UsageIngest:
     """``POST /v1/usage``: its formats, auth and size rules, and where its events go.
 
-    ``record_rows`` takes the accepted events of a body in order, a slice
-    (``EVENTS_PER_SLICE``) at a time, as plain tuples; ``reject`` the reason of each event
+    ``record_events`` takes the accepted events of a body in order, a slice
+    (``EVENTS_PER_SLICE``) at a time; ``reject`` the reason of each event
     that could not be used, ``reject_request`` the reason of each request refused as a whole.
     """
 
     def __init__(self, converters: Mapping[str, Converter], default_format: str, token: str,
-                 max_body_bytes: int, record_rows: Callable[[Sequence[UsageRow]], object],
+                 max_body_bytes: int, record_events: Callable[[Sequence[UsageEvent]], object],
                  reject: Callable[[str], None], reject_request: Callable[[str], None],
                  max_concurrent_bodies: int = 4) -> None:
         self.converters = dict(converters)
         self.default_format = default_format
         self.token = token.encode("utf-8")
         self.max_body_bytes = max_body_bytes
-        self.record_rows = record_rows
+        self.record_events = record_events
         self.reject = reject
         self.reject_request = reject_request
         self.max_concurrent_bodies = max_concurrent_bodies
@@ -395,43 +395,42 @@ class UsageIngest:
         line is rejected and then read again by ``json``; in other formats, when no line
         holds a run of 19 digits (``_long_digit_lines``).
         """
-        convert_row = row_converter(convert)
-        if type(items) is NdjsonLines and (convert_row is validate_row
+        if type(items) is NdjsonLines and (convert is validate
                                            or not items.long_digits):
-            return await self._process_lines(items, convert_row)
-        return await self._process_items(iter(items), convert_row)
+            return await self._process_lines(items, convert)
+        return await self._process_items(iter(items), convert)
 
     async def _process_items(self, items: Iterator[Item],
-                             convert_row: RowConverter) -> BatchResult:
+                             convert: Converter) -> BatchResult:
         """``process``, one decoded item at a time (JSON arrays, and NDJSON bodies with
         lines left to ``json``)."""
         result = BatchResult()
-        record_rows = self.record_rows
-        rows: list[UsageRow] = []
+        record_events = self.record_events
+        events: list[UsageEvent] = []
         accepted = 0
         slice_left = EVENTS_PER_SLICE
         for index, (value, line) in enumerate(items):
             if not slice_left:
                 slice_left = EVENTS_PER_SLICE
                 # The slice's events are counted before anything else may run.
-                if rows:
-                    record_rows(rows)
-                    accepted += len(rows)
-                    rows = []
+                if events:
+                    record_events(events)
+                    accepted += len(events)
+                    events = []
                 if await self._abandon_after_slice(accepted, result):
                     break
             slice_left -= 1
-            row = self._item_row(value, line, index, convert_row, result)
-            if row is not None:
-                rows.append(row)
-        if rows:
-            record_rows(rows)
-            accepted += len(rows)
+            event = self._item_event(value, line, index, convert, result)
+            if event is not None:
+                events.append(event)
+        if events:
+            record_events(events)
+            accepted += len(events)
         result.accepted = accepted
         return result
 
     async def _process_lines(self, body: NdjsonLines,
-                             convert_row: RowConverter) -> BatchResult:
+                             convert: Converter) -> BatchResult:
         """``process`` for an NDJSON body: the same items, slices and replies as one item
         at a time, without an item per line. Each line is decoded by orjson and converted
         in one step; only a line that step refuses is looked at again: one orjson refused
@@ -439,20 +438,19 @@ class UsageIngest:
         rejected with its reason, unless that reason may differ on ``json``'s reading (a run
         of 19 digits in the line, and a reason of ``READING_DEPENDENT_REASONS``), or the
         converter failed otherwise: then it is read again on its own
-        (``read_line``, ``_item_row``)."""
+        (``read_line``, ``_item_event``)."""
         result = BatchResult()
-        record_rows = self.record_rows
-        rows: list[UsageRow] = []
-        append = rows.append
+        record_events = self.record_events
+        events: list[UsageEvent] = []
+        append = events.append
         accepted = 0
-        row = self._item_row(*body.first, 0, convert_row, result)
-        if row is not None:
-            append(row)
+        event = self._item_event(*body.first, 0, convert, result)
+        if event is not None:
+            append(event)
         slice_left = EVENTS_PER_SLICE - 1
-        loads = _orjson_loads
         # Other formats come here only when no line holds a run of 19 digits (``process``).
-        native = convert_row is validate_row
-        quick = quick_row
+        native = convert is validate
+        quick = quick_event
         quick_on = native
         quick_misses = 0
         position = body.first_line  # the number of the line at hand, once counted up
@@ -463,22 +461,22 @@ class UsageIngest:
                     continue
                 slice_left = EVENTS_PER_SLICE
                 # The slice's events are counted before anything else may run.
-                if rows:
-                    record_rows(rows)
-                    accepted += len(rows)
-                    rows = []
-                    append = rows.append
+                if events:
+                    record_events(events)
+                    accepted += len(events)
+                    events = []
+                    append = events.append
                 if await self._abandon_after_slice(accepted, result):
                     break
             if quick_on:
                 # The common native event in one step (msgspec); anything else, including
                 # whatever it raises, is read below as if it had never been tried.
                 try:
-                    row = quick(line)
+                    event = quick(line)
                 except Exception:
-                    row = None
-                if row is not None:
-                    append(row)
+                    event = None
+                if event is not None:
+                    append(event)
                     slice_left -= 1
                     continue
                 # A body of mostly uncommon lines (bad ones, new names) stops trying: each
@@ -486,42 +484,46 @@ class UsageIngest:
                 quick_misses += 1
                 if quick_misses >= QUICK_MISSES_TRIED and 2 * quick_misses > position:
                     quick_on = False
-            try:
-                append(convert_row(loads(line)))
-            except OrjsonDecodeError:
-                item = _decode_line(line, position)
-                if item is None:  # a blank line is no event
-                    continue
-                row = self._item_row(item[0], position, accepted + len(rows) + result.rejected,
-                                     convert_row, result)
-                if row is not None:
-                    append(row)
-            except InvalidEvent as err:
-                if native and err.reason in READING_DEPENDENT_REASONS \
-                        and has_long_digits(line):
-                    self._line_again(line, position, accepted + len(rows) + result.rejected,
-                                     convert_row, result, rows)
-                else:  # the converter's verdict on the line as json reads it too
-                    self._refused(err, accepted + len(rows) + result.rejected, position,
-                                  result)
-            except Exception:  # a converter bug: the item path says it, once
-                self._line_again(line, position, accepted + len(rows) + result.rejected,
-                                 convert_row, result, rows)
-            slice_left -= 1
-        if rows:
-            record_rows(rows)
-            accepted += len(rows)
+            if self._read_line(line, position, accepted + len(events) + result.rejected,
+                               convert, native, result, events):
+                slice_left -= 1
+        if events:
+            record_events(events)
+            accepted += len(events)
         result.accepted = accepted
         return result
 
-    def _line_again(self, line: bytes, number: int, index: int, convert_row: RowConverter,
-                    result: BatchResult, rows: list[UsageRow]) -> None:
+    def _read_line(self, line: bytes, position: int, index: int, convert: Converter,
+                   native: bool, result: BatchResult, events: list[UsageEvent]) -> bool:
+        """One line the quick step did not take: decoded by orjson and converted, else as
+        ``_process_lines`` says (json's reading, a rejection, or a second reading). False
+        for a blank line, which is no item at all."""
+        try:
+            events.append(convert(_orjson_loads(line)))
+        except OrjsonDecodeError:
+            item = _decode_line(line, position)
+            if item is None:  # a blank line is no event
+                return False
+            event = self._item_event(item[0], position, index, convert, result)
+            if event is not None:
+                events.append(event)
+        except InvalidEvent as err:
+            if native and err.reason in READING_DEPENDENT_REASONS and has_long_digits(line):
+                self._line_again(line, position, index, convert, result, events)
+            else:  # the converter's verdict on the line as json reads it too
+                self._refused(err, index, position, result)
+        except Exception:  # a converter bug: the item path says it, once
+            self._line_again(line, position, index, convert, result, events)
+        return True
+
+    def _line_again(self, line: bytes, number: int, index: int, convert: Converter,
+                    result: BatchResult, events: list[UsageEvent]) -> None:
         """A line read on its own, as if it had never been tried (it is not blank)."""
         item = read_line(line, number)
         assert item is not None
-        row = self._item_row(item[0], item[1], index, convert_row, result)
-        if row is not None:
-            rows.append(row)
+        event = self._item_event(item[0], item[1], index, convert, result)
+        if event is not None:
+            events.append(event)
 
     async def _abandon_after_slice(self, accepted: int, result: BatchResult) -> bool:
         """Yield to the loop between slices; whether the body is to be abandoned (nothing
@@ -538,15 +540,15 @@ class UsageIngest:
         self.reject(err.reason)
         result.add_error(index, err.reason, str(err), line)
 
-    def _item_row(self, value: Any, line: int | None, index: int, convert_row: RowConverter,
-                  result: BatchResult) -> UsageRow | None:
-        """One item's event as a row, or None with the item rejected and its reason counted."""
+    def _item_event(self, value: Any, line: int | None, index: int, convert: Converter,
+                  result: BatchResult) -> UsageEvent | None:
+        """One item's event, or None with the item rejected and its reason counted."""
         if type(value) is Unreadable:
             self.reject(value.reason)
             result.add_error(index, value.reason, value.message, line)
             return None
         try:
-            return convert_row(value)
+            return convert(value)
         except InvalidEvent as err:
             self._refused(err, index, line, result)
         except Exception:  # a converter bug must not cost the rest of the batch

@@ -450,6 +450,10 @@ class StreamReader:
             return False
         if "usage" not in obj and "response" not in obj:
             return False
+        return self._read_usage(obj)
+
+    def _read_usage(self, obj: dict[str, Any]) -> bool:
+        """An OpenAI event that holds usage; True when it is the injected usage chunk."""
         only_usage = is_usage_only_chunk(obj)
         try:
             usage, model = usage_of(obj)

@@ -20,8 +20,8 @@ What must hold, and how:
 
 Lines are read as ``POST /v1/usage`` reads NDJSON (``ingest.read_line``: orjson where it reads
 a line exactly as ``json`` does, ``json`` elsewhere; in the native format the common event in
-one step, ``quick_row``), with the same rejection reasons, and the events of each chunk read
-are counted together (``UsageState.record_rows``), as a body's are.
+one step, ``quick_event``), with the same rejection reasons, and the events of each chunk read
+are counted together (``UsageState.record_events``), as a body's are.
 """
 
 from __future__ import annotations
@@ -34,19 +34,19 @@ import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from exporter.usage.event import InvalidEvent, quick_row, validate_row
-from exporter.usage.formats import Converter, row_converter
+from exporter.usage.event import InvalidEvent, quick_event, validate
+from exporter.usage.formats import Converter
 from exporter.usage.ingest import QUICK_MISSES_TRIED, Unreadable, read_line
-from exporter.values import UsageRow
+from exporter.values import UsageEvent
 
 log = logging.getLogger(__name__)
 
 READER = "file"
 MAX_LINE_BYTES = 1024 * 1024
 READ_CHUNK_BYTES = 1024 * 1024
-# A chunk's events are held as rows until counted together: one row per accepted line of
+# A chunk's events are held as events until counted together: one event per accepted line of
 # one read (the chunk and a held partial line, at most MAX_LINE_BYTES + READ_CHUNK_BYTES).
-# The shortest native line is 33 bytes: about 64,000 rows of 144 bytes, 9 MB; a mapping
+# The shortest native line is 33 bytes: about 64,000 events of 144 bytes, 9 MB; a mapping
 # format with one-letter keys takes lines half as long, so twice that.
 # Bytes per poll() call before yielding to the event loop (a replayed 1 GB file must not
 # stall /metrics).
@@ -83,13 +83,13 @@ class FileFollower:
     """
 
     def __init__(self, patterns: Sequence[str], convert: Converter,
-                 record_rows: Callable[[list[UsageRow]], object],
+                 record_events: Callable[[list[UsageEvent]], object],
                  reject: Callable[[str], None], from_start: bool = False) -> None:
         self.patterns = list(patterns)
-        self.convert_row = row_converter(convert)
+        self.convert = convert
         # The native format's common event, decoded and checked in one step.
-        self._quick = quick_row if self.convert_row is validate_row else None
-        self.record_rows = record_rows
+        self._quick = quick_event if self.convert is validate else None
+        self.record_events = record_events
         self.reject = reject
         self.from_start = from_start
         self.files: dict[tuple[int, int], _Followed] = {}
@@ -242,21 +242,21 @@ class FileFollower:
 
     def _count(self, lines: Iterable[bytes]) -> None:
         """Count the events of complete lines, each once and in their order (together: one
-        ``record_rows`` call); reject the others with their reason."""
-        rows: list[UsageRow] = []
-        append = rows.append
-        convert_row = self.convert_row
+        ``record_events`` call); reject the others with their reason."""
+        events: list[UsageEvent] = []
+        append = events.append
+        convert = self.convert
         quick = self._quick
         misses = tried = 0
         for line in lines:
             if quick is not None:
                 tried += 1
                 try:
-                    row = quick(line)
+                    event = quick(line)
                 except Exception:  # anything it cannot take is read below
-                    row = None
-                if row is not None:
-                    append(row)
+                    event = None
+                if event is not None:
+                    append(event)
                     continue
                 misses += 1  # mostly uncommon lines: stop trying (as the HTTP ingest does)
                 if misses >= QUICK_MISSES_TRIED and 2 * misses > tried:
@@ -269,14 +269,14 @@ class FileFollower:
                 self.reject(value.reason)
                 continue
             try:
-                append(convert_row(value))
+                append(convert(value))
             except InvalidEvent as err:
                 self.reject(err.reason)
             except Exception:  # a converter bug must not stop the file
                 log.warning("a usage line could not be converted", exc_info=True)
                 self.reject("unprocessable")
-        if rows:
-            self.record_rows(rows)
+        if events:
+            self.record_events(events)
 
     @staticmethod
     def _linked(followed: _Followed) -> bool:

@@ -134,7 +134,7 @@ class RecordingUsage:
         self.recorded.set()
         return "accepted"
 
-    def record_prompt(self, event: Any) -> None:
+    def record_prompt(self, event: Any, prompt: Any) -> None:
         """The prompt-order step (its own tests read the real signals)."""
 
     def reject(self, reader: str, reason: str) -> None:

@@ -222,7 +222,7 @@ async def test_a_failing_diagnosis_logs_no_prompt_and_costs_the_call_nothing(
     failed = asyncio.Event()
 
     class Failing(RecordingUsage):
-        def record_prompt(self, event: Any) -> None:
+        def record_prompt(self, event: Any, prompt: Any) -> None:
             failed.set()
             raise ValueError(f"cannot keep {SHARED[:200]}")
 

@@ -2,7 +2,7 @@
 one at a time gives.
 
 ``POST /v1/usage`` hands the accepted events of a body to the signals a slice at a time
-(``UsageState.record_rows``), with one clock reading per slice. Classification depends on
+(``UsageState.record_events``), with one clock reading per slice. Classification depends on
 order (a conversation's previous prompt, the granularity learner, the label caps, the series
 budget), so the two paths are compared on streams that exercise all of it: several callers
 and sessions, cached counts on 2,048-token granules mixed with others, failed requests,

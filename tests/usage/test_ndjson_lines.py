@@ -142,7 +142,7 @@ def test_a_native_line_with_an_integer_beyond_64_bits_gets_json_reading():
     assert type(read_body(body)) is NdjsonLines
     _reply, slices, rejected, _refused = Recorder(native).run(read_body(body))
     assert rejected == []
-    assert [row[7] for row in slices[0]] == [None, "100000000000000000000"]
+    assert [event.session for event in slices[0]] == [None, "100000000000000000000"]
 
 
 @pytest.mark.parametrize("tail", ["", "\n", "\n\n  \r\n", "\n\ufeff\n"])
@@ -169,10 +169,10 @@ def test_the_quick_reading_is_tried_on_every_common_line_and_given_up_on_bad_bod
         calls.append(line)
         return original(line)
 
-    original = ingest.quick_row
+    original = ingest.quick_event
     good = b'{"caller": "alpha", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048}'
     bad = b'{"caller": "alpha", "model": "m", "prompt_tokens": -1}'
-    with mock.patch.object(ingest, "quick_row", counting):
+    with mock.patch.object(ingest, "quick_event", counting):
         reply, slices, _rejected, _refused = Recorder(native).run(read_body(b"\n".join(
             [good] * 500)))
         assert reply["accepted"] == 500 and len(calls) == 499  # the first line: read_body's

@@ -1,5 +1,5 @@
-"""Property: ``quick_row`` (msgspec's one-step decode and check of a native event) gives
-exactly ``validate_row(json.loads(line))`` whenever it gives a row at all.
+"""Property: ``quick_event`` (msgspec's one-step decode and check of a native event) gives
+exactly ``validate(json.loads(line))`` whenever it gives an event at all.
 
 The ingest tries it first on every NDJSON line of the native format and falls back to the
 reference reading on None or on any exception, so a row it gives where the reference would
@@ -8,12 +8,16 @@ differ (another value, another type, or a rejection) is an event counted wrong.
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 from typing import Any
 
+import msgspec
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+import exporter.usage.event as event_module
 from exporter.usage.event import (
     FIELDS,
     MAX_CALLER_CHARS,
@@ -22,11 +26,10 @@ from exporter.usage.event import (
     MAX_TIMESTAMP,
     MAX_TOKENS,
     InvalidEvent,
-    quick_row,
+    quick_event,
     validate,
-    validate_row,
 )
-from exporter.values import event_row
+from exporter.values import UsageEvent
 
 TOKEN_EDGES = [0, 1, 2048, MAX_TOKENS, MAX_TOKENS + 1, -1, -(2**63), 2**63 - 1, 2**63, 2**64,
                10**30, 1.0, 2048.0, float(MAX_TOKENS) + 0.5, -0.0, True]
@@ -117,14 +120,15 @@ def reference(line: bytes) -> tuple[str, Any]:
     except (ValueError, RecursionError):
         return ("rejected", "not_json")
     try:
-        return ("row", validate_row(value))
+        return ("row", validate(value))
     except InvalidEvent as err:
         return ("rejected", err.reason)
 
 
-def exactly(row: Any) -> list[tuple[type, str]]:
-    """A row compared by type and repr (1 == 1.0 and 0.0 == -0.0 in Python; not here)."""
-    return [(type(value), repr(value)) for value in row]
+def exactly(event: Any) -> list[tuple[type, str]]:
+    """An event compared field by field by type and repr (1 == 1.0 and 0.0 == -0.0 in
+    Python; not here)."""
+    return [(type(value), repr(value)) for value in msgspec.structs.astuple(event)]
 
 
 @settings(max_examples=1500, deadline=None)
@@ -132,7 +136,7 @@ def exactly(row: Any) -> list[tuple[type, str]]:
 def test_a_quick_row_is_the_reference_reading(line: bytes) -> None:
     expected = reference(line)  # first: it remembers the names it accepts, as the ingest does
     try:
-        got = quick_row(line)
+        got = quick_event(line)
     except Exception:  # the ingest reads the line again: nothing to hold
         return
     event("quick" if got is not None else "left to the reference reading")
@@ -149,22 +153,60 @@ def test_the_common_event_takes_the_quick_path() -> None:
             b'"queue_seconds":0.759,"session":"agent-7-s1","time":1800000000.01,"status":200,'
             b'"engine_ttft_seconds":40,"max_tokens":1024}')
     assert reference(line)[0] == "row"
-    row = quick_row(line)
+    row = quick_event(line)
     assert row is not None and exactly(row) == exactly(reference(line)[1])
-    assert row[11] is None and row[10] == 40.0 and type(row[10]) is float
-    assert quick_row(line.replace(b"agent-7-s1", b"agent-7-s9")) is None, "a new session"
-    assert quick_row(line.replace(b"\"status\":200", b"\"status\":503")) is None, "a failure"
-    assert quick_row(line.replace(b'"cached_tokens":10240', b'"cached_tokens":20000')) is None
-    assert quick_row(line.replace(b"agent-7", "agent-\u00e9".encode())) is None, "not ASCII"
+    assert row.engine_queue_seconds is None and row.engine_ttft_seconds == 40.0
+    assert type(row.engine_ttft_seconds) is float
+    assert quick_event(line.replace(b"agent-7-s1", b"agent-7-s9")) is None, "a new session"
+    assert quick_event(line.replace(b"\"status\":200", b"\"status\":503")) is None, "a failure"
+    assert quick_event(line.replace(b'"cached_tokens":10240', b'"cached_tokens":20000')) is None
+    assert quick_event(line.replace(b"agent-7", "agent-\u00e9".encode())) is None, "not ASCII"
 
 
-def test_the_quick_fields_are_in_the_rows_order() -> None:
-    """``quick_row``'s struct is built from FIELDS, and its row is the struct's fields in that
-    order: FIELDS must be ``UsageRow``'s order, field for field."""
-    event = validate({name: None for name in FIELDS} | {
-        "caller": "c", "model": "m", "prompt_tokens": 9, "cached_tokens": 8,
-        "completion_tokens": 7, "ttft_seconds": 6.0, "queue_seconds": 5.0, "session": "s",
-        "time": 4.0, "status": 204, "engine_ttft_seconds": 3.0, "engine_queue_seconds": 2.0,
-        "max_tokens": 1, "sequences": 10})
-    assert event_row(event) == tuple(getattr(event, name) for name in FIELDS)
-    assert len(set(event_row(event))) == len(FIELDS), "every field told apart"
+def test_the_usage_event_is_the_only_field_list() -> None:
+    """The native format's keys, the fields validate checks (each by its declared type),
+    the fields msgspec decodes a line into, and the event the signals count are one list:
+    UsageEvent's. No other product module spells the fields out in order."""
+    names = tuple(field.name for field in msgspec.structs.fields(UsageEvent))
+    assert FIELDS == names
+    assert tuple(name for name, _check in event_module._CHECKS) == names
+    assert event_module._decode_native_event.__self__.type is UsageEvent
+    event = validate({"caller": "c", "model": "m", "prompt_tokens": 9, "cached_tokens": 8,
+                      "completion_tokens": 7, "ttft_seconds": 6.0, "queue_seconds": 5.0,
+                      "session": "s", "time": 4.0, "status": 204,
+                      "engine_ttft_seconds": 3.0, "engine_queue_seconds": 2.0,
+                      "max_tokens": 1, "sequences": 10})
+    assert len(set(msgspec.structs.astuple(event))) == len(FIELDS), "every field told apart"
+    package = Path(event_module.__file__).resolve().parents[1]
+    for path in package.rglob("*.py"):
+        if path.name == "values.py":
+            continue
+        for sequence in ordered_names(ast.parse(path.read_text(encoding="utf-8"))):
+            for at in range(len(sequence) - 3):
+                run = tuple(sequence[at:at + 4])
+                assert not any(run == names[i:i + 4] for i in range(len(names) - 3)), \
+                    f"{path.name} spells out {run}"
+
+
+def ordered_names(tree: ast.AST) -> list[list[str]]:
+    """The names each positional construct of the code holds, in order: the items of a
+    tuple, list or set (strings or variables: a tuple unpacked too), a call's positional
+    arguments, a function's parameters. What goes by name (a dict's keys, keyword
+    arguments) cannot put a value in the wrong field; docstrings and comments are prose."""
+    found: list[list[str]] = []
+
+    def name(node: ast.AST | None) -> str:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.Name):
+            return node.id
+        return ""
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            found.append([name(item) for item in node.elts])
+        elif isinstance(node, ast.Call):
+            found.append([name(arg) for arg in node.args])
+        elif isinstance(node, ast.arguments):
+            found.append([arg.arg for arg in [*node.posonlyargs, *node.args, *node.kwonlyargs]])
+    return found

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exporter.config import Config
-from exporter.usage.event import InvalidEvent, validate, validate_row
+from exporter.usage.event import InvalidEvent, validate
 from exporter.usage.tail import (
     GONE_IDLE_POLLS,
     MAX_LINE_BYTES,
@@ -25,7 +25,7 @@ from exporter.usage.tail import (
     FileFollower,
     follow,
 )
-from exporter.values import UsageEvent, UsageRow
+from exporter.values import UsageEvent
 from exporter.wiring import file_follower
 from tests.usage.conftest import make_state
 from tests.usage.test_quick_row import exactly
@@ -40,11 +40,11 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[UsageEvent] = []
         self.rejected: list[str] = []
-        self.batches = 0  # record_rows calls
+        self.batches = 0  # record_events calls
 
-    def record_rows(self, rows: list[UsageRow]) -> None:
+    def record_events(self, events: list[UsageEvent]) -> None:
         self.batches += 1
-        self.events.extend(UsageEvent(*row) for row in rows)
+        self.events.extend(events)
 
     @property
     def seqs(self) -> list[int]:
@@ -53,7 +53,7 @@ class Recorder:
 
 def follower(pattern: str | Path, from_start: bool = False) -> tuple[FileFollower, Recorder]:
     seen = Recorder()
-    return FileFollower([str(pattern)], validate, seen.record_rows, seen.rejected.append,
+    return FileFollower([str(pattern)], validate, seen.record_events, seen.rejected.append,
                         from_start=from_start), seen
 
 
@@ -286,7 +286,7 @@ def reference(line: bytes) -> tuple[str, Any] | None:
     except (ValueError, RecursionError):
         return ("rejected", "malformed_json")
     try:
-        return ("row", validate_row(value))
+        return ("row", validate(value))
     except InvalidEvent as err:
         return ("rejected", err.reason)
 
@@ -324,7 +324,7 @@ def test_a_followed_line_is_read_as_post_v1_usage_reads_it(lines, tmp_path_facto
 
 
 def test_a_chunk_s_events_are_counted_together(tmp_path):
-    """One ``record_rows`` per chunk read, as the HTTP ingest does per body: a replayed file
+    """One ``record_events`` per chunk read, as the HTTP ingest does per body: a replayed file
     does not pay the per-call cost once per line."""
     path = tmp_path / "usage.jsonl"
     path.write_text("".join(line(seq) for seq in range(1, 2001)) + "not json\n")
@@ -337,7 +337,7 @@ def test_a_chunk_s_events_are_counted_together(tmp_path):
 
 def test_rows_held_at_once_are_bounded_by_one_read(tmp_path):
     """The worst case of the rows held before they are counted: the shortest accepted line,
-    over more than one read. Each record_rows call holds at most one read's lines."""
+    over more than one read. Each record_events call holds at most one read's lines."""
     shortest = b'{"caller":"a","prompt_tokens":1}\n'
     assert len(shortest) == 33
     lines = 3 * READ_CHUNK_BYTES // len(shortest)

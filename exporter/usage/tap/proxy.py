@@ -40,7 +40,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from exporter.redaction import redact_url
-from exporter.usage.event import MAX_TOKENS, InvalidEvent, loads, validate, with_prompt
+from exporter.usage.event import MAX_TOKENS, InvalidEvent, checked, loads
 from exporter.usage.openai import (
     ENDPOINTS,
     USAGE_OPT_IN,
@@ -221,7 +221,7 @@ class Tap:
                  reject: Callable[[str], None], session: aiohttp.ClientSession | None,
                  clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic,
-                 record_prompt: Callable[[UsageEvent], object] | None = None) -> None:
+                 record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None) -> None:
         self.settings = settings
         self._record = record
         self._record_prompt = record_prompt
@@ -268,21 +268,17 @@ class Tap:
             return  # already counted as a rejection (missing_usage, malformed_response, ...)
         engine = exchange.engine
         try:
-            event = validate({
-                "caller": exchange.caller,
-                "model": exchange.model,
-                "prompt_tokens": exchange.prompt_tokens,
-                "cached_tokens": exchange.cached_tokens,
-                "completion_tokens": exchange.completion_tokens,
-                "ttft_seconds": exchange.ttft_seconds,
-                "session": exchange.session,
-                "time": self.clock(),
-                "status": exchange.status or 502,
-                "engine_ttft_seconds": engine.ttft_seconds if engine else None,
-                "engine_queue_seconds": engine.queue_seconds if engine else None,
-                "max_tokens": declared_budget(exchange.request.output_limit),
-                "sequences": exchange.request.sequences,
-            })
+            event = checked(UsageEvent(
+                caller=exchange.caller, model=exchange.model or "",
+                prompt_tokens=exchange.prompt_tokens,  # type: ignore[arg-type]  # None: checked
+                cached_tokens=exchange.cached_tokens,
+                completion_tokens=exchange.completion_tokens,
+                ttft_seconds=exchange.ttft_seconds, session=exchange.session,
+                time=self.clock(), status=exchange.status or 502,
+                engine_ttft_seconds=engine.ttft_seconds if engine else None,
+                engine_queue_seconds=engine.queue_seconds if engine else None,
+                max_tokens=declared_budget(exchange.request.output_limit),
+                sequences=exchange.request.sequences))
         except InvalidEvent as err:
             # The call itself went through; only its record is refused, and counted.
             self._reject(err.reason)
@@ -307,7 +303,7 @@ class Tap:
         try:
             prompt = self.prompt_print(exchange)
             if prompt is not None and self._record_prompt is not None:
-                self._record_prompt(with_prompt(event, prompt))
+                self._record_prompt(event, prompt)
         except Exception as err:  # noqa: BLE001 - a diagnosis never takes the tap down
             # The type only: a message could quote the prompt.
             log.warning("tap: prompt order not recorded: %s", type(err).__name__)
@@ -676,7 +672,7 @@ def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object]
                    session: aiohttp.ClientSession | None = None,
                    clock: Callable[[], float] = time.time,
                    monotonic: Callable[[], float] = time.monotonic,
-                   record_prompt: Callable[[UsageEvent], object] | None = None
+                   record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None
                    ) -> web.Application:
     """The tap as an aiohttp app (tests and benchmarks mount it themselves).
 
@@ -707,7 +703,7 @@ async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
                   secure: Callable[[web.Application], None] | None = None,
                   ssl_context: ssl.SSLContext | None = None,
                   runner: Callable[..., web.AppRunner] = web.AppRunner,
-                  record_prompt: Callable[[UsageEvent], object] | None = None) -> None:
+                  record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None) -> None:
     """Serve the tap on ``settings.listen_address`` until cancelled.
 
     ``secure`` (the --tap.web-config.file listener's) adds its client-certificate checks
