@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from exporter import __version__
+from exporter import __version__, logs
 from exporter.config import (
     COMMANDS,
     RUN,
@@ -124,13 +124,8 @@ def _with_default_command(argv: list[str]) -> list[str]:
     return [RUN, *argv]
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RedactingLogs())
+def setup_logging(level: str, log_format: str = "logfmt") -> None:
+    logs.setup(level, log_format, (RedactingLogs(),))
 
 
 def config_error(err: ConfigError, command: str = RUN) -> int:
@@ -156,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if check_config:
         print(json.dumps(config.redacted(), indent=2, sort_keys=True))
         return 0
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format)
     return run(config)
 
 

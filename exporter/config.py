@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from exporter import logs
 from exporter.monitoring.config import MonitoringConfigError
 from exporter.monitoring.config import load_config as load_monitoring_config
 from exporter.redaction import redact_text, redact_url
@@ -50,6 +51,7 @@ DEFAULT_PORT = 10123
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 USAGE_FORMATS = ("native", "litellm", "openai", "mapping")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 RUN, CHECK, DEMO, SIMULATE, DRIVE, GENERATE = (
     "run", "check", "demo", "simulate", "drive", "generate")
@@ -282,6 +284,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("log.level", "General", "Log level.", _to_str, "info", metavar="LEVEL",
          check=_one_of(LOG_LEVELS), commands=frozenset({RUN, SIMULATE, DRIVE, DEMO}),
          command_defaults={DEMO: "warning"}),
+    Flag("log.format", "General", "Log line format: logfmt (key=value fields, as Prometheus "
+         "writes them) or json (one object a line). Fields: time, level, source, msg, and err "
+         "for a traceback.", _to_str, "logfmt", metavar="FORMAT", check=_one_of(logs.FORMATS),
+         commands=frozenset({RUN, SIMULATE, DRIVE, DEMO})),
     # --- web -----------------------------------------------------------------------------
     Flag("web.listen-address", "Web", "Address to serve /metrics, /v1/usage and the status "
          f"page on (HOST:PORT). Default {DEFAULT_LISTEN}; use 0.0.0.0:{DEFAULT_PORT} in a "
@@ -545,6 +551,7 @@ class Config:
     web_config_file: str = _default("web.config.file")
     config_file: str = _default("config.file")
     log_level: str = _default("log.level")
+    log_format: str = _default("log.format")
     vllm_url: tuple[str, ...] = _default("vllm.url")
     vllm_timeout: float = _default("vllm.timeout")
     vllm_max_body_bytes: int = _default("vllm.max-body-bytes")

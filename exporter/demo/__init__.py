@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import aiohttp
 from aiohttp import web
 
-from exporter import wiring
+from exporter import logs, wiring
 from exporter.config import Config
 from exporter.demo.story import Story
 from exporter.demo.view import DemoView
@@ -228,9 +228,7 @@ async def _show(shown: Shown, session: aiohttp.ClientSession, refresh: float, ou
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logs.setup(args.log_level, args.log_format)
     try:
         scenario = scenarios.load(args.scenario)
     except ScenarioError as err:

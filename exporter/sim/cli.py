@@ -18,6 +18,7 @@ import logging
 import signal
 import sys
 
+from exporter import logs
 from exporter.sim import scenario as scenarios
 from exporter.sim.clock import SimClock
 from exporter.sim.engine import EngineConfig, EngineConfigError
@@ -77,9 +78,7 @@ async def serve(config: EngineConfig, host: str, port: int, speed: float) -> int
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logs.setup(args.log_level, args.log_format)
     try:
         host, port = split_address(args.sim_listen_address)
         config = engine_config(args)

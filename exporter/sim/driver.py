@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from exporter import logs
 from exporter.sim import scenario as scenarios
 from exporter.sim.client import Client, Completion, HttpClient
 from exporter.sim.clock import SimClock
@@ -227,8 +228,7 @@ async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(args.log_level, args.log_format)
     try:
         scenario = scenarios.load(args.scenario)
     except ScenarioError as err:
