@@ -355,10 +355,11 @@ _decode_native_event = msgspec.json.Decoder(UsageEvent).decode
 
 
 def quick_event(line: bytes) -> UsageEvent | None:
-    """``validate(json.loads(line))`` for the common native event, or None (or any
-    exception) where that must decide: the line is not an ASCII JSON object whose fields are
-    all of their declared type and in range, a name was not already accepted by ``validate``
-    (``_valid_callers``...), the status is not a success or absent, or ``cached_tokens``
+    """``validate(json.loads(line))`` for the common native event, or None (or one of
+    ``MSGSPEC_REFUSALS``) where that must decide: the line is not an ASCII JSON object
+    whose fields are all of their declared type and in range, a name was not already
+    accepted by ``validate`` (``_valid_callers``...), the status is not a success or
+    absent, or ``cached_tokens``
     exceeds ``prompt_tokens``.
 
     Only ASCII lines: msgspec does not check the UTF-8 of the values it skips (an unknown

@@ -34,6 +34,7 @@ from orjson import loads as _orjson_loads
 from exporter.usage.event import (
     DIGITS_TO_ZERO,
     LONG_DIGITS,
+    MSGSPEC_REFUSALS,
     READING_DEPENDENT_REASONS,
     InvalidEvent,
     has_long_digits,
@@ -470,10 +471,10 @@ class UsageIngest:
                     break
             if quick_on:
                 # The common native event in one step (msgspec); anything else, including
-                # whatever it raises, is read below as if it had never been tried.
+                # a line msgspec refuses, is read below as if it had never been tried.
                 try:
                     event = quick(line)
-                except Exception:
+                except MSGSPEC_REFUSALS:
                     event = None
                 if event is not None:
                     append(event)

@@ -34,7 +34,7 @@ import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from exporter.usage.event import InvalidEvent, quick_event, validate
+from exporter.usage.event import MSGSPEC_REFUSALS, InvalidEvent, quick_event, validate
 from exporter.usage.formats import Converter
 from exporter.usage.ingest import QUICK_MISSES_TRIED, Unreadable, read_line
 from exporter.values import UsageEvent
@@ -253,7 +253,7 @@ class FileFollower:
                 tried += 1
                 try:
                     event = quick(line)
-                except Exception:  # anything it cannot take is read below
+                except MSGSPEC_REFUSALS:  # a line msgspec refuses is read below
                     event = None
                 if event is not None:
                     append(event)
