@@ -194,8 +194,20 @@ async def check_one(session: aiohttp.ClientSession, url: str, timeout: float,
 
 
 def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None:
-    """Live fit, declared vs used completions and prompt order, from a running exporter.
-    Pure."""
+    """Live fit, declared vs used completions, prompt order and what the usage reports,
+    from a running exporter. Pure."""
+    _describe_fit(view, report, headroom)
+    _describe_completions(view, report)
+    _describe_order(view, report)
+    _describe_reporting(view, report)
+    if not (view.demand or view.model_demand or view.used or view.reported
+            or view.unreported):
+        report.lines.append("no conversations seen yet (send usage to it first).")
+
+
+def _describe_fit(view: ExporterView, report: Report, headroom: int) -> None:
+    """Do the live conversations of each engine fit its pool (and of models no engine
+    serves by that name, how much they need)."""
     for where in sorted(view.demand):
         pool = view.pools.get(where)
         target, model_name = where
@@ -209,6 +221,10 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
         if not any(model == name for _target, name in view.demand):
             report.lines.append(advice.unattributed_sentence(
                 model, view.model_active.get(model, 0), view.model_demand[model]))
+
+
+def _describe_completions(view: ExporterView, report: Report) -> None:
+    """Declared vs used completion tokens, per caller and model."""
     for pair in sorted(view.used):
         buckets = view.used[pair]
         requests = max(count for _le, count in buckets)
@@ -220,6 +236,10 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
         sentence = advice.completion_sentence(figures)
         (report.notes if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING
          else report.lines).append(sentence)
+
+
+def _describe_order(view: ExporterView, report: Report) -> None:
+    """Callers whose prompts share their text but not its beginning."""
     for pair, counts in sorted(view.order.items()):
         flagged = counts.get("variable_top", 0.0)
         if flagged <= 0:
@@ -230,6 +250,10 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
             counts.get("first_difference_bytes", 0.0) / flagged)
         if order.worth_saying:
             report.notes.append(advice.prompt_order_sentence(order))
+
+
+def _describe_reporting(view: ExporterView, report: Report) -> None:
+    """Whether the usage reports cached tokens, and who timed the turns."""
     unreported = sorted(caller for caller, tokens in view.unreported.items() if tokens > 0)
     if unreported:
         report.problems.append(advice.not_reported_sentence(unreported))
@@ -241,9 +265,6 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
                             "TTFT and queue wait are the engine's own.")
     elif view.timed_by.get("proxy", 0) > 0:
         report.notes.append(advice.per_request_metrics_off_sentence())
-    if not (view.demand or view.model_demand or view.used or view.reported
-            or view.unreported):
-        report.lines.append("no conversations seen yet (send usage to it first).")
 
 
 def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,

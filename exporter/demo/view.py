@@ -83,46 +83,55 @@ def parse_snapshot(text: str, time: float) -> Snapshot:
     for name, labels, value in Samples(text):
         caller = labels.get("caller")
         if caller is not None:
-            stats = snap.callers.setdefault(caller, CallerStats())
-            if name == "vllm_cache_requests_total":
-                state = labels.get("state", "")
-                stats.requests[state] = stats.requests.get(state, 0.0) + value
-            elif name == "vllm_cache_prompt_tokens_total":
-                stats.prompt_tokens += value
-            elif name == "vllm_cache_cached_tokens_total":
-                stats.cached_tokens += value
-            elif name == "vllm_cache_unreported_prompt_tokens_total":
-                stats.unreported_tokens += value
-            elif name == "vllm_cache_ttft_seconds_bucket":
-                buckets = stats.ttft_buckets.setdefault(
-                    (labels.get("state", ""), labels.get("source", "proxy")), {})
-                bound = float(labels["le"])
-                buckets[bound] = buckets.get(bound, 0.0) + value
-            continue
-        if name == "vllm_cache_engine_up":
-            snap.engine_up = bool(value) if snap.engine_up is None else \
-                snap.engine_up and bool(value)
-        elif name == "vllm_cache_engine_prefix_caching_enabled":
-            snap.prefix_caching = bool(value) if snap.prefix_caching is None else \
-                snap.prefix_caching and bool(value)
-        elif name == "vllm_cache_engine_kv_used_tokens":
-            snap.kv_used_tokens = (snap.kv_used_tokens or 0.0) + value
-        elif name == "vllm_cache_engine_kv_pool_tokens":
-            snap.kv_pool_tokens = (snap.kv_pool_tokens or 0.0) + value
-        elif name == "vllm_cache_engine_preemptions_total":
-            snap.preemptions += value
-        elif name == "vllm_cache_engine_requests_running":
-            snap.running = (snap.running or 0.0) + value
-        elif name == "vllm_cache_engine_requests_waiting":
-            snap.waiting = (snap.waiting or 0.0) + value
-        elif name == "vllm_cache_engine_prefix_cache_queries_tokens_total":
-            snap.engine_queries += value
-        elif name == "vllm_cache_engine_prefix_cache_hits_tokens_total":
-            snap.engine_hits += value
-        elif name in RESIDENCY:
-            attribute = RESIDENCY[name]
-            setattr(snap, attribute, (getattr(snap, attribute) or 0.0) + value)
+            _caller_sample(snap.callers.setdefault(caller, CallerStats()), name, labels,
+                           value)
+        else:
+            _engine_sample(snap, name, value)
     return snap
+
+
+def _caller_sample(stats: CallerStats, name: str, labels: dict[str, str],
+                   value: float) -> None:
+    if name == "vllm_cache_requests_total":
+        state = labels.get("state", "")
+        stats.requests[state] = stats.requests.get(state, 0.0) + value
+    elif name == "vllm_cache_prompt_tokens_total":
+        stats.prompt_tokens += value
+    elif name == "vllm_cache_cached_tokens_total":
+        stats.cached_tokens += value
+    elif name == "vllm_cache_unreported_prompt_tokens_total":
+        stats.unreported_tokens += value
+    elif name == "vllm_cache_ttft_seconds_bucket":
+        buckets = stats.ttft_buckets.setdefault(
+            (labels.get("state", ""), labels.get("source", "proxy")), {})
+        bound = float(labels["le"])
+        buckets[bound] = buckets.get(bound, 0.0) + value
+
+
+# Engine series summed over the engines into the snapshot attribute of the same meaning.
+_ENGINE_SUMS = {
+    "vllm_cache_engine_kv_used_tokens": "kv_used_tokens",
+    "vllm_cache_engine_kv_pool_tokens": "kv_pool_tokens",
+    "vllm_cache_engine_preemptions_total": "preemptions",
+    "vllm_cache_engine_requests_running": "running",
+    "vllm_cache_engine_requests_waiting": "waiting",
+    "vllm_cache_engine_prefix_cache_queries_tokens_total": "engine_queries",
+    "vllm_cache_engine_prefix_cache_hits_tokens_total": "engine_hits",
+}
+# Engine gauges that hold only if they hold on every engine.
+_ENGINE_ALL = {"vllm_cache_engine_up": "engine_up",
+               "vllm_cache_engine_prefix_caching_enabled": "prefix_caching"}
+
+
+def _engine_sample(snap: Snapshot, name: str, value: float) -> None:
+    attribute = _ENGINE_SUMS.get(name) or RESIDENCY.get(name)
+    if attribute is not None:
+        setattr(snap, attribute, (getattr(snap, attribute) or 0.0) + value)
+        return
+    attribute = _ENGINE_ALL.get(name)
+    if attribute is not None:
+        held = getattr(snap, attribute)
+        setattr(snap, attribute, bool(value) if held is None else held and bool(value))
 
 
 def quantile(q: float, buckets: dict[float, float]) -> float | None:

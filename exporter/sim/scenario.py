@@ -161,7 +161,21 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     if bad:
         raise ScenarioError(f"{source}: engine: unknown key(s) {', '.join(sorted(bad))}")
     engine = _engine_settings(engine, f"{source}: engine")
-    boots_raw = data.get("boots") or []
+    boots = _boots(data.get("boots") or [], source)
+    agents = _agents(data["agents"], source)
+    speed, tap = _demo(data.get("demo") or {}, source)
+    scenario = Scenario(str(data["name"]), str(data.get("title", "")),
+                        str(data.get("report", "")), str(data.get("reproduces", "")).strip(),
+                        engine, tuple(agents), speed, tuple(boots), demo_tap=tap)
+    for boot in range(max(1, len(boots))):
+        try:
+            scenario.engine_config(boot)  # fail now on an impossible engine
+        except ScenarioError as err:
+            raise ScenarioError(f"{source}: {err}") from None
+    return scenario
+
+
+def _boots(boots_raw: Any, source: str) -> list[dict[str, Any]]:
     if not isinstance(boots_raw, list) or not all(isinstance(boot, dict) for boot in boots_raw):
         raise ScenarioError(f"{source}: boots must be a list of engine settings")
     boots = []
@@ -171,7 +185,10 @@ def parse_scenario(data: Any, source: str) -> Scenario:
             raise ScenarioError(f"{source}: boots[{index}]: unknown key(s) "
                                 f"{', '.join(sorted(bad))}")
         boots.append(_engine_settings(boot, f"{source}: boots[{index}]"))
-    agents_raw = data["agents"]
+    return boots
+
+
+def _agents(agents_raw: Any, source: str) -> list[AgentSpec]:
     if not isinstance(agents_raw, list) or not agents_raw:
         raise ScenarioError(f"{source}: agents must be a non-empty list")
     agents = []
@@ -190,7 +207,11 @@ def parse_scenario(data: Any, source: str) -> Scenario:
         except ScenarioError as err:
             raise ScenarioError(f"{source}: {err}") from None
         agents.append(agent)
-    demo = data.get("demo") or {}
+    return agents
+
+
+def _demo(demo: Any, source: str) -> tuple[float, bool]:
+    """The demo's speed and whether it plays through the tap."""
     if not isinstance(demo, dict) or set(demo) - {"speed", "tap"}:
         raise ScenarioError(f"{source}: demo may only set speed and tap")
     speed = _typed(demo.get("speed", 10.0), 1.0, f"{source}: demo.speed")
@@ -199,15 +220,7 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     tap = demo.get("tap", False)
     if not isinstance(tap, bool):
         raise ScenarioError(f"{source}: demo.tap must be true or false")
-    scenario = Scenario(str(data["name"]), str(data.get("title", "")),
-                        str(data.get("report", "")), str(data.get("reproduces", "")).strip(),
-                        engine, tuple(agents), speed, tuple(boots), demo_tap=tap)
-    for boot in range(max(1, len(boots))):
-        try:
-            scenario.engine_config(boot)  # fail now on an impossible engine
-        except ScenarioError as err:
-            raise ScenarioError(f"{source}: {err}") from None
-    return scenario
+    return speed, tap
 
 
 def _engine_settings(engine: dict[str, Any], where: str) -> dict[str, Any]:
