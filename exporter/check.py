@@ -1,10 +1,11 @@
 """``vllm-cache-exporter check``: one look at a vLLM's /metrics, in plain words.
 
-The field reports' worst hours went to things one read of /metrics shows: prefix caching
-silently off (the hybrid default in older vLLM), a renamed counter that a dashboard read as a
-reassuring 0, a KV pool too small for the conversations it has to hold. This command reads
-each vLLM once through the exporter's own engine reader and says what it finds, before any
-Prometheus or Grafana is set up. Exit status: 0 nothing wrong, 1 a problem found, 2 bad flags.
+The field reports' (docs/field-reports.md) worst hours went to things one read of /metrics
+shows: prefix caching silently off (the hybrid default in older vLLM), a renamed counter
+that a dashboard read as a reassuring 0, a KV pool too small for the conversations it has to
+hold. This command reads each vLLM once through the exporter's own engine reader and says
+what it finds, before any Prometheus or Grafana is set up. Exit status: 0 nothing wrong, 1 a
+problem found, 2 bad flags.
 
 It also says how many tokens of conversation fit: the pool, the smallest pool it can know of,
 the admission budget under it; and, given ``--exporter.url`` (a running exporter, which has

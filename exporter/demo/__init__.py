@@ -1,13 +1,13 @@
 """``vllm-cache-exporter demo``: the whole product on one machine, no GPU, one command.
 
-One process runs a simulated vLLM (a field report's scenario), the exporter reading it, and
-the traffic driver reporting each request's usage to the exporter, all on free loopback
-ports. It prints the status page's URL, then tells what happens in plain words as it
-happens, each line with its scenario time (a caller warm, the second agent's arrival, the
-conversations no longer fitting the pool, the collapse, a restart of the scenario: the
-status page's own model and sentences, demo/story.py), and shows what the exporter's
-/metrics says, refreshed every few seconds: a live terminal view when stdout is a terminal,
-plain summaries when it is not. Ctrl-C (or --duration) stops everything cleanly.
+One process runs a simulated vLLM (a field report's scenario, docs/field-reports.md), the
+exporter reading it, and the traffic driver reporting each request's usage to the exporter,
+all on free loopback ports. It prints the status page's URL, then tells what happens in
+plain words as it happens, each line with its scenario time (a caller warm, the second
+agent's arrival, the conversations no longer fitting the pool, the collapse, a restart of
+the scenario: the status page's own model and sentences, demo/story.py), and shows what the
+exporter's /metrics says, refreshed every few seconds: a live terminal view when stdout is a
+terminal, plain summaries when it is not. Ctrl-C (or --duration) stops everything cleanly.
 """
 
 from __future__ import annotations

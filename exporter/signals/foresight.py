@@ -1,10 +1,10 @@
 """Foresight: what shows a prefix-cache collapse coming, before the hit ratio falls.
 
 The hit ratio only sees a collapse once it has happened. What decides it beforehand is
-arithmetic the field reports did by hand: "how many tokens of conversation fit at once".
-Conversations keep their prefix cached only while what they hold in the KV pool stays a few
-thousand tokens under it; past that, each arrival evicts another's blocks. So this module
-keeps:
+arithmetic the field reports (docs/field-reports.md) did by hand: "how many tokens of
+conversation fit at once". Conversations keep their prefix cached only while what they hold
+in the KV pool stays a few thousand tokens under it; past that, each arrival evicts
+another's blocks. So this module keeps:
 
 - the live conversations: each one's latest context (prompt + completion of its last turn)
   and when it was last seen, in an LRU of ``ForesightSettings.max_conversations``;

@@ -6,7 +6,7 @@ preemptions, finishes. Between two events every rate is constant, so the model j
 event to event (``next_event_time``) instead of ticking, and a 90,000-token conversation
 costs a handful of steps whether it plays in wall-clock time or in virtual time.
 
-The behaviours the field reports depend on:
+The behaviours the field reports (docs/field-reports.md) depend on:
 
 - A request's prompt is looked up in the prefix cache when it is admitted; reuse starts at
   the first token, comes in whole granules G, never covers the last prompt token, and on a

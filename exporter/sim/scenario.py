@@ -93,7 +93,7 @@ class AgentSpec:
 class Scenario:
     name: str
     title: str
-    report: str  # which field report, and what it measured
+    report: str  # which field report (docs/field-reports.md), and what it measured
     reproduces: str
     engine: dict[str, Any]
     agents: tuple[AgentSpec, ...]

@@ -3,7 +3,8 @@
 The discrete-event twin of ``simulate`` + ``drive``: the same engine runner, the same driver,
 the same response builders, but the client calls the simulator in-process and the event loop
 jumps from timer to timer. A scenario of an hour of two 90k-token conversations costs about a
-second of CPU, which is what lets the tests assert every field report's outcome.
+second of CPU, which is what lets the tests assert every field report's outcome
+(docs/field-reports.md).
 """
 
 from __future__ import annotations
