@@ -33,21 +33,12 @@ ERROR = "error"
 STATES = (WARM, PARTIAL, COLD, SHORT, UNKNOWN, ERROR)
 
 
-def reusable_bound(prompt_tokens: int, granularity: int,
-                   previous_prompt_tokens: int | None = None) -> int:
-    """The most prompt tokens this request could have been served from the cache."""
-    bound = (prompt_tokens - 1) // granularity * granularity
-    if previous_prompt_tokens is not None and previous_prompt_tokens < prompt_tokens:
-        bound = min(bound, (previous_prompt_tokens - 1) // granularity * granularity)
-    return bound
-
-
 def classify(prompt_tokens: int, cached_tokens: int | None, granularity: int,
              previous_prompt_tokens: int | None = None, warm_tail_granules: float = 2.0) -> str:
     """The state of one successful request (see the module docstring for the rule)."""
     if granularity < 1:
         granularity = 1
-    # reusable_bound, inlined: this runs once per event.
+    # The reusable bound R of the module docstring.
     bound = (prompt_tokens - 1) // granularity * granularity
     if previous_prompt_tokens is not None and previous_prompt_tokens < prompt_tokens:
         previous_bound = (previous_prompt_tokens - 1) // granularity * granularity

@@ -40,6 +40,7 @@ DEFAULT_IDLE_SECONDS = 600.0
 # under its smallest pool.
 DEFAULT_HEADROOM_TOKENS = 4096
 
+
 @dataclass(frozen=True)
 class ForesightSettings:
     """The ``signals.*`` flags of the conversation and admission signals."""
@@ -112,14 +113,10 @@ class ConversationTracker:
         self.dropped_active = 0
         self.models: dict[str, None] = {}  # model labels seen, for series kept at 0
 
-    def take(self, key: tuple[str, str, str | None]) -> Conversation | None:
-        """The conversation of ``key``, taken out until ``keep`` puts it back as the most
-        recently seen (its previous turn is what the classifier judges the next one by)."""
-        return self.by_key.pop(key, None)
-
     def keep(self, key: tuple[str, str, str | None], known: Conversation | None,
              event: UsageEvent, model: str, now: float) -> None:
-        """Put the conversation back with ``event`` as its latest turn (``model``: its model
+        """Put the conversation of ``key`` (taken out of ``by_key`` to read its previous
+        turn, None for a new one) back with ``event`` as its latest turn (``model``: its model
         label), the oldest out past the bound (``now`` decides what was still live)."""
         prompt_tokens = event.prompt_tokens
         completion = event.completion_tokens
@@ -320,4 +317,3 @@ def admission_budget(smallest_pool_tokens: int, headroom_tokens: int) -> int:
     budget under the largest or the latest one admits pairs that do not fit on a bad boot.
     """
     return max(0, smallest_pool_tokens - headroom_tokens)
-

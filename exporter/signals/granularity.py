@@ -43,14 +43,6 @@ class ModelSamples:
     # A count left out of ``gcd`` since it was last computed over the whole window (0: none).
     stray: int = 0
 
-    def take_quickly(self, cached_tokens: int) -> None:
-        """The common case of ``GranularityLearner.observe`` (``quick_left`` and the gcd
-        dividing ``cached_tokens`` checked by the caller)."""
-        self.window.append(cached_tokens)
-        self.since_full_gcd += 1
-        self.agreeing += 1
-        self.quick_left -= 1
-
 
 class GranularityLearner:
     def __init__(self, window: int = DEFAULT_WINDOW, min_agreeing: int = DEFAULT_MIN_AGREEING,
@@ -70,8 +62,7 @@ class GranularityLearner:
             samples = self.samples_by_model[model] = ModelSamples(deque(maxlen=self.window))
         if samples.quick_left and cached_tokens % samples.gcd == 0:
             # The common case once learned: the sample keeps the gcd, which stays adopted
-            # (or stays too small to adopt) as it was (``take_quickly``, inlined: once per
-            # event).
+            # (or stays too small to adopt) as it was.
             samples.window.append(cached_tokens)
             samples.since_full_gcd += 1
             samples.agreeing += 1

@@ -109,10 +109,6 @@ class CallerView:
     sparkline: tuple[float | None, ...]
     collapse: advice.Collapse | None
 
-    @property
-    def total_requests(self) -> int:
-        return sum(self.requests.values())
-
 
 @dataclass(frozen=True)
 class RowView:

@@ -32,9 +32,6 @@ class VirtualRun:
     duration: float  # scenario seconds the run took
     metrics_text: str  # the simulator's /metrics at the end
 
-    def events_between(self, start: float, end: float = float("inf")) -> list[dict[str, Any]]:
-        return [event for when, event in self.events if start <= when < end]
-
 
 # Called with (scenario seconds, the simulator) while a run plays (see ``play``).
 Sampler = Callable[[float, Simulator], None]
