@@ -1,6 +1,6 @@
 """Hostile input and overload against the exporter as deployed: memory, /metrics, ingest.
 
-    python bench/bench_hostile.py --case 3|3a|3b|4|5|6|6a|6b|all [--json]
+    python bench/bench_hostile.py --case 3|3a|3b|4|5|6|6a|6b|n1|n2|n4|net|all [--json]
         [--exporter-args='--flag value ...'] [--hold 40] [--settle 20]
 
 Each case starts a fresh ``python -m exporter run --web.listen-address 127.0.0.1:<port>``
@@ -32,6 +32,20 @@ The cases (inputs are deterministic, from ``--seed``):
 - 6b: the same limit; as many slowloris connections, each sending a request line and then
   one header line every ``--slowloris-interval`` seconds, never finishing the headers.
 
+The network cases of issue 29 (``net``: n1, n2, n4) also probe ``/-/healthy`` every
+``--healthy-interval`` (0.1 s) and count its answers within 100 ms; those with the tap start
+it (``--tap.listen-address``) in front of a vLLM stand-in on its own thread (chat
+completions with usage; a stream sends one event a second for ``--stream-seconds``) and
+probe a tap call (non-streamed) like ingest:
+
+- n1: ``--trickle-bodies`` (4) connections each send a chunked ``POST /v1/usage`` and then
+  one byte every ``--trickle-interval`` (2 s) for ``--hold`` seconds; a connection the
+  exporter closes is opened again at once (a persistent attacker; ``--no-trickle-reconnect``:
+  once each).
+- n2: the same against the tap with ``--trickle-tap`` (580) connections.
+- n4: the exporter and its tap under ``ulimit -n 1024``; ``--streams`` (700) streaming tap
+  calls at once, each held by the stand-in for ``--stream-seconds`` (the hold).
+
 Reported per case: RSS when the attack started, the peak (VmHWM) and the RSS
 ``--settle`` seconds after the attackers left (and the share of the growth given back),
 /metrics and ingest latency (p50, max, ok of probes) during the attack and after it,
@@ -57,6 +71,7 @@ import struct
 import sys
 import tempfile
 import termios
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -75,6 +90,7 @@ from harness import (
     cpu_seconds,
     decoded,
     fetch,
+    free_port,
     machine,
     open_fds,
     proc_memory,
@@ -92,6 +108,11 @@ TCP_STATES = {1: "established", 7: "closed", 8: "closed by exporter (FIN)",
               4: "fin_wait1", 5: "fin_wait2", 6: "time_wait", 9: "last_ack", 11: "closing"}
 
 
+TAP_CALL = json.dumps({"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 5}).encode()
+HEALTHY_WITHIN = 0.1  # seconds: a liveness probe's answer is usable when this fast
+
+
 # ---- one case's run ------------------------------------------------------------------
 
 @dataclass
@@ -103,6 +124,9 @@ class CaseRun:
     sockets: list[socket.socket]
     metrics_probe: Prober
     ingest_probe: Prober
+    healthy_probe: Prober | None = None
+    tap_probe: Prober | None = None
+    tap_port: int | None = None
     marks: dict[str, float] = field(default_factory=dict)
     found: dict[str, Any] = field(default_factory=dict)
     log_marks: dict[str, int] = field(default_factory=dict)
@@ -112,14 +136,30 @@ class CaseRun:
 
     @classmethod
     def create(cls, args: argparse.Namespace, exporter: ExporterProcess,
-               sockets: list[socket.socket]) -> CaseRun:
+               sockets: list[socket.socket], case: Case | None = None,
+               tap_port: int | None = None) -> CaseRun:
         url = exporter.base_url
-        return cls(args, exporter, sockets,
-                   Prober("metrics", "GET", url + "/metrics", PROMETHEUS_HEADERS,
-                          args.probe_interval, args.probe_timeout),
-                   Prober("ingest", "POST", url + "/v1/usage",
-                          {"Content-Type": "application/x-ndjson"}, args.probe_interval,
-                          args.probe_timeout, body=PROBE_EVENT))
+        run = cls(args, exporter, sockets,
+                  Prober("metrics", "GET", url + "/metrics", PROMETHEUS_HEADERS,
+                         args.probe_interval, args.probe_timeout),
+                  Prober("ingest", "POST", url + "/v1/usage",
+                         {"Content-Type": "application/x-ndjson"}, args.probe_interval,
+                         args.probe_timeout, body=PROBE_EVENT))
+        if case is not None and case.healthy:
+            run.healthy_probe = Prober("healthy", "GET", url + "/-/healthy", {},
+                                       args.healthy_interval, args.probe_timeout)
+        if tap_port is not None:
+            run.tap_port = tap_port
+            run.tap_probe = Prober("tap", "POST",
+                                   f"http://127.0.0.1:{tap_port}/v1/chat/completions",
+                                   {"Content-Type": "application/json", "X-Caller": "probe"},
+                                   args.probe_interval, args.probe_timeout, body=TAP_CALL)
+        return run
+
+    def probers(self) -> list[Prober]:
+        return [prober for prober in (self.metrics_probe, self.ingest_probe,
+                                      self.healthy_probe, self.tap_probe)
+                if prober is not None]
 
     def mark(self, name: str) -> None:
         self.marks[name] = time.monotonic()
@@ -135,11 +175,12 @@ class Case:
     title: str  # formatted with the arguments
     attack: Callable[[CaseRun], Awaitable[None]]
     nofile: int | None = None  # the exporter's ulimit -n
+    tap: bool = False  # start the tap, in front of the vLLM stand-in
+    healthy: bool = False  # probe /-/healthy too
 
 
 async def run_case(case: Case, run: CaseRun) -> None:
-    probers = [asyncio.ensure_future(run.metrics_probe.run()),
-               asyncio.ensure_future(run.ingest_probe.run())]
+    probers = [asyncio.ensure_future(prober.run()) for prober in run.probers()]
     try:
         run.mark("start")
         await asyncio.sleep(run.args.warmup)
@@ -490,6 +531,192 @@ async def attack_slowloris(run: CaseRun) -> None:
     run.mark("attack_end")
 
 
+# ---- issue 29: slow bodies and descriptors -------------------------------------------
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+async def trickle_bodies(run: CaseRun, port: int, path: str, count: int) -> None:
+    """``count`` connections sending a chunked POST body one byte every
+    ``--trickle-interval`` for ``--hold`` seconds, each opened again as soon as the exporter
+    closes it; what each connection got (an answer's status, or closed) and how long it
+    lasted."""
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+            "application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode() + _chunk(b"{")
+    loop = asyncio.get_running_loop()
+    ends = time.monotonic() + run.args.hold
+    outcomes: dict[str, int] = {}
+    lifetimes: list[float] = []
+    opened = 0
+
+    async def one() -> None:
+        nonlocal opened
+        while time.monotonic() < ends:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), 5)
+                await loop.sock_sendall(sock, head)
+            except (OSError, asyncio.TimeoutError):
+                sock.close()
+                outcomes["connect failed"] = outcomes.get("connect failed", 0) + 1
+                await asyncio.sleep(0.2)
+                continue
+            opened += 1
+            started = time.monotonic()
+            outcome = "held to the end"
+            try:
+                while (left := ends - time.monotonic()) > 0:
+                    try:
+                        answer = await asyncio.wait_for(
+                            loop.sock_recv(sock, 4096), min(left, run.args.trickle_interval))
+                    except asyncio.TimeoutError:
+                        await loop.sock_sendall(sock, _chunk(b" "))  # JSON whitespace
+                        continue
+                    outcome = (answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/")
+                               else "closed")
+                    lifetimes.append(time.monotonic() - started)
+                    break
+            except OSError:
+                outcome = "closed"
+                lifetimes.append(time.monotonic() - started)
+            finally:
+                sock.close()
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            if not run.args.trickle_reconnect:
+                return
+
+    run.mark("attack_start")
+    await asyncio.gather(*(one() for _ in range(count)))
+    run.mark("attack_end")
+    run.found["trickling_connections"] = count
+    run.found["connections_opened"] = opened
+    run.found["trickler_outcomes"] = outcomes
+    if lifetimes:
+        ordered = sorted(lifetimes)
+        run.found["trickler_lifetime_s"] = {"min": round(ordered[0], 1),
+                                            "median": round(ordered[len(ordered) // 2], 1),
+                                            "max": round(ordered[-1], 1)}
+
+
+async def attack_slow_ingest(run: CaseRun) -> None:
+    await trickle_bodies(run, run.exporter.port, "/v1/usage", run.args.trickle_bodies)
+
+
+async def attack_slow_tap(run: CaseRun) -> None:
+    assert run.tap_port is not None
+    await trickle_bodies(run, run.tap_port, "/v1/chat/completions", run.args.trickle_tap)
+
+
+async def attack_streams(run: CaseRun) -> None:
+    """``--streams`` streaming tap calls at once, each held by the stand-in for
+    ``--stream-seconds``; their outcomes, and the exporter's descriptors meanwhile."""
+    assert run.tap_port is not None
+    url = f"http://127.0.0.1:{run.tap_port}/v1/chat/completions"
+    body = json.dumps({"model": "tiny-llama", "stream": True, "messages": [
+        {"role": "user", "content": "hi"}]}).encode()
+    outcomes: dict[str, int] = {}
+    fds: list[int] = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=run.args.stream_seconds + 120)
+
+    async def one(session: aiohttp.ClientSession, index: int) -> None:
+        try:
+            async with session.post(url, data=body, headers={
+                    "Content-Type": "application/json", "X-Caller": f"agent-{index % 20}"}
+                                    ) as response:
+                await response.read()
+                outcome = str(response.status)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
+            outcome = type(err).__name__
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    async def watch_fds() -> None:
+        while True:
+            count = open_fds(run.exporter.pid)
+            if count is not None:
+                fds.append(count)
+            await asyncio.sleep(0.5)
+
+    run.mark("attack_start")
+    watcher = asyncio.ensure_future(watch_fds())
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(one(session, index) for index in range(run.args.streams)))
+    watcher.cancel()
+    run.mark("attack_end")
+    run.found["streams"] = run.args.streams
+    run.found["stream_outcomes"] = outcomes
+    run.found["exporter_fds_max"] = max(fds) if fds else None
+
+
+class StubUpstream(threading.Thread):
+    """A vLLM stand-in for the tap cases, on its own event loop: chat completions answered
+    with usage at once, or streamed one event a second for ``stream_seconds``."""
+
+    def __init__(self, stream_seconds: float) -> None:
+        super().__init__(name="stub-upstream", daemon=True)
+        self.stream_seconds = stream_seconds
+        self.port = free_port()
+        self.ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        from aiohttp import web
+
+        self._loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        usage = {"prompt_tokens": 4096, "completion_tokens": 5,
+                 "prompt_tokens_details": {"cached_tokens": 2048}}
+
+        async def chat(request: web.Request) -> web.StreamResponse:
+            asked = await request.json()
+            if not asked.get("stream"):
+                return web.json_response({"id": "x", "object": "chat.completion",
+                                          "model": "tiny-llama", "usage": usage,
+                                          "choices": [{"index": 0, "finish_reason": "stop",
+                                                       "message": {"role": "assistant",
+                                                                   "content": "hello"}}]})
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            chunk = {"id": "x", "object": "chat.completion.chunk", "model": "tiny-llama",
+                     "choices": [{"index": 0, "delta": {"content": "a"}}]}
+            try:
+                for _ in range(max(1, int(self.stream_seconds))):
+                    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    await asyncio.sleep(1.0)
+                last = {"id": "x", "object": "chat.completion.chunk", "model": "tiny-llama",
+                        "choices": [], "usage": usage}
+                await response.write(b"data: " + json.dumps(last).encode() + b"\n\n"
+                                     b"data: [DONE]\n\n")
+                await response.write_eof()
+            except ConnectionError:
+                pass
+            return response
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        self.ready.set()
+        await self._stopping.wait()
+        await runner.cleanup()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._stopping.set)
+        self.join(timeout=15)
+
+
 CASES = {case.key: case for case in (
     Case("3a", "{bodies} concurrent {body_mib} MiB bodies of '1\\n'", attack_junk_lines),
     Case("3b", "{bodies} concurrent {body_mib} MiB bodies of valid NDJSON",
@@ -501,8 +728,14 @@ CASES = {case.key: case for case in (
          nofile=1024),
     Case("6b", "{connections:,} slowloris connections, exporter under ulimit -n 1024",
          attack_slowloris, nofile=1024),
+    Case("n1", "{trickle_bodies} connections trickling POST /v1/usage bodies, a byte every "
+         "{trickle_interval:g} s", attack_slow_ingest, healthy=True),
+    Case("n2", "{trickle_tap} connections trickling tap request bodies, a byte every "
+         "{trickle_interval:g} s", attack_slow_tap, tap=True, healthy=True),
+    Case("n4", "{streams} streaming tap calls held {stream_seconds:g} s, exporter under "
+         "ulimit -n 1024", attack_streams, nofile=1024, tap=True, healthy=True),
 )}
-GROUPS = {"3": ["3a", "3b"], "6": ["6a", "6b"], "all": list(CASES)}
+GROUPS = {"3": ["3a", "3b"], "6": ["6a", "6b"], "net": ["n1", "n2", "n4"], "all": list(CASES)}
 
 
 # ---- measuring one case in a fresh exporter ------------------------------------------
@@ -510,8 +743,20 @@ GROUPS = {"3": ["3a", "3b"], "6": ["6a", "6b"], "all": list(CASES)}
 def measure(case: Case, args: argparse.Namespace,
             inherited_limits: dict[int, tuple[int, int]]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"bench-hostile-{case.key}-") as workdir:
-        exporter = ExporterProcess(Path(workdir), args.exporter_args, nofile=case.nofile,
-                                   inherited_limits=inherited_limits)
+        upstream: StubUpstream | None = None
+        tap_port: int | None = None
+        extra = list(args.exporter_args)
+        if case.tap:
+            upstream = StubUpstream(args.stream_seconds)
+            upstream.start()
+            upstream.ready.wait(30)
+            tap_port = free_port()
+            extra += ["--tap.listen-address", f"127.0.0.1:{tap_port}",
+                      "--tap.upstream", upstream.url]
+        exporter = ExporterProcess(Path(workdir), extra, nofile=case.nofile,
+                                   inherited_limits=inherited_limits,
+                                   **({"root": args.exporter_root} if args.exporter_root
+                                      else {}))
         sockets: list[socket.socket] = []
         sampler: MemorySampler | None = None
         try:
@@ -519,7 +764,7 @@ def measure(case: Case, args: argparse.Namespace,
             sampler = MemorySampler(exporter, 0.05, args.rss_guard_mb * MiB,
                                     deadline=time.monotonic() + args.case_timeout + 30)
             sampler.start()
-            run = CaseRun.create(args, exporter, sockets)
+            run = CaseRun.create(args, exporter, sockets, case, tap_port)
             failure = None
             try:
                 asyncio.run(asyncio.wait_for(run_case(case, run), args.case_timeout))
@@ -542,6 +787,8 @@ def measure(case: Case, args: argparse.Namespace,
             if sampler is not None:
                 sampler.stop()
             exporter.stop()
+            if upstream is not None:
+                upstream.stop()
 
 
 def report_case(case: Case, run: CaseRun, sampler: MemorySampler, alive: bool,
@@ -591,6 +838,12 @@ def report_case(case: Case, run: CaseRun, sampler: MemorySampler, alive: bool,
         "metrics_after": summarize(run.metrics_probe.probes, attack_end, end),
         "ingest_during": summarize(run.ingest_probe.probes, attack_start, attack_end),
         "ingest_after": summarize(run.ingest_probe.probes, attack_end, end),
+        "healthy_during": (summarize(run.healthy_probe.probes, attack_start, attack_end,
+                                     slow=HEALTHY_WITHIN) if run.healthy_probe else None),
+        "tap_during": (summarize(run.tap_probe.probes, attack_start, attack_end)
+                       if run.tap_probe else None),
+        "tap_after": (summarize(run.tap_probe.probes, attack_end, end)
+                      if run.tap_probe else None),
         "log_bytes": run.exporter.log_bytes(),
         "log_bytes_in_attack": run.log_marks.get("attack_end", log_start) - log_start,
         **counts,
@@ -651,6 +904,22 @@ def notes(result: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def network_notes(result: dict[str, Any]) -> str:
+    found = result["found"]
+    parts = []
+    if "trickler_outcomes" in found:
+        parts.append(f"{found['trickling_connections']} tricklers, {found['connections_opened']} "
+                     f"connections opened: {found['trickler_outcomes']}; lifetime "
+                     f"{found.get('trickler_lifetime_s')}")
+    if "stream_outcomes" in found:
+        parts.append(f"{found['streams']} streams: {found['stream_outcomes']}; exporter fds at "
+                     f"most {found['exporter_fds_max']}")
+    if result["tracebacks"] or result["error_lines"]:
+        parts.append(f"{result['tracebacks']:,} tracebacks, {result['error_lines']:,} ERROR "
+                     "lines")
+    return "; ".join(parts)
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     print("| case | survived | RSS at attack | peak RSS | RSS after | released | "
           "/metrics in attack: p50 / max / ok / longest gap | /metrics after | "
@@ -670,6 +939,22 @@ def print_table(results: list[dict[str, Any]]) -> None:
               f"{latency_cell(result['ingest_during'])} | "
               f"{latency_cell(result['ingest_after'])} | "
               f"{result['log_bytes_in_attack'] / MiB:,.1f} MB | {notes(result)} |")
+    network = [result for result in results if result["healthy_during"] is not None]
+    if network:
+        print("\n| case | /-/healthy in attack: p50 / max / within 100 ms | "
+              "tap probe in attack: p50 / max / ok / longest gap | tap probe after | "
+              "/metrics in attack: p50 / max | peak RSS | attack |")
+        print("|---|---|---|---|---|---:|---|")
+        for result in network:
+            healthy = result["healthy_during"]
+            tap = result["tap_during"]
+            print(f"| {result['case']} | {seconds_text(healthy['p50_s'])} / "
+                  f"{seconds_text(healthy['max_s'])} / {healthy['ok']} of "
+                  f"{healthy['probes']} | {latency_cell(tap) if tap else '-'} | "
+                  f"{latency_cell(result['tap_after']) if tap else '-'} | "
+                  f"{seconds_text(result['metrics_during']['p50_s'])} / "
+                  f"{seconds_text(result['metrics_during']['max_s'])} | "
+                  f"{_cell_mb(result['rss_peak_attack_mb'])} | {network_notes(result)} |")
     for result in results:
         print(f"\n{result['case']}: {result['command']}"
               + (f"  (ulimit -n {result['ulimit_n']})" if result["ulimit_n"] else ""))
@@ -719,10 +1004,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--case", default="all",
-                        help="3, 4, 5, 6, all, or one variant: " + ", ".join(CASES))
+                        help="3, 4, 5, 6, net, all, or one variant: " + ", ".join(CASES))
     parser.add_argument("--exporter-args", default="", type=shlex.split,
                         help="extra flags for the exporter, one string: "
                              "--exporter-args='--callers.max 500'")
+    parser.add_argument("--exporter-root", type=Path, default=None,
+                        help="run the exporter of another checkout (e.g. a clone of main, "
+                             "for before/after figures)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--save", type=Path, default=None,
                         help="also write the JSON to this file")
@@ -747,6 +1035,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="case 5: SO_RCVBUF of each reader (the kernel's minimum applies)")
     parser.add_argument("--connections", type=int, default=1100, help="case 6")
     parser.add_argument("--slowloris-interval", type=float, default=5.0, help="case 6b")
+    parser.add_argument("--trickle-bodies", type=int, default=4,
+                        help="case n1: connections trickling /v1/usage bodies")
+    parser.add_argument("--trickle-tap", type=int, default=580,
+                        help="case n2: connections trickling tap request bodies")
+    parser.add_argument("--trickle-interval", type=float, default=2.0,
+                        help="cases n1, n2: seconds between two bytes")
+    parser.add_argument("--trickle-reconnect", action=argparse.BooleanOptionalAction,
+                        default=True, help="cases n1, n2: open a connection again as soon "
+                        "as the exporter closes it (a persistent attacker)")
+    parser.add_argument("--streams", type=int, default=700,
+                        help="case n4: streaming tap calls at once")
+    parser.add_argument("--stream-seconds", type=float, default=40.0,
+                        help="case n4: seconds the stand-in holds each stream")
+    parser.add_argument("--healthy-interval", type=float, default=0.1,
+                        help="network cases: seconds between /-/healthy probes")
     parser.add_argument("--rss-guard-mb", type=int, default=4096,
                         help="kill the exporter above this RSS")
     parser.add_argument("--case-timeout", type=float, default=420.0,
@@ -759,7 +1062,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     keys = GROUPS.get(args.case, [args.case])
     unknown = [key for key in keys if key not in CASES]
     if unknown:
-        parser.error(f"unknown case {args.case!r}; choose from 3, 4, 5, 6, all, "
+        parser.error(f"unknown case {args.case!r}; choose from 3, 4, 5, 6, net, all, "
                      + ", ".join(CASES))
     args.keys = keys
     return args
@@ -768,7 +1071,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up on kill, too
-    inherited = guard_bench(args.bench_max_mb, args.connections + 512)
+    inherited = guard_bench(args.bench_max_mb, max(args.connections, args.trickle_tap,
+                                                   2 * args.streams) + 512)
     results = []
     for key in args.keys:
         if not args.json:

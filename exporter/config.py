@@ -324,9 +324,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("usage.ingest.max-body-bytes", "Usage readers", "Largest POST /v1/usage body (413 "
          "above it).", _to_int, 16 * MiB, metavar="BYTES", check=_positive),
     Flag("usage.ingest.max-concurrent-bodies", "Usage readers", "Most POST /v1/usage bodies "
-         "read at once; later requests wait up to 5 s for a slot, then get 503 with "
-         "Retry-After (memory for bodies stays under this times the body limit).", _to_int, 4,
-         metavar="N", check=_positive),
+         "of the largest size read at once: the bodies being read or processed share this "
+         "times the body limit, taken as their bytes arrive (a body trickling in holds only "
+         "what it sent); one that finds no room waits up to 5 s, then gets 503 with "
+         "Retry-After.", _to_int, 4, metavar="N", check=_positive),
     Flag("usage.new-series-hold", "Usage readers", "Seconds a new per-caller series is exposed "
          "at zero before its counts show, so that every Prometheus scraping it sees it start "
          "at zero and rate() counts its first requests; at least your longest scrape interval "

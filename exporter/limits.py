@@ -3,11 +3,16 @@
 - Connections: each listener keeps at most ``max_connections`` open. A new one beyond that
   makes the oldest close once its current request (if any) is answered, so a flood of idle
   sockets cannot lock out Prometheus: the newest connections, which are about to send a
-  request, are served, and the oldest, mostly idle ones, go. Past ``HARD_SLACK`` more (closes
-  still in progress) a connection is answered ``503`` and closed. Both are counted. The
-  process's soft file-descriptor limit is raised to its hard limit at start (as Go programs
-  do), and the caps are kept below it, so descriptors (and with them ``/metrics``) never
-  run out.
+  request, are served, and the oldest, mostly idle ones, go. One still sending its request
+  (its line, headers or body: nothing of it is being answered yet) goes at once, so
+  connections trickling bodies cannot hold a listener either. Past ``HARD_SLACK`` more
+  (closes still in progress) a connection is answered ``503`` and closed. Both are counted.
+- Descriptors: the process's soft file-descriptor limit is raised to its hard limit at start
+  (as Go programs do), and one budget (``plan_descriptors``) splits it between the web
+  listener's connections, the tap's (each counted twice: a tap call also holds a socket to
+  vLLM, whose number the tap's session is held to), the followed usage files (a share the
+  follower asks before opening a file, ``FileDescriptors``) and the rest of the process
+  (``RESERVED_FDS``), so descriptors (and with them ``/metrics``) never run out.
 - Idle time: a connection that has not sent a complete request within ``IDLE_SECONDS`` of
   opening, or of its last response, is closed, also while its request line and headers
   trickle in byte by byte (recent aiohttp does this itself; the exporter's own timer does it
@@ -26,6 +31,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -93,28 +99,111 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
 
 # Connections open beyond the cap while the oldest ones finish their requests.
 HARD_SLACK = 64
+# Descriptors one connection of a listener holds: the tap's also holds one to vLLM.
+TAP_DESCRIPTORS_PER_CONNECTION = 2
+# The followed files' share of the budget when usage files are followed (one in this many).
+FILES_SHARE_DIVISOR = 8
+
+
+@dataclass(frozen=True)
+class DescriptorPlan:
+    """How the process's descriptors are shared out (``plan_descriptors``)."""
+
+    limit: int
+    caps: dict[str, int]  # listener -> connections served at once
+    slacks: dict[str, int]  # listener -> connections open beyond that while others close
+    per_connection: dict[str, int]  # listener -> descriptors one connection holds
+    files: int  # followed usage files open at once
+
+    def reserved(self) -> dict[str, int]:
+        """Descriptors set aside for each use: every listener, ``files``, and ``process``
+        (what is left: vLLM reads, listening sockets, logs, the interpreter)."""
+        shares = {name: (cap + self.slacks[name]) * self.per_connection[name]
+                  for name, cap in self.caps.items()}
+        shares["files"] = self.files
+        shares["process"] = max(0, self.limit - sum(shares.values()))
+        return shares
+
+    def lowered(self, requested: Mapping[str, int]) -> bool:
+        return any(self.caps[name] < wanted for name, wanted in requested.items())
+
+
+def plan_descriptors(fd_limit: int, listeners: Mapping[str, tuple[int, int]],
+                     follow_files: bool = False) -> DescriptorPlan:
+    """Share ``fd_limit`` descriptors out: ``listeners`` maps a name to (connections asked
+    for, descriptors per connection).
+
+    ``RESERVED_FDS`` stay with the rest of the process; followed files get an eighth of the
+    remainder when there are any; the listeners get what they asked for (and their slack)
+    when it fits, else the same fraction of it each, a listener's slack then an eighth of
+    its connections (at most ``HARD_SLACK``), never fewer than one connection.
+    """
+    available = max(0, fd_limit - RESERVED_FDS)
+    files = max(1, available // FILES_SHARE_DIVISOR) if follow_files else 0
+    room = max(0, available - files)
+    wanted = {name: (asked + HARD_SLACK) * cost for name, (asked, cost) in listeners.items()}
+    scale = min(1.0, room / sum(wanted.values())) if wanted and sum(wanted.values()) else 1.0
+    caps: dict[str, int] = {}
+    slacks: dict[str, int] = {}
+    for name, (asked, cost) in listeners.items():
+        if scale >= 1.0:
+            caps[name], slacks[name] = asked, HARD_SLACK
+            continue
+        connections = int(wanted[name] * scale) // cost  # cap and slack together
+        slacks[name] = min(HARD_SLACK, connections // 8)
+        caps[name] = max(1, min(asked, connections - slacks[name]))
+    return DescriptorPlan(fd_limit, caps, slacks,
+                          {name: cost for name, (_asked, cost) in listeners.items()}, files)
 
 
 def connection_cap(requested: int, fd_limit: int) -> int:
-    """The cap in force: what was asked, kept below the descriptors the process has (with
-    room for the slack)."""
-    return max(1, min(requested, fd_limit - RESERVED_FDS - HARD_SLACK))
+    """The cap in force for a listener alone: what was asked, kept below the descriptors
+    the process has (with room for the slack)."""
+    return plan_descriptors(fd_limit, {"web": (requested, 1)}).caps["web"]
+
+
+class FileDescriptors:
+    """The followed files' share of the descriptors: the follower asks for one before it
+    opens a file (``acquire``; False: put the file off to a later poll) and gives it back
+    when it lets the file go (``release``)."""
+
+    def __init__(self, share: int) -> None:
+        self.share = share
+        self.in_use = 0
+        self.refused = 0
+
+    def acquire(self) -> bool:
+        if self.in_use >= self.share:
+            self.refused += 1
+            return False
+        self.in_use += 1
+        return True
+
+    def release(self) -> None:
+        self.in_use = max(0, self.in_use - 1)
 
 
 class ListenerStats:
     """Connection counts of one listener, for the self collector."""
 
-    def __init__(self, name: str, cap: int) -> None:
+    def __init__(self, name: str, cap: int, slack: int | None = None) -> None:
         self.name = name
         self.cap = cap
+        self._slack = slack
         self.open = 0
         self.evicted = 0
         self.refused = 0
         self.idle_closed = 0
 
+    @property
+    def slack(self) -> int:
+        """Connections open beyond the cap while the oldest close (``HARD_SLACK`` unless
+        the descriptor plan gave less)."""
+        return HARD_SLACK if self._slack is None else self._slack
+
 
 def limit_connections(server: web.Server, stats: ListenerStats,
-                      busy: set[object] | None = None,
+                      busy: dict[object, web.BaseRequest] | None = None,
                       last_done: dict[object, float] | None = None,
                       idle_seconds: float | None = None) -> None:
     """Make aiohttp's connection manager refuse connections beyond ``stats.cap``.
@@ -125,17 +214,20 @@ def limit_connections(server: web.Server, stats: ListenerStats,
     made, lost = server.connection_made, server.connection_lost
     oldest_first: dict[RequestHandler, None] = {}  # open connections, in order of arrival
     closing: set[RequestHandler] = set()
-    busy = busy if busy is not None else set()  # connections with a request being answered
+    # connections with a request being answered, and that request
+    busy = busy if busy is not None else {}
     last_done = last_done if last_done is not None else {}  # when each last finished one
     idle = IDLE_SECONDS if idle_seconds is None else idle_seconds
     loop = asyncio.get_running_loop()
+    timers: dict[RequestHandler, asyncio.TimerHandle] = {}  # each open one's idle check
 
     def expire(handler: RequestHandler) -> None:
         if handler not in oldest_first or handler in closing:
             return
         quiet = loop.time() - last_done.get(handler, 0.0)
         if handler in busy or quiet < idle:
-            loop.call_later(idle if handler in busy else idle - quiet, expire, handler)
+            timers[handler] = loop.call_later(idle if handler in busy else idle - quiet,
+                                              expire, handler)
             return
         stats.idle_closed += 1
         closing.add(handler)
@@ -144,7 +236,7 @@ def limit_connections(server: web.Server, stats: ListenerStats,
     def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
         made(handler, transport)
         stats.open += 1
-        if stats.open > stats.cap + HARD_SLACK:
+        if stats.open > stats.cap + stats.slack:
             stats.refused += 1
             # After aiohttp has started serving it (closing within connection_made would
             # leave its request task without a manager).
@@ -152,20 +244,26 @@ def limit_connections(server: web.Server, stats: ListenerStats,
             return
         oldest_first[handler] = None
         last_done[handler] = loop.time()
-        loop.call_later(idle, expire, handler)
+        timers[handler] = loop.call_later(idle, expire, handler)
         while len(oldest_first) - len(closing) > stats.cap:
             oldest = next(handler for handler in oldest_first if handler not in closing)
             closing.add(oldest)
             stats.evicted += 1
-            if oldest in busy:
+            request = busy.get(oldest)
+            if request is not None and request.content.is_eof():
                 oldest.close()  # once its request is answered
             else:
-                oldest.force_close()  # idle, or still sending its request line
+                # Idle, or still sending its request line, headers or body (the handlers
+                # answer nothing before a body is whole): nothing is lost.
+                oldest.force_close()
 
     def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
         lost(handler, exc)
         stats.open -= 1
         oldest_first.pop(handler, None)
+        timer = timers.pop(handler, None)
+        if timer is not None:  # else it would keep the closed connection alive until it fires
+            timer.cancel()
         closing.discard(handler)
         last_done.pop(handler, None)
 
@@ -187,7 +285,7 @@ class LimitedRunner(web.AppRunner):
         super().__init__(app, **kwargs)
         self.stats = stats
         self.idle_seconds = float(kwargs["keepalive_timeout"])
-        self.busy: set[object] = set()
+        self.busy: dict[object, web.BaseRequest] = {}
         self.last_done: dict[object, float] = {}
 
     async def _make_server(self) -> web.Server:
@@ -203,11 +301,11 @@ class LimitedRunner(web.AppRunner):
 
         async def mark_busy(request: web.BaseRequest) -> web.StreamResponse:
             protocol = request.protocol
-            busy.add(protocol)
+            busy[protocol] = request
             try:
                 return await handle(request)
             finally:
-                busy.discard(protocol)
+                busy.pop(protocol, None)
                 if protocol in last_done:
                     last_done[protocol] = asyncio.get_running_loop().time()
 
@@ -288,12 +386,17 @@ class SendStatsCollector:
 
 
 class LimitsCollector:
-    """``vllm_cache_exporter_connections``, ``_connections_refused_total`` and
-    ``_log_messages_suppressed_total``."""
+    """``vllm_cache_exporter_connections``, ``_connections_refused_total``,
+    ``_log_messages_suppressed_total`` and, given the plan, the descriptor budget
+    (``_fds_reserved``, ``_fds_refused_total``)."""
 
-    def __init__(self, listeners: list[ListenerStats], logs: RateLimitedLogs | None) -> None:
+    def __init__(self, listeners: list[ListenerStats], logs: RateLimitedLogs | None,
+                 plan: DescriptorPlan | None = None,
+                 files: FileDescriptors | None = None) -> None:
         self.listeners = listeners
         self.logs = logs
+        self.plan = plan
+        self.files = files
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -325,6 +428,22 @@ class LimitsCollector:
         yield cap
         yield evicted
         yield refused
+        if self.plan is not None:
+            reserved = GaugeMetricFamily(
+                "vllm_cache_exporter_fds_reserved",
+                "File descriptors the budget sets aside for each use: a listener's "
+                "connections (a tap connection counts two: its socket to vLLM), followed "
+                "usage files, the rest of the process; together the soft RLIMIT_NOFILE.",
+                labels=["use"])
+            for use, count in self.plan.reserved().items():
+                reserved.add_metric([use], float(count))
+            yield reserved
+            denied = CounterMetricFamily(
+                "vllm_cache_exporter_fds_refused",
+                "Descriptors a use asked for beyond its share (files: a followed file's open "
+                "put off to the next poll).", labels=["use"])
+            denied.add_metric(["files"], float(self.files.refused if self.files else 0))
+            yield denied
         if self.logs is not None:
             suppressed = CounterMetricFamily(
                 "vllm_cache_exporter_log_messages_suppressed",

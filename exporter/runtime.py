@@ -15,13 +15,16 @@ from aiohttp import web
 from exporter import wiring
 from exporter.config import Config, ConfigError
 from exporter.limits import (
+    TAP_DESCRIPTORS_PER_CONNECTION,
+    DescriptorPlan,
+    FileDescriptors,
     LimitedRunner,
     LimitsCollector,
     ListenerStats,
     RateLimitedLogs,
-    connection_cap,
     install_log_limits,
     keep_freed_memory,
+    plan_descriptors,
     raise_fd_limit,
 )
 from exporter.server import REGISTRY_KEY, create_app
@@ -73,14 +76,17 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
             pass
     logs = RateLimitedLogs()
     install_log_limits(logs)
-    fd_limit = raise_fd_limit()
+    plan = descriptor_plan(config, raise_fd_limit())
     keep_freed_memory()
-    web_stats = ListenerStats("web", connection_cap(config.web_max_connections, fd_limit))
-    tap_stats = ListenerStats("tap", connection_cap(config.tap_max_connections, fd_limit))
+    web_stats = ListenerStats("web", plan.caps["web"], plan.slacks["web"])
+    tap_stats = ListenerStats("tap", plan.caps.get("tap", config.tap_max_connections),
+                              plan.slacks.get("tap"))
+    files = FileDescriptors(plan.files)
     state = wiring.signals_state(config)
     app = create_app(config, state)
     app[REGISTRY_KEY].register(LimitsCollector(
-        [web_stats, tap_stats] if config.tap_listen_address else [web_stats], logs))
+        [web_stats, tap_stats] if config.tap_listen_address else [web_stats], logs, plan,
+        files))
     listeners = open_web_listeners(config)
     web_listener = listeners.get("web")
     if web_listener is not None:
@@ -103,7 +109,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     if not config.engine_targets:
         log.warning("no --vllm.url: reading no vLLM, so only the per-caller usage signals are "
                     "served (give --vllm.url http://HOST:8000 for the engine's)")
-    background = start_background(config, state, listeners.get("tap"), tap_stats)
+    background = start_background(config, state, listeners.get("tap"), tap_stats, files)
     scheme = "https" if web_listener and web_listener.ssl_context else "http"
     log.info("listening on %s://%s:%d/metrics, reading %d vLLM target(s)", scheme, host, port,
              len(config.engine_targets))
@@ -124,6 +130,26 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
             task.cancel()
         await asyncio.gather(stopping, *background, return_exceptions=True)
         await runner.cleanup()
+
+
+def descriptor_plan(config: Config, fd_limit: int) -> DescriptorPlan:
+    """The process's descriptors shared out between the listeners (a tap connection holds
+    two: its own and one to vLLM) and the followed files; said when it lowers a cap."""
+    asked = {"web": config.web_max_connections}
+    costs = {"web": 1}
+    if config.tap_listen_address:
+        asked["tap"] = config.tap_max_connections
+        costs["tap"] = TAP_DESCRIPTORS_PER_CONNECTION
+    plan = plan_descriptors(fd_limit, {name: (asked[name], costs[name]) for name in asked},
+                            follow_files=bool(config.usage_file))
+    if plan.lowered(asked):
+        log.warning("the file-descriptor limit (%d, the hard limit) is below what the "
+                    "connection caps need: serving at most %s (a tap connection also holds "
+                    "one to vLLM)%s; raise the hard limit (ulimit -n, LimitNOFILE) for more",
+                    fd_limit, ", ".join(f"{plan.caps[name]} {name} connections"
+                                        for name in plan.caps),
+                    f", {plan.files} followed files" if plan.files else "")
+    return plan
 
 
 def open_web_listeners(config: Config) -> dict[str, WebListener]:
@@ -152,21 +178,25 @@ def secure_app(app: web.Application, listener: WebListener, config: Config) -> N
 
 def start_background(config: Config, state: SignalsState,
                      tap_listener: WebListener | None = None,
-                     tap_stats: ListenerStats | None = None) -> list[asyncio.Task[None]]:
-    """Long-running readers (file follower, tap proxy) that are not request handlers."""
+                     tap_stats: ListenerStats | None = None,
+                     files: FileDescriptors | None = None) -> list[asyncio.Task[None]]:
+    """Long-running readers (file follower, tap proxy) that are not request handlers. The
+    tap's sockets to vLLM are held to its connections (cap and slack), ``files`` is the
+    followed files' share of the descriptors."""
     tasks: list[asyncio.Task[None]] = []
     if config.usage_file:
-        follower = wiring.file_follower(config, state.usage)
+        follower = wiring.file_follower(config, state.usage, files)
         tasks.append(asyncio.ensure_future(follow(follower, config.usage_file_poll_interval)))
     if config.tap_listen_address:
+        tap_stats = tap_stats or ListenerStats("tap", config.tap_max_connections)
         serving = run_tap(
             wiring.tap_settings(config), wiring.tap_record(state.usage),
             wiring.tap_reject(state.usage),
             record_prompt=wiring.tap_record_prompt(state.usage),
             secure=tap_listener.install if tap_listener is not None else None,
             ssl_context=tap_listener.ssl_context if tap_listener is not None else None,
-            runner=functools.partial(LimitedRunner, stats=tap_stats or ListenerStats(
-                "tap", config.tap_max_connections)))
+            runner=functools.partial(LimitedRunner, stats=tap_stats),
+            upstream_connections=tap_stats.cap + tap_stats.slack)
         tasks.append(asyncio.ensure_future(naming_the_flag(
             config.tap_listen_address, "--tap.listen-address", serving)))
     return tasks

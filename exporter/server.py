@@ -28,6 +28,7 @@ from exporter.metrics.scrape import MetricsBodies, gzip_accepted
 from exporter.monitoring.config import MonitoringConfig, load_config
 from exporter.signals import status
 from exporter.signals.state import SignalsState
+from exporter.usage.body import HANDLER_ARGS as BODY_HANDLER_ARGS
 from exporter.usage.ingest import ROUTE as USAGE_ROUTE
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,10 @@ def create_app(config: Config, state: SignalsState | None = None,
     state = state or wiring.signals_state(config)
     poller = wiring.engine_poller(config, state, session_factory or _default_session)
     ingest = wiring.usage_ingest(config, state.usage)
-    app = web.Application(client_max_size=config.usage_ingest_max_body_bytes)
+    # Request bodies reach /v1/usage as sent; it decodes them itself, bounded
+    # (exporter.usage.body).
+    app = web.Application(client_max_size=config.usage_ingest_max_body_bytes,
+                          handler_args=BODY_HANDLER_ARGS)
     app[STATE_KEY] = state
     app[POLLER_KEY] = poller
     app[REGISTRY_KEY] = build_registry(state)
@@ -131,10 +135,15 @@ async def metrics(request: web.Request) -> web.StreamResponse:
 
 async def send(request: web.Request, body: bytes,
                headers: dict[str, str]) -> web.StreamResponse:
-    """Write ``body`` chunk by chunk, bounded in buffered bytes and in time."""
+    """Write ``body`` chunk by chunk, bounded in buffered bytes and in time. A HEAD request
+    gets the headers a GET would (its Content-Length too) and no body: aiohttp leaves a
+    streamed body to the handler, and bytes after a HEAD answer would be read as the next
+    answer on the connection."""
     response = web.StreamResponse(headers=headers)
     response.content_length = len(body)
     await response.prepare(request)
+    if request.method == "HEAD":
+        body = b""
     view = memoryview(body)
 
     async def write_all() -> None:

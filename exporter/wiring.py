@@ -15,6 +15,7 @@ from aiohttp import web
 
 from exporter.config import Config
 from exporter.engine.fetch import EnginePoller
+from exporter.limits import FileDescriptors
 from exporter.signals.foresight import ForesightSettings
 from exporter.signals.state import SignalsState
 from exporter.signals.usage import UsageSettings, UsageState
@@ -82,12 +83,17 @@ def engine_poller(config: Config, state: SignalsState,
                         max_bytes=config.vllm_max_body_bytes)
 
 
-def file_follower(config: Config, usage: UsageState) -> FileFollower:
+def file_follower(config: Config, usage: UsageState,
+                  descriptors: FileDescriptors | None = None) -> FileFollower:
+    """The follower of ``--usage.file``; ``descriptors`` (the process's budget for followed
+    files) is asked before each file is opened."""
     return FileFollower(
         config.usage_file, converters(config)[config.usage_file_format],
         record_events=lambda rows: usage.record_events(rows, FILE_READER),
         reject=lambda reason: usage.reject(FILE_READER, reason),
-        from_start=config.usage_file_from_start)
+        from_start=config.usage_file_from_start,
+        acquire_descriptor=descriptors.acquire if descriptors is not None else None,
+        release_descriptor=descriptors.release if descriptors is not None else None)
 
 
 def tap_settings(config: Config) -> TapSettings:

@@ -33,10 +33,18 @@ async def test_every_served_family_is_documented(fake_vllm, aiohttp_client):
 def test_series_the_runtime_adds_are_documented():
     """The collectors `run` registers beside the app's own (connection limits, log limits,
     web config reloads) are part of the contract too."""
-    from exporter.limits import LimitsCollector, ListenerStats, RateLimitedLogs
+    from exporter.limits import (
+        FileDescriptors,
+        LimitsCollector,
+        ListenerStats,
+        RateLimitedLogs,
+        plan_descriptors,
+    )
     from exporter.web.metrics import WebConfigCollector
 
-    collectors = [LimitsCollector([ListenerStats("web", 1)], RateLimitedLogs()),
+    plan = plan_descriptors(1024, {"web": (1, 1)})
+    collectors = [LimitsCollector([ListenerStats("web", 1)], RateLimitedLogs(), plan,
+                                  FileDescriptors(1)),
                   WebConfigCollector(lambda: [])]
     names = [family.name for collector in collectors for family in collector.collect()]
     assert names

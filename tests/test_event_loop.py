@@ -63,7 +63,7 @@ async def test_run_says_which_loop_it_runs_on_serves_and_stops_cleanly(flags, ex
         while b"event loop:" not in line:
             assert line, "the exporter exited without naming its event loop"
             line = await asyncio.wait_for(process.stderr.readline(), timeout=30)
-        assert line.rstrip().endswith(b"event loop: " + expected), line
+        assert b' msg="event loop: ' + expected + b'"' in line, line  # logfmt
         async with aiohttp.ClientSession() as session:
             deadline = asyncio.get_running_loop().time() + 30
             while True:  # no event to await across processes: poll with a deadline

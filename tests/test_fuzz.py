@@ -1,12 +1,15 @@
 """Generated hostile input against every reader: POST /v1/usage in every format, the file
 follower and the tap. Whatever arrives (deep nesting, numbers beyond any float, NaN and
-Infinity, invalid UTF-8, wrong types, truncated bodies), nothing answers 5xx, nothing raises,
-and every event is either counted or counted as rejected, exactly once."""
+Infinity, invalid UTF-8, wrong types, truncated bodies; bodies chunked anyhow, sent slowly,
+in any content coding; HEAD on any path), nothing answers 5xx, nothing raises, and every
+event is either counted or counted as rejected, exactly once."""
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import zlib
 from typing import Any
 
 from aiohttp import web
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 
 from exporter.config import Config
 from exporter.server import STATE_KEY, create_app
+from exporter.usage import body as request_body
 from exporter.usage.event import FIELDS, validate
 from exporter.usage.tail import FileFollower
 from exporter.wiring import signals_state, tap_app
@@ -175,5 +179,168 @@ def test_the_tap_relays_whatever_comes_and_records_each_call_once(request, answe
         finally:
             await tap.close()
             await upstream.close()
+
+    run(scenario())
+
+
+# --- chunked, slow and encoded bodies; HEAD (issue 29) -------------------------------------
+
+CODINGS = st.sampled_from(["", "identity", "gzip", "deflate", "gzip-but-plain", "br",
+                           "gzip, deflate"])
+
+
+def encoded(body: bytes, coding: str) -> tuple[bytes, str]:
+    """(the bytes sent, the Content-Encoding header) for a generated coding."""
+    if coding == "gzip":
+        return gzip.compress(body), "gzip"
+    if coding == "deflate":
+        return zlib.compress(body), "deflate"
+    if coding == "gzip-but-plain":  # the issue's case: a plain body labelled gzip
+        return body, "gzip"
+    return body, coding
+
+
+def chunked(data: bytes, cuts: list[int], pause: float):
+    """``data`` as a chunked body cut at ``cuts``, ``pause`` seconds between chunks (the
+    sender is slow: the pause is the input)."""
+    points = sorted({min(cut, len(data)) for cut in cuts} | {0, len(data)})
+
+    async def chunks():
+        for start, end in zip(points, points[1:], strict=False):
+            yield data[start:end]
+            if pause:
+                await asyncio.sleep(pause)
+
+    return chunks()
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(lines=LINES, shape=SHAPE, coding=CODINGS,
+       cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=6),
+       pause=st.sampled_from([0.0, 0.0, 0.01, 0.06]))
+def test_chunked_slow_and_encoded_bodies_never_fail_and_count_once(lines, shape, coding,
+                                                                    cuts, pause, monkeypatch):
+    """Bodies in any chunking, at any pace (the deadline shortened to 0.1 s, so the slowest
+    are cut off), in any content coding: never a 5xx; a body refused as a whole is counted
+    once as a refusal; one read is counted event by event, as its reply says."""
+    monkeypatch.setattr(request_body, "BODY_SECONDS", 0.1)
+    data, header = encoded(body_of(lines, shape), coding)
+
+    async def scenario() -> None:
+        config = Config()
+        state = signals_state(config)
+        client = TestClient(TestServer(create_app(config, state, initial_refresh=False)))
+        await client.start_server()
+        try:
+            before = counts(state)
+            headers = {"Content-Encoding": header} if header else {}
+            response = await client.post("/v1/usage", data=chunked(data, cuts, pause),
+                                         headers=headers)
+            reply = await response.json()
+            after = counts(state)
+        finally:
+            await client.close()
+        assert response.status in (200, 400, 408, 415, 422), (response.status, reply)
+        accepted, rejected, refused = (b - a for a, b in zip(before, after, strict=True))
+        if response.status in (400, 408, 415):
+            assert (accepted, rejected, refused) == (0, 0, 1)
+            expected = {408: "body_too_slow", 415: "unsupported_content_encoding"}
+            if response.status in expected:
+                assert reply["error"] == expected[response.status]
+            return
+        assert coding not in ("gzip-but-plain", "br", "gzip, deflate") or not data
+        assert (reply["accepted"], reply["rejected"]) == (accepted, rejected)
+        assert refused == 0
+
+    run(scenario())
+
+
+def split_first_answer(wire: bytes) -> tuple[bytes, bytes]:
+    head, _, rest = wire.partition(b"\r\n\r\n")
+    return head, rest
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(path=st.one_of(st.sampled_from(["/", "/metrics", "/-/healthy", "/-/ready",
+                                       "/v1/usage", "/metrics?format=x"]),
+                      st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789/-_.?=&%",
+                              max_size=30).map(lambda tail: "/" + tail)),
+       accept=st.sampled_from(["", "application/openmetrics-text", "*/*", "text/html"]),
+       gzip_ok=st.booleans())
+def test_head_never_sends_a_body_on_any_path(path, accept, gzip_ok):
+    """HEAD on any path, with a GET pipelined behind it: the GET's answer begins right
+    after the HEAD's headers, whatever the HEAD's status."""
+    async def scenario() -> None:
+        app = create_app(Config(), initial_refresh=False)
+        server = TestServer(app)
+        await server.start_server()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            extra = (f"Accept: {accept}\r\n" if accept else "") + (
+                "Accept-Encoding: gzip\r\n" if gzip_ok else "")
+            writer.write(f"HEAD {path} HTTP/1.1\r\nHost: x\r\n{extra}\r\n"
+                         "GET /-/healthy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                         .encode())
+            wire = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+        finally:
+            await server.close()
+        head, rest = split_first_answer(wire)
+        status = int(head.split(b" ", 2)[1])
+        assert status < 500, head
+        assert rest.startswith(b"HTTP/1.1 200 OK\r\n"), (head, rest[:80])
+        assert rest.endswith(b"vllm-cache-exporter is healthy.\n")
+
+    run(scenario())
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(request=OPENAI.map(encode), coding=CODINGS,
+       cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=5))
+def test_the_tap_takes_chunked_and_encoded_requests_and_forwards_them_decoded(request, coding,
+                                                                               cuts):
+    """A request body in any chunking and coding: the tap forwards gzip and deflate decoded,
+    other codings as they came, and answers a body that does not decode 400 itself (counted):
+    never a 5xx of its own."""
+    forwarded: list[tuple[bytes, str | None]] = []
+
+    async def upstream_handler(incoming: web.Request) -> web.Response:
+        forwarded.append((await incoming.read(), incoming.headers.get("Content-Encoding")))
+        return web.Response(status=400, body=b'{"error": "no"}', content_type="application/json")
+
+    async def scenario() -> None:
+        upstream_app = web.Application(handler_args={"auto_decompress": False})
+        upstream_app.router.add_route("*", "/{tail:.*}", upstream_handler)
+        upstream = TestServer(upstream_app)
+        await upstream.start_server()
+        config = Config(tap_listen_address="127.0.0.1:0",
+                        tap_upstream=str(upstream.make_url("")).rstrip("/"))
+        state = signals_state(config)
+        tap = TestClient(TestServer(tap_app(config, state.usage)))
+        await tap.start_server()
+        data, header = encoded(request, coding)
+        try:
+            response = await tap.post("/v1/chat/completions", data=chunked(data, cuts, 0.0),
+                                      headers={"Content-Encoding": header} if header else {})
+            await response.read()
+            await asyncio.sleep(0)  # the record is written as the handler ends
+        finally:
+            await tap.close()
+            await upstream.close()
+        rejected = state.usage.rejected
+        if coding == "gzip-but-plain" and data:
+            assert response.status == 400 and forwarded == []
+            assert rejected.get(("tap", "bad_content_encoding")) == 1
+            return
+        assert response.status == 400  # upstream's
+        ((body, forwarded_coding),) = forwarded
+        if coding in ("gzip", "deflate"):
+            assert (body, forwarded_coding) == (request, None)
+        else:
+            assert body == data and forwarded_coding == (header or None)
+        assert ("tap", "bad_content_encoding") not in rejected
 
     run(scenario())

@@ -12,20 +12,31 @@ import time
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 
 from tests.helpers import value
+from tests.tap.conftest import fixture_bytes, sse_events
 from tests.test_run_process import free_port
 
 NESTED = "[" * 100_000 + "]" * 100_000
 GOOD = {"caller": "alice", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048}
 
 
-async def start_exporter(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
+# Runs the exporter under a hard and soft descriptor limit of argv[1] (set before exec, so
+# the exporter starts under it: no preexec_fn in a threaded test process).
+UNDER_NOFILE = ("import os, resource, sys; limit = int(sys.argv[1]); "
+                "resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)); "
+                "os.execv(sys.executable, [sys.executable, '-m', 'exporter', *sys.argv[2:]])")
+
+
+async def start_exporter(*flags: str, nofile: int | None = None,
+                         ) -> tuple[asyncio.subprocess.Process, str]:
     port = free_port()
+    prefix = ((sys.executable, "-c", UNDER_NOFILE, str(nofile)) if nofile is not None
+              else (sys.executable, "-m", "exporter"))
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "exporter", "--web.listen-address", f"127.0.0.1:{port}",
-        "--log.level", "warning", *flags,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        *prefix, "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "warning",
+        *flags, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as session:
         deadline = asyncio.get_running_loop().time() + 30
@@ -92,3 +103,120 @@ async def test_sigterm_during_a_long_ingest_exits_within_the_drain_time():
         took = await stop(process)
         posting.cancel()
     assert took < 8.0, f"exited {took:.1f} s after SIGTERM (drain is 5 s)"
+
+
+# --- descriptors (issue 29) ---------------------------------------------------------------
+
+
+async def test_streaming_tap_calls_never_run_the_descriptors_out(tmp_path: Path,
+                                                                  aiohttp_server):
+    """The issue's case, under a hard limit of 256 rather than 1,024: more streaming tap calls
+    at once than the descriptors could hold (each also holds a socket to vLLM), with a usage
+    file followed too. Of the 192 descriptors left after the process's own 64, the files get
+    24 and the two listeners the same fraction of what they ask for (512 connections each,
+    and their slack): the tap serves 49 connections and 7 of slack, 112 descriptors. The
+    calls it serves stream and are all counted; the rest are closed to make room (at the
+    cap the oldest connection goes, and one still sending its request goes at once) or
+    answered 503, and counted; /metrics and /-/healthy answer throughout; nothing in the
+    log says the descriptors ran out."""
+    events = sse_events(fixture_bytes("03_chat_stream_warm.sse.txt"))
+    release = asyncio.Event()
+    streaming = 0
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        nonlocal streaming
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(events[0])
+        streaming += 1
+        await release.wait()
+        try:
+            for event in events[1:]:
+                await response.write(event)
+            await response.write_eof()
+        except ConnectionError:  # the tap went away at the end of the test
+            pass
+        return response
+
+    upstream_app = web.Application()
+    upstream_app.router.add_post("/v1/chat/completions", stream)
+    upstream = await aiohttp_server(upstream_app)
+    tap_port = free_port()
+    usage_file = tmp_path / "usage.jsonl"
+    usage_file.write_text("")
+    process, base = await start_exporter(
+        "--tap.listen-address", f"127.0.0.1:{tap_port}",
+        "--tap.upstream", str(upstream.make_url("")).rstrip("/"),
+        "--usage.file", str(usage_file), nofile=256)
+    calls = 120
+    try:
+        text = await scrape(base)
+        assert value(text, "vllm_cache_exporter_connections_max", listener="tap") == 49
+        assert value(text, "vllm_cache_exporter_fds_reserved", use="tap") == 112
+        assert value(text, "vllm_cache_exporter_fds_reserved", use="files") == 24
+        reserved = sum(value(text, "vllm_cache_exporter_fds_reserved", use=use) or 0
+                       for use in ("web", "tap", "files", "process"))
+        assert reserved == value(text, "process_max_fds") == 256
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async def call(index: int) -> int | str:
+                try:
+                    async with session.post(
+                            f"http://127.0.0.1:{tap_port}/v1/chat/completions",
+                            json={"model": "tiny-llama", "stream": True, "messages": [],
+                                  "stream_options": {"include_usage": True}},
+                            headers={"X-Caller": f"agent-{index % 3}"}) as response:
+                        await response.read()
+                        return response.status
+                except aiohttp.ClientError:
+                    return "closed"
+
+            pending = [asyncio.ensure_future(call(index)) for index in range(calls)]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while True:  # another process: poll its counts until every call is placed
+                text = await scrape(base)
+                placed = streaming + sum(value(text, name, listener="tap") or 0 for name in (
+                    "vllm_cache_exporter_connections_evicted_total",
+                    "vllm_cache_exporter_connections_refused_total"))
+                if streaming >= 49 and placed >= calls:
+                    break
+                assert loop.time() < deadline, (streaming, placed)
+                await asyncio.sleep(0.05)
+            for _ in range(5):  # every descriptor the tap may take is taken: still served
+                started = time.monotonic()
+                async with session.get(f"{base}/-/healthy") as response:
+                    assert response.status == 200
+                await scrape(base)
+                assert time.monotonic() - started < 5
+            release.set()
+            statuses = await asyncio.wait_for(asyncio.gather(*pending), 60)
+        served = statuses.count(200)
+        assert served == streaming and 49 <= served <= 56
+        assert sorted(set(statuses) - {200}, key=str) in ([], ["closed"], [503],
+                                                           [503, "closed"])
+        text = await wait_for_metric(base, "vllm_cache_usage_events_total", served,
+                                     reader="tap")
+        cut = sum(value(text, name, listener="tap") or 0 for name in (
+            "vllm_cache_exporter_connections_evicted_total",
+            "vllm_cache_exporter_connections_refused_total"))
+        assert cut >= calls - served  # every call not served was counted as cut
+        async with aiohttp.ClientSession() as session:  # and the tap serves again
+            async with session.post(f"http://127.0.0.1:{tap_port}/v1/chat/completions",
+                                    json={"model": "tiny-llama", "stream": True,
+                                          "messages": []}) as response:
+                assert response.status == 200
+                await response.read()
+    finally:
+        release.set()
+        await stop_and_read(process)
+
+
+async def stop_and_read(process: asyncio.subprocess.Process) -> None:
+    process.send_signal(signal.SIGTERM)
+    _out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+    log = err.decode(errors="replace")
+    assert process.returncode == 0, log[-2000:]
+    assert "Too many open files" not in log and "EMFILE" not in log, log[-2000:]
+    assert "Traceback" not in log, log[-2000:]

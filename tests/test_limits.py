@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
+import json
 import logging
 import os
 import socket
@@ -14,6 +16,7 @@ import sys
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from exporter import limits, server
 from exporter.config import Config
@@ -26,9 +29,14 @@ from exporter.limits import (
     keep_freed_memory,
 )
 from exporter.server import REGISTRY_KEY, create_app
+from exporter.usage.event import validate
+from exporter.usage.tail import FileFollower
 from exporter.values import UsageEvent
-from exporter.wiring import signals_state
+from exporter.wiring import signals_state, tap_app
 from tests.helpers import value
+from tests.tap.conftest import Reply, fixture_bytes, upstream  # noqa: F401 (fixture)
+
+GOOD = {"caller": "alice", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048}
 
 
 async def start(app: web.Application, stats: ListenerStats, **kwargs) -> tuple[LimitedRunner,
@@ -295,3 +303,120 @@ def test_large_bodies_reuse_freed_memory_instead_of_faulting_it_in_again():
 def test_malloc_tuning_from_the_environment_is_left_alone():
     assert not keep_freed_memory({"MALLOC_TRIM_THRESHOLD_": "1000"})
     assert not keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000"})
+
+
+async def test_connections_trickling_bodies_cannot_fill_the_tap(upstream):  # noqa: F811
+    """The issue's case, scaled to a cap of 8: more connections than the cap and its slack
+    trickle request bodies, and every other call is still served. A connection still
+    sending its request (here: its body) is closed at once to make room, as an idle one is;
+    none is answered 503."""
+    upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("01_chat_cold.json")))
+    config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url)
+    state = signals_state(config)
+    stats = ListenerStats("tap", cap=8, slack=2)
+    runner, port = await start(tap_app(config, state.usage), stats)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")
+    try:
+        tricklers = []
+        for _ in range(3 * (stats.cap + stats.slack)):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            await writer.drain()
+            tricklers.append((reader, writer))
+        await wait_for(lambda: stats.open <= stats.cap)
+        async with aiohttp.ClientSession() as session:
+            for index in range(5):
+                async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                        json={"model": "tiny-llama", "messages": []},
+                                        headers={"X-Caller": f"caller-{index}"}) as response:
+                    assert response.status == 200
+                    await response.read()
+        assert stats.refused == 0
+        assert stats.evicted >= 2 * (stats.cap + stats.slack)
+        closed = [await asyncio.wait_for(reader.read(), 10) for reader, _ in tricklers[:16]]
+        assert closed == [b""] * 16  # the oldest were cut without an answer
+        assert state.usage.events.get("tap") == 5
+        assert [body for body in upstream.received if body.body.startswith(b"{\n")] == []
+        for _, writer in tricklers:
+            writer.close()
+        await wait_for(lambda: stats.open == 0)
+    finally:
+        await runner.cleanup()
+
+
+def test_descriptors_are_shared_by_the_listeners_the_tap_sockets_and_the_files():
+    """Under a hard limit of 1,024 the default caps (512 web + 512 tap, each tap connection
+    also holding a socket to vLLM) would need 1,728 descriptors: each gets the same
+    fraction, and every use together stays within the limit."""
+    asked = {"web": (512, 1), "tap": (512, limits.TAP_DESCRIPTORS_PER_CONNECTION)}
+    plan = limits.plan_descriptors(1024, asked, follow_files=True)
+    reserved = plan.reserved()
+    assert sum(reserved.values()) == 1024
+    assert reserved["process"] >= limits.RESERVED_FDS
+    assert reserved["files"] == (1024 - limits.RESERVED_FDS) // 8 == plan.files
+    assert reserved["tap"] == (plan.caps["tap"] + plan.slacks["tap"]) * 2
+    assert plan.caps == {"web": 245, "tap": 245} and plan.lowered({"web": 512})
+    roomy = limits.plan_descriptors(1 << 20, asked, follow_files=True)
+    assert roomy.caps == {"web": 512, "tap": 512}
+    assert roomy.slacks == {"web": limits.HARD_SLACK, "tap": limits.HARD_SLACK}
+    assert not roomy.lowered({"web": 512, "tap": 512})
+    alone = limits.plan_descriptors(1024, {"web": (512, 1)})
+    assert (alone.caps, alone.files) == ({"web": 512}, 0)  # nothing else asks: as before
+    tiny = limits.plan_descriptors(100, asked)  # 36 left after the process's own
+    assert tiny.caps == {"web": 11, "tap": 11} and tiny.slacks == {"web": 1, "tap": 1}
+    assert sum(tiny.reserved().values()) == 100
+
+
+def test_the_followed_files_share_is_asked_before_each_open(tmp_path):
+    """A follower handed the budget opens no more files than its share; a file put off
+    loses nothing (one present at start is read from where it ended then), and closing a
+    file gives its descriptor back."""
+    files = limits.FileDescriptors(2)
+    paths = [tmp_path / f"usage-{index}.jsonl" for index in range(3)]
+    for path in paths:
+        path.write_text(json.dumps(GOOD) + "\n")  # before start: not counted
+    rows: list = []
+    follower = FileFollower([str(tmp_path / "*.jsonl")], validate, rows.extend,
+                            lambda reason: None, acquire_descriptor=files.acquire,
+                            release_descriptor=files.release)
+    follower.poll()
+    assert len(follower.files) == 2 and files.in_use == 2 and files.refused == 1
+    for path in paths:
+        with path.open("a") as handle:
+            handle.write(json.dumps({**GOOD, "caller": path.stem}) + "\n")
+    follower.poll()
+    assert sorted(row.caller for row in rows) == ["usage-0", "usage-1"]
+    paths[0].unlink()  # let go after its idle polls, which frees a descriptor
+    for _ in range(limits_gone_polls()):
+        follower.poll()
+    assert sorted(row.caller for row in rows) == ["usage-0", "usage-1", "usage-2"]
+    assert files.in_use == 2
+    follower.close()
+    assert files.in_use == 0
+
+
+def limits_gone_polls() -> int:
+    from exporter.usage import tail
+
+    return tail.DELETED_IDLE_POLLS + 2
+
+
+async def test_a_closed_connection_is_not_kept_alive_by_its_idle_timer():
+    """Each connection's idle check is cancelled when it closes: a flood of short-lived
+    connections (a client reconnecting as fast as it is cut off) would otherwise keep every
+    one of them, buffers and all, until its timer fired 30 s later."""
+    app = web.Application()
+    stats = ListenerStats("web", cap=1000)
+    runner, port = await start(app, stats)
+    try:
+        for _ in range(50):
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            await writer.wait_closed()
+        await wait_for(lambda: stats.open == 0)
+        gc.collect()
+        alive = [obj for obj in gc.get_objects() if isinstance(obj, RequestHandler)]
+        assert len(alive) < 5, f"{len(alive)} closed connections still held"
+    finally:
+        await runner.cleanup()

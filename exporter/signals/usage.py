@@ -61,7 +61,8 @@ MAX_MODELS = 32
 OVERFLOW_PAIR = (OTHER, OTHER)
 # Why POST /v1/usage refuses a request as a whole (its reply's "error").
 INGEST_REFUSALS = ("unauthorized", "body_too_large", "bad_body", "bad_format", "overloaded",
-                   "abandoned")
+                   "abandoned", "body_too_slow", "bad_content_encoding",
+                   "unsupported_content_encoding")
 # Raw (caller, model) pairs memoized to their series (cleared when full).
 PAIR_MEMO_MAX = 10_000
 # Distinct (reader, reason) pairs counted; reasons come from code, this guards the tap's.

@@ -1,23 +1,30 @@
 """``POST /v1/usage``: proxies push per-request usage records to the exporter.
 
 The body is one JSON object, a JSON array of them, or NDJSON (one per line), in the format
-named by ``?format=`` (default ``--usage.ingest.format``). A batch is never all-or-nothing:
-good events are counted even when others are rejected, and the reply lists each rejected
-event's index and reason. Only whole-request problems refuse the batch: a missing or wrong
-bearer token (401), a body over ``--usage.ingest.max-body-bytes`` (413, also when chunked),
-too many bodies at once (503 with ``Retry-After``), an unknown format or a body that is not
-JSON at all (400). Those count in ``vllm_cache_usage_ingest_requests_rejected_total`` and
-nowhere else. A batch in which every event was rejected answers 422 (with the same reply),
-so a misconfigured sender notices.
+named by ``?format=`` (default ``--usage.ingest.format``), sent as it is or with
+``Content-Encoding: gzip`` or ``deflate`` (``exporter.usage.body``). A batch is never
+all-or-nothing: good events are counted even when others are rejected, and the reply lists
+each rejected event's index and reason. Only whole-request problems refuse the batch: a
+missing or wrong bearer token (401), a body over ``--usage.ingest.max-body-bytes`` (413, also
+when chunked, also once decoded), one that took more than 30 s to arrive (408), no room for
+its bytes (503 with ``Retry-After``), a content coding other than gzip or deflate (415), an
+unknown format, a body that does not decode as its coding says, or one that is not JSON at
+all (400). Those count in ``vllm_cache_usage_ingest_requests_rejected_total`` and nowhere
+else. A batch in which every event was rejected answers 422 (with the same reply), so a
+misconfigured sender notices.
 
-Memory is bounded whatever the senders do: at most ``max_concurrent_bodies`` bodies are read
-at once (later requests wait a little for a slot, then get 503), each up to the body limit,
-and a body is decoded one event at a time, never as a whole list of Python objects.
+Memory is bounded whatever the senders do: the bytes of every body being read or processed
+share one budget of ``max_concurrent_bodies`` times the body limit (``BodyBytes``). A body
+takes its bytes as they arrive, so a sender trickling one holds only what it has sent and
+cannot lock the others out; a body that finds the budget full waits a little for room,
+then gets 503. A body is decoded one event at a time, never as a whole list of Python
+objects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import itertools
 import json
@@ -31,6 +38,8 @@ from aiohttp import web
 from orjson import JSONDecodeError as OrjsonDecodeError
 from orjson import loads as _orjson_loads
 
+from exporter.usage.body import BodyRefused
+from exporter.usage.body import read_body as read_request_body
 from exporter.usage.event import (
     DIGITS_TO_ZERO,
     LONG_DIGITS,
@@ -53,7 +62,7 @@ MAX_ERRORS_IN_REPLY = 1000
 # /metrics scrapes for its whole duration. A slice's accepted events are recorded together
 # before the yield: at most this many events are held per body being read.
 EVENTS_PER_SLICE = 2000
-# A request that finds every body slot taken waits this long for one, then gets 503; at
+# A body that finds no room in the body budget waits this long for some, then gets 503; at
 # most this many wait at once (a waiting request holds no more than aiohttp's read buffer).
 SLOT_WAIT_SECONDS = 5.0
 MAX_WAITING = 64
@@ -72,6 +81,75 @@ _LINE_BLANK = b" \t\r"
 _WHITESPACE = " \t\r\n"
 # The C scanner, without loads' checks (typeshed types make_scanner's argument oddly).
 _scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+
+
+class Overloaded(Exception):
+    """No room in the body budget within SLOT_WAIT_SECONDS."""
+
+
+class BodyBytes:
+    """The bytes of the bodies being read or processed, against one budget.
+
+    A body takes room for each piece as it arrives and gives it all back once answered, so
+    the budget bounds the memory of every body at once (``capacity``: as many bodies of the
+    largest size as ``--usage.ingest.max-concurrent-bodies``) while a sender trickling a body
+    holds only the bytes it has sent. Room is handed out first come, first served: a
+    request waiting for room is never overtaken by a later one.
+    """
+
+    def __init__(self, capacity: int, max_waiting: int = MAX_WAITING) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.max_waiting = max_waiting
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = (
+            collections.deque())
+
+    @property
+    def full(self) -> bool:
+        """Whether a request is waiting for room (tests wait for this)."""
+        return bool(self._waiting) or self.used >= self.capacity
+
+    async def take(self, size: int, wait: float) -> bool:
+        """Room for ``size`` more bytes, waiting up to ``wait`` seconds; False if none."""
+        if not self._waiting and self.used + size <= self.capacity:
+            self.used += size
+            return True
+        if size > self.capacity or len(self._waiting) >= self.max_waiting:
+            return False
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((size, granted))
+        try:
+            await asyncio.wait((granted,), timeout=wait)
+        except asyncio.CancelledError:
+            self._forget(size, granted)
+            raise
+        if granted.done():
+            return True
+        self._forget(size, granted)
+        return False
+
+    def _forget(self, size: int, granted: asyncio.Future[None]) -> None:
+        if granted.done() and not granted.cancelled():
+            self.give_back(size)  # granted just as the wait ended
+        else:
+            granted.cancel()
+            self._hand_out()  # a later, smaller request may fit now
+
+    def give_back(self, size: int) -> None:
+        self.used -= size
+        self._hand_out()
+
+    def _hand_out(self) -> None:
+        while self._waiting:
+            size, granted = self._waiting[0]
+            if granted.done():  # gave up waiting
+                self._waiting.popleft()
+                continue
+            if self.used + size > self.capacity:
+                return
+            self._waiting.popleft()
+            self.used += size
+            granted.set_result(None)
 
 
 class BodyError(ValueError):
@@ -375,8 +453,7 @@ class UsageIngest:
         self.reject = reject
         self.reject_request = reject_request
         self.max_concurrent_bodies = max_concurrent_bodies
-        self._slots = asyncio.Semaphore(max_concurrent_bodies)
-        self._waiting = 0
+        self.body_bytes = BodyBytes(max_concurrent_bodies * max_body_bytes)
 
     def authorized(self, request: web.Request) -> bool:
         if not self.token:
@@ -566,22 +643,12 @@ class UsageIngest:
 
     def _overloaded(self) -> web.Response:
         response = self._refuse(
-            503, "overloaded", f"{self.max_concurrent_bodies} usage bodies are being read "
-            "already; retry shortly", {"Retry-After": str(RETRY_AFTER_SECONDS)})
+            503, "overloaded", f"the bodies being read already hold "
+            f"{self.body_bytes.capacity} bytes ({self.max_concurrent_bodies} x "
+            "--usage.ingest.max-body-bytes); retry shortly",
+            {"Retry-After": str(RETRY_AFTER_SECONDS)})
         response.force_close()  # the unread body is not worth reading
         return response
-
-    async def _take_slot(self) -> bool:
-        if self._waiting >= MAX_WAITING:
-            return False
-        self._waiting += 1
-        try:
-            await asyncio.wait_for(self._slots.acquire(), SLOT_WAIT_SECONDS)
-            return True
-        except asyncio.TimeoutError:
-            return False
-        finally:
-            self._waiting -= 1
 
     async def handle(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
@@ -594,31 +661,40 @@ class UsageIngest:
             return self._refuse(400, "bad_format",
                                 f"unknown or unconfigured format; use one of "
                                 f"{', '.join(sorted(self.converters))}")
-        limit = self.max_body_bytes
-        too_large = f"the body is larger than {limit} bytes (--usage.ingest.max-body-bytes)"
-        if request.content_length is not None and request.content_length > limit:
-            response = self._refuse(413, "body_too_large", too_large)
-            response.force_close()
-            return response
-        if not await self._take_slot():
-            return self._overloaded()
-        try:
-            return await self._read_and_process(request, convert, limit, too_large)
-        finally:
-            self._slots.release()
+        held = 0
+        budget = self.body_bytes
 
-    async def _read_and_process(self, request: web.Request, convert: Converter, limit: int,
-                                too_large: str) -> web.Response:
-        body = bytearray()
-        while True:  # read ourselves: a chunked body has no Content-Length to check up front
-            chunk = await request.content.readany()
-            if not chunk:
-                break
-            body += chunk
-            if len(body) > limit:
-                response = self._refuse(413, "body_too_large", too_large)
-                response.force_close()  # do not read the rest of an oversized body
+        async def reserve(size: int) -> None:
+            nonlocal held
+            if not await budget.take(size, SLOT_WAIT_SECONDS):
+                raise Overloaded
+            held += size
+
+        try:
+            try:
+                body = await read_request_body(
+                    request.content, request.content_length, self.max_body_bytes,
+                    request.headers.get("Content-Encoding", ""), reserve=reserve)
+            except BodyRefused as refused:
+                message = refused.message
+                if refused.reason == "body_too_large":
+                    message = (f"the body is larger than {self.max_body_bytes} bytes "
+                               "(--usage.ingest.max-body-bytes)")
+                headers = ({"Accept-Encoding": "gzip, deflate"} if refused.status == 415
+                           else None)
+                response = self._refuse(refused.status, refused.reason, message, headers)
+                response.force_close()  # the rest of the body is not worth reading
                 return response
+            except Overloaded:
+                return self._overloaded()
+            except ConnectionError:
+                return web.Response(status=499)  # the sender left: nobody reads an answer
+            return await self._process_body(body, convert)
+        finally:
+            if held:
+                budget.give_back(held)
+
+    async def _process_body(self, body: bytes, convert: Converter) -> web.Response:
         try:
             items = read_body(body)
         except BodyError as err:

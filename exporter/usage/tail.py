@@ -17,6 +17,11 @@ What must hold, and how:
 - Files present at start are read from their end (``--usage.file.from-start`` replays them);
   files that appear later are read from their start, since everything in them is new.
 - One bad line is rejected and counted; the rest go on.
+- Descriptors: each followed file holds one. When the follower is handed
+  ``acquire_descriptor`` (the process's budget for followed files), it asks before opening a
+  file and gives the descriptor back when it lets the file go; a file refused one is put off
+  to a later poll, logged once, and loses nothing (one present at start is then still read
+  from where it ended at start).
 
 Lines are read as ``POST /v1/usage`` reads NDJSON (``ingest.read_line``: orjson where it reads
 a line exactly as ``json`` does, ``json`` elsewhere; in the native format the common event in
@@ -84,7 +89,9 @@ class FileFollower:
 
     def __init__(self, patterns: Sequence[str], convert: Converter,
                  record_events: Callable[[list[UsageEvent]], object],
-                 reject: Callable[[str], None], from_start: bool = False) -> None:
+                 reject: Callable[[str], None], from_start: bool = False,
+                 acquire_descriptor: Callable[[], bool] | None = None,
+                 release_descriptor: Callable[[], None] | None = None) -> None:
         self.patterns = list(patterns)
         self.convert = convert
         # The native format's common event, decoded and checked in one step.
@@ -92,6 +99,10 @@ class FileFollower:
         self.record_events = record_events
         self.reject = reject
         self.from_start = from_start
+        self._acquire = acquire_descriptor
+        self._release = release_descriptor
+        # Files present at start whose open was put off (no descriptor): their size then.
+        self._put_off: dict[tuple[int, int], int] = {}
         self.files: dict[tuple[int, int], _Followed] = {}
         self._first_scan = True
         self._warned: set[tuple[str, str]] = set()
@@ -161,15 +172,26 @@ class FileFollower:
 
     def _open(self, path: str, identity: tuple[int, int], size: int,
               at_end: bool) -> _Followed | None:
+        if identity in self._put_off:  # present at start: read from where it ended then
+            at_end, size = True, self._put_off[identity]
+        if self._acquire is not None and not self._acquire():
+            self._warn_once(path, "not opened yet: the descriptors for followed files are "
+                                  "all in use; it is tried again at each poll")
+            if at_end:
+                self._put_off.setdefault(identity, size)
+            return None
         try:
             handle = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as err:
+            self._give_back()
             self._warn_once(path, f"cannot open: {err.strerror}")
             return None
         info = os.fstat(handle)
         if (info.st_dev, info.st_ino) != identity:  # replaced between stat and open
             os.close(handle)
+            self._give_back()
             return None
+        self._put_off.pop(identity, None)
         followed = _Followed(identity, path, handle, 0)
         if at_end and size:
             followed.offset = size
@@ -179,6 +201,10 @@ class FileFollower:
         self.files[identity] = followed
         log.info("following usage file %s from its %s", path, "end" if at_end else "start")
         return followed
+
+    def _give_back(self) -> None:
+        if self._release is not None:
+            self._release()
 
     @staticmethod
     def _pread(handle: int, start: int, end: int) -> bytes:
@@ -295,6 +321,7 @@ class FileFollower:
             os.close(followed.handle)
         except OSError:
             pass
+        self._give_back()
 
     def close(self) -> None:
         for followed in list(self.files.values()):
@@ -303,6 +330,7 @@ class FileFollower:
                 os.close(followed.handle)
             except OSError:
                 pass
+            self._give_back()
 
 
 async def follow(follower: FileFollower, poll_interval: float) -> None:

@@ -13,6 +13,12 @@ once (the files are not tried again until they change or SIGHUP comes) and count
 reload may not turn TLS on or off: that changes what the listening socket is, and needs a
 restart.
 
+The certificate's expiry (the earliest notAfter of the chain served) is kept with the
+context and exported; a warning is logged when the certificate loaded is expired or expires
+within ``EXPIRY_WARNING_SECONDS``, and again when a running listener's certificate crosses
+into either (checked at each new TLS connection, against the injected wall clock). An
+expired certificate is still served, as the toolkit serves it: clients decide.
+
 Not like the toolkit either, by choice: ``open_paths`` (the health probes) answer without
 basic auth, since an orchestrator's probe cannot hold a password, and ``bearer_paths``
 (routes that check their own bearer token) are left to that token, since a request has one
@@ -36,9 +42,12 @@ from aiohttp import web
 
 from exporter.web.auth import PasswordVerifier, Verdict
 from exporter.web.config import WebConfig, WebConfigError, read_web_config
-from exporter.web.tls import FollowingContext, build_ssl_context
+from exporter.web.tls import FollowingContext, ServerTLS, build_server_tls
 
 log = logging.getLogger(__name__)
+
+# A certificate this close to its notAfter is logged as expiring soon.
+EXPIRY_WARNING_SECONDS = 14 * 24 * 3600.0
 
 # os.stat fields that change when a file is replaced or rewritten (None: missing).
 Fingerprint = tuple[tuple[str, tuple[int, ...] | None], ...]
@@ -53,27 +62,38 @@ class ReloadStatus:
     failures: int
     last_success_unix: float
     tls: bool
+    # Unix time the served certificate chain expires (its earliest notAfter); None without
+    # TLS or when it could not be read.
+    certificate_not_after: float | None = None
 
 
 @dataclass(frozen=True)
 class _Active:
     config: WebConfig
     ssl_context: ssl.SSLContext | None
+    not_after: float | None = None
+
+    @classmethod
+    def of(cls, config: WebConfig, tls: ServerTLS | None) -> _Active:
+        if tls is None:
+            return cls(config, None)
+        return cls(config, tls.context, tls.not_after)
 
 
 def load(path: str, *, allow_basic_auth: bool = True) -> tuple[WebConfig, ssl.SSLContext | None]:
     """Read the file and build its TLS context: all that ``promtool check web-config``
     checks, and what ``--check-config`` runs. Raises WebConfigError."""
     config = read_web_config(path)
-    return config, _materialize(config, allow_basic_auth)
+    tls = _materialize(config, allow_basic_auth)
+    return config, tls.context if tls is not None else None
 
 
-def _materialize(config: WebConfig, allow_basic_auth: bool) -> ssl.SSLContext | None:
+def _materialize(config: WebConfig, allow_basic_auth: bool) -> ServerTLS | None:
     if config.users and not allow_basic_auth:
         raise WebConfigError(config.path, "basic_auth_users",
                              "not supported on this listener: its clients' Authorization "
                              "header is their API key, forwarded to vLLM")
-    return build_ssl_context(config.tls, config.path) if config.tls.enabled else None
+    return build_server_tls(config.tls, config.path) if config.tls.enabled else None
 
 
 class WebListener:
@@ -96,17 +116,20 @@ class WebListener:
         self.verifier = PasswordVerifier()
         self._server_context = (FollowingContext(self.current_ssl_context)
                                 if active.ssl_context is not None else None)
+        self._expiry_said: tuple[float | None, str] = (None, "valid")
+        self._check_expiry()
 
     @classmethod
     def open(cls, path: str, name: str, *, allow_basic_auth: bool = True,
              wall_clock: Callable[[], float] = time.time,
              on_reload: Callable[[ReloadStatus], None] | None = None) -> WebListener:
         """Load ``path`` (raises WebConfigError: the process should not start)."""
-        config, context = load(path, allow_basic_auth=allow_basic_auth)
+        config = read_web_config(path)
+        tls = _materialize(config, allow_basic_auth)
         log.info("%s: TLS is %s, basic auth is %s (%s)", name,
-                 "on" if context is not None else "off",
+                 "on" if tls is not None else "off",
                  "on" if config.users else "off", path)
-        return cls(path, name, _Active(config, context), allow_basic_auth=allow_basic_auth,
+        return cls(path, name, _Active.of(config, tls), allow_basic_auth=allow_basic_auth,
                    wall_clock=wall_clock, on_reload=on_reload)
 
     # --- what the server uses -------------------------------------------------------------
@@ -123,13 +146,35 @@ class WebListener:
     def current_ssl_context(self) -> ssl.SSLContext:
         """The context for a new connection, after reloading changed files."""
         self.refresh()
+        self._check_expiry()
         context = self._active.ssl_context
         assert context is not None, "TLS was on at start and a reload cannot turn it off"
         return context
 
     def status(self) -> ReloadStatus:
         return ReloadStatus(self.name, self._successes, self._failures, self._last_success,
-                            self._active.ssl_context is not None)
+                            self._active.ssl_context is not None, self._active.not_after)
+
+    def _check_expiry(self) -> None:
+        """Warn once per certificate and state when the one served is expired or expires
+        within EXPIRY_WARNING_SECONDS."""
+        not_after = self._active.not_after
+        if not_after is None:
+            return
+        left = not_after - self._wall_clock()
+        state = ("expired" if left <= 0 else "expiring" if left < EXPIRY_WARNING_SECONDS
+                 else "valid")
+        if (not_after, state) == self._expiry_said:
+            return
+        self._expiry_said = (not_after, state)
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(not_after))
+        if state == "expired":
+            log.warning("%s: the TLS certificate served expired at %s (%.1f days ago); "
+                        "clients that verify it will refuse the connection: replace it (%s)",
+                        self.name, when, -left / 86400, self.path)
+        elif state == "expiring":
+            log.warning("%s: the TLS certificate served expires at %s, in %.1f days: "
+                        "renew it (%s)", self.name, when, left / 86400, self.path)
 
     # --- reloading ------------------------------------------------------------------------
 
@@ -145,8 +190,8 @@ class WebListener:
         try:
             config = read_web_config(self.path)
             named = config.files
-            context = _materialize(config, self._allow_basic_auth)
-            if (context is None) != (self._active.ssl_context is None):
+            tls = _materialize(config, self._allow_basic_auth)
+            if (tls is None) != (self._active.ssl_context is None):
                 raise WebConfigError(self.path, "tls_server_config",
                                      "turning TLS on or off needs a restart")
         except WebConfigError as err:
@@ -157,11 +202,12 @@ class WebListener:
                       self.name, err)
             self._notify()
             return False
-        self._active = _Active(config, context)
+        self._active = _Active.of(config, tls)
         self._watch(self.path, *config.files)
         self._successes += 1
         self._last_success = self._wall_clock()
         log.info("%s: web config reloaded from %s", self.name, self.path)
+        self._check_expiry()
         self._notify()
         return True
 

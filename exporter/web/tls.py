@@ -13,18 +13,25 @@ certificates on or change ``min_version``.)
 Certificates and keys are read into memory here, each read bounded, and handed to OpenSSL
 through an anonymous in-memory file where the platform has one: inline ``cert``/``key``
 never touch the disk, and a file that changes between two reads cannot yield a certificate
-from one version and a key from the other.
+from one version and a key from the other. The same bytes give the chain's expiry
+(``chain_not_after``: the earliest notAfter of the certificates served, read from their DER
+here, since the ssl module shows no loaded certificate), which the listener exports and
+warns about: an expired certificate is still served, as exporter-toolkit serves it.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import calendar
 import contextlib
 import os
+import re
 import ssl
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from exporter.web.config import GO_TO_OPENSSL_CIPHERS, TLSServerConfig, WebConfigError
 
@@ -43,8 +50,20 @@ CLIENT_AUTH_MODES = {
 }
 
 
+class ServerTLS(NamedTuple):
+    """A built server context and when the certificates it serves expire."""
+
+    context: ssl.SSLContext
+    not_after: float | None  # unix time; None if no certificate's validity could be read
+
+
 def build_ssl_context(tls: TLSServerConfig, path: str) -> ssl.SSLContext:
     """A server context for ``tls`` (which must be enabled); errors name ``path`` and a key."""
+    return build_server_tls(tls, path).context
+
+
+def build_server_tls(tls: TLSServerConfig, path: str) -> ServerTLS:
+    """``build_ssl_context``, with the served chain's expiry."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         with warnings.catch_warnings():  # TLS 1.0/1.1 are deprecated, and asked for here
@@ -66,9 +85,9 @@ def build_ssl_context(tls: TLSServerConfig, path: str) -> ssl.SSLContext:
     else:
         context.options &= ~ssl.OP_CIPHER_SERVER_PREFERENCE
     context.set_alpn_protocols(["http/1.1"])
-    _load_certificate(context, tls, path)
+    cert_pem = _load_certificate(context, tls, path)
     _load_client_verification(context, tls, path)
-    return context
+    return ServerTLS(context, chain_not_after(cert_pem))
 
 
 def _read_pem(path: str, file_name: str, key: str, inline: str) -> bytes:
@@ -84,7 +103,8 @@ def _read_pem(path: str, file_name: str, key: str, inline: str) -> bytes:
     return data
 
 
-def _load_certificate(context: ssl.SSLContext, tls: TLSServerConfig, path: str) -> None:
+def _load_certificate(context: ssl.SSLContext, tls: TLSServerConfig, path: str) -> bytes:
+    """Load the certificate chain and key; the chain's PEM, as loaded."""
     cert_key = "tls_server_config." + ("cert" if tls.cert else "cert_file")
     key_key = "tls_server_config." + ("key" if tls.key else "key_file")
     cert_pem = _read_pem(path, tls.cert_file, cert_key, tls.cert)
@@ -112,6 +132,70 @@ def _load_certificate(context: ssl.SSLContext, tls: TLSServerConfig, path: str) 
     except OSError as err:  # no in-memory file and no writable temporary folder
         raise WebConfigError(path, cert_key, f"cannot hand the certificate to OpenSSL: "
                                              f"{err.strerror or err}") from None
+    return cert_pem
+
+
+_PEM_CERTIFICATE = re.compile(
+    rb"-----BEGIN CERTIFICATE-----([A-Za-z0-9+/=\s]+?)-----END CERTIFICATE-----")
+
+
+def chain_not_after(pem: bytes) -> float | None:
+    """The earliest notAfter (unix time) of the certificates in ``pem``, the served chain;
+    None when none can be read. Only the validity is read from each certificate's DER:
+    Certificate ::= SEQUENCE { tbsCertificate SEQUENCE { [0] version OPTIONAL, serialNumber,
+    signature, issuer, validity SEQUENCE { notBefore, notAfter }, ... }, ... }."""
+    times = []
+    for match in _PEM_CERTIFICATE.finditer(pem):
+        try:
+            der = base64.b64decode(b"".join(match.group(1).split()), validate=True)
+            times.append(_not_after(der))
+        except (ValueError, IndexError, binascii.Error):
+            continue
+    return min(times) if times else None
+
+
+def _not_after(der: bytes) -> float:
+    certificate = _children(_tlv(der, 0)[1])
+    tbs = _children(certificate[0][1])
+    index = 1 if tbs[0][0] == 0xA0 else 0  # the explicit [0] version, when present
+    validity = _children(tbs[index + 3][1])
+    tag, value = validity[1]
+    text = value.decode("ascii")
+    if tag == 0x17:  # UTCTime YYMMDDHHMMSSZ: years 1950-2049 (RFC 5280 4.1.2.5.1)
+        year = int(text[:2])
+        text = str(1900 + year if year >= 50 else 2000 + year) + text[2:]
+    elif tag != 0x18:  # GeneralizedTime YYYYMMDDHHMMSSZ
+        raise ValueError("not a time")
+    if not re.fullmatch(r"\d{14}Z", text):
+        raise ValueError("not a DER time")
+    fields = [int(text[start:start + size]) for start, size in
+              ((0, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 2))]
+    return float(calendar.timegm((*fields, 0, 0, 0)))
+
+
+def _tlv(data: bytes, at: int) -> tuple[int, bytes, int]:
+    """(tag, value, end) of the DER element at ``at`` (single-byte tags, as X.509 uses)."""
+    tag, length = data[at], data[at + 1]
+    at += 2
+    if length & 0x80:
+        count = length & 0x7F
+        if not 0 < count <= 4:
+            raise ValueError("bad DER length")
+        length = int.from_bytes(data[at:at + count], "big")
+        at += count
+    end = at + length
+    if end > len(data):
+        raise ValueError("DER element runs past its end")
+    return tag, data[at:end], end
+
+
+def _children(data: bytes) -> list[tuple[int, bytes]]:
+    out = []
+    at = 0
+    while at < len(data):
+        tag, value, at = _tlv(data, at)
+        out.append((tag, value))
+    return out
 
 
 def _load_client_verification(context: ssl.SSLContext, tls: TLSServerConfig,

@@ -188,7 +188,8 @@ TapFactory = Callable[..., Awaitable[TapHarness]]
 @pytest.fixture
 async def upstream(aiohttp_server: Callable[..., Awaitable[TestServer]]):
     mock = MockUpstream()
-    app = web.Application(client_max_size=1024 ** 3)
+    # Bodies as sent, as vLLM (uvicorn) takes them: it decodes no content coding.
+    app = web.Application(client_max_size=1024 ** 3, handler_args={"auto_decompress": False})
     app.router.add_route("*", "/{tail:.*}", mock.handle)
     server = await aiohttp_server(app)
     mock.url = str(server.make_url("")).rstrip("/")

@@ -186,39 +186,46 @@ async def test_a_truncated_json_array_counts_nothing(usage_client):
 # --- memory: bodies at once ----------------------------------------------------------------
 
 
-async def test_bodies_beyond_the_concurrency_limit_wait_then_get_503(usage_client,
-                                                                     monkeypatch):
+async def test_bodies_beyond_the_body_budget_wait_then_get_503(usage_client, monkeypatch):
+    """The bytes of the bodies being read share one budget (max-concurrent-bodies times the
+    body limit): a body that finds it full waits a little for room, then gets 503."""
     monkeypatch.setattr(ingest, "SLOT_WAIT_SECONDS", 0.2)
-    client, state = await usage_client(usage_ingest_max_concurrent_bodies=1)
+    line = json.dumps(GOOD).encode() + b"\n"
+    client, state = await usage_client(usage_ingest_max_concurrent_bodies=1,
+                                       usage_ingest_max_body_bytes=len(line) * 3)
     release = asyncio.Event()
 
     async def slow_body():
-        yield json.dumps(GOOD).encode() + b"\n"
-        await release.wait()  # holds the only slot until released
-        yield json.dumps(GOOD).encode() + b"\n"
+        yield line * 2
+        await release.wait()  # holds two thirds of the budget until released
+        yield line
 
     holder = asyncio.ensure_future(client.post("/v1/usage", data=slow_body()))
+    budget = ingest_budget(client)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
-    while not ingest_slots_busy(client) and loop.time() < deadline:
-        await asyncio.sleep(0.01)  # the holder's request reaching the handler has no event
-    turned_away = await client.post("/v1/usage", data=ndjson(GOOD))
+    while budget.used < len(line) * 2 and loop.time() < deadline:
+        await asyncio.sleep(0.01)  # the holder's bytes reaching the handler have no event
+    turned_away = await client.post("/v1/usage", data=line * 2)
     assert turned_away.status == 503
     assert turned_away.headers["Retry-After"] == "1"
     assert (await turned_away.json())["error"] == "overloaded"
+    fits = await client.post("/v1/usage", data=line)  # room for one more line: served
+    assert fits.status == 200
     release.set()
     held = await holder
-    assert held.status == 200 and (await held.json())["accepted"] == 2
-    after = await client.post("/v1/usage", data=ndjson(GOOD))
+    assert held.status == 200 and (await held.json())["accepted"] == 3
+    after = await client.post("/v1/usage", data=line * 2)
     assert after.status == 200
     assert refused(state) == {"overloaded": 1}
-    assert accepted(state) == 3
+    assert accepted(state) == 6
+    assert budget.used == 0  # every body gave its bytes back
 
 
-def ingest_slots_busy(client) -> bool:
+def ingest_budget(client) -> ingest.BodyBytes:
     handler = next(route.handler for route in client.app.router.routes()
                    if route.method == "POST")
-    return handler.__self__._slots.locked()
+    return handler.__self__.body_bytes
 
 
 async def test_a_body_is_decoded_one_event_at_a_time(usage_client, monkeypatch):

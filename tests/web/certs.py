@@ -65,7 +65,9 @@ def make_ca(common_name: str = "test-only CA") -> Issued:
 
 
 def issue(ca: Issued, common_name: str, *, server: bool, dns: tuple[str, ...] = (),
-          ips: tuple[str, ...] = (), uris: tuple[str, ...] = ()) -> Issued:
+          ips: tuple[str, ...] = (), uris: tuple[str, ...] = (),
+          valid_from: datetime.datetime = VALID_FROM,
+          valid_until: datetime.datetime = VALID_UNTIL) -> Issued:
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.DNSName(name) for name in dns]
     names += [x509.IPAddress(ipaddress.ip_address(address)) for address in ips]
@@ -75,7 +77,7 @@ def issue(ca: Issued, common_name: str, *, server: bool, dns: tuple[str, ...] = 
         x509.CertificateBuilder()
         .subject_name(_name(common_name)).issuer_name(ca.certificate.subject)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(VALID_FROM).not_valid_after(VALID_UNTIL)
+        .not_valid_before(valid_from).not_valid_after(valid_until)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(

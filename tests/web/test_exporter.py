@@ -20,6 +20,7 @@ from exporter.config import Config, ConfigError, build_config
 from exporter.runtime import serve
 from tests.helpers import value
 from tests.test_run_process import free_port
+from tests.web.certs import VALID_UNTIL
 from tests.web.test_tls_auth import basic, tls_config, write_config
 
 RELOADS = "vllm_cache_exporter_web_config_reloads_total"
@@ -130,6 +131,8 @@ async def test_exporter_listener_tls_basic_auth_probes_and_usage_token(pki, hash
             assert response.status == 200
             text = await response.text()
         assert value(text, RELOADS, listener="web", result="success") == 0
+        assert value(text, "vllm_cache_exporter_tls_certificate_not_after_timestamp_seconds",
+                      listener="web") == VALID_UNTIL.timestamp()
         # SIGHUP reaches the runtime's listener: a reload with no file changed (which the
         # change check would not do) shows in the counter.
         os.kill(os.getpid(), signal.SIGHUP)

@@ -15,7 +15,12 @@ every request to ``--tap.upstream`` unchanged except for what it must do to read
   ``stream_options.include_usage`` upstream, and the usage-only chunk this adds is removed
   from what the client receives; every other byte reaches the client as upstream sent it,
   chunk by chunk as it arrives;
-- every other path is proxied untouched and not recorded.
+- every other path is proxied untouched and not recorded;
+- a request body must arrive whole within 30 s (408 beyond, counted as
+  ``request_too_slow``); one in gzip or deflate is decoded (bounded by
+  ``--tap.max-request-bytes``) and forwarded decoded; one that does not decode is answered
+  400 (``bad_content_encoding``); an absolute-form target (``GET http://host/...``) is
+  answered 400 (``bad_target``).
 
 Nothing is ever retried: a request that failed upstream may have run there. The API key is
 forwarded and otherwise only hashed (see ``identity``); it never reaches a log line, an
@@ -40,6 +45,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from exporter.redaction import redact_url
+from exporter.usage.body import HANDLER_ARGS, BodyRefused, decodable, read_body
 from exporter.usage.event import MAX_TOKENS, InvalidEvent, checked, loads
 from exporter.usage.openai import (
     ENDPOINTS,
@@ -167,7 +173,9 @@ class BodyTooLarge(Exception):
 
 async def read_bounded(stream: aiohttp.StreamReader, declared: int | None,
                        limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes. Chunks are taken as aiohttp buffered them
+    """A whole answer from vLLM, at most ``limit`` bytes (its time is bounded by
+    ``--tap.timeout``; a client's request is read by ``exporter.usage.body``, bounded in time
+    and decoded). Chunks are taken as aiohttp buffered them
     (``readany`` hands them over without a copy) and joined once; a body that came in one
     chunk is that chunk."""
     if declared is not None and declared > limit:
@@ -334,16 +342,28 @@ class Tap:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = self.monotonic()
+        if not request.raw_path.startswith("/"):
+            # The absolute form (GET http://host/path) is for forward proxies: the tap is a
+            # reverse one, and a host in the target names no path of vLLM's. (The asterisk
+            # form, OPTIONS *, matches no route: aiohttp answers 404.)
+            self.reject("bad_target")
+            return json_error(400, "the request target must be a path (/v1/...); the tap is "
+                              "a reverse proxy, not a forward one", "bad_target")
         endpoint = ENDPOINTS.get(request.path.rstrip("/")) if request.method == "POST" else None
+        coding = request.headers.get("Content-Encoding", "")
+        decoded = bool(coding) and decodable(coding)
         try:
-            body = await read_bounded(request.content, request.content_length,
-                                      self.settings.max_request_bytes)
-        except BodyTooLarge:
-            self.reject("request_too_large")
-            return json_error(413, "request body exceeds --tap.max-request-bytes "
-                              f"({self.settings.max_request_bytes} bytes)",
-                              "request_too_large")
+            # gzip and deflate are decoded (to read the request; vLLM gets it decoded), any
+            # other coding is forwarded as it came, for vLLM to answer.
+            body = await read_body(request.content, request.content_length,
+                                   self.settings.max_request_bytes, coding if decoded else "")
+        except BodyRefused as refused:
+            return self.refuse_body(refused)
+        except ConnectionError:
+            return _dropped()
         headers = forward_headers(request.headers, REQUEST_DROP)
+        if decoded:
+            headers.popall("Content-Encoding", None)
         if self.upstream_auth is not None and "Authorization" not in headers:
             headers["Authorization"] = self.upstream_auth
         if endpoint is None:
@@ -370,6 +390,23 @@ class Tap:
             return await self.forward(request, body, headers, exchange, started, strip)
         finally:
             self.record(exchange)
+
+    def refuse_body(self, refused: BodyRefused) -> web.Response:
+        """A request body the tap does not forward: answered, counted, the connection closed
+        (the rest of the body is not worth reading)."""
+        if refused.status == 413:
+            self.reject("request_too_large")
+            response = json_error(413, "request body exceeds --tap.max-request-bytes "
+                                  f"({self.settings.max_request_bytes} bytes)",
+                                  "request_too_large")
+        elif refused.status == 408:
+            self.reject("request_too_slow")
+            response = json_error(408, refused.message, "request_too_slow")
+        else:
+            self.reject("bad_content_encoding")
+            response = json_error(400, refused.message, "bad_content_encoding")
+        response.force_close()
+        return response
 
     async def forward(self, request: web.Request, body: bytes, headers: CIMultiDict[str],
                       exchange: Exchange | None, started: float,
@@ -651,15 +688,17 @@ def no_retries(session: aiohttp.ClientSession) -> None:
     session._retry_connection = False
 
 
-def new_session() -> aiohttp.ClientSession:
-    """No connection cap (each client call needs its own upstream call), no decompression.
+def new_session(connections: int = 0) -> aiohttp.ClientSession:
+    """At most ``connections`` sockets to vLLM (0: no cap; ``run`` gives the tap's share of
+    the process's descriptors, as many as the tap serves client connections, so a call never
+    waits for one), no decompression.
 
     Idle connections are dropped after 4 s, before vLLM's uvicorn drops them (5 s,
     VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a call sent on a connection the server is closing fails,
     and the tap does not re-send it.
     """
     session = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
+        connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=4),
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
     )
@@ -672,22 +711,25 @@ def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object]
                    session: aiohttp.ClientSession | None = None,
                    clock: Callable[[], float] = time.time,
                    monotonic: Callable[[], float] = time.monotonic,
-                   record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None
-                   ) -> web.Application:
+                   record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None,
+                   upstream_connections: int = 0) -> web.Application:
     """The tap as an aiohttp app (tests and benchmarks mount it themselves).
 
     ``record`` takes each call's UsageEvent, ``reject`` the reason of each call whose usage
     could not be read, ``record_prompt`` (when given) each successful call's event again,
     with its prompt's fingerprint, once the answer is out. Without a session the app opens
-    its own on startup and closes it on cleanup.
+    its own on startup (at most ``upstream_connections`` sockets to vLLM, 0: no cap) and
+    closes it on cleanup. Request bodies reach the handler as sent (``HANDLER_ARGS``): the
+    tap decodes them itself, bounded (``exporter.usage.body``).
     """
     tap = Tap(settings, record, reject, session, clock=clock, monotonic=monotonic,
               record_prompt=record_prompt)
-    app = web.Application(client_max_size=settings.max_request_bytes)
+    app = web.Application(client_max_size=settings.max_request_bytes,
+                          handler_args=HANDLER_ARGS)
     app.router.add_route("*", "/{tail:.*}", tap.handle)
     if session is None:
         async def open_session(_app: web.Application) -> None:
-            tap.session = new_session()
+            tap.session = new_session(upstream_connections)
 
         async def close_session(_app: web.Application) -> None:
             if tap.session is not None:
@@ -703,14 +745,17 @@ async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
                   secure: Callable[[web.Application], None] | None = None,
                   ssl_context: ssl.SSLContext | None = None,
                   runner: Callable[..., web.AppRunner] = web.AppRunner,
-                  record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None) -> None:
+                  record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None,
+                  upstream_connections: int = 0) -> None:
     """Serve the tap on ``settings.listen_address`` until cancelled.
 
     ``secure`` (the --tap.web-config.file listener's) adds its client-certificate checks
     and headers to the app; ``ssl_context`` serves it over TLS; ``runner`` makes the
-    aiohttp runner (the process's own caps connections and idle time).
+    aiohttp runner (the process's own caps connections and idle time);
+    ``upstream_connections`` caps the sockets to vLLM (0: no cap).
     """
-    app = create_tap_app(settings, record, reject, record_prompt=record_prompt)
+    app = create_tap_app(settings, record, reject, record_prompt=record_prompt,
+                         upstream_connections=upstream_connections)
     if secure is not None:
         secure(app)
     # handler_cancellation: a client that hangs up cancels its upstream call at once.
