@@ -3,7 +3,7 @@
 Each flag is declared once in ``FLAGS``: its name, the commands that take it, its type, its
 default, its check and its help. From that one row come the argparse option, the
 ``VLLM_CACHE_EXPORTER_<FLAG>`` environment variable, the ``--config.file`` YAML key (``run``
-only), the ``--help`` text and the README's reference tables, so none can drift. Names
+only), the ``--help`` text and docs/configuration.md's reference tables, so none can drift. Names
 follow node_exporter's vocabulary: a component's settings are dotted (``--vllm.url``,
 ``--web.listen-address``, ``--log.level``), a command's own switches are single words
 (``--scenario``, ``--speed``, ``--check``). The same setting has the same name, and the
@@ -46,7 +46,7 @@ from exporter.web import WebConfigError
 from exporter.web import load as load_web_config
 
 ENV_PREFIX = "VLLM_CACHE_EXPORTER_"
-# Not in the Prometheus default port allocations list as far as we could check; see README.
+# Not in the Prometheus default port allocations list as far as we could check; see docs/configuration.md.
 DEFAULT_PORT = 10123
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 USAGE_FORMATS = ("native", "litellm", "openai", "mapping")
@@ -810,7 +810,7 @@ def _check_web_configs(config: Config) -> None:
 
 
 def flags_markdown(command: str = RUN) -> str:
-    """A README reference table, generated so it cannot drift from FLAGS."""
+    """A docs/configuration.md reference table, generated so it cannot drift from FLAGS."""
     lines = ["| Flag | Environment | Default | Meaning |", "|---|---|---|---|"]
     current = None
     for flag in flags_for(command):

@@ -11,12 +11,14 @@ from exporter.monitoring.rules import recorded_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+USAGE = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
 METRICS = ROOT / "docs" / "metrics.md"
 RECORDED = ("<!-- recorded:begin -->\n", "<!-- recorded:end -->")
 
 
 def flag_blocks(text: str) -> dict[str, str]:
-    """command -> the README's generated flag table for it."""
+    """command -> the generated flag table for it in docs/configuration.md."""
     blocks = {}
     for part in text.split("<!-- flags:begin ")[1:]:
         command = part.split(None, 1)[0]
@@ -26,7 +28,7 @@ def flag_blocks(text: str) -> dict[str, str]:
 
 def test_flag_reference_is_current():
     """One generated table per command, all from the one table in exporter/config.py."""
-    blocks = flag_blocks(README)
+    blocks = flag_blocks(CONFIGURATION.read_text(encoding="utf-8"))
     assert set(blocks) == set(COMMANDS)
     for command in COMMANDS:
         assert blocks[command] == flags_markdown(command).strip(), (
@@ -34,7 +36,7 @@ def test_flag_reference_is_current():
 
 
 def regenerate() -> None:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = CONFIGURATION.read_text(encoding="utf-8")
     for command in flag_blocks(text):
         marker = f"<!-- flags:begin {command} "
         head, rest = text.split(marker, 1)
@@ -42,7 +44,7 @@ def regenerate() -> None:
         _old, tail = rest.split("<!-- flags:end", 1)
         text = (f"{head}{marker}{comment}-->\n{flags_markdown(command)}<!-- flags:end"
                 f"{tail}")
-    (ROOT / "README.md").write_text(text, encoding="utf-8")
+    CONFIGURATION.write_text(text, encoding="utf-8")
     metrics = METRICS.read_text(encoding="utf-8")
     head, rest = metrics.split(RECORDED[0], 1)
     _old, tail = rest.split(RECORDED[1], 1)
@@ -80,13 +82,13 @@ def test_ci_proves_the_declared_dependency_floors():
 
 
 def test_the_openai_format_examples_read_as_the_readme_says():
-    """One record per response shape (chat, completions, Responses, Anthropic Messages):
+    """docs/usage.md: one record per response shape (chat, completions, Responses, Anthropic Messages):
     each is accepted, with the prompt and cached tokens its usage says."""
     import json
 
     from exporter.usage.formats import OpenAIFormat
 
-    block = README.split("One record of each")[1].split("```json\n", 1)[1].split("```")[0]
+    block = USAGE.split("One record of each")[1].split("```json\n", 1)[1].split("```")[0]
     events = [OpenAIFormat()(json.loads(line)) for line in block.splitlines() if line.strip()]
     assert [(event.caller, event.prompt_tokens, event.cached_tokens) for event in events] == [
         ("a", 1396, 1376), ("b", 1373, 1344), ("c", 268, 256), ("d", 446, 416)]

@@ -13,7 +13,7 @@ first sample at or after it (``CallerTimeline.at``).
 Bounded whatever the traffic: at most ``SAMPLES`` samples per key, one key per caller label
 (itself capped by the caller cap, and here by ``max_callers``) and per vLLM target. A sample is
 an ``array('d')`` of ``CALLER_FIELDS`` doubles: about 220 bytes, so about 27 KB per caller
-and 2.7 MB at the default cap of 100 callers and __other__ (README, Limits;
+and 2.7 MB at the default cap of 100 callers and __other__ (docs/limits.md;
 tests/test_history.py fills it and measures).
 
 Pure: times are handed in; nothing here reads a clock.

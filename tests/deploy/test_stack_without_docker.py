@@ -1,4 +1,4 @@
-"""README "Run the stack without Docker", run as it is written: its first block starts the
+"""docs/deployment.md "Run the stack without Docker", run as it is written: its first block starts the
 stack (Debian's Prometheus and Alertmanager on the shipped deploy/ files, the simulator, the
 exporter, the alert logger, the driver), its second sends a test page through Alertmanager.
 The checks are the compose test's, the collapse aside (its page takes a quarter of an hour,
@@ -49,7 +49,7 @@ PORTS = (8000, 8001, 8080, 9090, 9093, 10123)
 
 
 def readme_blocks() -> list[str]:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "deployment.md").read_text(encoding="utf-8")
     section = readme.split(SECTION, 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     return re.findall(r"```sh\n(.*?)```", section, flags=re.S)
 
@@ -112,7 +112,7 @@ def test_the_readme_stack_is_wired_and_pages(stack: tuple[subprocess.Popen[str],
 
     def alive() -> None:
         if shell.poll() is not None:
-            pytest.fail(f"the README block exited {shell.returncode}:\n{output.read_text()}")
+            pytest.fail(f"the docs/deployment.md block exited {shell.returncode}:\n{output.read_text()}")
 
     alive()
     start, check = readme_blocks()

@@ -27,7 +27,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+README = REPO / "docs" / "usage.md"  # its LiteLLM section
 BEGIN, END = "<!-- litellm:begin -->", "<!-- litellm:end -->"
 VLLM_PLACEHOLDER = "http://vllm:8000"
 EXPORTER_PLACEHOLDER = "http://vllm-cache-exporter:10123"

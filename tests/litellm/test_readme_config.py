@@ -1,4 +1,4 @@
-"""The README's LiteLLM setup, checked without LiteLLM (this runs under ``-m "not litellm"``
+"""docs/usage.md's LiteLLM setup, checked without LiteLLM (this runs under ``-m "not litellm"``
 too): the end-to-end test starts LiteLLM from exactly this text, so these are the settings
 that test proved, kept from being edited away unnoticed."""
 
@@ -46,7 +46,7 @@ def test_readme_names_the_tested_litellm_version():
 
 
 def test_a_readme_config_without_the_placeholder_is_refused():
-    """Else the test would point LiteLLM at a host that only exists in the README."""
+    """Else the test would point LiteLLM at a host that only exists in docs/usage.md."""
     section = README.read_text(encoding="utf-8").split("<!-- litellm:begin -->", 1)[1]
     edited = "<!-- litellm:begin -->" + section.replace(EXPORTER_PLACEHOLDER,
                                                         "http://exporter:10123")

@@ -107,7 +107,7 @@ def _warning_and_page() -> tuple[int, int]:
 
 
 def test_the_minutes_before_the_page_that_the_docs_quote_are_measured():
-    """The README and the runbook say how long before VllmCachePrefixCollapse pages the
+    """docs/monitoring.md and the runbook say how long before VllmCachePrefixCollapse pages the
     demand alert's expression is true, in report 000's replay: the whole minutes between the
     two times the promtool file asserts (and the demand series, read here, agrees on the
     first)."""
@@ -121,7 +121,7 @@ def test_the_minutes_before_the_page_that_the_docs_quote_are_measured():
                  if value is not None and value > (pool[step] or 0) - headroom)
     assert first * foresight_series.STEP_SECONDS == warning
     words = NUMBER_WORDS[(page - warning) // 60]
-    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    readme = " ".join((ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8").split())
     assert f"its expression is true {words} minutes before `VllmCachePrefixCollapse` pages" \
         in readme
     runbook = " ".join((ROOT / "docs" / "runbook.md").read_text(encoding="utf-8").split())

@@ -28,7 +28,7 @@ from exporter.usage.tap.fingerprint import (
 )
 from exporter.values import PromptPrint
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text("utf-8")
+LIMITS = (Path(__file__).resolve().parents[2] / "docs" / "limits.md").read_text("utf-8")
 KEY = bytes(16)
 CAP = 32 * 1024  # --tap.prompt-order-bytes default
 
@@ -43,9 +43,9 @@ def worst_prompt(seed: int, size: int = CAP + 4 * MIN_BLOCK_BYTES) -> bytes:
 
 
 def documented_kib(what: str) -> int:
-    """'at most **N KiB** WHAT' as README "Limits" states it."""
-    match = re.search(r"at most \*\*([\d,]+) KiB\*\* " + re.escape(what), README)
-    assert match, f"README states no bound for {what}"
+    """'at most **N KiB** WHAT' as docs/limits.md states it."""
+    match = re.search(r"at most \*\*([\d,]+) KiB\*\* " + re.escape(what), LIMITS)
+    assert match, f"docs/limits.md states no bound for {what}"
     return int(match.group(1).replace(",", ""))
 
 
