@@ -213,6 +213,12 @@ class BatchResult:
         return out
 
 
+def batch_key(idempotency_key: str) -> int:
+    """How an Idempotency-Key is remembered: its hash (Python's, keyed at random per
+    process), as event ids are (``UsageState.record_events``)."""
+    return hash(("Idempotency-Key", idempotency_key))
+
+
 @dataclass(frozen=True)
 class Answered:
     """What a batch under an Idempotency-Key was answered: a retry gets the same."""
@@ -710,7 +716,7 @@ class UsageIngest:
             return self._refuse(400, "bad_idempotency_key",
                                 f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} "
                                 "visible ASCII characters")
-        hashed = hash(("Idempotency-Key", key))
+        hashed = batch_key(key)
         return self._answered_before(hashed) or hashed
 
     def _answered_before(self, key: int) -> web.Response | None:
