@@ -263,17 +263,15 @@ class UsageState:
         return self._record(events, reader)[0]
 
     def record_batch(self, events: Sequence[UsageEvent], reader: str) -> int:
-        """``record_events``, returning how many of the events were retried copies (an id
-        already counted), which were not counted again."""
+        """``record_events``, returning how many of the events were retried copies, which
+        were not counted again: an event whose (caller, id) was counted within the window
+        (``event_ids``) is counted only as rejected, reason ``duplicate`` (so it is never
+        taken for a follow-up turn of its own conversation)."""
         return self._record(events, reader)[1]
 
     def _record(self, events: Sequence[UsageEvent], reader: str) -> tuple[str | None, int]:
         """Count accepted events, each once and in their order: (the last one's state, how
-        many were copies).
-
-        An event whose (caller, id) was counted within the window (``event_ids``) is a
-        retried copy: counted only as rejected, reason ``duplicate``, nowhere else (so it is
-        never taken for a follow-up turn of its own conversation).
+        many were copies, ``record_batch``).
 
         Each event in its steps: its series, whether it failed, what it reported cached (and
         what that teaches the granularity learner), its conversation's previous turn, its
@@ -346,11 +344,16 @@ class UsageState:
             keep(key, conversation, event, model, now)
         if duplicates:
             self.reject(reader, "duplicate", duplicates)
-            if duplicates == len(events):
-                return None, duplicates
-        self.events[reader] = self.events.get(reader, 0) + len(events) - duplicates
+        return self._counted(reader, len(events) - duplicates, now, state), duplicates
+
+    def _counted(self, reader: str, count: int, now: float, state: str) -> str | None:
+        """The reader's counters after ``count`` events counted (the last one's ``state``;
+        None when there were none: a call of copies only)."""
+        if not count:
+            return None
+        self.events[reader] = self.events.get(reader, 0) + count
         self.last_event_time[reader] = now
-        return state, duplicates
+        return state
 
     def _reported(self, event: UsageEvent, series: Series, model: str) -> int | None:
         """The cached count the event is judged and counted by (None: not reported), and
