@@ -23,7 +23,8 @@ WORKDIR /src
 # everything else out of the build context.
 COPY pyproject.toml README.md ./
 COPY exporter ./exporter
-RUN /opt/venv/bin/pip install --no-cache-dir .
+# The re2 extra: the operator's caller and model patterns matched in linear time.
+RUN /opt/venv/bin/pip install --no-cache-dir '.[re2]'
 
 FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="vllm-cache-exporter" \

@@ -146,10 +146,25 @@ def runs_text(rates: list[float]) -> str:
 
 IN_PROCESS_STAGES = ("split", "ingest without recording", "record", "whole", "floor",
                      "whole, 1 line in 10 rejected", "whole, every line rejected",
-                     "file follower, replay")
+                     "file follower, replay", "whole, every line with an id",
+                     "whole, every line a copy (id)")
 # What the rejected lines of the last two stages hold: an event the check refuses (a negative
 # prompt), which costs a decode, a check and a rejection with its reason.
 REJECTED_LINE = b'{"caller":"agent-0","model":"qwen3.8-27b","prompt_tokens":-1}'
+
+
+def with_ids(bodies: list[bytes]) -> list[bytes]:
+    """The bodies with an ``id`` on every line (distinct, of a UUID's length), as a proxy
+    that sends one for retries would (issue 29)."""
+    out = []
+    number = 0
+    for body in bodies:
+        lines = []
+        for line in body.split(b"\n"):
+            number += 1
+            lines.append(line[:-1] + b',"id":"req-%032d"}' % number)
+        out.append(b"\n".join(lines))
+    return out
 
 
 def with_rejections(bodies: list[bytes], every: int) -> list[bytes]:
@@ -194,11 +209,18 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
             read_body(body)
         return time.perf_counter() - start
 
-    def ingest(recording: bool, bodies: list[bytes] = bodies) -> float:
+    def ingest(recording: bool, bodies: list[bytes] = bodies, twice: bool = False) -> float:
+        """``twice``: the bodies are counted once before the clock starts, so that every
+        line timed is a copy of one counted (the retry of a whole batch)."""
         state = signals_state(config)
         reader = usage_ingest(config, state.usage)
+        if twice:
+            loop = asyncio.new_event_loop()
+            for body in bodies:
+                loop.run_until_complete(reader.process(read_body(body), native))
+            loop.close()
         if not recording:
-            reader.record_events = len
+            reader.record_events = lambda rows: None
         loop = asyncio.new_event_loop()
         try:
             start = time.perf_counter()
@@ -243,8 +265,10 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
         return spent
 
     some_rejected, all_rejected = with_rejections(bodies, 10), with_rejections(bodies, 1)
+    identified = with_ids(bodies)
     stages = (split, lambda: ingest(False), record, lambda: ingest(True), floor,
-              lambda: ingest(True, some_rejected), lambda: ingest(True, all_rejected), replay)
+              lambda: ingest(True, some_rejected), lambda: ingest(True, all_rejected), replay,
+              lambda: ingest(True, identified), lambda: ingest(True, identified, twice=True))
     best = [min(stage() for _ in range(repeats)) for stage in stages]
     shutil.rmtree(workdir)
     return {name: spent / events * 1e6

@@ -328,6 +328,15 @@ FLAGS: tuple[Flag, ...] = (
          "times the body limit, taken as their bytes arrive (a body trickling in holds only "
          "what it sent); one that finds no room waits up to 5 s, then gets 503 with "
          "Retry-After.", _to_int, 4, metavar="N", check=_positive),
+    Flag("usage.dedup.max-ids", "Usage readers", "Most event ids (the events' \"id\", per "
+         "caller) remembered to count a retried event once: each for at least "
+         "--usage.dedup.window unless half this many newer ones came after it "
+         "(vllm_cache_usage_ids_forgotten_early_total counts those); about 90 bytes each. "
+         "POST /v1/usage's Idempotency-Key keeps a tenth as many batches.", _to_int, 100_000,
+         metavar="N", check=_positive),
+    Flag("usage.dedup.window", "Usage readers", "Seconds an event id or an Idempotency-Key "
+         "is remembered at least (at most twice that): a copy within it is counted once, as "
+         "\"duplicate\".", _to_float, 600.0, metavar="SECONDS", check=_positive),
     Flag("usage.new-series-hold", "Usage readers", "Seconds a new per-caller series is exposed "
          "at zero before its counts show, so that every Prometheus scraping it sees it start "
          "at zero and rate() counts its first requests; at least your longest scrape interval "
@@ -561,6 +570,8 @@ class Config:
     usage_ingest_token: str = field(default=_default("usage.ingest.token"), repr=False)
     usage_ingest_max_body_bytes: int = _default("usage.ingest.max-body-bytes")
     usage_ingest_max_concurrent_bodies: int = _default("usage.ingest.max-concurrent-bodies")
+    usage_dedup_max_ids: int = _default("usage.dedup.max-ids")
+    usage_dedup_window: float = _default("usage.dedup.window")
     usage_new_series_hold: float = _default("usage.new-series-hold")
     usage_file: tuple[str, ...] = _default("usage.file")
     usage_file_format: str = _default("usage.file.format")

@@ -222,6 +222,11 @@ class PromptPrint:
         return self.ends[-1] if self.ends else 0
 
 
+# The caller label of what is folded past a cap (``exporter.signals.callers``): no caller may
+# name itself so (``exporter.usage.event`` refuses it).
+OVERFLOW_LABEL = "__other__"
+
+
 # Status words that mean the request succeeded; any other word is an error.
 OK_STATUS_WORDS = frozenset({"ok", "success", "succeeded", "successful", "2xx", "completed"})
 
@@ -243,6 +248,9 @@ MAX_CALLER_CHARS = 256
 MAX_MODEL_CHARS = 256
 MAX_SESSION_CHARS = 256
 MAX_STATUS_CHARS = 32
+# An event id: a UUID is 36 characters, OpenAI's and vLLM's response ids about 40; room for a
+# proxy's own prefix in front of one.
+MAX_EVENT_ID_CHARS = 128
 # No request asks for more sequences of one prompt than this (OpenAI caps n at 128).
 MAX_SEQUENCES = 128
 
@@ -255,6 +263,7 @@ Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMESTAMP)]
 # An HTTP status (100-599) or a short word; decoded as either, checked in Python.
 Status = int | str
 Sequences = Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQUENCES)]
+EventId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_EVENT_ID_CHARS)]
 
 
 class UsageEvent(msgspec.Struct, frozen=True, gc=False):
@@ -277,6 +286,9 @@ class UsageEvent(msgspec.Struct, frozen=True, gc=False):
     the reader knows it; above 1, vLLM's ``cached_tokens`` is one sequence's, which may have
     found the blocks its siblings had just written, so it says nothing of the request's own
     reuse (counted as not reported, classified ``unknown``).
+    ``id`` names the request (unique per caller): an event whose (caller, id) was counted
+    within the last ``--usage.dedup.window`` is a retried copy, counted once
+    (``UsageState.record_events``). None: no id, never taken for a copy.
 
     ``caller``, ``model`` and ``prompt_tokens`` have no default: a line decoded without one
     of them is not the common event, and goes to the validation that knows what it means
@@ -301,6 +313,8 @@ class UsageEvent(msgspec.Struct, frozen=True, gc=False):
     max_tokens: Tokens | None = None
     # ---- how many sequences of the prompt vLLM ran (n) ----
     sequences: Sequences | None = None
+    # ---- the request's id, for retried copies (optional) ----
+    id: EventId | None = None
 
 
 def status_is_error(status: int | str | None) -> bool:
@@ -313,3 +327,71 @@ def status_is_error(status: int | str | None) -> bool:
     if text.isascii() and text.isdigit():
         return not 200 <= int(text) < 300
     return text.lower() not in OK_STATUS_WORDS
+
+
+class RecentKeys:
+    """What was seen lately (event ids, Idempotency-Keys), each with a value: at most
+    ``max_keys`` keys, each remembered for at least ``seconds`` unless ``max_keys // 2`` newer
+    ones came after it, and for less than twice ``seconds``.
+
+    Two generations of at most ``max_keys // 2`` keys each: new keys go into the current one,
+    which becomes the previous one when it is ``seconds`` old or full, and the previous one is
+    dropped then. A generation ended by its count while the previous one was younger than
+    ``seconds`` forgot that one's keys early: ``forgotten_early`` counts them (raise the cap).
+    The time is the caller's (``now``), so tests and the exporter's clock drive it.
+    """
+
+    __slots__ = ("generation_keys", "seconds", "current", "previous", "started",
+                 "previous_started", "forgotten_early")
+
+    def __init__(self, max_keys: int, seconds: float) -> None:
+        self.generation_keys = max(1, max_keys // 2)
+        self.seconds = seconds
+        self.current: dict[object, object] = {}
+        self.previous: dict[object, object] = {}
+        self.started = -math.inf  # when the current generation began
+        self.previous_started = -math.inf
+        self.forgotten_early = 0
+
+    def __len__(self) -> int:
+        return len(self.current) + len(self.previous)
+
+    def _turn(self, now: float) -> None:
+        """Begin a new generation if the current one is ``seconds`` old (or the clock went
+        back by more than that), or full."""
+        seconds = self.seconds
+        recent = -seconds <= now - self.started < seconds
+        if recent and len(self.current) < self.generation_keys:
+            return
+        if recent and -seconds <= now - self.previous_started < seconds:
+            self.forgotten_early += len(self.previous)
+        if not -seconds <= now - self.started < 2 * seconds:
+            self.current = {}  # nothing of either generation is recent any more
+        self.previous, self.current = self.current, {}
+        self.previous_started, self.started = self.started, now
+
+    def get(self, key: object, now: float) -> object | None:
+        """The value of ``key`` if it was put within the window, else None."""
+        if not -self.seconds <= now - self.started < self.seconds:
+            self._turn(now)
+        value = self.current.get(key)
+        return self.previous.get(key) if value is None else value
+
+    def put(self, key: object, value: object, now: float) -> None:
+        self._turn(now)
+        self.current[key] = value
+
+    def pop(self, key: object) -> None:
+        self.current.pop(key, None)
+        self.previous.pop(key, None)
+
+    def seen(self, key: object, now: float) -> bool:
+        """Whether ``key`` was seen within the window; remembered from now if not."""
+        if not -self.seconds <= now - self.started < self.seconds:
+            self._turn(now)
+        if key in self.current or key in self.previous:
+            return True
+        if len(self.current) >= self.generation_keys:
+            self._turn(now)
+        self.current[key] = True
+        return False

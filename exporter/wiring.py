@@ -44,7 +44,8 @@ def usage_settings(config: Config) -> UsageSettings:
         max_series=config.callers_max_series, name_pattern=config.callers_name_pattern,
         model_pattern=config.callers_model_pattern, keep_emails=config.callers_keep_emails,
         new_series_hold=config.usage_new_series_hold, foresight=foresight_settings(config),
-        prompt_order_window=config.signals_prompt_order_window)
+        prompt_order_window=config.signals_prompt_order_window,
+        dedup_max_ids=config.usage_dedup_max_ids, dedup_window=config.usage_dedup_window)
 
 
 def foresight_settings(config: Config) -> ForesightSettings:
@@ -69,10 +70,11 @@ def usage_ingest(config: Config, usage: UsageState) -> UsageIngest:
     return UsageIngest(
         converters(config), config.usage_ingest_format, config.usage_ingest_token,
         config.usage_ingest_max_body_bytes,
-        record_events=lambda rows: usage.record_events(rows, HTTP_READER),
+        record_events=lambda rows: usage.record_batch(rows, HTTP_READER),
         reject=lambda reason: usage.reject(HTTP_READER, reason),
         reject_request=usage.reject_request,
-        max_concurrent_bodies=config.usage_ingest_max_concurrent_bodies)
+        max_concurrent_bodies=config.usage_ingest_max_concurrent_bodies,
+        batches=usage.batch_keys, clock=usage.now)
 
 
 def engine_poller(config: Config, state: SignalsState,

@@ -113,7 +113,10 @@ def test_post_v1_usage_never_fails_and_counts_every_event_once(lines, shape, fmt
         if response.status == 400:
             assert (accepted, rejected, refused) == (0, 0, 1)
             return
-        assert (reply["accepted"], reply["rejected"]) == (accepted, rejected)
+        # Copies of an event (its id repeated) count as rejected "duplicate", not in the
+        # reply's rejections (they are answered as success).
+        assert (reply["accepted"], reply["rejected"] + reply.get("duplicates", 0)) == (
+            accepted, rejected)
         assert refused == 0
 
     run(scenario())
@@ -137,6 +140,80 @@ def test_the_file_follower_reads_every_complete_line_once(lines, tmp_path_factor
     follower.close()
     written = [line for line in lines if line.replace(b"\xef\xbb\xbf", b"").strip()]
     assert len(events) + len(rejected) == len(written)
+
+
+# --- retried events and batches (issue 29) ----------------------------------------------------
+
+TURNS = st.lists(st.fixed_dictionaries({
+    "caller": st.sampled_from(["a", "b"]), "model": st.just("m"),
+    "prompt_tokens": st.integers(1, 50_000), "cached_tokens": st.sampled_from([0, 1024, None]),
+    "session": st.sampled_from(["s1", "s2", None]),
+    "id": st.one_of(st.none(), st.sampled_from(["1", "2", "3", "4"]))}), min_size=1,
+    max_size=6).map(lambda turns: [
+        {**turn, "cached_tokens": min(turn["cached_tokens"], turn["prompt_tokens"])}
+        if turn["cached_tokens"] is not None else turn for turn in turns])
+# Posts: (a batch, its Idempotency-Key or None); a retry sends an earlier post again.
+POSTS = st.lists(st.tuples(TURNS, st.sampled_from([None, "k1", "k2", "k3"]),
+                           st.integers(-1, 5)), min_size=1, max_size=6)
+
+
+def deduplicated(posts: list[tuple[list[dict[str, Any]], str | None]]) -> list[list[Any]]:
+    """What counts of ``posts`` once each retried copy is left out: a post whose key was
+    answered before is not read again, and an event whose (caller, id) was counted before
+    is not counted again (events without an id always are)."""
+    keys: set[str] = set()
+    ids: set[tuple[str, str]] = set()
+    out = []
+    for turns, key in posts:
+        if key is not None:
+            if key in keys:
+                continue
+            keys.add(key)
+        kept = []
+        for turn in turns:
+            if turn["id"] is not None:
+                if (turn["caller"], turn["id"]) in ids:
+                    continue
+                ids.add((turn["caller"], turn["id"]))
+            kept.append({name: item for name, item in turn.items() if name != "id"})
+        out.append(kept)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(posts=POSTS)
+def test_retried_events_and_batches_total_what_their_deduplicated_input_does(posts):
+    """Batches posted, some of them again (the same events with their ids, or the same body
+    with the same Idempotency-Key, as a sender retrying after a lost reply): every total
+    and every state is that of the deduplicated input posted once, in order."""
+    sent: list[tuple[list[dict[str, Any]], str | None]] = []
+    for turns, key, again in posts:
+        sent.append((turns, key))
+        if 0 <= again < len(sent):  # a retry of an earlier post, as it was sent
+            sent.append(sent[again])
+
+    async def totals(batches: list[tuple[list[dict[str, Any]], str | None]]) -> Any:
+        config = Config(signals_granularity=32)
+        state = signals_state(config)
+        client = TestClient(TestServer(create_app(config, state, initial_refresh=False)))
+        await client.start_server()
+        try:
+            for turns, key in batches:
+                if not turns:
+                    continue
+                response = await client.post(
+                    "/v1/usage", data=b"\n".join(encode(turn) for turn in turns),
+                    headers={"Idempotency-Key": key} if key else {})
+                assert response.status == 200, await response.text()
+        finally:
+            await client.close()
+        usage = state.usage
+        return (usage.caller_totals(), usage.events.get("http", 0),
+                {key: series.requests for key, series in usage.series.items()})
+
+    retried = run(totals(sent))
+    once = run(totals([(turns, None) for turns in deduplicated(sent)]))
+    assert retried == once
 
 
 @settings(max_examples=60, deadline=None,
@@ -251,7 +328,8 @@ def test_chunked_slow_and_encoded_bodies_never_fail_and_count_once(lines, shape,
                 assert reply["error"] == expected[response.status]
             return
         assert coding not in ("gzip-but-plain", "br", "gzip, deflate") or not data
-        assert (reply["accepted"], reply["rejected"]) == (accepted, rejected)
+        assert (reply["accepted"], reply["rejected"] + reply.get("duplicates", 0)) == (
+            accepted, rejected)
         assert refused == 0
 
     run(scenario())

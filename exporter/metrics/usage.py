@@ -32,6 +32,7 @@ from exporter.signals.usage import (
     ENGINE,
     PROXY,
     QUEUE_BUCKETS,
+    TIMING_DROP_REASONS,
     TTFT_BUCKETS,
     Histogram,
     Series,
@@ -479,3 +480,34 @@ class UsageCollector:
         yield refused
         yield overflowed
         yield folded
+        yield from self._retry_families()
+
+    def _retry_families(self) -> Iterator[Metric]:
+        """Timings left out of counted events, and the memory of ids for retried copies."""
+        usage = self.usage
+        dropped = CounterMetricFamily(
+            "vllm_cache_usage_timings_dropped",
+            "Counted events whose proxy TTFT and queue wait were left out as inconsistent "
+            "(queue_exceeds_ttft: the wait, part of the TTFT, was longer than it).",
+            labels=["reader", "reason"])
+        for reader in sorted(usage.events):
+            for reason in TIMING_DROP_REASONS:
+                dropped.add_metric([reader, reason],
+                                   usage.timings_dropped.get((reader, reason), 0))
+        remembered = GaugeMetricFamily(
+            "vllm_cache_usage_ids_remembered",
+            "Event ids (per caller) and POST /v1/usage Idempotency-Keys remembered to count "
+            "a retried copy once (--usage.dedup.max-ids, --usage.dedup.window).",
+            labels=["kind"])
+        forgotten = CounterMetricFamily(
+            "vllm_cache_usage_ids_forgotten_early",
+            "Event ids and Idempotency-Keys forgotten before --usage.dedup.window because "
+            "the cap (--usage.dedup.max-ids) was reached: a copy of one is counted again.",
+            labels=["kind"])
+        for kind, keys in (("event_id", usage.event_ids),
+                           ("idempotency_key", usage.batch_keys)):
+            remembered.add_metric([kind], len(keys))
+            forgotten.add_metric([kind], keys.forgotten_early)
+        yield dropped
+        yield remembered
+        yield forgotten

@@ -17,16 +17,46 @@ this order, and the same whichever reader saw the name:
 
 Nothing is ever hashed because of a prefix alone: ``pk-search`` and ``sess-caller`` are
 names, ``sk-proj-4f9...`` is a key.
+
+An alias of a hashed name (``key-0123456789ab=billing``) renames only a hash the exporter
+made: no reader hands the signals a caller of that form, nor ``__other__``, unless it made
+it itself (the HTTP ingest and the file follower refuse them as ``reserved_caller``,
+``exporter.usage.event.is_reserved_caller``; the tap refuses them from its caller header and
+the request body, and gives that form only to its own hash of a request's key). So a raw
+name of the hashed form here is the tap's hash of a real key, and rule 2 hashes anything
+else that is no plain name.
+
+The operator's patterns run on names of at most MAX_CALLER_CHARS (models MAX_MODEL_CHARS)
+characters, checked here too (a longer name is hashed without them), and are compiled with
+RE2 (``google-re2``, the ``re2`` extra) where it is installed: linear in the name's length
+whatever the pattern. Python's ``re`` backtracks: ``(a+)+$`` takes seconds on 26
+characters, so without RE2 a pattern with a repeat inside a repeat is warned about at start.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from exporter.redaction import key_label
+from exporter.values import MAX_CALLER_CHARS, OVERFLOW_LABEL
 
-OTHER = "__other__"
+try:  # linear-time matching of the operator's patterns (optional: the re2 extra)
+    import re2  # type: ignore[import-not-found, import-untyped, unused-ignore]
+except ImportError:  # pragma: no cover - depends on what is installed
+    re2 = None
+
+if sys.version_info >= (3, 11):
+    import re._parser as _sre_parse
+else:  # pragma: no cover - Python 3.10
+    import sre_parse as _sre_parse
+
+log = logging.getLogger(__name__)
+
+OTHER = OVERFLOW_LABEL
 DEFAULT_NAME_PATTERN = r"[A-Za-z0-9._-]{1,64}"
 DEFAULT_MODEL_PATTERN = r"[A-Za-z0-9._:/+-]{1,128}"
 
@@ -77,21 +107,82 @@ def is_email(name: str) -> bool:
     return _EMAIL.fullmatch(name) is not None
 
 
+_REPEATS = frozenset({_sre_parse.MAX_REPEAT, _sre_parse.MIN_REPEAT})
+_UNBOUNDED = _sre_parse.MAXREPEAT
+
+
+def can_backtrack(pattern: str) -> bool:
+    """Whether ``pattern`` repeats something that itself repeats, one of the two without an
+    upper bound (``(a+)+``, ``(a*)*``, ``(a{1,9})+``, ``([a-z]+-)*``): Python's ``re`` may
+    then try exponentially many ways to match a name that fails. A heuristic: some such
+    patterns are linear (the last one), and alternatives that overlap (``(a|aa)+``) are not
+    seen."""
+    try:
+        tree = _sre_parse.parse(pattern)
+    except re.error:
+        return False
+
+    def nested(items: Any, outer: int) -> bool:
+        """``outer``: the largest count of the repeats around ``items`` (0: none)."""
+        for op, arg in items:
+            if op in _REPEATS:
+                most = arg[1]
+                if outer and (most == _UNBOUNDED or outer == _UNBOUNDED) and most > 1:
+                    return True
+                if nested(arg[2], max(outer, most) if most > 1 else outer):
+                    return True
+            elif op is _sre_parse.SUBPATTERN and nested(arg[-1], outer):
+                return True
+            elif op is _sre_parse.BRANCH and any(nested(b, outer) for b in arg[1]):
+                return True
+            elif op in (_sre_parse.ASSERT, _sre_parse.ASSERT_NOT) and nested(arg[1], outer):
+                return True
+        return False
+
+    return nested(tree, 0)
+
+
+def compile_pattern(pattern: str, what: str = "--callers.name-pattern"
+                    ) -> Callable[[str], object]:
+    """``pattern``'s fullmatch: RE2's where it is installed and takes the pattern (it has no
+    backreferences or lookarounds), else Python's, with a warning if it can backtrack."""
+    if re2 is not None:
+        options = re2.Options()
+        options.log_errors = False
+        try:
+            return re2.compile(pattern, options=options).fullmatch  # type: ignore[no-any-return]
+        except re2.error:
+            pass
+    if can_backtrack(pattern):
+        log.warning("%s %r repeats a repeated part: Python's regular expressions can take "
+                    "seconds or more on one name that fails to match it, stalling the "
+                    "exporter; install google-re2 (pip install 'vllm-cache-exporter[re2]') "
+                    "to match it in linear time, or rewrite it", what, pattern)
+    return re.compile(pattern).fullmatch
+
+
 class NamePolicy:
     """Whether a name may be a label as it is, or only as its hash (rule 2 above)."""
 
-    def __init__(self, pattern: str = DEFAULT_NAME_PATTERN, keep_emails: bool = False) -> None:
-        self.pattern = re.compile(pattern)
+    def __init__(self, pattern: str = DEFAULT_NAME_PATTERN, keep_emails: bool = False,
+                 max_chars: int = MAX_CALLER_CHARS,
+                 what: str = "--callers.name-pattern") -> None:
+        self.fullmatch = compile_pattern(pattern, what)
         self.keep_emails = keep_emails
+        # Names are bounded before they get here (exporter.values); a longer one is hashed
+        # before any pattern sees it.
+        self.max_chars = max_chars
 
     def label(self, name: str) -> str:
         if not name:  # no name at all (a model the proxy did not report)
             return name
+        if len(name) > self.max_chars:
+            return key_label(name)
         if looks_like_key(name):
             return key_label(name)
         if self.keep_emails and is_email(name):
             return name
-        if self.pattern.fullmatch(name) is None:
+        if self.fullmatch(name) is None:
             return key_label(name)
         return name
 

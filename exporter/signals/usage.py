@@ -32,10 +32,12 @@ from exporter.signals.history import CALLER_FIELDS, History
 from exporter.signals.kvpool import granule
 from exporter.signals.order import DEFAULT_WINDOW_SECONDS, OrderTracker
 from exporter.values import (
+    MAX_MODEL_CHARS,
     PREEMPTIONS,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
     PromptPrint,
+    RecentKeys,
     UsageEvent,
     status_is_error,
 )
@@ -62,7 +64,23 @@ OVERFLOW_PAIR = (OTHER, OTHER)
 # Why POST /v1/usage refuses a request as a whole (its reply's "error").
 INGEST_REFUSALS = ("unauthorized", "body_too_large", "bad_body", "bad_format", "overloaded",
                    "abandoned", "body_too_slow", "bad_content_encoding",
-                   "unsupported_content_encoding")
+                   "unsupported_content_encoding", "duplicate", "in_progress",
+                   "bad_idempotency_key")
+# Event ids (per caller) remembered to count a retried event once, and for how long at least
+# (``RecentKeys``; --usage.dedup.max-ids, --usage.dedup.window). Each is kept as the 64-bit
+# hash of (caller, id): about 90 bytes, 9 MB at the cap. POST /v1/usage's Idempotency-Keys
+# are a tenth as many (a batch holds many events).
+DEFAULT_MAX_IDS = 100_000
+DEFAULT_ID_WINDOW_SECONDS = 600.0
+BATCH_KEYS_PER_ID = 10
+# Why an event's timings were left out while the event itself counted (its tokens, its
+# state): ``queue_exceeds_ttft``, a proxy admission wait longer than the TTFT it is part of
+# by more than TIMING_SLACK_SECONDS (one of the two is wrong, and which cannot be told).
+TIMING_DROP_REASONS = ("queue_exceeds_ttft",)
+# Two readings of one proxy's clocks, rounded to the millisecond each, can put the wait a
+# few ms past the TTFT of a turn whose engine part is too short to measure: up to this much
+# it counts as such a turn (TTFT 0), beyond it as inconsistent.
+TIMING_SLACK_SECONDS = 0.01
 # Raw (caller, model) pairs memoized to their series (cleared when full).
 PAIR_MEMO_MAX = 10_000
 # Distinct (reader, reason) pairs counted; reasons come from code, this guards the tap's.
@@ -183,6 +201,9 @@ class UsageSettings:
     foresight: ForesightSettings = field(default_factory=ForesightSettings)
     # Requests compared for prompt order are those within this many seconds (signals/order.py).
     prompt_order_window: float = DEFAULT_WINDOW_SECONDS
+    # Event ids and Idempotency-Keys remembered, and for how long at least (RecentKeys).
+    dedup_max_ids: int = DEFAULT_MAX_IDS
+    dedup_window: float = DEFAULT_ID_WINDOW_SECONDS
 
 
 class UsageState:
@@ -193,7 +214,8 @@ class UsageState:
         self.callers = LabelCap(settings.callers_max, settings.callers_allow,
                                 dict(settings.callers_alias),
                                 policy=NamePolicy(settings.name_pattern, settings.keep_emails))
-        self.models = LabelCap(MAX_MODELS, policy=NamePolicy(settings.model_pattern))
+        self.models = LabelCap(MAX_MODELS, policy=NamePolicy(
+            settings.model_pattern, max_chars=MAX_MODEL_CHARS, what="--callers.model-pattern"))
         self.learner = GranularityLearner()
         self.configured_granularity = settings.granularity
         self.warm_tail_granules = settings.warm_tail_granules
@@ -217,19 +239,39 @@ class UsageState:
         self.history = History(settings.callers_max + len(settings.callers_allow) + 1)
         # (reader, reason) -> time from which its rejection counter shows (as for series).
         self.rejected_shown_from: dict[tuple[str, str], float] = {}
+        # Retried copies: the (caller, id) of events counted lately, and the Idempotency-Keys
+        # of POST /v1/usage batches (the ingest's, which it keeps here to be exported).
+        self.event_ids = RecentKeys(settings.dedup_max_ids, settings.dedup_window)
+        self.batch_keys = RecentKeys(max(2, settings.dedup_max_ids // BATCH_KEYS_PER_ID),
+                                     settings.dedup_window)
+        # (reader, reason) -> events whose timings were left out (TIMING_DROP_REASONS).
+        self.timings_dropped: dict[tuple[str, str], int] = {}
         for reader in settings.readers:
             self.events[reader] = 0
 
     # ---- readers' side ----------------------------------------------------------------
 
     def record(self, event: UsageEvent, reader: str) -> str:
-        """Count one accepted event; return the state it was classified as."""
+        """Count one accepted event; return the state it was classified as ("duplicate"
+        for a copy, not counted again)."""
         state = self.record_events((event,), reader)
-        assert state is not None
-        return state
+        return "duplicate" if state is None else state  # None: a copy of a counted one
 
     def record_events(self, events: Sequence[UsageEvent], reader: str) -> str | None:
-        """Count accepted events, each once and in their order; return the last one's state.
+        """Count accepted events, each once and in their order; return the last one's state
+        (``_record``)."""
+        return self._record(events, reader)[0]
+
+    def record_batch(self, events: Sequence[UsageEvent], reader: str) -> int:
+        """``record_events``, returning how many of the events were retried copies, which
+        were not counted again: an event whose (caller, id) was counted within the window
+        (``event_ids``) is counted only as rejected, reason ``duplicate`` (so it is never
+        taken for a follow-up turn of its own conversation)."""
+        return self._record(events, reader)[1]
+
+    def _record(self, events: Sequence[UsageEvent], reader: str) -> tuple[str | None, int]:
+        """Count accepted events, each once and in their order: (the last one's state, how
+        many were copies, ``record_batch``).
 
         Each event in its steps: its series, whether it failed, what it reported cached (and
         what that teaches the granularity learner), its conversation's previous turn, its
@@ -242,7 +284,7 @@ class UsageState:
         call (a session's previous prompt, the granularity learner), and is kept.
         """
         if not events:
-            return None
+            return None, 0
         now = self._clock()
         if self.history.next_due <= now < math.inf:  # a 30-s boundary passed: keep the
             self.sample_history(now)  # totals at it (never for a clock gone wrong)
@@ -255,9 +297,15 @@ class UsageState:
         conversations_pop = self.conversations.by_key.pop
         keep = self.conversations.keep
         observe = self._observe
+        seen = self.event_ids.seen
+        duplicates = 0
         state = ERROR
         for event in events:
             caller, model_name = event.caller, event.model
+            event_id = event.id
+            if event_id is not None and seen(hash((caller, event_id)), now):
+                duplicates += 1
+                continue
             pair = pairs_get((caller, model_name))
             if pair is None:
                 pair = resolve_pair(caller, model_name)
@@ -292,9 +340,18 @@ class UsageState:
             else:
                 series.prompt_tokens += prompt_tokens
                 series.cached_tokens += cached
-            observe(series, state, event)
+            observe(series, state, event, reader)
             keep(key, conversation, event, model, now)
-        self.events[reader] = self.events.get(reader, 0) + len(events)
+        if duplicates:
+            self.reject(reader, "duplicate", duplicates)
+        return self._counted(reader, len(events) - duplicates, now, state), duplicates
+
+    def _counted(self, reader: str, count: int, now: float, state: str) -> str | None:
+        """The reader's counters after ``count`` events counted (the last one's ``state``;
+        None when there were none: a call of copies only)."""
+        if not count:
+            return None
+        self.events[reader] = self.events.get(reader, 0) + count
         self.last_event_time[reader] = now
         return state
 
@@ -324,11 +381,23 @@ class UsageState:
             granularity = self.learner.provisional(model)
         return granularity
 
-    def _observe(self, series: Series, state: str, event: UsageEvent) -> None:
+    def _observe(self, series: Series, state: str, event: UsageEvent, reader: str) -> None:
         """The TTFT (vLLM's own where it sent one, else the proxy's less its admission
         wait) by state, each queue's wait, and what the turn used of the completion budget
-        it declared. (``Histogram.observe``, inlined: this runs for every event.)"""
+        it declared. (``Histogram.observe``, inlined: this runs for every event.)
+
+        A proxy wait longer than the proxy TTFT it is part of (by more than
+        TIMING_SLACK_SECONDS) leaves both out, counted in ``timings_dropped``: one of them is
+        wrong and which cannot be told, while the event's tokens and state are sound, so the
+        event counts (refusing it would lose those for a timing).
+        """
         queue = event.queue_seconds
+        proxy_ttft = event.ttft_seconds
+        if queue is not None and proxy_ttft is not None \
+                and queue > proxy_ttft + TIMING_SLACK_SECONDS:
+            key = (reader, "queue_exceeds_ttft")
+            self.timings_dropped[key] = self.timings_dropped.get(key, 0) + 1
+            queue = proxy_ttft = None
         ttft = event.engine_ttft_seconds
         if ttft is not None:
             # vLLM's own: from scheduling to the first token, no wait in it. The proxy's
@@ -336,13 +405,13 @@ class UsageState:
             hist = series.engine_ttft.get(state) or self._histogram(
                 series.engine_ttft, state, TTFT_BUCKETS)
         else:
-            ttft = event.ttft_seconds
+            ttft = proxy_ttft
             if ttft is None:
                 hist = None
             else:
                 if queue is not None:
-                    # Proxy clocks can disagree by a few ms; a wait longer than the TTFT
-                    # means the engine part was too short to measure, not negative.
+                    # Within TIMING_SLACK_SECONDS a wait longer than the TTFT means the
+                    # engine part was too short to measure, not negative.
                     ttft = ttft - queue if ttft > queue else 0.0
                 hist = series.ttft.get(state) or self._histogram(series.ttft, state,
                                                                  TTFT_BUCKETS)
@@ -436,15 +505,16 @@ class UsageState:
             return other_caller, True
         return OVERFLOW_PAIR, True
 
-    def reject(self, reader: str, reason: str) -> None:
-        """Count one event a reader could not use, by a short machine reason."""
+    def reject(self, reader: str, reason: str, count: int = 1) -> None:
+        """Count events a reader could not use (one by default), by a short machine
+        reason."""
         key = (reader, reason)
         if key not in self.rejected:
             if len(self.rejected) >= MAX_REJECT_KEYS:
                 key = (reader, "other")
             if key not in self.rejected:
                 self.rejected_shown_from[key] = self._shown_from()
-        self.rejected[key] = self.rejected.get(key, 0) + 1
+        self.rejected[key] = self.rejected.get(key, 0) + count
 
     # ---- the last hour, for the status page ------------------------------------------------
 

@@ -18,8 +18,10 @@ from typing import Any
 
 import msgspec
 
+from exporter.redaction import KEY_HASH_DIGITS, KEY_LABEL_PREFIX
 from exporter.values import (
     MAX_CALLER_CHARS,
+    MAX_EVENT_ID_CHARS,
     MAX_MODEL_CHARS,
     MAX_SECONDS,
     MAX_SEQUENCES,
@@ -27,6 +29,7 @@ from exporter.values import (
     MAX_STATUS_CHARS,
     MAX_TIMESTAMP,
     MAX_TOKENS,
+    OVERFLOW_LABEL,
     UsageEvent,
     status_is_error,
 )
@@ -39,14 +42,14 @@ FIELDS = tuple(field.name for field in msgspec.structs.fields(UsageEvent))
 REASONS = (
     "not_an_object", "missing_caller", "bad_caller", "caller_too_long", "bad_model",
     "bad_session", "missing_prompt_tokens", "not_a_number", "negative", "not_finite",
-    "too_large", "cached_exceeds_prompt", "bad_status",
+    "too_large", "cached_exceeds_prompt", "bad_status", "reserved_caller", "bad_id",
 )
 
 # The reasons ``validate`` can give differently for a JSON integer beyond 64 bits read as
 # an integer (json) or as a float (orjson): its status is refused with another message, and
-# its model or session is a valid name as an integer's text. Every other reason is reached
-# alike (such a float is out of every number field's range, as the integer is).
-READING_DEPENDENT_REASONS = frozenset({"bad_status", "bad_model", "bad_session"})
+# its model, session or id is a valid name as an integer's text. Every other reason is
+# reached alike (such a float is out of every number field's range, as the integer is).
+READING_DEPENDENT_REASONS = frozenset({"bad_status", "bad_model", "bad_session", "bad_id"})
 
 
 # A run of 19 digits or more: where orjson may read a number otherwise than json.
@@ -167,12 +170,30 @@ def _text(obj: Mapping[str, Any], key: str, limit: int, reason: str) -> str | No
     return value
 
 
-def _caller(obj: Mapping[str, Any]) -> str:
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_KEY_LABEL_CHARS = len(KEY_LABEL_PREFIX) + KEY_HASH_DIGITS
+
+
+def is_reserved_caller(name: str) -> bool:
+    """Whether ``name`` is one the exporter itself gives a caller: the overflow label
+    (``__other__``) or the form of a hashed key (``key-`` and 12 hex digits,
+    ``redaction.key_label``), in any case. A sender naming itself so would be counted with
+    what the exporter folded, or as a key the operator may have aliased (--callers.alias)."""
+    if len(name) == _KEY_LABEL_CHARS:
+        return name[:len(KEY_LABEL_PREFIX)].lower() == KEY_LABEL_PREFIX \
+            and _HEX_DIGITS.issuperset(name[len(KEY_LABEL_PREFIX):])
+    return len(name) == len(OVERFLOW_LABEL) and name.lower() == OVERFLOW_LABEL
+
+
+def _caller(obj: Mapping[str, Any], own: bool = False) -> str:
     caller = obj.get("caller")
     if type(caller) is str:
         caller = caller.strip(" ")  # "alice " is alice; "   " names nobody
         if 0 < len(caller) <= MAX_CALLER_CHARS and caller.isprintable():
-            return caller
+            if own or not is_reserved_caller(caller):
+                return caller
+            raise InvalidEvent("reserved_caller", "caller is a name the exporter gives "
+                               "(__other__, or key- and 12 hex digits: a hashed key)")
     if caller is None or caller == "":
         raise InvalidEvent("missing_caller", "caller is required")
     if type(caller) is not str:
@@ -235,10 +256,28 @@ def _caller_name(value: Any, key: str) -> str:
     if type(value) is str and value in _valid_callers:
         return value
     if type(value) is str and 0 < len(value) <= MAX_CALLER_CHARS and value.isprintable() \
-            and value[0] != " " and value[-1] != " ":
+            and value[0] != " " and value[-1] != " " and not is_reserved_caller(value):
         _remember(_valid_callers, value)
         return value
     return _caller({key: value})
+
+
+def _own_caller_name(value: Any, key: str) -> str:
+    """A caller name the reader made itself (the tap's hash of a key): held to every rule
+    but the reserved names, and never remembered as accepted (``_valid_callers`` lets the
+    quick reading take a name from outside)."""
+    return _caller({key: value}, own=True)
+
+
+def _event_id(value: Any, key: str) -> str | None:
+    """An id: printable text of 1 to MAX_EVENT_ID_CHARS characters (a number as its text)."""
+    if value is None or type(value) is str and 0 < len(value) <= MAX_EVENT_ID_CHARS \
+            and value.isprintable():
+        return value  # type: ignore[no-any-return]
+    if type(value) is int:
+        return _event_id(str(value), key)
+    raise InvalidEvent("bad_id", f"{key} must be 1 to {MAX_EVENT_ID_CHARS} printable "
+                       "characters")
 
 
 def _tokens(value: Any, key: str) -> int | None:
@@ -285,6 +324,7 @@ _CHECK_BY_TYPE: dict[str, Callable[[Any, str], Any]] = {
     "Timestamp": _seconds_checker(MAX_TIMESTAMP),
     "Status": _status_of,
     "Sequences": _sequences,
+    "EventId": _event_id,
 }
 
 
@@ -312,16 +352,20 @@ def validate(obj: Mapping[str, Any]) -> UsageEvent:
     return _validated(obj.get)
 
 
-def checked(event: UsageEvent) -> UsageEvent:
+def checked(event: UsageEvent, own_caller: bool = False) -> UsageEvent:
     """``event`` (built by a reader from what it read) held to ``validate``'s rules: the
-    same event, or InvalidEvent with the reason ``validate`` would give its native form."""
-    return _validated(lambda name: getattr(event, name))
+    same event, or InvalidEvent with the reason ``validate`` would give its native form.
+    ``own_caller``: the caller is a name the reader made (the tap's ``key-`` hash of the
+    request's key), which may have the form reserved to the exporter."""
+    return _validated(lambda name: getattr(event, name),
+                      _own_caller_name if own_caller else _caller_name)
 
 
-def _validated(get: Callable[[str], Any]) -> UsageEvent:
+def _validated(get: Callable[[str], Any],
+               caller_name: Callable[[Any, str], str] = _caller_name) -> UsageEvent:
     """The checks of ``_CHECKS`` in order, after the three that decide what the others mean:
     who sent it, whether it failed, how long its prompt was (a failed request needs none)."""
-    caller = _caller_name(get("caller"), "caller")
+    caller = caller_name(get("caller"), "caller")
     status = _status_of(get("status"), "status")
     prompt_tokens = _tokens(get("prompt_tokens"), "prompt_tokens")
     if prompt_tokens is None:
@@ -359,8 +403,7 @@ def quick_event(line: bytes) -> UsageEvent | None:
     ``MSGSPEC_REFUSALS``) where that must decide: the line is not an ASCII JSON object
     whose fields are all of their declared type and in range, a name was not already
     accepted by ``validate`` (``_valid_callers``...), the status is not a success or
-    absent, or ``cached_tokens``
-    exceeds ``prompt_tokens``.
+    absent, ``cached_tokens`` exceeds ``prompt_tokens``, or the id is not printable.
 
     Only ASCII lines: msgspec does not check the UTF-8 of the values it skips (an unknown
     key's), which ``json`` refuses. Whatever it accepts, ``json`` reads the same way
@@ -372,9 +415,11 @@ def quick_event(line: bytes) -> UsageEvent | None:
     cached_tokens = event.cached_tokens
     status = event.status
     session = event.session
+    event_id = event.id
     if event.caller in _valid_callers and event.model in _valid_models \
             and (session is None or session in _valid_sessions) \
             and (cached_tokens is None or cached_tokens <= event.prompt_tokens) \
-            and (status is None or type(status) is int and 200 <= status < 300):
+            and (status is None or type(status) is int and 200 <= status < 300) \
+            and (event_id is None or event_id.isprintable()):
         return event
     return None

@@ -13,6 +13,16 @@ all (400). Those count in ``vllm_cache_usage_ingest_requests_rejected_total`` an
 else. A batch in which every event was rejected answers 422 (with the same reply), so a
 misconfigured sender notices.
 
+Retried batches count once. An event with an ``id`` already counted for its caller within
+``--usage.dedup.window`` is counted as ``duplicate`` and nowhere else (the signals keep the
+ids: ``UsageState.record_events``); the reply says how many (``"duplicates"``). A request
+with an ``Idempotency-Key`` header (1 to 255 visible ASCII characters, else 400) that was
+answered within the window is not read again: it gets the first answer's status and counts
+(``"duplicate": true``), counted as ``duplicate`` in the refused requests; one that comes
+while the first is still being processed gets 409 with ``Retry-After`` (``in_progress``). A
+key is remembered only once its body was read and its events counted (200 or 422), so a
+request refused before that (408, 413, 503...) can be retried with the same key.
+
 Memory is bounded whatever the senders do: the bytes of every body being read or processed
 share one budget of ``max_concurrent_bodies`` times the body limit (``BodyBytes``). A body
 takes its bytes as they arrive, so a sender trickling one holds only what it has sent and
@@ -30,6 +40,7 @@ import itertools
 import json
 import json.scanner
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +62,7 @@ from exporter.usage.event import (
     validate,
 )
 from exporter.usage.formats import Converter
-from exporter.values import UsageEvent
+from exporter.values import RecentKeys, UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +86,14 @@ ABANDON_AFTER_REJECTIONS = 10_000
 # an NDJSON body until it has missed this many lines and more than half of those read: then
 # the rest of the body goes straight to the general reading (a miss costs more than it).
 QUICK_MISSES_TRIED = 64
+# Idempotency-Key: its longest form (Stripe's limit) and the characters it may hold (visible
+# ASCII: it is compared as sent). Without a shared memory (``batches``) the ingest keeps this
+# many keys for at least this long.
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+DEFAULT_BATCH_KEYS = 10_000
+DEFAULT_BATCH_KEY_SECONDS = 600.0
+# What a key is remembered with while its body is processed (then: its answer, ``Answered``).
+IN_PROGRESS = "in progress"
 
 BOM = b"\xef\xbb\xbf"
 _LINE_BLANK = b" \t\r"
@@ -164,6 +183,13 @@ class BatchResult:
     rejected: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
     abandoned: bool = False
+    duplicates: int = 0  # events with an id already counted: not counted again
+
+    @property
+    def status(self) -> int:
+        """422 only when nothing at all could be used, so a sender notices; a partly bad
+        batch is a success whose reply names the bad events, and so is one of copies."""
+        return 422 if self.rejected and not self.accepted and not self.duplicates else 200
 
     def add_error(self, index: int, reason: str, message: str, line: int | None) -> None:
         self.rejected += 1
@@ -178,11 +204,28 @@ class BatchResult:
                                "errors": self.errors}
         if self.rejected > len(self.errors):
             out["errors_truncated"] = True
+        if self.duplicates:
+            out["duplicates"] = self.duplicates
         if self.abandoned:
             out["abandoned"] = True
             out["message"] = (f"the first {self.rejected} events were all rejected; the rest "
                               "of the body was not read")
         return out
+
+
+def batch_key(idempotency_key: str) -> int:
+    """How an Idempotency-Key is remembered: its hash (Python's, keyed at random per
+    process), as event ids are (``UsageState.record_events``)."""
+    return hash(("Idempotency-Key", idempotency_key))
+
+
+@dataclass(frozen=True)
+class Answered:
+    """What a batch under an Idempotency-Key was answered: a retry gets the same."""
+
+    accepted: int  # its copies (events counted before) included: they are counted
+    rejected: int
+    status: int
 
 
 class Unreadable:
@@ -442,9 +485,11 @@ class UsageIngest:
     """
 
     def __init__(self, converters: Mapping[str, Converter], default_format: str, token: str,
-                 max_body_bytes: int, record_events: Callable[[Sequence[UsageEvent]], object],
+                 max_body_bytes: int,
+                 record_events: Callable[[Sequence[UsageEvent]], int | None],
                  reject: Callable[[str], None], reject_request: Callable[[str], None],
-                 max_concurrent_bodies: int = 4) -> None:
+                 max_concurrent_bodies: int = 4, batches: RecentKeys | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.converters = dict(converters)
         self.default_format = default_format
         self.token = token.encode("utf-8")
@@ -454,6 +499,11 @@ class UsageIngest:
         self.reject_request = reject_request
         self.max_concurrent_bodies = max_concurrent_bodies
         self.body_bytes = BodyBytes(max_concurrent_bodies * max_body_bytes)
+        # The Idempotency-Keys of batches answered lately (by their hash), each with its
+        # answer (``Answered``) or IN_PROGRESS.
+        self.batches = (batches if batches is not None
+                        else RecentKeys(DEFAULT_BATCH_KEYS, DEFAULT_BATCH_KEY_SECONDS))
+        self.clock = clock
 
     def authorized(self, request: web.Request) -> bool:
         if not self.token:
@@ -485,14 +535,14 @@ class UsageIngest:
         result = BatchResult()
         record_events = self.record_events
         events: list[UsageEvent] = []
-        accepted = 0
+        accepted = duplicates = 0
         slice_left = EVENTS_PER_SLICE
         for index, (value, line) in enumerate(items):
             if not slice_left:
                 slice_left = EVENTS_PER_SLICE
                 # The slice's events are counted before anything else may run.
                 if events:
-                    record_events(events)
+                    duplicates += record_events(events) or 0
                     accepted += len(events)
                     events = []
                 if await self._abandon_after_slice(accepted, result):
@@ -502,9 +552,11 @@ class UsageIngest:
             if event is not None:
                 events.append(event)
         if events:
-            record_events(events)
+            duplicates += record_events(events) or 0
             accepted += len(events)
-        result.accepted = accepted
+        # Copies were handed in with the others (in order), but are not counted again.
+        result.accepted = accepted - duplicates
+        result.duplicates = duplicates
         return result
 
     async def _process_lines(self, body: NdjsonLines,
@@ -521,7 +573,7 @@ class UsageIngest:
         record_events = self.record_events
         events: list[UsageEvent] = []
         append = events.append
-        accepted = 0
+        accepted = duplicates = 0
         event = self._item_event(*body.first, 0, convert, result)
         if event is not None:
             append(event)
@@ -540,7 +592,7 @@ class UsageIngest:
                 slice_left = EVENTS_PER_SLICE
                 # The slice's events are counted before anything else may run.
                 if events:
-                    record_events(events)
+                    duplicates += record_events(events) or 0
                     accepted += len(events)
                     events = []
                     append = events.append
@@ -566,9 +618,11 @@ class UsageIngest:
                                convert, native, result, events):
                 slice_left -= 1
         if events:
-            record_events(events)
+            duplicates += record_events(events) or 0
             accepted += len(events)
-        result.accepted = accepted
+        # Copies were handed in with the others (in order), but are not counted again.
+        result.accepted = accepted - duplicates
+        result.duplicates = duplicates
         return result
 
     def _read_line(self, line: bytes, position: int, index: int, convert: Converter,
@@ -650,6 +704,37 @@ class UsageIngest:
         response.force_close()  # the unread body is not worth reading
         return response
 
+    def _batch_key(self, request: web.Request) -> int | None | web.Response:
+        """The hash of the request's Idempotency-Key (None without one), or the answer to
+        give at once: 400 for a malformed key, the first answer's for a key answered within
+        the window, 409 for one still being processed."""
+        key = request.headers.get("Idempotency-Key")
+        if key is None:
+            return None
+        if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not key.isascii() \
+                or not key.isprintable() or " " in key:
+            return self._refuse(400, "bad_idempotency_key",
+                                f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} "
+                                "visible ASCII characters")
+        hashed = batch_key(key)
+        return self._answered_before(hashed) or hashed
+
+    def _answered_before(self, key: int) -> web.Response | None:
+        """The answer to a batch whose key is remembered, else None."""
+        known = self.batches.get(key, self.clock())
+        if known is None:
+            return None
+        if known is IN_PROGRESS:
+            return self._refuse(409, "in_progress", "a request with this Idempotency-Key is "
+                                "being processed; retry shortly",
+                                {"Retry-After": str(RETRY_AFTER_SECONDS)})
+        assert type(known) is Answered
+        self.reject_request("duplicate")
+        return web.json_response(
+            {"accepted": known.accepted, "rejected": known.rejected, "errors": [],
+             "duplicate": True, "message": "a request with this Idempotency-Key was answered "
+             "already; nothing was counted again"}, status=known.status)
+
     async def handle(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
             return self._refuse(401, "unauthorized",
@@ -661,6 +746,9 @@ class UsageIngest:
             return self._refuse(400, "bad_format",
                                 f"unknown or unconfigured format; use one of "
                                 f"{', '.join(sorted(self.converters))}")
+        key = self._batch_key(request)
+        if isinstance(key, web.Response):
+            return key
         held = 0
         budget = self.body_bytes
 
@@ -689,18 +777,43 @@ class UsageIngest:
                 return self._overloaded()
             except ConnectionError:
                 return web.Response(status=499)  # the sender left: nobody reads an answer
-            return await self._process_body(body, convert)
+            if key is None:
+                return await self._process_body(body, convert)
+            return await self._process_keyed(body, convert, key)
         finally:
             if held:
                 budget.give_back(held)
 
+    async def _process_keyed(self, body: bytes, convert: Converter,
+                             key: int) -> web.Response:
+        """``_process_body`` under an Idempotency-Key: claimed while processed (another
+        request with it may have been answered while this one's body arrived), remembered
+        with the answer once the events are counted, let go if it never got that far."""
+        answered = self._answered_before(key)
+        if answered is not None:
+            return answered
+        self.batches.put(key, IN_PROGRESS, self.clock())
+        result: BatchResult | None = None
+        try:
+            response, result = await self._counted(body, convert)
+        finally:
+            if result is None:
+                self.batches.pop(key)
+            else:
+                self.batches.put(key, Answered(result.accepted + result.duplicates,
+                                               result.rejected, result.status), self.clock())
+        return response
+
     async def _process_body(self, body: bytes, convert: Converter) -> web.Response:
+        return (await self._counted(body, convert))[0]
+
+    async def _counted(self, body: bytes,
+                       convert: Converter) -> tuple[web.Response, BatchResult | None]:
+        """The answer to a body that arrived whole, and what was counted of it (None: the
+        body was refused as a whole, nothing counted)."""
         try:
             items = read_body(body)
         except BodyError as err:
-            return self._refuse(400, err.reason, str(err))
+            return self._refuse(400, err.reason, str(err)), None
         result = await self.process(items, convert)  # an empty JSON array: nothing wrong
-        # 422 only when nothing at all could be used, so a sender notices; a partly bad batch
-        # is a success whose reply names the bad events.
-        status = 422 if result.rejected and not result.accepted else 200
-        return web.json_response(result.reply(), status=status)
+        return web.json_response(result.reply(), status=result.status), result

@@ -11,7 +11,8 @@ from exporter.values import UsageEvent, status_is_error
 GOOD = {"caller": "agent-1", "model": "qwen", "prompt_tokens": 1396, "cached_tokens": 1376,
         "completion_tokens": 8, "ttft_seconds": 0.5, "queue_seconds": 0.1, "session": "s1",
         "time": 1_795_992_177.0, "status": 200, "engine_ttft_seconds": 0.1235,
-        "engine_queue_seconds": 0.00725, "max_tokens": 65_536, "sequences": 2}
+        "engine_queue_seconds": 0.00725, "max_tokens": 65_536, "sequences": 2,
+        "id": "chatcmpl-7f3a"}
 
 
 def test_native_form_round_trips_every_field():

@@ -87,12 +87,16 @@ def expected_sums(objs: list, callers_max: int, missing_as_zero: bool) -> dict:
         else:
             out["prompt"][pair] += event.prompt_tokens
             out["cached"][pair] += cached
-        # One TTFT per request: vLLM's own when it sent one, else the proxy's.
+        # One TTFT per request: vLLM's own when it sent one, else the proxy's. A proxy
+        # wait over 10 ms longer than the proxy TTFT it is part of leaves both out.
+        proxy_ttft, proxy_wait = event.ttft_seconds, event.queue_seconds
+        if proxy_ttft is not None and proxy_wait is not None and proxy_wait > proxy_ttft + 0.01:
+            proxy_ttft = proxy_wait = None
         if event.engine_ttft_seconds is not None:
             out["ttft_count", "engine"][pair] += 1
-        elif event.ttft_seconds is not None:
+        elif proxy_ttft is not None:
             out["ttft_count", "proxy"][pair] += 1
-        for source, wait in (("proxy", event.queue_seconds),
+        for source, wait in (("proxy", proxy_wait),
                              ("engine", event.engine_queue_seconds)):
             if wait is not None:
                 out["queue_count", source][pair] += 1

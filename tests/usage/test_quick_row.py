@@ -21,6 +21,7 @@ import exporter.usage.event as event_module
 from exporter.usage.event import (
     FIELDS,
     MAX_CALLER_CHARS,
+    MAX_EVENT_ID_CHARS,
     MAX_SECONDS,
     MAX_SEQUENCES,
     MAX_TIMESTAMP,
@@ -41,6 +42,8 @@ TIME_EDGES = [1.8e9 + 0.001, MAX_TIMESTAMP, MAX_TIMESTAMP * (1 + 1e-15), int(MAX
 NAME_EDGES = ["agent-0", "agent-1", "qwen3.8-27b", "s1", "", " lead", "tail ", "caf\u00e9",
               "\U0001f600", "tab\there", "nul\x00", "\ud800", "\u200b", "x" * MAX_CALLER_CHARS,
               "x" * (MAX_CALLER_CHARS + 1), 7, None]
+ID_EDGES = ["req-1", "0f8fa6b1-5b5c-4c1e-9d3a-1b2c3d4e5f60", "", " ", "x" * MAX_EVENT_ID_CHARS,
+            "x" * (MAX_EVENT_ID_CHARS + 1), "nul\x00", "caf\u00e9", 7, 2**64, 1.5, None]
 SEQUENCE_EDGES = [1, 2, MAX_SEQUENCES, MAX_SEQUENCES + 1, 0, -1, 2.0, 1.5, 2**64, True]
 STATUS_EDGES = [200, 204, 299, 300, 301, 429, 503, 100, 99, 600, "200", "299", "503", "ok", "",
                 "timeout", True, False, 200.0, None]
@@ -58,6 +61,8 @@ def field_value(key: str) -> st.SearchStrategy[Any]:
         edges = TIME_EDGES
     elif key == "sequences":
         edges = SEQUENCE_EDGES
+    elif key == "id":
+        edges = ID_EDGES
     elif key.endswith("tokens"):
         edges = TOKEN_EDGES
     else:
@@ -80,6 +85,7 @@ VALID = {
     "engine_queue_seconds": st.floats(0.0, 5.0),
     "max_tokens": st.integers(0, 8192),
     "sequences": st.integers(1, 4),
+    "id": st.sampled_from(["req-1", "req-2"]),
 }
 
 
@@ -175,7 +181,7 @@ def test_the_usage_event_is_the_only_field_list() -> None:
                       "completion_tokens": 7, "ttft_seconds": 6.0, "queue_seconds": 5.0,
                       "session": "s", "time": 4.0, "status": 204,
                       "engine_ttft_seconds": 3.0, "engine_queue_seconds": 2.0,
-                      "max_tokens": 1, "sequences": 10})
+                      "max_tokens": 1, "sequences": 10, "id": "e1"})
     assert len(set(msgspec.structs.astuple(event))) == len(FIELDS), "every field told apart"
     package = Path(event_module.__file__).resolve().parents[1]
     for path in package.rglob("*.py"):

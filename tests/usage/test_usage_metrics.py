@@ -81,8 +81,8 @@ def test_ttft_is_engine_side_by_state_and_queue_wait_is_its_own_histogram():
     usage = state.usage
     usage.record(UsageEvent("a", "m", 1_395, 0, ttft_seconds=40.0, queue_seconds=35.0), "http")
     usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.3), "http")
-    usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.2, queue_seconds=0.4),
-                 "http")  # queue longer than TTFT (clock skew): engine part 0
+    usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.2, queue_seconds=0.205),
+                 "http")  # a wait 5 ms past the TTFT (two readings rounded): engine part 0
     registry = build_registry(state)
     cold = {"caller": "a", "model": "m", "state": COLD, "source": "proxy"}
     warm = {"caller": "a", "model": "m", "state": WARM, "source": "proxy"}
@@ -96,7 +96,7 @@ def test_ttft_is_engine_side_by_state_and_queue_wait_is_its_own_histogram():
     assert value(registry, "vllm_cache_ttft_seconds_bucket", le="+Inf", **warm) == 2
     proxy_queue = {"caller": "a", "model": "m", "source": "proxy"}
     assert value(registry, "vllm_cache_queue_wait_seconds_count", **proxy_queue) == 2
-    assert value(registry, "vllm_cache_queue_wait_seconds_sum", **proxy_queue) == 35.4
+    assert value(registry, "vllm_cache_queue_wait_seconds_sum", **proxy_queue) == 35.205
     # No timed event in state "partial", nothing measured by vLLM: no series for them.
     assert registry.get_sample_value("vllm_cache_ttft_seconds_count",
                                      {**warm, "state": "partial"}) is None

@@ -63,13 +63,23 @@ def resolve_caller(headers: Mapping[str, str], user: Any, caller_header: str,
                    aliases: KeyAliases) -> str:
     """The caller name for one request (never the key itself); ``user`` is the value of the
     body's top-level ``user`` field (None when it has none)."""
+    return resolve_caller_of(headers, user, caller_header, aliases)[0]
+
+
+def resolve_caller_of(headers: Mapping[str, str], user: Any, caller_header: str,
+                      aliases: KeyAliases) -> tuple[str, bool]:
+    """``resolve_caller``, and whether the name is the tap's own for the request's key (its
+    ``key-`` hash or the key's alias) rather than one the client gave (the caller header,
+    the body's user): only the tap's own may have the form reserved to the exporter
+    (``exporter.usage.event.is_reserved_caller``), since an alias of that form
+    (--callers.alias) must rename only a key the exporter hashed."""
     named = headers.get(caller_header, "").strip() if caller_header else ""
     if named:
-        return named
+        return named, False
     if isinstance(user, str) and user.strip():
-        return user.strip()
+        return user.strip(), False
     key = bearer_key(headers.get("Authorization")) or headers.get("x-api-key", "").strip()
     if not key:
-        return ANONYMOUS
+        return ANONYMOUS, False
     digest = key_digest(key)
-    return aliases.lookup(digest) or key_label(key)
+    return aliases.lookup(digest) or key_label(key), True

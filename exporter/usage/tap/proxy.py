@@ -57,7 +57,7 @@ from exporter.usage.openai import (
     usage_of,
 )
 from exporter.usage.tap.fingerprint import fingerprint, new_key
-from exporter.usage.tap.identity import KeyAliases, resolve_caller
+from exporter.usage.tap.identity import KeyAliases, resolve_caller_of
 from exporter.usage.tap.request import (
     NOT_AN_OBJECT,
     NeedsDecoder,
@@ -121,6 +121,9 @@ class Exchange:
     endpoint: Endpoint
     caller: str
     model: str | None
+    # The caller is the tap's own name for the request's key (its hash, or the key's alias),
+    # not one the client gave: it may have the form reserved to the exporter (key-...).
+    own_caller: bool = False
     status: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
@@ -286,7 +289,7 @@ class Tap:
                 engine_ttft_seconds=engine.ttft_seconds if engine else None,
                 engine_queue_seconds=engine.queue_seconds if engine else None,
                 max_tokens=declared_budget(exchange.request.output_limit),
-                sequences=exchange.request.sequences))
+                sequences=exchange.request.sequences), own_caller=exchange.own_caller)
         except InvalidEvent as err:
             # The call itself went through; only its record is refused, and counted.
             self._reject(err.reason)
@@ -372,10 +375,10 @@ class Tap:
         # A body that is not a JSON object is forwarded as it is: vLLM answers it (400) and
         # the tap records that answer.
         facts = await read_request(body, endpoint)
+        caller, own_caller = resolve_caller_of(request.headers, facts.user,
+                                               self.settings.caller_header, self.aliases)
         exchange = Exchange(
-            endpoint=endpoint,
-            caller=resolve_caller(request.headers, facts.user, self.settings.caller_header,
-                                  self.aliases),
+            endpoint=endpoint, caller=caller, own_caller=own_caller,
             model=facts.model,
             session=(request.headers.get(self.settings.session_header, "").strip() or None
                      if self.settings.session_header else None),
