@@ -46,7 +46,8 @@ from exporter.web import WebConfigError
 from exporter.web import load as load_web_config
 
 ENV_PREFIX = "VLLM_CACHE_EXPORTER_"
-# Not in the Prometheus default port allocations list as far as we could check; see docs/configuration.md.
+# Not in the Prometheus default port allocations list as far as we could check; see
+# docs/configuration.md.
 DEFAULT_PORT = 10123
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 USAGE_FORMATS = ("native", "litellm", "openai", "mapping")

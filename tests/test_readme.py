@@ -82,8 +82,8 @@ def test_ci_proves_the_declared_dependency_floors():
 
 
 def test_the_openai_format_examples_read_as_the_readme_says():
-    """docs/usage.md: one record per response shape (chat, completions, Responses, Anthropic Messages):
-    each is accepted, with the prompt and cached tokens its usage says."""
+    """docs/usage.md: one record per response shape (chat, completions, Responses, Anthropic
+    Messages): each is accepted, with the prompt and cached tokens its usage says."""
     import json
 
     from exporter.usage.formats import OpenAIFormat

@@ -1,6 +1,7 @@
-"""docs/deployment.md "Run the stack without Docker", run as it is written: its first block starts the
-stack (Debian's Prometheus and Alertmanager on the shipped deploy/ files, the simulator, the
-exporter, the alert logger, the driver), its second sends a test page through Alertmanager.
+"""docs/deployment.md "Run the stack without Docker", run as it is written: its first block
+starts the stack (Debian's Prometheus and Alertmanager on the shipped deploy/ files, the
+simulator, the exporter, the alert logger, the driver), its second sends a test page
+through Alertmanager.
 The checks are the compose test's, the collapse aside (its page takes a quarter of an hour,
 which tests/deploy/test_compose_up.py spends once): every scrape target up, every shipped
 rule loaded and healthy, Alertmanager found, the exporter on 127.0.0.1, the page delivered.
@@ -112,7 +113,8 @@ def test_the_readme_stack_is_wired_and_pages(stack: tuple[subprocess.Popen[str],
 
     def alive() -> None:
         if shell.poll() is not None:
-            pytest.fail(f"the docs/deployment.md block exited {shell.returncode}:\n{output.read_text()}")
+            pytest.fail(f"the docs/deployment.md block exited {shell.returncode}:\n"
+                        f"{output.read_text()}")
 
     alive()
     start, check = readme_blocks()
