@@ -466,6 +466,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("drive.exporter-url", "Driver", "Exporter to report usage to (POST URL/v1/usage); "
          "without it the usage events are printed to stdout as JSON lines.", _to_str, "",
          metavar="URL", check=_optional_url, commands=frozenset({DRIVE})),
+    Flag("drive.progress-interval", "Driver", "Seconds between two progress lines at info "
+         "level: requests sent, reported (and delivered to the exporter), failed, and the "
+         "scenario time (0: none).", _to_float, 10.0, metavar="SECONDS", check=_non_negative,
+         commands=frozenset({DRIVE})),
     # --- simulate -------------------------------------------------------------------------
     Flag("sim.listen-address", "Simulated engine", "Where to serve the OpenAI API and /metrics "
          "(port 0 picks a free one).", _to_str, "127.0.0.1:8000", metavar="HOST:PORT",
