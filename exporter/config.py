@@ -290,8 +290,10 @@ FLAGS: tuple[Flag, ...] = (
          commands=frozenset({RUN, SIMULATE, DRIVE, DEMO})),
     # --- web -----------------------------------------------------------------------------
     Flag("web.listen-address", "Web", "Address to serve /metrics, /v1/usage and the status "
-         f"page on (HOST:PORT). Default {DEFAULT_LISTEN}; use 0.0.0.0:{DEFAULT_PORT} in a "
-         "container.", _to_str, DEFAULT_LISTEN, metavar="HOST:PORT", check=host_port),
+         f"page on (HOST:PORT; use 0.0.0.0:{DEFAULT_PORT} in a container). The demo's "
+         "exporter picks a free port unless told one (point a Prometheus at it with this).",
+         _to_str, DEFAULT_LISTEN, metavar="HOST:PORT", check=host_port,
+         commands=frozenset({RUN, DEMO}), command_defaults={DEMO: "127.0.0.1:0"}),
     Flag("web.max-connections", "Web", "Most client connections served at once; one more is "
          "answered 503 and closed. Idle connections close after 30 s.", _to_int, 512,
          metavar="N", check=_positive),
@@ -472,10 +474,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("drive.exporter-url", "Driver", "Exporter to report usage to (POST URL/v1/usage); "
          "without it the usage events are printed to stdout as JSON lines.", _to_str, "",
          metavar="URL", check=_optional_url, commands=frozenset({DRIVE})),
+    Flag("drive.progress-interval", "Driver", "Seconds between two progress lines at info "
+         "level: requests sent, reported (and delivered to the exporter), failed, and the "
+         "scenario time (0: none).", _to_float, 10.0, metavar="SECONDS", check=_non_negative,
+         commands=frozenset({DRIVE})),
     # --- simulate -------------------------------------------------------------------------
     Flag("sim.listen-address", "Simulated engine", "Where to serve the OpenAI API and /metrics "
          "(port 0 picks a free one).", _to_str, "127.0.0.1:8000", metavar="HOST:PORT",
-         check=host_port, commands=frozenset({SIMULATE})),
+         check=host_port, commands=frozenset({SIMULATE, DEMO}),
+         command_defaults={DEMO: "127.0.0.1:0"}),
     _sim_flag("served-model-name", "Model name the API serves.", _optional_str, "NAME"),
     _sim_flag("kv-pool-tokens", "Tokens the KV-cache pool holds (vLLM's \"GPU KV cache size: "
               "N tokens\").", _optional_int, "N"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import socket
 import sys
 
 import aiohttp
@@ -215,3 +216,53 @@ def test_the_story_tells_the_advice_a_scenario_is_there_to_show_once():
                             strict=True):
         assert line.split("] ", 1)[1].startswith(f"note: {caller} on qwen3.8-27b: ")
         assert "overstatement" in line
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_the_demo_listens_where_it_is_told():
+    """--web.listen-address and --sim.listen-address fix the demo's ports, so a Prometheus can
+    be pointed at its exporter (and at the simulated vLLM) before it starts."""
+    web_port, sim_port = free_port(), free_port()
+    process, url, _header = await start_demo(
+        "--scenario", "details-off", "--speed", "50", "--refresh", "30",
+        "--web.listen-address", f"127.0.0.1:{web_port}",
+        "--sim.listen-address", f"127.0.0.1:{sim_port}")
+    try:
+        assert url == f"http://127.0.0.1:{web_port}/metrics"
+        sim_line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+        assert sim_line.startswith(f"Simulated vLLM: http://127.0.0.1:{sim_port} "), sim_line
+        text = await wait_for_callers(url, {"coder"})
+        assert value(text, "vllm_cache_engine_up") == 1  # the exporter reads that simulator
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{sim_port}/metrics") as response:
+                assert response.status == 200
+                assert "vllm:prefix_cache_queries_total" in await response.text()
+        process.send_signal(signal.SIGINT)
+        _out, errors = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, errors.decode()
+
+
+async def test_a_demo_port_in_use_is_a_clear_error():
+    """A fixed port another process holds: one line naming the address, exit 1, no
+    traceback (and the simulator it had started is stopped: the process ends)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "exporter", "demo", "--web.listen-address",
+            f"127.0.0.1:{port}", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _out, errors = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 1
+    message = errors.decode()
+    assert message.startswith("demo: cannot start: ") and str(port) in message, message
+    assert "Traceback" not in message

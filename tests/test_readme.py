@@ -82,8 +82,8 @@ def test_ci_proves_the_declared_dependency_floors():
 
 
 def test_the_openai_format_examples_read_as_the_readme_says():
-    """docs/usage.md: one record per response shape (chat, completions, Responses, Messages):
-    each is accepted, with the prompt and cached tokens its usage says."""
+    """docs/usage.md: one record per response shape (chat, completions, Responses, Anthropic
+    Messages): each is accepted, with the prompt and cached tokens its usage says."""
     import json
 
     from exporter.usage.formats import OpenAIFormat
@@ -92,3 +92,17 @@ def test_the_openai_format_examples_read_as_the_readme_says():
     events = [OpenAIFormat()(json.loads(line)) for line in block.splitlines() if line.strip()]
     assert [(event.caller, event.prompt_tokens, event.cached_tokens) for event in events] == [
         ("a", 1396, 1376), ("b", 1373, 1344), ("c", 268, 256), ("d", 446, 416)]
+
+
+def test_the_docs_list_every_shipped_alert():
+    """docs/monitoring.md's entry for alerts/vllm-cache-alerts.yaml names exactly the alerts
+    the generator writes there, each once: none left out, none that is not shipped."""
+    from exporter.monitoring.alerts import alert_rule_groups
+
+    monitoring = (ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8")
+    entry = monitoring.split("- `alerts/vllm-cache-alerts.yaml`:", 1)[1].split("\n- ", 1)[0]
+    listed = re.findall(r"`(VllmCache[A-Za-z]+)`", entry)
+    generated = {rule["alert"] for group in alert_rule_groups(MonitoringConfig())
+                 for rule in group["rules"] if "alert" in rule}
+    assert len(listed) == len(set(listed)), listed
+    assert set(listed) == generated

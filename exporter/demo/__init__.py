@@ -8,6 +8,9 @@ agent's arrival, the conversations no longer fitting the pool, the collapse, a r
 the scenario: the status page's own model and sentences, demo/story.py), and shows what the
 exporter's /metrics says, refreshed every few seconds: a live terminal view when stdout is a
 terminal, plain summaries when it is not. Ctrl-C (or --duration) stops everything cleanly.
+``--web.listen-address`` and ``--sim.listen-address`` fix the exporter's and the simulator's
+addresses (so that a Prometheus can be pointed at the demo); the tap, when a scenario uses
+one, takes a free port.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from exporter import logs, wiring
-from exporter.config import Config
+from exporter.config import Config, split_host_port
 from exporter.demo.story import Story
 from exporter.demo.view import DemoView
 from exporter.server import collapse_rule, create_app, current_status
@@ -40,6 +43,8 @@ from exporter.sim.scenario import Scenario, ScenarioError
 from exporter.sim.server import build_simulator, create_sim_app, start_site
 
 HOST = "127.0.0.1"
+# Bound to a wildcard address, a listener is reached by the demo's own clients on loopback.
+WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 # Wall seconds between two looks at the status for the story (the table refreshes slower).
 STORY_SECONDS = 0.5
 log = logging.getLogger(__name__)
@@ -51,8 +56,25 @@ async def fetch_metrics(session: aiohttp.ClientSession, url: str) -> str:
         return await response.text()
 
 
+@dataclass(frozen=True)
+class Listen:
+    """Where the demo's exporter and simulator listen (``--web.listen-address``,
+    ``--sim.listen-address``; port 0, their default, picks a free port)."""
+
+    web: str = f"{HOST}:0"
+    sim: str = f"{HOST}:0"
+
+
+def url_host(host: str) -> str:
+    """The host part of a URL reaching a listener bound to ``host``."""
+    if host in WILDCARDS:
+        return HOST
+    return f"[{host}]" if ":" in host else host
+
+
 async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: float,
-                   out: TextIO, live: bool, stop: asyncio.Event) -> int:
+                   out: TextIO, live: bool, stop: asyncio.Event,
+                   listen: Listen = Listen()) -> int:
     clock = SimClock(speed)
     clock.now()  # scenario second 0 is now
     origin = time.time()
@@ -64,19 +86,26 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
         return origin + clock.now()
 
     sim = build_simulator(scenario.engine_config(), clock)
-    sim_runner, sim_port = await start_site(create_sim_app(sim), HOST, 0)
-    config = exporter_config(scenario, sim_port)
+    sim_host, sim_port = split_host_port(listen.sim)
+    sim_runner, sim_port = await start_site(create_sim_app(sim), sim_host, sim_port)
+    sim_base = f"http://{url_host(sim_host)}:{sim_port}"
+    web_host, web_port = split_host_port(listen.web)
+    config = exporter_config(scenario, sim_base, listen.web)
     state = wiring.signals_state(config, clock=exporter_clock)
     app = create_app(config, state=state)
-    exporter_runner, exporter_port = await start_site(app, HOST, 0)
-    base = f"http://{HOST}:{exporter_port}"
+    try:
+        exporter_runner, exporter_port = await start_site(app, web_host, web_port)
+    except OSError:
+        await sim_runner.cleanup()
+        raise
+    base = f"http://{url_host(web_host)}:{exporter_port}"
     print(f"vllm-cache-exporter demo: scenario {scenario.name} at x{speed:g} (a scenario "
           f"minute passes every {60 / speed:.3g} s; times below are scenario time)", file=out)
     print(f"  {scenario.title}", file=out)
     if not live:  # the live view keeps it on screen
         print(f"Status page: {base}/  (open it in a browser; Prometheus reads /metrics "
               "there)", file=out)
-    print(f"Simulated vLLM: http://{HOST}:{sim_port} (OpenAI API, /metrics)", file=out)
+    print(f"Simulated vLLM: {sim_base} (OpenAI API, /metrics)", file=out)
     out.flush()
 
     tap_runner = None
@@ -91,7 +120,7 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
         print(f"The scenario's clients go through the tap: http://{HOST}:{tap_port}",
               file=out)
     else:
-        client = HttpClient(f"http://{HOST}:{sim_port}")
+        client = HttpClient(sim_base)
     driver = Driver(scenario, client, reporter, clock, sim.config.served_model_name,
                     loop=True, seed=int(time.time()), wall_clock=exporter_clock)
     drive = asyncio.ensure_future(driver.run())
@@ -120,16 +149,18 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
     return 0
 
 
-def exporter_config(scenario: Scenario, sim_port: int) -> Config:
-    """The exporter as the demo runs it: reading the simulator, no new-series hold (the view
-    reads /metrics itself, it is no Prometheus). Nothing scenario-specific: what a hybrid
-    model's conversations hold in the pool comes from the simulator's cache configuration, as
-    from a real vLLM's (compose.yaml and the Kubernetes sidecar run it the same way)."""
-    config = Config(web_listen_address=f"{HOST}:0", vllm_url=(f"http://{HOST}:{sim_port}",),
+def exporter_config(scenario: Scenario, sim_base: str, web_listen_address: str = f"{HOST}:0"
+                    ) -> Config:
+    """The exporter as the demo runs it: reading the simulator at ``sim_base``, no new-series
+    hold (the view reads /metrics itself, it is no Prometheus). Nothing scenario-specific: what
+    a hybrid model's conversations hold in the pool comes from the simulator's cache
+    configuration, as from a real vLLM's (compose.yaml and the Kubernetes sidecar run it the
+    same way)."""
+    config = Config(web_listen_address=web_listen_address, vllm_url=(sim_base,),
                     log_level="warning", usage_new_series_hold=0.0)
     if scenario.demo_tap:
         config = dataclasses.replace(config, tap_listen_address=f"{HOST}:0",
-                                     tap_upstream=f"http://{HOST}:{sim_port}")
+                                     tap_upstream=sim_base)
     return config
 
 
@@ -246,7 +277,7 @@ def main(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, stop.set)
         try:
             return await run_demo(scenario, speed, args.duration, refresh, sys.stdout, live,
-                                  stop)
+                                  stop, Listen(args.web_listen_address, args.sim_listen_address))
         except OSError as err:
             print(f"demo: cannot start: {err}", file=sys.stderr)
             return 1

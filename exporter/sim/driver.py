@@ -5,7 +5,9 @@ resends its whole history, as agents do), or fan-outs of concurrent one-shot req
 request carries the caller's identity (``user`` and ``X-Caller``), and its usage and measured
 TTFT are reported to the exporter's ``POST /v1/usage`` as a proxy would. The texts are made of
 one-token words unique to each conversation and loop, so what is cached is decided by the
-scenario's structure alone. Works against the simulator or a real vLLM.
+scenario's structure alone. Works against the simulator or a real vLLM. While it runs it
+logs its progress at info level every ``--drive.progress-interval`` seconds (``Progress``):
+requests sent, reported, failed, and the scenario time.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class DriverStats:
     requests: int = 0
     errors: int = 0
     unreported: int = 0  # successes whose response carried no usage
+    reported: int = 0  # usage events handed to the reporter
     iterations: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
 
@@ -102,6 +105,7 @@ class Driver:
         if event is None:
             stats.unreported += 1
         else:
+            stats.reported += 1
             self.reporter.report(event)
         if isinstance(completion.status, str):  # no answer at all: the server is down
             await self.clock.sleep(self.clock.speed * TRANSPORT_BACKOFF_SECONDS)
@@ -153,6 +157,47 @@ class Driver:
             await asyncio.gather(*requests)
             if round_index + 1 < agent.rounds:
                 await self.clock.sleep(agent.every_seconds - (self.clock.now() - started))
+
+
+class Progress:
+    """Says how a drive is going, at info level, every ``interval`` seconds of the event
+    loop's clock (wall seconds; virtual ones in a virtual run): one line with the requests
+    sent, their usage events reported, the requests failed, and the scenario time. Through
+    exporter/logs.py, so each figure is a field of its own in logfmt and JSON."""
+
+    def __init__(self, driver: Driver, interval: float) -> None:
+        self.driver = driver
+        self.interval = interval
+
+    def fields(self) -> dict[str, Any]:
+        stats = self.driver.stats
+        out: dict[str, Any] = {
+            "requests": stats.requests, "reported": stats.reported, "failed": stats.errors,
+            "without_usage": stats.unreported, "scenario_seconds": round(
+                self.driver.clock.now(), 1), "iterations": stats.iterations}
+        reporter = self.driver.reporter
+        if isinstance(reporter, HttpReporter):  # what reached the exporter so far
+            out.update(delivered=reporter.sent, pending=len(reporter.pending),
+                       dropped=reporter.dropped)
+        return out
+
+    def log(self) -> None:
+        fields = self.fields()
+        seconds = int(fields["scenario_seconds"])
+        delivery = (f" ({fields['delivered']} delivered to the exporter, {fields['pending']} "
+                    f"pending, {fields['dropped']} dropped)" if "delivered" in fields else "")
+        log.info("%d request(s) sent, %d reported%s, %d failed, scenario time %d:%02d, "
+                 "%d full iteration(s)", fields["requests"], fields["reported"], delivery,
+                 fields["failed"], seconds // 60, seconds % 60, fields["iterations"],
+                 extra=fields)
+
+    async def run(self) -> None:
+        """Log every ``interval`` seconds until cancelled (0: never)."""
+        if self.interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.interval)  # a period, not a wait for something
+            self.log()
 
 
 # ---- command line ----------------------------------------------------------------------
@@ -208,9 +253,10 @@ async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
                 loop.add_signal_handler(sig, stop.set)
         run = asyncio.ensure_future(driver.run())
         stopper = asyncio.ensure_future(stop.wait())
+        progress = asyncio.ensure_future(Progress(driver, args.drive_progress_interval).run())
         await asyncio.wait((run, stopper), timeout=args.duration or None,
                            return_when=asyncio.FIRST_COMPLETED)
-        for task in (run, stopper):
+        for task in (run, stopper, progress):
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await run

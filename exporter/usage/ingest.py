@@ -11,7 +11,8 @@ its bytes (503 with ``Retry-After``), a content coding other than gzip or deflat
 unknown format, a body that does not decode as its coding says, or one that is not JSON at
 all (400). Those count in ``vllm_cache_usage_ingest_requests_rejected_total`` and nowhere
 else. A batch in which every event was rejected answers 422 (with the same reply), so a
-misconfigured sender notices.
+misconfigured sender notices. A body with no events at all (empty, blank lines, ``[]``) is an
+empty batch: 200, nothing counted, as a sender flushing an empty buffer expects.
 
 Retried batches count once. An event with an ``id`` already counted for its caller within
 ``--usage.dedup.window`` is counted as ``duplicate`` and nowhere else (the signals keep the
@@ -266,8 +267,8 @@ def read_body(body: bytes | bytearray) -> Iterable[Item]:
     size = len(body)
     while start < size and body[start] in b" \t\r\n":
         start += 1
-    if start == size:
-        raise BodyError("bad_body", "the body is empty")
+    if start == size:  # no events: an empty batch, as an empty JSON array is
+        return ()
     first_newline = body.find(b"\n", start)
     if body[start] == ord("["):
         try:
@@ -297,8 +298,8 @@ def read_body(body: bytes | bytearray) -> Iterable[Item]:
         first = read_line(line, number)
         if first is not None:
             break
-    else:  # nothing but blank lines and byte-order marks
-        raise BodyError("bad_body", "the body is empty")
+    else:  # nothing but blank lines and byte-order marks: an empty batch
+        return ()
     if type(first[0]) is Unreadable and first_newline < 0:
         raise BodyError("bad_body", "the body is not JSON, a JSON array, or NDJSON")
     return NdjsonLines(lines, first, number)

@@ -1,6 +1,7 @@
-"""docs/deployment.md "Run the stack without Docker", run as written: its first block starts the
-stack (Debian's Prometheus and Alertmanager on the shipped deploy/ files, the simulator, the
-exporter, the alert logger, the driver), its second sends a test page through Alertmanager.
+"""docs/deployment.md "Run the stack without Docker", run as it is written: its first block
+starts the stack (Debian's Prometheus and Alertmanager on the shipped deploy/ files, the
+simulator, the exporter, the alert logger, the driver), its second sends a test page
+through Alertmanager.
 The checks are the compose test's, the collapse aside (its page takes a quarter of an hour,
 which tests/deploy/test_compose_up.py spends once): every scrape target up, every shipped
 rule loaded and healthy, Alertmanager found, the exporter on 127.0.0.1, the page delivered.

@@ -139,7 +139,7 @@ def test_compose_and_the_demo_give_the_same_fit_signal():
     compose = build_config(parse(command_args(exporter)), environ=exporter.get("environment")
                            or {})
     name = flag_value(command_args(services["simulator"]), "--scenario") or ""
-    demo = exporter_config(scenarios.load(name), 8000)
+    demo = exporter_config(scenarios.load(name), "http://127.0.0.1:8000")
     assert foresight_settings(compose) == foresight_settings(demo)
     assert compose.signals_state_tokens == ()
     for setting in ("granularity", "warm_tail_granules", "missing_cached_as_zero"):

@@ -5,6 +5,7 @@ is down for a while."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -256,3 +257,133 @@ def test_loop_starts_again_with_new_conversations():
     assert [event["session"] for event in events] == ["x/0", "x/0", "x/1", "x/1"]
     # each iteration is a fresh conversation: its first turn finds nothing cached
     assert [event["cached_tokens"] > 0 for event in events] == [False, True, False, True]
+
+
+class FailingEvery:
+    """EchoClient's answers, but every ``nth`` request is refused (HTTP 503)."""
+
+    def __init__(self, nth: int) -> None:
+        self.echo = EchoClient()
+        self.nth = nth
+
+    async def send(self, kind: str, body: dict[str, Any], caller: str) -> Completion:
+        completion = await self.echo.send(kind, body, caller)
+        if len(self.echo.sent) % self.nth == 0:
+            return Completion(503, None, None, None, error="busy")
+        return completion
+
+    async def close(self) -> None:
+        return None
+
+
+def test_drive_says_how_it_is_going_every_interval(caplog):
+    """`drive` is not silent while it runs: every interval an info line with the requests
+    sent, reported and failed so far and the scenario time, each a field of its own (so a
+    logfmt or JSON reader can pick them out); in virtual time, so the instants are exact."""
+    import logging
+
+    from exporter import logs
+    from exporter.sim.driver import Progress
+
+    scenario = parse_scenario({"name": "t", "agents": [
+        {"caller": "solo", "context_tokens": 30, "input_tokens": 5, "output_tokens": 2,
+         "turns": 4, "think_seconds": 60}]}, "test")
+
+    async def main() -> None:
+        clock = SimClock(speed=2.0)  # scenario time runs at twice the loop's
+        driver = Driver(scenario, FailingEvery(3), ListReporter(clock.now), clock, "m")
+        progress = asyncio.ensure_future(Progress(driver, interval=25.0).run())
+        await driver.run()  # turns at scenario 0, 60, 120, 180: loop seconds 0, 30, 60, 90
+        progress.cancel()
+
+    with caplog.at_level(logging.INFO, logger="exporter.sim.driver"):
+        run_virtual(main())
+    lines = [record for record in caplog.records if hasattr(record, "requests")]
+    seen = [(record.scenario_seconds, record.requests, record.reported, record.failed)
+            for record in lines]
+    # at loop seconds 25, 50, 75 (scenario 50, 100, 150); the driver ends at 90. The refused
+    # third request is reported too (as a failure: the exporter counts it as state="error").
+    assert seen == [(50.0, 1, 1, 0), (100.0, 2, 2, 0), (150.0, 3, 3, 1)]
+    assert all(record.levelno == logging.INFO for record in lines)
+    assert lines[1].getMessage() == ("2 request(s) sent, 2 reported, 0 failed, scenario time "
+                                     "1:40, 0 full iteration(s)")
+    logfmt = logs.formatter("logfmt").format(lines[-1])
+    assert " requests=3 reported=3 failed=1 " in logfmt and "scenario_seconds=150.0" in logfmt
+    as_json = json.loads(logs.formatter("json").format(lines[-1]))
+    assert (as_json["requests"], as_json["failed"], as_json["level"]) == (3, 1, "info")
+
+
+def test_progress_counts_what_reached_the_exporter():
+    """With an exporter to report to, the line also says how many events it took, how many
+    wait and how many it refused (the reporter's own counts)."""
+    from exporter.sim.driver import Progress
+
+    scenario = parse_scenario({"name": "t", "agents": [{"caller": "solo", "turns": 1}]},
+                              "test")
+    reporter = HttpReporter("http://127.0.0.1:9")
+    reporter.sent, reporter.dropped = 7, 2
+    reporter.pending.extend([{}, {}, {}])
+
+    async def main() -> dict[str, Any]:
+        return Progress(Driver(scenario, EchoClient(), reporter, SimClock(), "m"), 10).fields()
+
+    fields = run_virtual(main())
+    assert (fields["delivered"], fields["pending"], fields["dropped"]) == (7, 3, 2)
+
+
+def test_progress_interval_zero_is_silent():
+    from exporter.sim.driver import Progress
+
+    scenario = parse_scenario({"name": "t", "agents": [{"caller": "solo", "turns": 1}]},
+                              "test")
+
+    async def main() -> None:
+        clock = SimClock()
+        driver = Driver(scenario, EchoClient(), ListReporter(clock.now), clock, "m")
+        await asyncio.wait_for(Progress(driver, 0).run(), 1)  # returns at once
+
+    run_virtual(main())
+
+
+def test_the_progress_line_docs_demo_md_shows_is_the_one_drive_writes():
+    """docs/demo.md's example line, from a driver at the figures it shows: the same message
+    and fields, in the same order (the time aside)."""
+    import logging
+    import re
+    from pathlib import Path
+
+    from exporter import logs
+    from exporter.sim.driver import Progress
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "demo.md").read_text("utf-8")
+    shown = re.search(r"^time=\S+ (level=info source=exporter\.sim\.driver msg=.*)$", doc,
+                      flags=re.M)
+    assert shown, "docs/demo.md has no progress line"
+    scenario = parse_scenario({"name": "t", "agents": [{"caller": "solo", "turns": 1}]},
+                              "test")
+    reporter = HttpReporter("http://127.0.0.1:9")
+    reporter.sent = 39
+    reporter.pending.extend([{}, {}])
+    records: list[logging.LogRecord] = []
+
+    async def main() -> None:
+        clock = SimClock(speed=10.0)
+        driver = Driver(scenario, EchoClient(), reporter, clock, "m")
+        driver.stats.requests = driver.stats.reported = 41
+        clock.now()
+        await asyncio.sleep(75.0)  # virtual: 750 scenario seconds
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        logger = logging.getLogger("exporter.sim.driver")
+        logger.addHandler(handler)
+        old_level = logger.level
+        logger.setLevel(logging.INFO)
+        try:
+            Progress(driver, 10).log()
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+
+    run_virtual(main())
+    written = logs.formatter("logfmt").format(records[0])
+    assert written.split(" ", 1)[1] == shown.group(1)

@@ -4,6 +4,7 @@ exporter, first in one process, then as the separate processes compose runs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import sys
@@ -115,9 +116,18 @@ async def test_simulate_and_drive_as_separate_processes(tmp_path: Path):
         drive = await asyncio.create_subprocess_exec(
             *python, "drive", "--scenario", str(scenario_file), "--drive.base-url", sim_url,
             "--drive.exporter-url", f"http://{HOST}:{exporter_port}", "--usage.ingest.token", "tok",
-            "--speed", "20", stderr=asyncio.subprocess.PIPE)
+            "--speed", "20", "--drive.progress-interval", "0.05", "--log.format", "json",
+            stderr=asyncio.subprocess.PIPE)
         _, errors = await asyncio.wait_for(drive.communicate(), 60)
         assert drive.returncode == 0, errors.decode()
+        # It said how it was going: the scenario's think times alone take 0.25 s at x20, so
+        # several 0.05 s progress lines, each counting up to the 6 requests.
+        progress = [line for line in map(json.loads, errors.decode().splitlines())
+                    if "requests" in line]
+        assert len(progress) >= 2, errors.decode()
+        counts = [line["requests"] for line in progress]
+        assert counts == sorted(counts) and counts[-1] <= 6
+        assert all(line["level"] == "info" and "delivered" in line for line in progress)
         text = await get_text(f"http://{HOST}:{exporter_port}/metrics")
     finally:
         if exporter_site is not None:

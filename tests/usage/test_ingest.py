@@ -111,7 +111,7 @@ async def test_all_rejected_is_422_and_counted(usage_client):
     assert accepted(state) == 0
 
 
-@pytest.mark.parametrize("body", ["", "   \n", "not json at all", "\xff\xfe garbage", "[1, 2"])
+@pytest.mark.parametrize("body", ["not json at all", "\xff\xfe garbage", "[1, 2"])
 async def test_a_body_that_is_not_json_is_400(usage_client, body):
     client, state = await usage_client()
     data = body.encode("latin-1")
@@ -121,6 +121,23 @@ async def test_a_body_that_is_not_json_is_400(usage_client, body):
     assert reply["error"] == "bad_body" and reply["accepted"] == 0
     assert refused(state) == {"bad_body": 1}
     assert accepted(state) == 0
+
+
+@pytest.mark.parametrize("body", [b"", b"   \n", b"\n\n", b"\xef\xbb\xbf", b"[]", b"[ ]\n"])
+@pytest.mark.parametrize("encoding", ["identity", "gzip"])
+async def test_a_body_without_events_is_an_empty_batch(usage_client, body, encoding):
+    """docs/usage.md: 200 for an empty batch. No events at all (an empty body, blank lines,
+    an empty array; sent as it is or gzipped) is a sender flushing an empty buffer: nothing
+    accepted, nothing rejected, and no whole request counted as refused."""
+    import gzip
+
+    client, state = await usage_client()
+    headers = {"Content-Encoding": "gzip"} if encoding == "gzip" else {}
+    data = gzip.compress(body) if encoding == "gzip" else body
+    response = await client.post("/v1/usage", data=data, headers=headers)
+    assert response.status == 200
+    assert await response.json() == {"accepted": 0, "rejected": 0, "errors": []}
+    assert refused(state) == {} and accepted(state) == 0 and not state.usage.rejected
 
 
 async def test_unknown_format_is_400(usage_client):
