@@ -275,11 +275,16 @@ class FileFollower:
         if self._capped and not self._first_scan:
             self._lose(followed, size, OVER_MAX_FILES)
         self.files[identity] = followed
-        log.info("following usage file %s from its %s", path, "end" if at_end else "start")
+        # Those of the first scan are said together at its end (10,000 lines otherwise).
+        log.log(logging.DEBUG if self._first_scan else logging.INFO,
+                "following usage file %s from its %s", path, "end" if at_end else "start")
         return followed
 
     def _end_scan(self) -> None:
         self._scan = None
+        if self._first_scan:
+            log.info("following %d usage file(s) matching %s from their %s", len(self.files),
+                     " ".join(self.patterns), "start" if self.from_start else "end")
         self._first_scan = False
         self.over_limit = self._over
         gone = [followed for identity, followed in self.files.items()
