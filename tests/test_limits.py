@@ -382,7 +382,7 @@ def test_the_followed_files_share_is_asked_before_each_open(tmp_path):
                             lambda reason: None, acquire_descriptor=files.acquire,
                             release_descriptor=files.release)
     follower.poll()
-    assert len(follower.files) == 3 and files.in_use == 0  # nothing to read: none open
+    assert len(follower.files) == 3 and files.in_use == 2  # as many open as the share
     for round_ in range(3):
         for path in paths:
             with path.open("a") as handle:

@@ -22,8 +22,9 @@ What must hold, and how:
 - One bad line is rejected and counted; the rest go on.
 - Descriptors: at most ``max_open`` files are open at once (``--usage.file.max-open``,
   and within the descriptor budget: when handed ``acquire_descriptor`` it asks before each
-  open and gives the descriptor back at each close). A file present at start takes none until
-  it changes. Past the cap the least recently written file is closed, keeping its place (a
+  open and gives the descriptor back at each close). Files are opened as they are found while fewer
+  are open (an open file loses nothing when it is renamed or deleted). Past the cap the
+  least recently written file is closed, keeping its place (a
   partial last line is read again from the file when it is reopened); a scan that sees it
   change opens it again (checked to be the same file) and reads on from there. A file out of
   the globs is never closed early: no name would open it again.
@@ -249,6 +250,10 @@ class FileFollower:
         self._seen.add(identity)
         followed.gone = False
         followed.gone_polls = 0
+        if followed.handle is None and len(self._open) < self.max_open:
+            # Held open while there is room: an open file loses nothing when it is renamed
+            # away or deleted, even before its first line is read.
+            self._open_file(followed, evict=False)
         self._note(followed, info.st_size, info.st_mtime_ns)
 
     def _note(self, followed: _Followed, size: int, mtime: int) -> None:
@@ -260,8 +265,8 @@ class FileFollower:
 
     def _admit(self, path: str, identity: _Identity, size: int,
                mtime: int) -> _Followed | None:
-        """Follow a file seen for the first time: from its end (no descriptor taken until
-        it changes) at the first scan, from its start later."""
+        """Follow a file seen for the first time: from its end at the first scan, from its
+        start later."""
         if len(self.files) >= self.max_files:
             self._over += 1
             self._capped = True
@@ -342,7 +347,7 @@ class FileFollower:
             followed = self.files.get(identity)
             if followed is None:
                 continue
-            if followed.handle is None and not self._reopen(followed):
+            if followed.handle is None and not self._open_file(followed, evict=True):
                 continue
             used, more = self._read(followed, budget)
             budget -= used
@@ -352,18 +357,20 @@ class FileFollower:
                 if more:
                     self._ready[identity] = None
 
-    def _reopen(self, followed: _Followed) -> bool:
-        """Open a closed file (put off to the next round when no descriptor is free)."""
+    def _open_file(self, followed: _Followed, evict: bool) -> bool:
+        """Open a closed file; with ``evict``, closing the least recently written one if
+        need be (else, or when none can be closed, it is put off to the next round)."""
         identity = followed.identity
-        if len(self._open) >= self.max_open:
+        if evict and len(self._open) >= self.max_open:
             self._evict(identity)
         granted = len(self._open) < self.max_open and (
             self._acquire is None or self._acquire()
-            or (self._evict(identity) and self._acquire()))
+            or (evict and self._evict(identity) and self._acquire()))
         if not granted:
-            self._waiting[identity] = None
-            self._warn_once("*", "a file waits for a descriptor: the followed files' share "
-                                 "of them is held by files being drained")
+            if evict:
+                self._waiting[identity] = None
+                self._warn_once("*", "a file waits for a descriptor: the followed files' "
+                                     "share of them is held by files being drained")
             return False
         try:
             handle = os.open(followed.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
