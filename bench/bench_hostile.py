@@ -1,6 +1,7 @@
 """Hostile input and overload against the exporter as deployed: memory, /metrics, ingest.
 
-    python bench/bench_hostile.py --case 3|3a|3b|4|5|6|6a|6b|n1|n2|n4|net|all [--json]
+    python bench/bench_hostile.py --case 3|3a|3b|4|5|6|6a|6b|n1|n2|n4|net|f5|f6|f6s|files|all
+        [--json]
         [--exporter-args='--flag value ...'] [--hold 40] [--settle 20]
 
 Each case starts a fresh ``python -m exporter run --web.listen-address 127.0.0.1:<port>``
@@ -45,6 +46,18 @@ probe a tap call (non-streamed) like ingest:
 - n2: the same against the tap with ``--trickle-tap`` (580) connections.
 - n4: the exporter and its tap under ``ulimit -n 1024``; ``--streams`` (700) streaming tap
   calls at once, each held by the stand-in for ``--stream-seconds`` (the hold).
+
+The followed-file cases of issue 29 (``files``: f5, f6, f6s) also probe ``/-/healthy``;
+each follows ``--usage.file '<dir>/*.jsonl'``:
+
+- f5: ``--idle-files`` (10,000) files there at start, the exporter under ``ulimit -n
+  4096``; idle for ``--hold`` seconds (its CPU and descriptors meanwhile), then one line
+  written to each of ``--woken-files`` (500) of them, twice (the second time each is
+  reopened), each counted exactly.
+- f6: ``--burst-files`` (40) files of ``--burst-mib`` (8) MiB each, written aside and
+  renamed into the glob at once; read to their end, every line counted.
+- f6s: the same files there at start with ``--usage.file.from-start`` (a restart over
+  rotated files).
 
 Reported per case: RSS when the attack started, the peak (VmHWM) and the RSS
 ``--settle`` seconds after the attackers left (and the share of the growth given back),
@@ -95,6 +108,7 @@ from harness import (
     open_fds,
     proc_memory,
     sample_lines,
+    sample_value,
     seconds_text,
     self_metrics,
     summarize,
@@ -133,6 +147,7 @@ class CaseRun:
     cpu_marks: dict[str, float | None] = field(default_factory=dict)
     hwm_marks: dict[str, int | None] = field(default_factory=dict)
     final_metrics: str | None = None
+    files_dir: Path | None = None  # the followed files' folder (f5, f6, f6s)
 
     @classmethod
     def create(cls, args: argparse.Namespace, exporter: ExporterProcess,
@@ -177,6 +192,8 @@ class Case:
     nofile: int | None = None  # the exporter's ulimit -n
     tap: bool = False  # start the tap, in front of the vLLM stand-in
     healthy: bool = False  # probe /-/healthy too
+    # Files to create before the exporter starts, in the given folder; returns its flags.
+    prepare: Callable[[Path, argparse.Namespace], list[str]] | None = None
 
 
 async def run_case(case: Case, run: CaseRun) -> None:
@@ -717,6 +734,122 @@ class StubUpstream(threading.Thread):
         self.join(timeout=15)
 
 
+# ---- followed files (issue 29, fails 5 and 6) ---------------------------------------
+
+def followed_flags(folder: Path, from_start: bool = False) -> list[str]:
+    return ["--usage.file", str(folder / "*.jsonl"), "--usage.file.poll-interval", "1",
+            *(["--usage.file.from-start"] if from_start else [])]
+
+
+def usage_line(caller: str, seq: int) -> bytes:
+    return json.dumps({"caller": caller, "model": "model-00", "prompt_tokens": 4096,
+                       "cached_tokens": 2048, "ttft_seconds": 0.5,
+                       "session": f"s-{seq % 500}"}).encode() + b"\n"
+
+
+def prepare_idle_files(folder: Path, args: argparse.Namespace) -> list[str]:
+    folder.mkdir()
+    for index in range(args.idle_files):
+        (folder / f"idle-{index:05d}.jsonl").write_bytes(usage_line("before", index))
+    return followed_flags(folder)
+
+
+def burst_file(path: Path, index: int, size: int) -> int:
+    """A file of about ``size`` bytes of events; the number of lines written."""
+    one = usage_line(f"agent-{index % 20}", index)
+    lines = max(1, size // len(one))
+    path.write_bytes(one * lines)
+    return lines
+
+
+def prepare_from_start(folder: Path, args: argparse.Namespace) -> list[str]:
+    folder.mkdir()
+    lines = sum(burst_file(folder / f"rotated-{index:02d}.jsonl", index, args.burst_mib * MiB)
+                for index in range(args.burst_files))
+    args.expected_file_events = lines
+    return followed_flags(folder, from_start=True)
+
+
+def prepare_empty(folder: Path, args: argparse.Namespace) -> list[str]:
+    folder.mkdir()
+    return followed_flags(folder)
+
+
+async def file_events(run: CaseRun) -> float:
+    async with aiohttp.ClientSession() as session:
+        _, status, wire, headers = await fetch(session, run.exporter.base_url + "/metrics",
+                                               TEXT_HEADERS, run.args.probe_timeout)
+    if status != 200:
+        return -1.0
+    text = decoded(wire, headers).decode()
+    return sample_value(text, 'vllm_cache_usage_events_total{reader="file"}') or 0.0
+
+
+async def wait_counted(run: CaseRun, expected: int, name: str) -> None:
+    """Until the file reader has counted ``expected`` events (or the attack timeout): how
+    long it took, and what it had counted."""
+    started = time.monotonic()
+    counted = 0.0
+    while time.monotonic() - started < run.args.attack_timeout:
+        counted = await file_events(run)
+        if counted >= expected:
+            break
+        await asyncio.sleep(0.2)
+    run.found[f"{name}_seconds"] = round(time.monotonic() - started, 1)
+    run.found[f"{name}_counted"] = f"{counted:,.0f} of {expected:,}"
+
+
+async def watch_descriptors(run: CaseRun, seen: list[int]) -> None:
+    while True:
+        count = open_fds(run.exporter.pid)
+        if count is not None:
+            seen.append(count)
+        await asyncio.sleep(0.5)
+
+
+async def attack_idle_files(run: CaseRun) -> None:
+    assert run.files_dir is not None
+    fds: list[int] = []
+    watcher = asyncio.ensure_future(watch_descriptors(run, fds))
+    run.mark("attack_start")
+    cpu_before = cpu_seconds(run.exporter.pid)
+    await asyncio.sleep(run.args.hold)
+    cpu_idle = cpu_seconds(run.exporter.pid)
+    if cpu_before is not None and cpu_idle is not None:
+        run.found["idle_cpu_share"] = round((cpu_idle - cpu_before) / run.args.hold, 3)
+    run.found["idle_fds_max"] = max(fds) if fds else None
+    woken = random.Random(run.args.seed).sample(range(run.args.idle_files),
+                                                min(run.args.woken_files, run.args.idle_files))
+    base = await file_events(run)
+    for wave in range(2):
+        for index in woken:
+            with open(run.files_dir / f"idle-{index:05d}.jsonl", "ab") as handle:
+                handle.write(usage_line(f"woke-{wave}", index))
+        await wait_counted(run, int(base) + len(woken) * (wave + 1), f"wave{wave + 1}")
+    watcher.cancel()
+    run.mark("attack_end")
+    run.found["fds_max"] = max(fds) if fds else None
+
+
+async def attack_burst(run: CaseRun) -> None:
+    assert run.files_dir is not None
+    staging = run.files_dir.parent / "staging"
+    staging.mkdir()
+    lines = sum(burst_file(staging / f"new-{index:02d}.jsonl", index, run.args.burst_mib * MiB)
+                for index in range(run.args.burst_files))
+    run.mark("attack_start")
+    for path in sorted(staging.iterdir()):
+        path.rename(run.files_dir / path.name)  # all there at once, each whole
+    await wait_counted(run, lines, "read")
+    run.mark("attack_end")
+
+
+async def attack_from_start(run: CaseRun) -> None:
+    run.mark("attack_start")
+    await wait_counted(run, run.args.expected_file_events, "read")
+    run.mark("attack_end")
+
+
 CASES = {case.key: case for case in (
     Case("3a", "{bodies} concurrent {body_mib} MiB bodies of '1\\n'", attack_junk_lines),
     Case("3b", "{bodies} concurrent {body_mib} MiB bodies of valid NDJSON",
@@ -734,8 +867,17 @@ CASES = {case.key: case for case in (
          "{trickle_interval:g} s", attack_slow_tap, tap=True, healthy=True),
     Case("n4", "{streams} streaming tap calls held {stream_seconds:g} s, exporter under "
          "ulimit -n 1024", attack_streams, nofile=1024, tap=True, healthy=True),
+    Case("f5", "{idle_files:,} followed files, idle {hold:g} s then {woken_files} written "
+         "twice, exporter under ulimit -n 4096", attack_idle_files, nofile=4096,
+         healthy=True, prepare=prepare_idle_files),
+    Case("f6", "{burst_files} new files of {burst_mib} MiB appearing at once", attack_burst,
+         healthy=True, prepare=prepare_empty),
+    Case("f6s", "{burst_files} files of {burst_mib} MiB replayed with "
+         "--usage.file.from-start", attack_from_start, healthy=True,
+         prepare=prepare_from_start),
 )}
-GROUPS = {"3": ["3a", "3b"], "6": ["6a", "6b"], "net": ["n1", "n2", "n4"], "all": list(CASES)}
+GROUPS = {"3": ["3a", "3b"], "6": ["6a", "6b"], "net": ["n1", "n2", "n4"],
+          "files": ["f5", "f6", "f6s"], "all": list(CASES)}
 
 
 # ---- measuring one case in a fresh exporter ------------------------------------------
@@ -753,6 +895,9 @@ def measure(case: Case, args: argparse.Namespace,
             tap_port = free_port()
             extra += ["--tap.listen-address", f"127.0.0.1:{tap_port}",
                       "--tap.upstream", upstream.url]
+        files_dir = Path(workdir) / "usage" if case.prepare else None
+        if case.prepare is not None and files_dir is not None:
+            extra += case.prepare(files_dir, args)
         exporter = ExporterProcess(Path(workdir), extra, nofile=case.nofile,
                                    inherited_limits=inherited_limits,
                                    **({"root": args.exporter_root} if args.exporter_root
@@ -765,6 +910,7 @@ def measure(case: Case, args: argparse.Namespace,
                                     deadline=time.monotonic() + args.case_timeout + 30)
             sampler.start()
             run = CaseRun.create(args, exporter, sockets, case, tap_port)
+            run.files_dir = files_dir
             failure = None
             try:
                 asyncio.run(asyncio.wait_for(run_case(case, run), args.case_timeout))
@@ -911,6 +1057,13 @@ def network_notes(result: dict[str, Any]) -> str:
         parts.append(f"{found['trickling_connections']} tricklers, {found['connections_opened']} "
                      f"connections opened: {found['trickler_outcomes']}; lifetime "
                      f"{found.get('trickler_lifetime_s')}")
+    if "read_seconds" in found:
+        parts.append(f"read in {found['read_seconds']} s ({found['read_counted']} counted)")
+    if "idle_cpu_share" in found:
+        parts.append(f"idle: {found['idle_cpu_share']:.1%} of a core, {found['idle_fds_max']} "
+                     f"fds; woken twice in {found.get('wave1_seconds')} s, "
+                     f"{found.get('wave2_seconds')} s ({found.get('wave1_counted')}, "
+                     f"{found.get('wave2_counted')}); fds at most {found['fds_max']}")
     if "stream_outcomes" in found:
         parts.append(f"{found['streams']} streams: {found['stream_outcomes']}; exporter fds at "
                      f"most {found['exporter_fds_max']}")
@@ -1004,7 +1157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--case", default="all",
-                        help="3, 4, 5, 6, net, all, or one variant: " + ", ".join(CASES))
+                        help="3, 4, 5, 6, net, files, all, or one variant: "
+                        + ", ".join(CASES))
     parser.add_argument("--exporter-args", default="", type=shlex.split,
                         help="extra flags for the exporter, one string: "
                              "--exporter-args='--callers.max 500'")
@@ -1048,6 +1202,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="case n4: streaming tap calls at once")
     parser.add_argument("--stream-seconds", type=float, default=40.0,
                         help="case n4: seconds the stand-in holds each stream")
+    parser.add_argument("--idle-files", type=int, default=10_000,
+                        help="case f5: files there at start")
+    parser.add_argument("--woken-files", type=int, default=500,
+                        help="case f5: files written to after the idle hold")
+    parser.add_argument("--burst-files", type=int, default=40, help="cases f6, f6s")
+    parser.add_argument("--burst-mib", type=int, default=8,
+                        help="cases f6, f6s: MiB per file")
     parser.add_argument("--healthy-interval", type=float, default=0.1,
                         help="network cases: seconds between /-/healthy probes")
     parser.add_argument("--rss-guard-mb", type=int, default=4096,
@@ -1062,7 +1223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     keys = GROUPS.get(args.case, [args.case])
     unknown = [key for key in keys if key not in CASES]
     if unknown:
-        parser.error(f"unknown case {args.case!r}; choose from 3, 4, 5, 6, net, all, "
+        parser.error(f"unknown case {args.case!r}; choose from 3, 4, 5, 6, net, files, all, "
                      + ", ".join(CASES))
     args.keys = keys
     return args
@@ -1072,7 +1233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up on kill, too
     inherited = guard_bench(args.bench_max_mb, max(args.connections, args.trickle_tap,
-                                                   2 * args.streams) + 512)
+                                                   2 * args.streams, 4096) + 512)
     results = []
     for key in args.keys:
         if not args.json:

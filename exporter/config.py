@@ -352,6 +352,10 @@ FLAGS: tuple[Flag, ...] = (
          "instead of their end.", _to_bool, False, kind="bool"),
     Flag("usage.file.poll-interval", "Usage readers", "Seconds between checks of followed "
          "files.", _to_float, 1.0, metavar="SECONDS", check=_positive),
+    Flag("usage.file.max-open", "Usage readers", "Most followed files held open at once "
+         "(never more than the followed files' share of the descriptors); past it the least "
+         "recently written is closed, and reopened when it changes, read from where it was "
+         "left.", _to_int, 256, metavar="N", check=_positive),
     Flag("usage.mapping.file", "Usage readers", "YAML mapping of UsageEvent fields to dotted "
          "paths, for the 'mapping' format.", _to_str, "", metavar="FILE"),
     Flag("usage.litellm.caller-fields", "Usage readers", "Order in which LiteLLM payload fields "
@@ -584,6 +588,7 @@ class Config:
     usage_file_format: str = _default("usage.file.format")
     usage_file_from_start: bool = _default("usage.file.from-start")
     usage_file_poll_interval: float = _default("usage.file.poll-interval")
+    usage_file_max_open: int = _default("usage.file.max-open")
     usage_mapping_file: str = _default("usage.mapping.file")
     usage_litellm_caller_fields: tuple[str, ...] = _default("usage.litellm.caller-fields")
     callers_max: int = _default("callers.max")

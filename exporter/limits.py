@@ -32,7 +32,7 @@ import resource
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -181,6 +181,66 @@ class FileDescriptors:
 
     def release(self) -> None:
         self.in_use = max(0, self.in_use - 1)
+
+
+class FollowedFiles(Protocol):
+    """What ``FollowedFilesCollector`` reads of the usage-file follower (exporter/usage/tail.py
+    ``FileFollower``; limits imports nothing of the package)."""
+
+    @property
+    def files(self) -> Mapping[Any, Any]: ...
+    @property
+    def max_open(self) -> int: ...
+    @property
+    def reopens(self) -> int: ...
+    @property
+    def over_limit(self) -> int: ...
+    @property
+    def lost_bytes(self) -> Mapping[str, int]: ...
+    @property
+    def open_files(self) -> int: ...
+
+
+class FollowedFilesCollector:
+    """``vllm_cache_usage_files``, ``_files_open_max``, ``_file_reopens_total`` and
+    ``_file_lost_bytes_total``: the bounds on followed files, and what they cost."""
+
+    def __init__(self, follower: FollowedFiles) -> None:
+        self.follower = follower
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        follower = self.follower
+        files = GaugeMetricFamily(
+            "vllm_cache_usage_files",
+            "Files matching --usage.file: open (holding a descriptor), closed (followed, "
+            "reopened when they change), not_followed (past the most followed at once).",
+            labels=["state"])
+        open_now = follower.open_files
+        files.add_metric(["open"], float(open_now))
+        files.add_metric(["closed"], float(len(follower.files) - open_now))
+        files.add_metric(["not_followed"], float(follower.over_limit))
+        yield files
+        most = GaugeMetricFamily(
+            "vllm_cache_usage_files_open_max",
+            "The most followed files held open at once (--usage.file.max-open, kept within "
+            "the followed files' share of the descriptors).")
+        most.add_metric([], float(follower.max_open))
+        yield most
+        reopens = CounterMetricFamily(
+            "vllm_cache_usage_file_reopens",
+            "Followed files opened again after being closed to stay within the open cap.")
+        reopens.add_metric([], float(follower.reopens))
+        yield reopens
+        lost = CounterMetricFamily(
+            "vllm_cache_usage_file_lost_bytes",
+            "Bytes of followed files that were never read, by reason (docs/metrics.md).",
+            labels=["reason"])
+        for reason, count in sorted(follower.lost_bytes.items()):
+            lost.add_metric([reason], float(count))
+        yield lost
 
 
 class ListenerStats:

@@ -6,7 +6,7 @@ import asyncio
 import functools
 import logging
 import signal
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from types import ModuleType
 from typing import Any
 
@@ -18,6 +18,7 @@ from exporter.limits import (
     TAP_DESCRIPTORS_PER_CONNECTION,
     DescriptorPlan,
     FileDescriptors,
+    FollowedFilesCollector,
     LimitedRunner,
     LimitsCollector,
     ListenerStats,
@@ -109,7 +110,8 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     if not config.engine_targets:
         log.warning("no --vllm.url: reading no vLLM, so only the per-caller usage signals are "
                     "served (give --vllm.url http://HOST:8000 for the engine's)")
-    background = start_background(config, state, listeners.get("tap"), tap_stats, files)
+    background = start_background(config, state, listeners.get("tap"), tap_stats, files,
+                                  register=app[REGISTRY_KEY].register)
     scheme = "https" if web_listener and web_listener.ssl_context else "http"
     log.info("listening on %s://%s:%d/metrics, reading %d vLLM target(s)", scheme, host, port,
              len(config.engine_targets))
@@ -179,13 +181,18 @@ def secure_app(app: web.Application, listener: WebListener, config: Config) -> N
 def start_background(config: Config, state: SignalsState,
                      tap_listener: WebListener | None = None,
                      tap_stats: ListenerStats | None = None,
-                     files: FileDescriptors | None = None) -> list[asyncio.Task[None]]:
+                     files: FileDescriptors | None = None,
+                     register: Callable[[Any], object] | None = None,
+                     ) -> list[asyncio.Task[None]]:
     """Long-running readers (file follower, tap proxy) that are not request handlers. The
     tap's sockets to vLLM are held to its connections (cap and slack), ``files`` is the
-    followed files' share of the descriptors."""
+    followed files' share of the descriptors; ``register`` puts the follower's collector on
+    /metrics."""
     tasks: list[asyncio.Task[None]] = []
     if config.usage_file:
         follower = wiring.file_follower(config, state.usage, files)
+        if register is not None:  # the follower's bounds and losses, on /metrics
+            register(FollowedFilesCollector(follower))
         tasks.append(asyncio.ensure_future(follow(follower, config.usage_file_poll_interval)))
     if config.tap_listen_address:
         tap_stats = tap_stats or ListenerStats("tap", config.tap_max_connections)

@@ -88,14 +88,19 @@ def engine_poller(config: Config, state: SignalsState,
 def file_follower(config: Config, usage: UsageState,
                   descriptors: FileDescriptors | None = None) -> FileFollower:
     """The follower of ``--usage.file``; ``descriptors`` (the process's budget for followed
-    files) is asked before each file is opened."""
+    files) is asked before each file is opened, and no more files are held open at once
+    than ``--usage.file.max-open`` or that budget's share, whichever is less."""
+    max_open = config.usage_file_max_open
+    if descriptors is not None:
+        max_open = max(1, min(max_open, descriptors.share))
     return FileFollower(
         config.usage_file, converters(config)[config.usage_file_format],
         record_events=lambda rows: usage.record_events(rows, FILE_READER),
         reject=lambda reason: usage.reject(FILE_READER, reason),
         from_start=config.usage_file_from_start,
         acquire_descriptor=descriptors.acquire if descriptors is not None else None,
-        release_descriptor=descriptors.release if descriptors is not None else None)
+        release_descriptor=descriptors.release if descriptors is not None else None,
+        max_open=max_open)
 
 
 def tap_settings(config: Config) -> TapSettings:

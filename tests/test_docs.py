@@ -35,17 +35,21 @@ def test_series_the_runtime_adds_are_documented():
     web config reloads) are part of the contract too."""
     from exporter.limits import (
         FileDescriptors,
+        FollowedFilesCollector,
         LimitsCollector,
         ListenerStats,
         RateLimitedLogs,
         plan_descriptors,
     )
     from exporter.web.metrics import WebConfigCollector
+    from exporter.wiring import file_follower, signals_state
 
     plan = plan_descriptors(1024, {"web": (1, 1)})
     collectors = [LimitsCollector([ListenerStats("web", 1)], RateLimitedLogs(), plan,
                                   FileDescriptors(1)),
-                  WebConfigCollector(lambda: [])]
+                  WebConfigCollector(lambda: []),
+                  FollowedFilesCollector(file_follower(Config(usage_file=("x",)),
+                                                       signals_state(Config()).usage))]
     names = [family.name for collector in collectors for family in collector.collect()]
     assert names
     missing = [name for name in names
