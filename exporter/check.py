@@ -81,8 +81,9 @@ class ExporterView:
     model_active: dict[str, float] = field(default_factory=dict)
     model_demand: dict[str, float] = field(default_factory=dict)
     idle_seconds: float | None = None
-    # (caller, model) -> cumulative (le, count) buckets, and declared tokens
+    # (caller, model) -> cumulative (le, count) buckets, their sum, and declared tokens
     used: dict[tuple[str, str], list[tuple[float, float]]] = field(default_factory=dict)
+    used_sum: dict[tuple[str, str], float] = field(default_factory=dict)
     declared: dict[tuple[str, str], float] = field(default_factory=dict)
     # caller -> prompt tokens of requests without cached_tokens, and of requests with it
     unreported: dict[str, float] = field(default_factory=dict)
@@ -123,6 +124,8 @@ def read_exporter(text: str) -> ExporterView:
             view.idle_seconds = value
         elif name == "vllm_cache_completion_used_tokens_bucket":
             view.used.setdefault(pair, []).append((float(labels["le"]), value))
+        elif name == "vllm_cache_completion_used_tokens_sum":
+            view.used_sum[pair] = value
         elif name == "vllm_cache_completion_declared_tokens_total":
             view.declared[pair] = value
         elif name == "vllm_cache_unreported_prompt_tokens_total":
@@ -225,15 +228,13 @@ def _describe_fit(view: ExporterView, report: Report, headroom: int) -> None:
 
 
 def _describe_completions(view: ExporterView, report: Report) -> None:
-    """Declared vs used completion tokens, per caller and model."""
+    """Declared vs used completion tokens, per caller and model, from exact sums and counts
+    (/metrics has no largest value: the charge is bounded by the buckets alone)."""
     for pair in sorted(view.used):
-        buckets = view.used[pair]
-        requests = max(count for _le, count in buckets)
-        if requests <= 0:
+        figures = advice.completions(pair[0], pair[1], view.used[pair],
+                                     view.used_sum.get(pair, 0.0), view.declared.get(pair, 0.0))
+        if figures is None:
             continue
-        figures = advice.Completions(
-            pair[0], pair[1], int(requests), view.declared.get(pair, 0.0) / requests,
-            advice.histogram_quantile(0.5, buckets), advice.histogram_quantile(0.99, buckets))
         sentence = advice.completion_sentence(figures)
         (report.notes if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING
          else report.lines).append(sentence)

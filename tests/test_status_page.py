@@ -103,10 +103,46 @@ def test_preemptions_while_they_happen():
 
 
 def test_declared_against_used_completions_is_advice():
-    page = replayed("max-tokens-overstated").status(10_000)
+    replay = replayed("max-tokens-overstated")
+    page = replay.status(10_000)
     sentences = [item.sentence for item in page.advice if item.kind == "completions"]
-    assert any(sentence.startswith("coder on qwen3.8-27b") and "overstatement" in sentence
-               for sentence in sentences)
+    used = [event["completion_tokens"] for _, event in replay.events()
+            if event["caller"] == "coder"]
+    coder = next(sentence for sentence in sentences if sentence.startswith("coder on "))
+    assert (f"used {sum(used) / len(used):,.0f} on average ({max(used):,} at most): an "
+            "overstatement of") in coder, coder
+
+
+def completions_page(used: int, declared: int, count: int = 10) -> status.Status:
+    from exporter.usage.event import validate
+    from exporter.wiring import signals_state
+
+    now = BASE
+    state = signals_state(Config(vllm_url=(TARGET,), usage_new_series_hold=0),
+                          clock=lambda: now)
+    for _ in range(count):
+        state.usage.record(validate({"caller": "coder", "model": "m", "prompt_tokens": 4000,
+                                     "cached_tokens": 0, "completion_tokens": used,
+                                     "max_tokens": declared}), "http")
+    return status.build(state.engine, state.usage, now, collapse_rule())
+
+
+@pytest.mark.parametrize(("used", "declared", "charge"), [
+    (300, 4096, 512),  # 300 of the (256, 512] bucket: not 384 (its median), nor 509 (p99)
+    (1100, 65536, 1280),  # 1,100 of (1024, 1536]: the largest seen bounds the charge
+])
+def test_declared_against_used_says_what_was_used(used, declared, charge):
+    coder = next(item.sentence for item in completions_page(used, declared).advice
+                 if item.kind == "completions")
+    assert (f"declared max_tokens {declared:,} on average and used {used:,} on average "
+            f"({used:,} at most): an overstatement of {declared / used:.0f}x") in coder, coder
+    assert f"charge prompt + min(max_tokens, {charge:,}) instead" in coder
+
+
+def test_a_small_max_tokens_fully_used_is_no_overstatement():
+    """max_tokens 8, each request used all 8: bucket (0, 64] would say a median of 32, 4x
+    the declared maximum; the exact mean says they agree, so the page says nothing."""
+    assert [item for item in completions_page(8, 8).advice if item.kind == "completions"] == []
 
 
 # ---- through the server ----------------------------------------------------------------------

@@ -474,22 +474,20 @@ def _unattributed(status: Status, engine: EngineState, usage: UsageState, now: f
 
 
 def _completions(status: Status, usage: UsageState) -> None:
+    """Declared against used completion tokens per pair, from exact sums and counts; the
+    charge bounded by the largest used and declared (``advice.completions``)."""
     for (caller, model), series in sorted(usage.series.items()):
         hist = series.completion
         if hist is None:
-            continue
-        requests = sum(hist.counts)
-        if requests <= 0:
             continue
         cumulative, running = [], 0
         for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
             running += count
             cumulative.append((bound, float(running)))
-        figures = advice.Completions(
-            caller, model, requests, series.declared_completion_tokens / requests,
-            advice.histogram_quantile(0.5, cumulative), advice.histogram_quantile(0.99,
-                                                                                   cumulative))
-        if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING:
+        figures = advice.completions(
+            caller, model, cumulative, hist.total, series.declared_completion_tokens,
+            series.completion_largest, series.declared_largest)
+        if figures is not None and figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING:
             status.advice.append(Item("completions", ADVICE,
                                       advice.completion_sentence(figures), f"{caller} {model}",
                                       callers=(caller,)))

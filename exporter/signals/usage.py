@@ -109,7 +109,8 @@ class Series:
 
     __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
                  "ttft", "queue", "engine_ttft", "engine_queue", "reported_cached",
-                 "shown_from", "completion", "declared_completion_tokens", "first_seen",
+                 "shown_from", "completion", "declared_completion_tokens", "completion_largest",
+                 "declared_largest", "first_seen",
                  "followups", "followups_cold", "order")
 
     def __init__(self, shown_from: float = 0.0, first_seen: float = 0.0) -> None:
@@ -130,6 +131,10 @@ class Series:
         # of what they declared (created with the first such request).
         self.completion: Histogram | None = None
         self.declared_completion_tokens = 0
+        # the most completion tokens one such request used, and the largest max_tokens one
+        # declared (for the status page, never exposed): no quantile it shows exceeds them
+        self.completion_largest = 0
+        self.declared_largest = 0
         # For the status page (never exposed): when the pair first sent anything, and its
         # follow-up turns (a conversation's later turns, which should find the earlier one
         # cached), and how many of those came back cold (the cache lost the conversation).
@@ -369,6 +374,10 @@ class UsageState:
                 series.completion = Histogram(COMPLETION_BUCKETS, self._shown_from())
             series.completion.observe(completion)
             series.declared_completion_tokens += event.max_tokens
+            if completion > series.completion_largest:
+                series.completion_largest = completion
+            if event.max_tokens > series.declared_largest:
+                series.declared_largest = event.max_tokens
 
     def _histogram(self, by_state: dict[str, Histogram], state: str,
                    bounds: tuple[float, ...]) -> Histogram:
