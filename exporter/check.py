@@ -33,7 +33,7 @@ from exporter.engine import names
 from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
 from exporter.engine.parse import Samples
 from exporter.redaction import redact_text, redact_url
-from exporter.signals import advice, kvpool
+from exporter.signals import advice, kvpool, timing
 from exporter.signals.foresight import admission_budget
 from exporter.values import EngineSnapshot, EngineValues, HistogramValue
 
@@ -90,6 +90,8 @@ class ExporterView:
     reported: dict[str, float] = field(default_factory=dict)
     # source ("engine", "proxy") -> TTFT observations: who timed the turns
     timed_by: dict[str, float] = field(default_factory=dict)
+    # caller -> (state, source) -> le -> TTFT observations, summed over its models
+    ttft: dict[str, dict[tuple[str, str], dict[float, float]]] = field(default_factory=dict)
     # (caller, model) -> the prompt-order counters, by their name after the prefix
     order: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
 
@@ -134,6 +136,11 @@ def read_exporter(text: str) -> ExporterView:
             view.reported[pair[0]] = view.reported.get(pair[0], 0.0) + value
         elif name.startswith(ORDER_PREFIX) and name.endswith("_total"):
             view.order.setdefault(pair, {})[name[len(ORDER_PREFIX):-6]] = value
+        elif name == "vllm_cache_ttft_seconds_bucket":
+            buckets = view.ttft.setdefault(pair[0], {}).setdefault(
+                (labels.get("state", ""), labels.get("source", "")), {})
+            bound = float(labels["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + value
         elif name == "vllm_cache_ttft_seconds_count":
             source = labels.get("source", "")
             view.timed_by[source] = view.timed_by.get(source, 0.0) + value
@@ -204,6 +211,7 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
     _describe_completions(view, report)
     _describe_order(view, report)
     _describe_reporting(view, report)
+    _describe_ttft(view, report)
     if not (view.demand or view.model_demand or view.used or view.reported
             or view.unreported):
         report.lines.append("no conversations seen yet (send usage to it first).")
@@ -267,6 +275,17 @@ def _describe_reporting(view: ExporterView, report: Report) -> None:
                             "TTFT and queue wait are the engine's own.")
     elif view.timed_by.get("proxy", 0) > 0:
         report.notes.append(advice.per_request_metrics_off_sentence())
+
+
+def _describe_ttft(view: ExporterView, report: Report) -> None:
+    """Each caller's median TTFT of warm and cold turns since the exporter started: vLLM's
+    own where it timed any, else the proxy's, saying which (the status page's figures)."""
+    for caller in sorted(view.ttft):
+        found = timing.medians({key: sorted(buckets.items())
+                                for key, buckets in view.ttft[caller].items()})
+        if found.source is not None:
+            report.lines.append(advice.ttft_sentence(caller, found.source, found.warm,
+                                                     found.cold))
 
 
 def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,

@@ -157,6 +157,27 @@ def per_request_metrics_off_sentence() -> str:
             "wait are the engine's own.")
 
 
+# Whose TTFT a figure is (signals/timing.py chooses): vLLM's own, or the proxy's.
+TTFT_SOURCE_LABEL = {"engine": "vLLM's own", "proxy": "the proxy's, vLLM's queue included"}
+
+
+def ttft_source_label(source: str | None) -> str:
+    return TTFT_SOURCE_LABEL.get(source or "", "nothing timed yet")
+
+
+def seconds(value: float | None) -> str:
+    """A TTFT as the page and check show it: 0.4 s, 52.1 s, 130 s; "-" for none."""
+    if value is None:
+        return "-"
+    return f"{value:.1f} s" if value < 100 else f"{value:.0f} s"
+
+
+def ttft_sentence(caller: str, source: str | None, warm: float | None,
+                  cold: float | None) -> str:
+    return (f"{caller}: median time to first token since the exporter started, warm turns "
+            f"{seconds(warm)}, cold turns {seconds(cold)} ({ttft_source_label(source)}).")
+
+
 def preemptions_sentence(where: str, count: float, over: str) -> str:
     """``over``: "in the last 5 min", "since vLLM started"."""
     return (f"vLLM is preempting requests: {where} preempted {tokens(count)} time(s) {over}. "

@@ -28,7 +28,7 @@ from exporter.signals.classify import COLD, ERROR, STATES, WARM, classify
 from exporter.signals.engine import EngineState
 from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner
-from exporter.signals.history import CALLER_FIELDS, History
+from exporter.signals.history import CALLER_FIELDS, FIELD, History
 from exporter.signals.kvpool import granule
 from exporter.signals.order import DEFAULT_WINDOW_SECONDS, OrderTracker
 from exporter.values import (
@@ -81,6 +81,11 @@ ORDER_SERIES = 4
 SERIES_PER_PAIR = (len(STATES) + 3 + len(TIMING_SOURCES) * (
     len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3) + len(QUEUE_BUCKETS) + 3)
     + COMPLETION_SERIES + ORDER_SERIES)
+
+# Where each source's TTFT starts in a row of ``caller_totals`` (warm sum, count, cold sum,
+# count; a row has no time field).
+_ENGINE_TTFT = FIELD["ttft_engine_warm_sum"] - 1
+_PROXY_TTFT = FIELD["ttft_proxy_warm_sum"] - 1
 
 SOURCE_CONFIGURED = "configured"
 SOURCE_LEARNED = "learned"
@@ -474,11 +479,12 @@ class UsageState:
                 row[index] += requests[state]
             row[9] += series.followups
             row[10] += series.followups_cold
-            for offset, state in ((11, WARM), (13, COLD)):
-                hist = series.ttft.get(state)
-                if hist is not None:
-                    row[offset] += hist.total
-                    row[offset + 1] += sum(hist.counts)
+            for offset, timed in ((_ENGINE_TTFT, series.engine_ttft), (_PROXY_TTFT, series.ttft)):
+                for at, state in ((offset, WARM), (offset + 2, COLD)):
+                    hist = timed.get(state)
+                    if hist is not None:
+                        row[at] += hist.total
+                        row[at + 1] += sum(hist.counts)
         return totals
 
     def first_seen(self) -> dict[str, float]:
