@@ -33,7 +33,7 @@ from exporter.engine import names
 from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
 from exporter.engine.parse import Samples
 from exporter.redaction import redact_text, redact_url
-from exporter.signals import advice, kvpool
+from exporter.signals import advice, kvpool, timing
 from exporter.signals.foresight import admission_budget
 from exporter.values import EngineSnapshot, EngineValues, HistogramValue
 
@@ -81,14 +81,17 @@ class ExporterView:
     model_active: dict[str, float] = field(default_factory=dict)
     model_demand: dict[str, float] = field(default_factory=dict)
     idle_seconds: float | None = None
-    # (caller, model) -> cumulative (le, count) buckets, and declared tokens
+    # (caller, model) -> cumulative (le, count) buckets, their sum, and declared tokens
     used: dict[tuple[str, str], list[tuple[float, float]]] = field(default_factory=dict)
+    used_sum: dict[tuple[str, str], float] = field(default_factory=dict)
     declared: dict[tuple[str, str], float] = field(default_factory=dict)
     # caller -> prompt tokens of requests without cached_tokens, and of requests with it
     unreported: dict[str, float] = field(default_factory=dict)
     reported: dict[str, float] = field(default_factory=dict)
     # source ("engine", "proxy") -> TTFT observations: who timed the turns
     timed_by: dict[str, float] = field(default_factory=dict)
+    # caller -> (state, source) -> le -> TTFT observations, summed over its models
+    ttft: dict[str, dict[tuple[str, str], dict[float, float]]] = field(default_factory=dict)
     # (caller, model) -> the prompt-order counters, by their name after the prefix
     order: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
 
@@ -123,6 +126,8 @@ def read_exporter(text: str) -> ExporterView:
             view.idle_seconds = value
         elif name == "vllm_cache_completion_used_tokens_bucket":
             view.used.setdefault(pair, []).append((float(labels["le"]), value))
+        elif name == "vllm_cache_completion_used_tokens_sum":
+            view.used_sum[pair] = value
         elif name == "vllm_cache_completion_declared_tokens_total":
             view.declared[pair] = value
         elif name == "vllm_cache_unreported_prompt_tokens_total":
@@ -131,6 +136,11 @@ def read_exporter(text: str) -> ExporterView:
             view.reported[pair[0]] = view.reported.get(pair[0], 0.0) + value
         elif name.startswith(ORDER_PREFIX) and name.endswith("_total"):
             view.order.setdefault(pair, {})[name[len(ORDER_PREFIX):-6]] = value
+        elif name == "vllm_cache_ttft_seconds_bucket":
+            buckets = view.ttft.setdefault(pair[0], {}).setdefault(
+                (labels.get("state", ""), labels.get("source", "")), {})
+            bound = float(labels["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + value
         elif name == "vllm_cache_ttft_seconds_count":
             source = labels.get("source", "")
             view.timed_by[source] = view.timed_by.get(source, 0.0) + value
@@ -201,6 +211,7 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
     _describe_completions(view, report)
     _describe_order(view, report)
     _describe_reporting(view, report)
+    _describe_ttft(view, report)
     if not (view.demand or view.model_demand or view.used or view.reported
             or view.unreported):
         report.lines.append("no conversations seen yet (send usage to it first).")
@@ -225,15 +236,13 @@ def _describe_fit(view: ExporterView, report: Report, headroom: int) -> None:
 
 
 def _describe_completions(view: ExporterView, report: Report) -> None:
-    """Declared vs used completion tokens, per caller and model."""
+    """Declared vs used completion tokens, per caller and model, from exact sums and counts
+    (/metrics has no largest value: the charge is bounded by the buckets alone)."""
     for pair in sorted(view.used):
-        buckets = view.used[pair]
-        requests = max(count for _le, count in buckets)
-        if requests <= 0:
+        figures = advice.completions(pair[0], pair[1], view.used[pair],
+                                     view.used_sum.get(pair, 0.0), view.declared.get(pair, 0.0))
+        if figures is None:
             continue
-        figures = advice.Completions(
-            pair[0], pair[1], int(requests), view.declared.get(pair, 0.0) / requests,
-            advice.histogram_quantile(0.5, buckets), advice.histogram_quantile(0.99, buckets))
         sentence = advice.completion_sentence(figures)
         (report.notes if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING
          else report.lines).append(sentence)
@@ -266,6 +275,17 @@ def _describe_reporting(view: ExporterView, report: Report) -> None:
                             "TTFT and queue wait are the engine's own.")
     elif view.timed_by.get("proxy", 0) > 0:
         report.notes.append(advice.per_request_metrics_off_sentence())
+
+
+def _describe_ttft(view: ExporterView, report: Report) -> None:
+    """Each caller's median TTFT of warm and cold turns since the exporter started: vLLM's
+    own where it timed any, else the proxy's, saying which (the status page's figures)."""
+    for caller in sorted(view.ttft):
+        found = timing.medians({key: sorted(buckets.items())
+                                for key, buckets in view.ttft[caller].items()})
+        if found.source is not None:
+            report.lines.append(advice.ttft_sentence(caller, found.source, found.warm,
+                                                     found.cold))
 
 
 def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,

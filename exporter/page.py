@@ -222,8 +222,10 @@ def _caller(view: CallerView, status: Status) -> str:
         _pair("prompt tokens", f"{view.prompt_tokens:,}", "prompt-tokens"),
         _pair("cached tokens", f"{view.cached_tokens:,}", "cached-tokens"),
         _pair("TTFT warm / cold", f"{_secs(view.ttft_warm_p50)} / {_secs(view.ttft_cold_p50)}"
-              " (median)"),
-        _pair("TTFT lately", f"{_secs(view.ttft_window_mean)} (mean)"),
+              f" (median since start; {advice.ttft_source_label(view.ttft_source)})", "ttft"),
+        _pair(f"TTFT, last {advice.duration(status.window_seconds)}",
+              f"{_secs(view.ttft_window_mean)} (mean of warm and cold turns; "
+              f"{advice.ttft_source_label(view.ttft_window_source)})", "ttft-window"),
         "</dl></div>",
     ]
     return "\n".join(lines)
@@ -278,9 +280,7 @@ def _pct(value: float | None) -> str:
 
 
 def _secs(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.1f} s" if value < 100 else f"{value:.0f} s"
+    return advice.seconds(value)
 
 
 def _num(value: float | None) -> str:

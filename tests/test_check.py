@@ -196,12 +196,40 @@ def test_declared_vs_used_completions_and_the_advice():
     report = Report("exporter")
     describe_exporter(read_exporter(text), report, headroom=4096)
     coder = next(note for note in report.notes if note.startswith("coder on qwen3.8-27b"))
-    # 769 falls in the (768, 1024] bucket: the median is read there, as PromQL would
-    assert coder.startswith("coder on qwen3.8-27b: 10 request(s) declared max_tokens 65,536 "
-                            "on average and used 896 at the median, 1,021 at p99: a 73x "
-                            "overstatement."), coder
-    assert "charge prompt + min(max_tokens, 1,024) instead." in coder
+    used = [event["completion_tokens"] for _, event in run.events if event["caller"] == "coder"]
+    mean = sum(used) / len(used)
+    # the exact mean (the histogram's sum over its count), not a reading of the buckets
+    assert coder.startswith(f"coder on qwen3.8-27b: 10 request(s) declared max_tokens 65,536 "
+                            f"on average and used {mean:,.0f} on average: an overstatement "
+                            f"of {65_536 / mean:.0f}x."), coder
+    # every request used 769 or 800: 99% stayed within the (768, 1024] bucket's bound
+    assert "charge prompt + min(max_tokens, 1,024) instead" in coder
     assert any(note.startswith("reviewer on qwen3.8-27b") for note in report.notes)
+
+
+def completion_events(used: int, declared: int, count: int = 10) -> list[dict]:
+    return [{"caller": "coder", "model": "tiny-llama", "prompt_tokens": 4000,
+             "cached_tokens": 0, "completion_tokens": used, "max_tokens": declared}
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize(("used", "declared"), [(300, 4096), (300, 300), (8, 8), (5, 8)])
+def test_declared_vs_used_never_reports_more_than_was_used_or_declared(used, declared):
+    """Every request used exactly ``used`` of ``declared``: check says ``used``, never a
+    figure read inside a bucket (384 for 300 in (256, 512], 32 for 8 in (0, 64]), and never
+    advises a charge above the declared maximum."""
+    text = exporter_after([REAL], completion_events(used, declared), now=1.0)
+    report = Report("exporter")
+    describe_exporter(read_exporter(text), report, headroom=0)
+    sentence = next(line for line in report.notes + report.lines
+                    if line.startswith("coder on tiny-llama"))
+    assert f"declared max_tokens {declared:,} on average and used {used:,} on average" in \
+        sentence, sentence
+    charge = re.search(r"min\(max_tokens, ([\d,]+)\)", sentence)
+    if declared / used >= advice.OVERSTATEMENT_WORTH_SAYING:
+        assert charge is not None and used <= int(charge[1].replace(",", "")) <= declared
+    else:
+        assert charge is None and "agree well enough" in sentence
 
 
 def test_histogram_quantile_is_prometheus_s():

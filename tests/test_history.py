@@ -95,7 +95,7 @@ def test_callers_beyond_the_bound_are_let_go_stalest_first():
 
 def test_memory_at_the_worst_case_is_what_the_readme_says():
     """Every caller the cap admits (100 + __other__), each with a full hour of samples: about
-    2.7 MB (README, Limits). Measured with tracemalloc."""
+    3.5 MB (docs/limits.md). Measured with tracemalloc."""
     width = len(CALLER_FIELDS) - 1
     callers = {f"caller-{index}": [float(index)] * width for index in range(101)}
     tracemalloc.start()
@@ -108,9 +108,9 @@ def test_memory_at_the_worst_case_is_what_the_readme_says():
         tracemalloc.stop()
     assert all(len(timeline.samples) == SAMPLES for timeline in history.callers.values())
     assert len(history.callers) == 101
-    assert used < 3.5 * 1024 * 1024, used
+    assert used < 4 * 1024 * 1024, used
     per_caller = used / 101
-    assert 20_000 < per_caller < 34_000, per_caller  # "about 27 KB per caller"
+    assert 28_000 < per_caller < 40_000, per_caller  # "about 35 KB per caller"
 
 
 def test_a_clock_gone_wrong_costs_nothing_and_breaks_nothing():

@@ -103,10 +103,102 @@ def test_preemptions_while_they_happen():
 
 
 def test_declared_against_used_completions_is_advice():
-    page = replayed("max-tokens-overstated").status(10_000)
+    replay = replayed("max-tokens-overstated")
+    page = replay.status(10_000)
     sentences = [item.sentence for item in page.advice if item.kind == "completions"]
-    assert any(sentence.startswith("coder on qwen3.8-27b") and "overstatement" in sentence
-               for sentence in sentences)
+    used = [event["completion_tokens"] for _, event in replay.events()
+            if event["caller"] == "coder"]
+    coder = next(sentence for sentence in sentences if sentence.startswith("coder on "))
+    assert (f"used {sum(used) / len(used):,.0f} on average ({max(used):,} at most): an "
+            "overstatement of") in coder, coder
+
+
+def completions_page(used: int, declared: int, count: int = 10) -> status.Status:
+    from exporter.usage.event import validate
+    from exporter.wiring import signals_state
+
+    now = BASE
+    state = signals_state(Config(vllm_url=(TARGET,), usage_new_series_hold=0),
+                          clock=lambda: now)
+    for _ in range(count):
+        state.usage.record(validate({"caller": "coder", "model": "m", "prompt_tokens": 4000,
+                                     "cached_tokens": 0, "completion_tokens": used,
+                                     "max_tokens": declared}), "http")
+    return status.build(state.engine, state.usage, now, collapse_rule())
+
+
+@pytest.mark.parametrize(("used", "declared", "charge"), [
+    (300, 4096, 512),  # 300 of the (256, 512] bucket: not 384 (its median), nor 509 (p99)
+    (1100, 65536, 1280),  # 1,100 of (1024, 1536]: the largest seen bounds the charge
+])
+def test_declared_against_used_says_what_was_used(used, declared, charge):
+    coder = next(item.sentence for item in completions_page(used, declared).advice
+                 if item.kind == "completions")
+    assert (f"declared max_tokens {declared:,} on average and used {used:,} on average "
+            f"({used:,} at most): an overstatement of {declared / used:.0f}x") in coder, coder
+    assert f"charge prompt + min(max_tokens, {charge:,}) instead" in coder
+
+
+def test_a_small_max_tokens_fully_used_is_no_overstatement():
+    """max_tokens 8, each request used all 8: bucket (0, 64] would say a median of 32, 4x
+    the declared maximum; the exact mean says they agree, so the page says nothing."""
+    assert [item for item in completions_page(8, 8).advice if item.kind == "completions"] == []
+
+
+def ttft_seen(replay: Replay, seconds: float) -> tuple[status.Status, list[str]]:
+    """The page's model at ``seconds`` and what check --exporter.url says of TTFT then."""
+    from exporter.check import Report, describe_exporter, read_exporter
+    from exporter.metrics import build_registry
+    from exporter.metrics.exposition import generate_text
+    from exporter.page import render
+
+    page = replay.status(seconds)
+    report = Report("exporter")
+    describe_exporter(read_exporter(generate_text(build_registry(replay.state)).decode()),
+                      report, headroom=0)
+    html = render(page, "test")
+    for view in page.callers:  # what the card shows is the model's
+        shown = (f"{advice.seconds(view.ttft_warm_p50)} / {advice.seconds(view.ttft_cold_p50)}"
+                 f" (median since start; {advice.ttft_source_label(view.ttft_source)})")
+        assert shown.replace("'", "&#x27;") in html, shown
+    return page, [line for line in report.lines if "time to first token" in line]
+
+
+def test_ttft_is_vllm_s_own_when_it_times_the_requests_and_check_says_the_same():
+    """two-agents-collapse runs vLLM with --enable-per-request-metrics: every turn carries
+    vLLM's own TTFT, so that is what the page shows (it read only the proxy's, and showed
+    "- / -"), and check --exporter.url gives the same medians from /metrics' source="engine"
+    buckets."""
+    replay = replay_scenario("two-agents-collapse", TARGET,
+                             Config(vllm_url=(TARGET,), usage_new_series_hold=0))
+    assert all("engine_ttft_seconds" in event for _, event in replay.events())
+    page, said = ttft_seen(replay, 700)
+    views = {view.caller: view for view in page.callers}
+    a = views["agent-a"]
+    assert a.ttft_source == "engine" and a.ttft_window_source == "engine"
+    assert a.ttft_warm_p50 is not None and a.ttft_cold_p50 is not None
+    assert a.ttft_warm_p50 < a.ttft_cold_p50  # what a cache is for
+    assert a.ttft_window_mean is not None
+    assert said == [advice.ttft_sentence(view.caller, view.ttft_source, view.ttft_warm_p50,
+                                         view.ttft_cold_p50) for view in page.callers]
+    assert all("(vLLM's own)" in line for line in said)
+
+
+def test_ttft_is_the_proxy_s_when_vllm_does_not_time_the_requests_and_says_so():
+    replay = replay_scenario("two-agents-collapse", TARGET,
+                             Config(vllm_url=(TARGET,), usage_new_series_hold=0))
+    for _when, kind, payload in replay.steps:
+        if kind != SCRAPE:
+            assert isinstance(payload, dict)
+            payload.pop("engine_ttft_seconds", None)
+            payload.pop("engine_queue_seconds", None)
+    page, said = ttft_seen(replay, 700)
+    a = next(view for view in page.callers if view.caller == "agent-a")
+    assert a.ttft_source == "proxy" and a.ttft_window_source == "proxy"
+    assert a.ttft_warm_p50 is not None and a.ttft_cold_p50 is not None
+    assert said == [advice.ttft_sentence(view.caller, view.ttft_source, view.ttft_warm_p50,
+                                         view.ttft_cold_p50) for view in page.callers]
+    assert all("(the proxy's, vLLM's queue included)" in line for line in said)
 
 
 # ---- through the server ----------------------------------------------------------------------

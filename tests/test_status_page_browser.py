@@ -18,8 +18,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from exporter.check import read_exporter
 from exporter.config import Config
 from exporter.server import create_app
+from exporter.signals import advice, timing
 from exporter.usage.ingest import ROUTE
 from tests.browser import chromium
 from tests.replay import replay as replay_scenario
@@ -37,11 +39,19 @@ READ = """(() => {
     callers[card.dataset.caller] = {
       warm: number('warm'), partial: number('partial'), cold: number('cold'),
       other: number('other'), prompt: number('prompt-tokens'), cached: number('cached-tokens'),
-      ratio: shown('ratio-window')};
+      ratio: shown('ratio-window'), ttft: shown('ttft'), ttft_window: shown('ttft-window')};
   }
   return {problems, callers, title: document.title,
           nothing_wrong: document.getElementById('no-problem') !== null};
 })()"""
+
+
+def ttft_medians(text: str) -> dict[str, timing.Medians]:
+    """Each caller's TTFT medians as check --exporter.url reads them from /metrics."""
+    view = read_exporter(text)
+    return {caller: timing.medians({key: sorted(buckets.items())
+                                    for key, buckets in view.ttft[caller].items()})
+            for caller in view.ttft}
 
 
 def per_caller(text: str) -> dict[str, dict[str, float]]:
@@ -85,6 +95,8 @@ async def test_the_status_page_in_a_browser_during_a_collapse(tmp_path: Path, fa
         await page.open(base)
         alone = await page.evaluate(READ)
         assert alone["nothing_wrong"] and alone["problems"] == [], alone
+        assert "vLLM's own" in alone["callers"]["agent-a"].pop("ttft")
+        alone["callers"]["agent-a"].pop("ttft_window")
         assert alone["title"].startswith("OK")
         exported = per_caller(await metrics())
         # the last 5 min reach back before agent-a's first turn: all of its turns so far
@@ -106,8 +118,20 @@ async def test_the_status_page_in_a_browser_during_a_collapse(tmp_path: Path, fa
         assert "since " in collapse["text"] and " ago)" in collapse["text"]
         assert "They do not all fit" in shown["problems"][1]["text"]
         assert shown["title"].startswith("2 problem(s)")
+        # vLLM times the requests itself (--enable-per-request-metrics): its own TTFT, the
+        # medians check --exporter.url reads from /metrics' source="engine" buckets
+        medians = ttft_medians(await metrics())
         for caller, numbers in shown["callers"].items():
             assert numbers.pop("ratio") == "0.0%"  # nothing cached over the last 5 min
+            found = medians[caller]
+            assert found.source == "engine", caller
+            assert numbers.pop("ttft") == (
+                f"{advice.seconds(found.warm)} / {advice.seconds(found.cold)} (median since "
+                "start; vLLM's own)"), caller
+            assert found.cold is not None  # a value, not "- / -"
+            window = numbers.pop("ttft_window")
+            assert window.endswith("(mean of warm and cold turns; vLLM's own)"), window
+            assert not window.startswith("-"), window
             assert numbers == exported[caller], caller
         assert set(shown["callers"]) == {"agent-a", "agent-b"}
         assert exported["agent-b"]["cold"] >= 3 and exported["agent-a"]["cold"] >= 3

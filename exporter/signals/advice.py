@@ -157,6 +157,27 @@ def per_request_metrics_off_sentence() -> str:
             "wait are the engine's own.")
 
 
+# Whose TTFT a figure is (signals/timing.py chooses): vLLM's own, or the proxy's.
+TTFT_SOURCE_LABEL = {"engine": "vLLM's own", "proxy": "the proxy's, vLLM's queue included"}
+
+
+def ttft_source_label(source: str | None) -> str:
+    return TTFT_SOURCE_LABEL.get(source or "", "nothing timed yet")
+
+
+def seconds(value: float | None) -> str:
+    """A TTFT as the page and check show it: 0.4 s, 52.1 s, 130 s; "-" for none."""
+    if value is None:
+        return "-"
+    return f"{value:.1f} s" if value < 100 else f"{value:.0f} s"
+
+
+def ttft_sentence(caller: str, source: str | None, warm: float | None,
+                  cold: float | None) -> str:
+    return (f"{caller}: median time to first token since the exporter started, warm turns "
+            f"{seconds(warm)}, cold turns {seconds(cold)} ({ttft_source_label(source)}).")
+
+
 def preemptions_sentence(where: str, count: float, over: str) -> str:
     """``over``: "in the last 5 min", "since vLLM started"."""
     return (f"vLLM is preempting requests: {where} preempted {tokens(count)} time(s) {over}. "
@@ -264,35 +285,66 @@ def unattributed_sentence(model: str, conversations: float, demand_tokens: float
 
 @dataclass(frozen=True)
 class Completions:
-    """What one caller declared as max_tokens and what it used (tokens)."""
+    """What one caller declared as max_tokens and what it used (tokens), from exact sums and
+    counts. ``charge_bound``: a count of tokens that at least 99% of the requests used no
+    more than (the upper bound of the histogram bucket the 99th percentile falls in, never
+    above the largest used or declared where those are known; infinite when nothing bounds
+    it). ``largest``: the most any one request used, where it is known (the status page's
+    memory; /metrics has no maximum)."""
 
     caller: str
     model: str
     requests: int
     declared_mean: float
-    used_p50: float
-    used_p99: float
+    used_mean: float
+    charge_bound: float
+    largest: int | None = None
 
     @property
     def overstatement(self) -> float:
-        return self.declared_mean / self.used_p50 if self.used_p50 > 0 else math.inf
+        return self.declared_mean / self.used_mean if self.used_mean > 0 else math.inf
 
     @property
     def advised_charge(self) -> int:
-        """What an admission gate should charge for the completion: the used p99, never more
-        than declared (rounded up to a whole 256 tokens)."""
-        return min(int(self.declared_mean), int(math.ceil(self.used_p99 / 256.0)) * 256)
+        """What an admission gate should charge for the completion: what 99% of the requests
+        stayed within, rounded up to a whole 256 tokens, never more than declared."""
+        if math.isinf(self.charge_bound):
+            return int(self.declared_mean)
+        return min(int(self.declared_mean), int(math.ceil(self.charge_bound / 256.0)) * 256)
+
+
+def completions(caller: str, model: str, buckets: Sequence[tuple[float, float]],
+                used_sum: float, declared_sum: float, largest_used: float | None = None,
+                largest_declared: float | None = None) -> Completions | None:
+    """``Completions`` from a completion-tokens-used histogram (cumulative (upper bound,
+    count) buckets, the last +Inf), its sum and the declared tokens' sum; None without a
+    request. The means are the sums over the count: exact, not read from the buckets."""
+    ordered = sorted(buckets)
+    requests = ordered[-1][1] if ordered else 0.0
+    if requests <= 0:
+        return None
+    rank = 0.99 * requests
+    bound = next((le for le, count in ordered if count >= rank), math.inf)
+    known = [value for value in (largest_used, largest_declared) if value is not None]
+    charge_bound = min([bound, *known])
+    return Completions(caller, model, int(requests), declared_sum / requests,
+                       used_sum / requests, charge_bound,
+                       int(largest_used) if largest_used is not None else None)
 
 
 def completion_sentence(figures: Completions) -> str:
+    largest = (f" ({tokens(figures.largest)} at most)" if figures.largest is not None
+               else "")
     head = (f"{figures.caller} on {figures.model}: {figures.requests} request(s) declared "
             f"max_tokens {tokens(figures.declared_mean)} on average and used "
-            f"{tokens(figures.used_p50)} at the median, {tokens(figures.used_p99)} at p99")
+            f"{tokens(figures.used_mean)} on average{largest}")
     if figures.overstatement >= OVERSTATEMENT_WORTH_SAYING:
-        return (f"{head}: a {figures.overstatement:.0f}x overstatement. An admission gate "
+        within = ("" if math.isinf(figures.charge_bound)
+                  else " (99% of the requests stayed within it)")
+        return (f"{head}: an overstatement of {figures.overstatement:.0f}x. An admission gate "
                 f"that charges the declared figure holds a fraction of the conversations "
                 f"it could: charge prompt + min(max_tokens, "
-                f"{tokens(figures.advised_charge)}) instead.")
+                f"{tokens(figures.advised_charge)}) instead{within}.")
     return f"{head}: declared and used agree well enough to charge the declared figure."
 
 

@@ -12,8 +12,8 @@ first sample at or after it (``CallerTimeline.at``).
 
 Bounded whatever the traffic: at most ``SAMPLES`` samples per key, one key per caller label
 (itself capped by the caller cap, and here by ``max_callers``) and per vLLM target. A sample is
-an ``array('d')`` of ``CALLER_FIELDS`` doubles: about 220 bytes, so about 27 KB per caller
-and 2.7 MB at the default cap of 100 callers and __other__ (docs/limits.md;
+an ``array("d")`` of ``CALLER_FIELDS`` doubles: about 290 bytes with its share of the deque, so
+about 35 KB per caller and 3.5 MB at the default cap of 100 callers and __other__ (docs/limits.md;
 tests/test_history.py fills it and measures).
 
 Pure: times are handed in; nothing here reads a clock.
@@ -38,7 +38,11 @@ CALLER_FIELDS = (
     "time", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
     "warm", "partial", "cold", "short", "unknown", "error",
     "followups", "followups_cold",
-    "ttft_warm_sum", "ttft_warm_count", "ttft_cold_sum", "ttft_cold_count",
+    # TTFT of warm and cold turns, vLLM's own (--enable-per-request-metrics) and the proxy's
+    "ttft_engine_warm_sum", "ttft_engine_warm_count", "ttft_engine_cold_sum",
+    "ttft_engine_cold_count",
+    "ttft_proxy_warm_sum", "ttft_proxy_warm_count", "ttft_proxy_cold_sum",
+    "ttft_proxy_cold_count",
 )
 FIELD = {name: index for index, name in enumerate(CALLER_FIELDS)}
 # The fields of a vLLM target sample.

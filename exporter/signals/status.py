@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from exporter.signals import advice, foresight
+from exporter.signals import advice, foresight, timing
 from exporter.signals.classify import STATES
 from exporter.signals.engine import EngineState, TargetState
 from exporter.signals.history import (
@@ -40,7 +40,7 @@ from exporter.signals.history import (
     at_times,
     slot_starts,
 )
-from exporter.signals.usage import UsageState
+from exporter.signals.usage import ENGINE, PROXY, UsageState
 from exporter.values import (
     CACHE_CONFIG_INFO,
     KV_CACHE_USAGE,
@@ -102,9 +102,15 @@ class CallerView:
     ratio_window: float | None
     ratio_hour: float | None
     ratio_total: float | None
+    # median TTFT of warm and of cold turns since the exporter started, and whose it is
+    # (signals/timing.py: vLLM's own where it timed any, else the proxy's)
     ttft_warm_p50: float | None
     ttft_cold_p50: float | None
+    ttft_source: str | None
+    # mean TTFT of the warm and cold turns over the window, and whose it is (chosen alike,
+    # over the window's turns)
     ttft_window_mean: float | None
+    ttft_window_source: str | None
     # the hit ratio over the window ending at each 30-s slot of the last hour
     sparkline: tuple[float | None, ...]
     collapse: advice.Collapse | None
@@ -338,8 +344,8 @@ def _callers(status: Status, usage: UsageState, now: float, rule: CollapseRule,
     for caller in sorted(totals):
         current = [now, *totals[caller]]
         slots = Slots(usage.history.caller(caller), current, now, _window_slots(rule))
-        timed = slots.window(FIELD["ttft_warm_count"]) + slots.window(FIELD["ttft_cold_count"])
-        timed_sum = slots.window(FIELD["ttft_warm_sum"]) + slots.window(FIELD["ttft_cold_sum"])
+        window_source, window_mean = _window_ttft(slots)
+        caller_medians = medians.get(caller, timing.Medians(None, None, None))
         collapse = None if all_caching_off else _caller_collapse(caller, slots, rule)
         if collapse is not None:
             collapses.append(collapse)
@@ -353,8 +359,8 @@ def _callers(status: Status, usage: UsageState, now: float, rule: CollapseRule,
             ratio(slots.window(cached), slots.window(prompt)),
             ratio(slots.hour(cached), slots.hour(prompt)),
             ratio(current[cached], current[prompt]),
-            medians.get((caller, "warm")), medians.get((caller, "cold")),
-            timed_sum / timed if timed > 0 else None,
+            caller_medians.warm, caller_medians.cold, caller_medians.source,
+            window_mean, window_source,
             slots.ratios(prompt, cached), collapse))
     if collapses:
         status.problems.append(Item(
@@ -367,30 +373,33 @@ def _callers(status: Status, usage: UsageState, now: float, rule: CollapseRule,
                                     callers=tuple(unreported)))
 
 
-def _ttft_medians(usage: UsageState) -> dict[tuple[str, str], float]:
-    """(caller, state) -> the median engine-side TTFT since the exporter started, over all of
-    the caller's models, interpolated within the buckets as histogram_quantile does."""
-    counts: dict[tuple[str, str], list[int]] = {}
-    bounds: tuple[float, ...] = ()
+def _ttft_medians(usage: UsageState) -> dict[str, timing.Medians]:
+    """caller -> its median TTFT of warm and cold turns since the exporter started, over all
+    of its models, vLLM's own where it timed any, else the proxy's (``timing.medians``)."""
+    buckets: dict[str, dict[tuple[str, str], list[tuple[float, float]]]] = {}
     for (caller, _model), series in usage.series.items():
-        for state in ("warm", "cold"):
-            hist = series.ttft.get(state)
-            if hist is None:
-                continue
-            bounds = hist.bounds
-            known = counts.get((caller, state))
-            counts[(caller, state)] = list(hist.counts) if known is None else [
-                mine + theirs for mine, theirs in zip(known, hist.counts, strict=True)]
-    medians = {}
-    for key, per_bucket in counts.items():
-        cumulative, running = [], 0
-        for bound, count in zip((*bounds, math.inf), per_bucket, strict=True):
-            running += count
-            cumulative.append((bound, float(running)))
-        median = advice.histogram_quantile(0.5, cumulative)
-        if not math.isnan(median):
-            medians[key] = median
-    return medians
+        mine = buckets.setdefault(caller, {})
+        for source, timed in ((ENGINE, series.engine_ttft), (PROXY, series.ttft)):
+            for state, hist in timed.items():
+                timing.add(mine, (state, source), timing.cumulative(hist.bounds, hist.counts))
+    return {caller: timing.medians(mine) for caller, mine in buckets.items()}
+
+
+def _window_ttft(slots: Slots) -> tuple[str | None, float | None]:
+    """(source, mean TTFT) of the warm and cold turns over the window, from the source
+    ``timing.pick`` chooses over the window's turns."""
+    totals = {}
+    for measured_by in (ENGINE, PROXY):
+        count = (slots.window(FIELD[f"ttft_{measured_by}_warm_count"])
+                 + slots.window(FIELD[f"ttft_{measured_by}_cold_count"]))
+        total = (slots.window(FIELD[f"ttft_{measured_by}_warm_sum"])
+                 + slots.window(FIELD[f"ttft_{measured_by}_cold_sum"]))
+        totals[measured_by] = (count, total)
+    source = timing.pick({key: count for key, (count, _total) in totals.items()})
+    if source is None:
+        return None, None
+    count, total = totals[source]
+    return source, total / count
 
 
 def _caller_collapse(caller: str, slots: Slots, rule: CollapseRule) -> advice.Collapse | None:
@@ -474,22 +483,20 @@ def _unattributed(status: Status, engine: EngineState, usage: UsageState, now: f
 
 
 def _completions(status: Status, usage: UsageState) -> None:
+    """Declared against used completion tokens per pair, from exact sums and counts; the
+    charge bounded by the largest used and declared (``advice.completions``)."""
     for (caller, model), series in sorted(usage.series.items()):
         hist = series.completion
         if hist is None:
-            continue
-        requests = sum(hist.counts)
-        if requests <= 0:
             continue
         cumulative, running = [], 0
         for bound, count in zip((*hist.bounds, float("inf")), hist.counts, strict=True):
             running += count
             cumulative.append((bound, float(running)))
-        figures = advice.Completions(
-            caller, model, requests, series.declared_completion_tokens / requests,
-            advice.histogram_quantile(0.5, cumulative), advice.histogram_quantile(0.99,
-                                                                                   cumulative))
-        if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING:
+        figures = advice.completions(
+            caller, model, cumulative, hist.total, series.declared_completion_tokens,
+            series.completion_largest, series.declared_largest)
+        if figures is not None and figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING:
             status.advice.append(Item("completions", ADVICE,
                                       advice.completion_sentence(figures), f"{caller} {model}",
                                       callers=(caller,)))

@@ -28,7 +28,7 @@ from exporter.signals.classify import COLD, ERROR, STATES, WARM, classify
 from exporter.signals.engine import EngineState
 from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner
-from exporter.signals.history import CALLER_FIELDS, History
+from exporter.signals.history import CALLER_FIELDS, FIELD, History
 from exporter.signals.kvpool import granule
 from exporter.signals.order import DEFAULT_WINDOW_SECONDS, OrderTracker
 from exporter.values import (
@@ -100,6 +100,11 @@ SERIES_PER_PAIR = (len(STATES) + 3 + len(TIMING_SOURCES) * (
     len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3) + len(QUEUE_BUCKETS) + 3)
     + COMPLETION_SERIES + ORDER_SERIES)
 
+# Where each source's TTFT starts in a row of ``caller_totals`` (warm sum, count, cold sum,
+# count; a row has no time field).
+_ENGINE_TTFT = FIELD["ttft_engine_warm_sum"] - 1
+_PROXY_TTFT = FIELD["ttft_proxy_warm_sum"] - 1
+
 SOURCE_CONFIGURED = "configured"
 SOURCE_LEARNED = "learned"
 SOURCE_BLOCK_SIZE = "block_size"
@@ -127,7 +132,8 @@ class Series:
 
     __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
                  "ttft", "queue", "engine_ttft", "engine_queue", "reported_cached",
-                 "shown_from", "completion", "declared_completion_tokens", "first_seen",
+                 "shown_from", "completion", "declared_completion_tokens", "completion_largest",
+                 "declared_largest", "first_seen",
                  "followups", "followups_cold", "order")
 
     def __init__(self, shown_from: float = 0.0, first_seen: float = 0.0) -> None:
@@ -148,6 +154,10 @@ class Series:
         # of what they declared (created with the first such request).
         self.completion: Histogram | None = None
         self.declared_completion_tokens = 0
+        # the most completion tokens one such request used, and the largest max_tokens one
+        # declared (for the status page, never exposed): no quantile it shows exceeds them
+        self.completion_largest = 0
+        self.declared_largest = 0
         # For the status page (never exposed): when the pair first sent anything, and its
         # follow-up turns (a conversation's later turns, which should find the earlier one
         # cached), and how many of those came back cold (the cache lost the conversation).
@@ -438,6 +448,10 @@ class UsageState:
                 series.completion = Histogram(COMPLETION_BUCKETS, self._shown_from())
             series.completion.observe(completion)
             series.declared_completion_tokens += event.max_tokens
+            if completion > series.completion_largest:
+                series.completion_largest = completion
+            if event.max_tokens > series.declared_largest:
+                series.declared_largest = event.max_tokens
 
     def _histogram(self, by_state: dict[str, Histogram], state: str,
                    bounds: tuple[float, ...]) -> Histogram:
@@ -535,11 +549,12 @@ class UsageState:
                 row[index] += requests[state]
             row[9] += series.followups
             row[10] += series.followups_cold
-            for offset, state in ((11, WARM), (13, COLD)):
-                hist = series.ttft.get(state)
-                if hist is not None:
-                    row[offset] += hist.total
-                    row[offset + 1] += sum(hist.counts)
+            for offset, timed in ((_ENGINE_TTFT, series.engine_ttft), (_PROXY_TTFT, series.ttft)):
+                for at, state in ((offset, WARM), (offset + 2, COLD)):
+                    hist = timed.get(state)
+                    if hist is not None:
+                        row[at] += hist.total
+                        row[at + 1] += sum(hist.counts)
         return totals
 
     def first_seen(self) -> dict[str, float]:
