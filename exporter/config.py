@@ -309,7 +309,8 @@ FLAGS: tuple[Flag, ...] = (
          metavar="FILE"),
     # --- vLLM engines ---------------------------------------------------------------------
     Flag("vllm.url", "vLLM engine", "vLLM server to read /metrics from (repeatable, one per "
-         "server; /metrics is appended when the URL has no path).", _to_list, (), kind="list",
+         "server; /metrics is appended when the URL has no path; one server given twice is "
+         "an error).", _to_list, (), kind="list",
          metavar="URL", check=_each(http_url), commands=frozenset({RUN, CHECK})),
     Flag("vllm.timeout", "vLLM engine", "Seconds to wait for one vLLM /metrics read; also "
          "bounded by Prometheus' X-Prometheus-Scrape-Timeout-Seconds.", _to_float, 5.0,

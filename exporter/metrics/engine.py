@@ -137,7 +137,8 @@ class _TargetFamilies:
         self.folded = CounterMetricFamily(
             "vllm_cache_engine_samples_folded",
             "vLLM samples counted under model_name or engine \"__other__\", by reason: "
-            "too_long (a label value over 128 characters), model_name_cap (past 4 values), "
+            "too_long (a label value over 128 characters; a cache_config_info value that long "
+            "is shown as __other__), model_name_cap (past 4 values), "
             "engine_cap (past 32), row_cap (past 32 (model_name, engine) rows).",
             labels=["target", "reason"])
         self.present = GaugeMetricFamily(
