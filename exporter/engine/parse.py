@@ -57,6 +57,9 @@ MAX_ENGINES = 32  # distinct engine values (each a row of cache_config_info too)
 # (OVERFLOW_VALUE, OVERFLOW_VALUE). 33 rows x (17 counter and 7 histogram tracks) stay
 # inside the carrier's track bounds (exporter/signals/engine.py), so no track is forgotten.
 MAX_ROWS = 32
+# Labels of one cache_config_info row kept (vLLM 0.32 has 37): the allow-listed ones
+# (values.CACHE_CONFIG_KEYS) first, then the others in the order sent.
+MAX_CONFIG_LABELS = 64
 TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP = (
     "too_long", "model_name_cap", "engine_cap", "row_cap")
 FOLD_REASONS = (TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP)
@@ -449,8 +452,8 @@ class _Resolver:
     # ---- cache configuration -------------------------------------------------------------
 
     def cache_configs(self) -> dict[str, CacheConfig]:
-        """One configuration per engine, its allow-listed labels only, each value at most
-        MAX_LABEL_VALUE_CHARS; an engine folded into OVERFLOW_VALUE has none (several
+        """One configuration per engine, at most MAX_CONFIG_LABELS of its labels, each value
+        at most MAX_LABEL_VALUE_CHARS; an engine folded into OVERFLOW_VALUE has none (several
         engines' pools do not add up to one)."""
         configs: dict[str, CacheConfig] = {}
         for labels, _value in self.found.get(names.CACHE_CONFIG.sample_names[0], []):
@@ -460,11 +463,15 @@ class _Resolver:
                 self.fold(reason)
                 continue
             fields = {}
-            for key in CACHE_CONFIG_KEYS:
-                if key in labels:
-                    fields[key], reason = self.caps.config_value(labels[key])
-                    if reason is not None:
-                        self.fold(reason)
+            # The allow-listed keys, then others as they come (exporter/signals/kvpool.py
+            # reads a few more), MAX_CONFIG_LABELS in all.
+            keys = [key for key in CACHE_CONFIG_KEYS if key in labels]
+            keys += [key for key in labels if key not in CACHE_CONFIG_KEYS][
+                :max(MAX_CONFIG_LABELS - len(keys), 0)]
+            for key in keys:
+                fields[key], reason = self.caps.config_value(labels[key])
+                if reason is not None:
+                    self.fold(reason)
             configs[engine] = CacheConfig(engine=engine, fields=fields)
         return configs
 

@@ -225,9 +225,12 @@ def test_cache_config_rows_past_the_engine_cap_are_dropped_and_counted():
     parsed = read(BASE + extra + "\n")
     assert len(parsed.snapshot.cache_configs) == MAX_ENGINES
     assert parsed.folded == {"engine_cap": 5_000 - MAX_ENGINES}
-    # Only the allow-listed keys are kept of each.
-    assert set(parsed.snapshot.cache_configs["0"].fields) <= set(
-        engine_parse.CACHE_CONFIG_KEYS)
+    # Of a row with thousands of labels, the allow-listed ones and others up to the cap.
+    wide = config.replace('engine="0"', 'engine="0",' + ",".join(
+        f'extra_{index}="1"' for index in range(5_000)))
+    fields = read(BASE.replace(config, wide)).snapshot.cache_configs["0"].fields
+    assert len(fields) == engine_parse.MAX_CONFIG_LABELS
+    assert set(engine_parse.CACHE_CONFIG_KEYS) <= set(fields)
 
 
 def test_a_label_value_of_a_megabyte_is_never_copied_into_a_series():
