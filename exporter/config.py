@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import math
 import os
 import re
@@ -159,9 +160,13 @@ def host_port(raw: str) -> str:
 
 
 def http_url(raw: str) -> str:
-    parts = urlsplit(raw)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"expected an http(s) URL, got {raw!r}")
+    parts = urlsplit(raw.strip())
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http(s) URL, got {redact_url(raw)!r}")
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not one)
+    except ValueError:
+        raise ValueError(f"bad port in {redact_url(raw)!r}") from None
     return raw
 
 
@@ -306,7 +311,8 @@ FLAGS: tuple[Flag, ...] = (
          metavar="FILE"),
     # --- vLLM engines ---------------------------------------------------------------------
     Flag("vllm.url", "vLLM engine", "vLLM server to read /metrics from (repeatable, one per "
-         "server; /metrics is appended when the URL has no path).", _to_list, (), kind="list",
+         "server; /metrics is appended when the URL has no path; one server given twice is "
+         "an error).", _to_list, (), kind="list",
          metavar="URL", check=_each(http_url), commands=frozenset({RUN, CHECK})),
     Flag("vllm.timeout", "vLLM engine", "Seconds to wait for one vLLM /metrics read; also "
          "bounded by Prometheus' X-Prometheus-Scrape-Timeout-Seconds.", _to_float, 5.0,
@@ -625,7 +631,9 @@ class Config:
 
     @property
     def engine_targets(self) -> tuple[str, ...]:
-        return tuple(metrics_url(url) for url in self.vllm_url)
+        """The targets read, normalised (``metrics_url``), each once; build_config has
+        refused duplicates already (``duplicate_targets``)."""
+        return tuple(dict.fromkeys(metrics_url(url) for url in self.vllm_url))
 
     def redacted(self) -> dict[str, Any]:
         """The effective settings, secrets masked: what --check-config prints."""
@@ -641,12 +649,80 @@ class Config:
         return out
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost", "ip6-loopback"})
+
+
 def metrics_url(url: str) -> str:
-    """vLLM serves /metrics; accept a bare base URL as the operator would type it."""
-    parts = urlsplit(url)
-    if parts.path in ("", "/"):
-        return url.rstrip("/") + "/metrics"
-    return url
+    """A --vllm.url as the exporter reads and labels it: scheme and host lower-cased, the
+    scheme's default port dropped, ``/metrics`` for a bare base URL (``http://h:8000``,
+    ``http://h:8000/``), the fragment dropped. Any other path is kept as typed, a trailing
+    slash too (``/metrics/`` may answer differently from ``/metrics``)."""
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = parts.port
+    netloc = host if port is None or port == DEFAULT_PORTS.get(scheme) else f"{host}:{port}"
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    if at:
+        netloc = f"{userinfo}@{netloc}"
+    path = parts.path if parts.path not in ("", "/") else "/metrics"
+    return f"{scheme}://{netloc}{path}" + (f"?{parts.query}" if parts.query else "")
+
+
+def _same_endpoint(url: str) -> tuple[str, str, int | None, str, str]:
+    """What makes two target URLs one vLLM endpoint: credentials aside, and a trailing slash
+    of the path aside."""
+    parts = urlsplit(metrics_url(url))
+    port = parts.port or DEFAULT_PORTS.get(parts.scheme)
+    return (parts.scheme, parts.hostname or "", port, parts.path.rstrip("/") or "/",
+            parts.query)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified
+
+
+def duplicate_targets(urls: Sequence[str]) -> str | None:
+    """The first --vllm.url that names an endpoint an earlier one already names (after
+    metrics_url; credentials and a trailing slash aside), as a problem to report, or None.
+    Read twice, one vLLM's counters would be counted twice in every sum over targets."""
+    seen: dict[tuple[str, str, int | None, str, str], str] = {}
+    for url in urls:
+        key = _same_endpoint(url)
+        if key in seen:
+            return (f"{redact_url(url)} is the same vLLM endpoint as {redact_url(seen[key])} "
+                    f"(both read as {redact_url(metrics_url(url))}); give each vLLM once")
+        seen[key] = url
+    return None
+
+
+def loopback_aliases(urls: Sequence[str]) -> list[str]:
+    """Warnings for targets that differ only in how they name this machine (``localhost``,
+    ``127.0.0.1``, ``::1``, ``0.0.0.0``): probably one vLLM read twice. Names are not
+    resolved (a name may resolve elsewhere later), so this only warns."""
+    by_rest: dict[tuple[str, int | None, str, str], str] = {}
+    warnings = []
+    for url in urls:
+        scheme, host, port, path, query = _same_endpoint(url)
+        if not _is_loopback(host):
+            continue
+        rest = (scheme, port, path, query)
+        if rest in by_rest:
+            warnings.append(f"--vllm.url {redact_url(url)} and {redact_url(by_rest[rest])} "
+                            "both name this machine: if they are one vLLM, its counters are "
+                            "counted twice; give it once")
+        else:
+            by_rest[rest] = url
+    return warnings
 
 
 def _flatten_yaml(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -785,6 +861,9 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
 
 
 def _cross_checks(config: Config) -> Config:
+    duplicate = duplicate_targets(config.vllm_url)
+    if duplicate:
+        raise ConfigError("--vllm.url", duplicate)
     if bool(config.tap_listen_address) != bool(config.tap_upstream):
         raise ConfigError("--tap.upstream", "--tap.listen-address and --tap.upstream go together")
     if config.usage_ingest_token_file:

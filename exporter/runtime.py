@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from exporter import wiring
-from exporter.config import Config, ConfigError
+from exporter.config import Config, ConfigError, loopback_aliases
 from exporter.limits import (
     TAP_DESCRIPTORS_PER_CONNECTION,
     DescriptorPlan,
@@ -110,6 +110,8 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     if not config.engine_targets:
         log.warning("no --vllm.url: reading no vLLM, so only the per-caller usage signals are "
                     "served (give --vllm.url http://HOST:8000 for the engine's)")
+    for warning in loopback_aliases(config.vllm_url):
+        log.warning("%s", warning)
     background = start_background(config, state, listeners.get("tap"), tap_stats, files,
                                   register=app[REGISTRY_KEY].register)
     scheme = "https" if web_listener and web_listener.ssl_context else "http"

@@ -170,3 +170,48 @@ def test_bad_config_exits_2_from_the_command_line():
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "--vllm.url" in result.stderr
+
+
+# --- --vllm.url: one endpoint, one target ------------------------------------------------
+
+@pytest.mark.parametrize("typed, read", [
+    ("http://h:8000", "http://h:8000/metrics"),
+    ("HTTP://VLLM.example:8000/", "http://vllm.example:8000/metrics"),
+    ("http://h:80", "http://h/metrics"),
+    ("https://h:443/prefix/metrics", "https://h/prefix/metrics"),
+    ("http://h:8000/metrics#top", "http://h:8000/metrics"),
+    ("http://[::1]:8000", "http://[::1]:8000/metrics"),
+])
+def test_a_target_url_is_read_and_labelled_in_one_normal_form(typed, read):
+    assert config_from(["--vllm.url", typed]).engine_targets == (read,)
+
+
+@pytest.mark.parametrize("first, second", [
+    ("http://h:8000", "http://h:8000/metrics"),
+    ("http://h:8000/", "HTTP://H:8000"),
+    ("http://h:80/metrics", "http://h/metrics/"),
+    ("http://user:pw@h:8000", "http://h:8000/metrics"),
+])
+def test_one_vllm_given_twice_is_a_configuration_error(first, second, capsys):
+    """Read twice, its counters would count twice in every sum over targets: refused at start
+    with exit 2 and one line that names both, as every configuration error is."""
+    assert main(["--vllm.url", first, "--vllm.url", second, "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "--vllm.url:" in err and "same vLLM endpoint" in err and err.count("\n") == 1
+    assert "pw" not in err
+
+
+def test_different_ports_or_paths_are_different_targets():
+    config = config_from(["--vllm.url", "http://h:8000", "--vllm.url", "http://h:8001",
+                          "--vllm.url", "http://h:8000/other/metrics"])
+    assert len(config.engine_targets) == 3
+
+
+def test_localhost_and_127_0_0_1_for_one_port_are_warned_about():
+    from exporter.config import loopback_aliases
+
+    warnings = loopback_aliases(["http://localhost:8000", "http://127.0.0.1:8000/metrics",
+                                 "http://127.0.0.1:8001", "http://10.0.0.7:8000"])
+    assert len(warnings) == 1
+    assert "localhost:8000" in warnings[0] and "127.0.0.1:8000" in warnings[0]
+    assert loopback_aliases(["http://localhost:8000", "http://[::1]:8001"]) == []

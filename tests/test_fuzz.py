@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import math
 import zlib
 from typing import Any
 
@@ -422,3 +423,85 @@ def test_the_tap_takes_chunked_and_encoded_requests_and_forwards_them_decoded(re
         assert ("tap", "bad_content_encoding") not in rejected
 
     run(scenario())
+
+
+# --- a lying vLLM, read after read -----------------------------------------------------------
+
+ENGINE_READS = st.lists(st.tuples(
+    st.sampled_from(["grow", "grow", "restart", "fall", "huge", "duplicate", "older"]),
+    st.integers(min_value=0, max_value=1_000_000),
+    st.floats(min_value=0.0, max_value=100.0)), min_size=1, max_size=25)
+HUGE_VALUES = (1e308, 1.7e308, float(2 ** 60), 2.0 ** 53 + 2.0 ** 40)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reads=ENGINE_READS, huge=st.sampled_from(HUGE_VALUES))
+def test_carried_engine_totals_stay_finite_and_honest_whatever_vllm_says(reads, huge):
+    """Real vLLM 0.32 text, its hits counter growing and restarting (new _created times)
+    between lies: huge finite values, falls under the same _created, the hits series sent
+    twice, an older vLLM answering in its place. Nothing raises; the exported hits are
+    finite, never fall, never exceed the first reading plus the plausible increases, and
+    after every honest read equal every hit vLLM counted since the first."""
+    from exporter.engine.parse import LabelCaps, ParseError, read
+    from exporter.signals.engine import EngineState, plausible_increase
+    from exporter.values import PREFIX_CACHE_HITS
+    from tests.engine.test_failures import _with_counters, restarted
+    from tests.helpers import fixture_text
+
+    base = fixture_text("vllm-0.32.0-cpu/metrics_after.prom")
+    target = "http://vllm:8000/metrics"
+    hits_line = 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny-llama"} '
+    engine, caps = EngineState((target,)), LabelCaps()
+    boots, hits, now = 0, 6784.0, 1_000.0
+    true_total: float | None = None
+    bound = 0.0
+    shown: list[float] = []
+    boot_bodies: dict[float, str] = {}
+
+    def boot(shift: float) -> str:
+        if shift not in boot_bodies:
+            boot_bodies[shift] = restarted(base, shift)
+        return boot_bodies[shift]
+
+    # The first read is vLLM as it is: no exporter can tell a lie it has nothing to hold
+    # against.
+    for kind, amount, elapsed in [("grow", 0, 0.0), *reads]:
+        now += elapsed
+        honest = kind in ("grow", "restart")
+        if kind == "grow":
+            hits += amount
+        elif kind == "restart":
+            boots, hits = boots + 1, float(amount)
+        body_of_boot = boot(3600.0 * boots)
+        if kind == "fall":
+            body = _with_counters(body_of_boot, 2 * hits, max(hits - amount - 1, 0))
+        elif kind == "huge":
+            body = _with_counters(body_of_boot, huge, huge)
+        elif kind == "older":
+            body = _with_counters(boot(3600.0 * boots - 1800.0), 2 * hits + 1, hits + 1)
+        else:
+            body = _with_counters(body_of_boot, 2 * hits, hits)
+        if kind == "duplicate":
+            line = next(line for line in body.splitlines() if line.startswith(hits_line))
+            body = body.replace(line, f"{line}\n{line}")
+        if honest and true_total is not None:
+            true_total += amount
+        bound += plausible_increase(elapsed)
+        try:
+            parsed = read(body, caps)
+        except ParseError:
+            engine.record_failure(target, "parse", "duplicate", 0.01)
+            continue
+        engine.record_success(target, parsed.snapshot, 0.01, now, invalid=parsed.invalid,
+                              folded=parsed.folded)
+        rows = engine.targets[target].rows
+        total = rows[0].counters.get(PREFIX_CACHE_HITS) if rows else None
+        if total is None:
+            continue
+        if true_total is None:
+            true_total = first = total
+        assert math.isfinite(total) and total <= first + bound
+        if honest:
+            assert total == true_total
+        shown.append(total)
+    assert shown == sorted(shown)

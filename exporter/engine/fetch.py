@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import aiohttp
 
-from exporter.engine.parse import ParseError, parse
+from exporter.engine.parse import MAX_LABEL_VALUE_CHARS, EngineRead, LabelCaps, ParseError, read
 from exporter.redaction import redact_text, redact_url
 from exporter.values import EngineSnapshot
 
@@ -59,8 +60,12 @@ async def fetch_body(session: aiohttp.ClientSession, url: str, timeout: float,
 
 
 async def decode_and_parse(body: bytes) -> EngineSnapshot:
-    def work() -> EngineSnapshot:
-        return parse(body.decode("utf-8"))
+    return (await decode_and_read(body)).snapshot
+
+
+async def decode_and_read(body: bytes, caps: LabelCaps | None = None) -> EngineRead:
+    def work() -> EngineRead:
+        return read(body.decode("utf-8"), caps)
 
     try:
         if len(body) > PARSE_INLINE_MAX_BYTES:
@@ -72,8 +77,15 @@ async def decode_and_parse(body: bytes) -> EngineSnapshot:
         raise FetchError("parse", f"not a Prometheus text exposition: {err}") from None
 
 
-# record_success(target, snapshot, seconds the read took, unix time)
-SuccessSink = Callable[[str, EngineSnapshot, float, float], None]
+class SuccessSink(Protocol):
+    """record_success(target, snapshot, seconds the read took, unix time, invalid=samples
+    dropped by reason, folded=samples folded by reason)."""
+
+    def __call__(self, target: str, snapshot: EngineSnapshot, duration: float, now: float, *,
+                 invalid: Mapping[str, int] | None = ...,
+                 folded: Mapping[str, int] | None = ...) -> None: ...
+
+
 # record_failure(target, reason, message, seconds the read took)
 FailureSink = Callable[[str, str, str, float], None]
 
@@ -100,6 +112,9 @@ class EnginePoller:
         self._clock = clock
         self._monotonic = monotonic
         self._inflight: asyncio.Task[None] | None = None
+        # Per target: the label values its reads may show, kept across reads.
+        self._caps = {target: LabelCaps() for target in self.targets}
+        self._fold_warned: set[tuple[str, str]] = set()
 
     async def close(self) -> None:
         if self._inflight is not None:
@@ -137,7 +152,7 @@ class EnginePoller:
         started = self._monotonic()
         try:
             body = await fetch_body(self._session, target, timeout, self.max_bytes)
-            snapshot = await decode_and_parse(body)
+            parsed = await decode_and_read(body, self._caps[target])
         except FetchError as err:
             duration = self._monotonic() - started
             message = redact_text(str(err))
@@ -150,4 +165,22 @@ class EnginePoller:
             log.exception("unexpected error reading %s", redact_url(target))
             self._record_failure(target, "internal", redact_text(repr(err)), duration)
             return
-        self._record_success(target, snapshot, self._monotonic() - started, self._clock())
+        self._warn_folds(target, parsed.folded)
+        self._record_success(target, parsed.snapshot, self._monotonic() - started,
+                             self._clock(), invalid=parsed.invalid, folded=parsed.folded)
+
+    def _warn_folds(self, target: str, folded: Mapping[str, int]) -> None:
+        """Say once per target and reason that label values are being folded (the counter
+        says how many, every read)."""
+        caps = self._caps[target]
+        limits = {"too_long": f"longer than {MAX_LABEL_VALUE_CHARS} characters",
+                  "model_name_cap": f"past {caps.max_model_names} model_name values",
+                  "engine_cap": f"past {caps.max_engines} engine values",
+                  "row_cap": f"past {caps.max_rows} (model_name, engine) rows"}
+        for reason, samples in sorted(folded.items()):
+            if (target, reason) in self._fold_warned:
+                continue
+            self._fold_warned.add((target, reason))
+            log.warning("vLLM target %s: %d sample(s) with label values %s are counted "
+                        "under __other__ (vllm_cache_engine_samples_folded_total{reason=%s})",
+                        redact_url(target), samples, limits.get(reason, reason), reason)

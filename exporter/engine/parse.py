@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Container, Iterator
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 from exporter.engine import names
 from exporter.values import (
+    CACHE_CONFIG_KEYS,
     OTHER_LABEL_VALUE,
     SPLITS,
     CacheConfig,
@@ -30,6 +32,37 @@ _WANTED = names.wanted_sample_names()
 # and its samples counted as invalid, so one target cannot make the exporter serve
 # thousands of series per engine.
 MAX_HISTOGRAM_BUCKETS = 64
+# The largest sample value believed: 2**53, past which a float no longer holds every whole
+# number (a counter's increments of 1 are lost). A vLLM counting a million tokens a second
+# reaches it in 285 years; a sample above it is a lie or a bug, dropped and counted as
+# invalid (``too_large``), so that no carried total can be pushed towards +Inf.
+MAX_SAMPLE_VALUE = float(2 ** 53)
+
+# Why a sample was dropped: the ``reason`` of vllm_cache_engine_invalid_samples_total. The
+# carrier adds its own (exporter/signals/engine.py, INVALID_REASONS, which lists these too).
+NOT_FINITE, NEGATIVE, ABOVE_ONE, TOO_LARGE, BAD_HISTOGRAM = (
+    "not_finite", "negative", "above_one", "too_large", "bad_histogram")
+INVALID_REASONS = (NOT_FINITE, NEGATIVE, ABOVE_ONE, TOO_LARGE, BAD_HISTOGRAM)
+
+# Caps on the label values a vLLM sends that become label values of ours, per target (what
+# the first reads admit stays admitted while the exporter runs). vLLM labels each series
+# with its one served model name and one engine per data-parallel rank; a value past a cap
+# is folded into OVERFLOW_VALUE, its samples summed there and counted in
+# vllm_cache_engine_samples_folded_total by ``reason``:
+OVERFLOW_VALUE = "__other__"  # as the usage side folds callers (exporter/signals/callers.py)
+MAX_LABEL_VALUE_CHARS = 128  # a longer model_name, engine or cache_config_info value: too_long
+MAX_MODEL_NAMES = 4  # distinct model_name values: model_name_cap
+MAX_ENGINES = 32  # distinct engine values (each a row of cache_config_info too): engine_cap
+# Distinct (model_name, engine) rows, OVERFLOW_VALUE's own aside: row_cap, the row then
+# (OVERFLOW_VALUE, OVERFLOW_VALUE). 33 rows x (17 counter and 7 histogram tracks) stay
+# inside the carrier's track bounds (exporter/signals/engine.py), so no track is forgotten.
+MAX_ROWS = 32
+# Labels of one cache_config_info row kept (vLLM 0.32 has 37): the allow-listed ones
+# (values.CACHE_CONFIG_KEYS) first, then the others in the order sent.
+MAX_CONFIG_LABELS = 64
+TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP = (
+    "too_long", "model_name_cap", "engine_cap", "row_cap")
+FOLD_REASONS = (TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP)
 
 Found = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> (labels, value)
 RowKey = tuple[str, str]  # (model_name, engine)
@@ -40,6 +73,65 @@ class ParseError(ValueError):
         super().__init__(f"line {line_number}: {reason}")
         self.line_number = line_number
         self.reason = reason
+
+
+class LabelCaps:
+    """The model_name and engine values, and the rows, one target's reads may show: the
+    first ones seen, up to the caps above. One per target, kept across its reads (so a row
+    keeps its label values from scrape to scrape); a fresh one bounds a single read."""
+
+    def __init__(self, max_model_names: int = MAX_MODEL_NAMES, max_engines: int = MAX_ENGINES,
+                 max_rows: int = MAX_ROWS, max_chars: int = MAX_LABEL_VALUE_CHARS) -> None:
+        self.max_model_names = max_model_names
+        self.max_engines = max_engines
+        self.max_rows = max_rows
+        self.max_chars = max_chars
+        self.model_names: set[str] = set()
+        self.engines: set[str] = set()
+        self.rows: set[RowKey] = set()
+
+    def value(self, raw: str, admitted: set[str], cap: int, cap_reason: str
+              ) -> tuple[str, str | None]:
+        """The label value shown for ``raw``, and the fold reason when it is not ``raw``."""
+        if raw in admitted:
+            return raw, None
+        if len(raw) > self.max_chars:
+            return OVERFLOW_VALUE, TOO_LONG
+        if raw == OVERFLOW_VALUE:
+            return raw, None
+        if len(admitted) >= cap:
+            return OVERFLOW_VALUE, cap_reason
+        admitted.add(raw)
+        return raw, None
+
+    def engine(self, raw: str) -> tuple[str, str | None]:
+        return self.value(raw, self.engines, self.max_engines, ENGINE_CAP)
+
+    def config_value(self, raw: str) -> tuple[str, str | None]:
+        return (OVERFLOW_VALUE, TOO_LONG) if len(raw) > self.max_chars else (raw, None)
+
+    def row(self, labels: dict[str, str]) -> tuple[RowKey, str | None]:
+        """The row a sample's labels are counted in, and why it is not their own, if not."""
+        model, model_reason = self.value(labels.get("model_name", ""), self.model_names,
+                                         self.max_model_names, MODEL_NAME_CAP)
+        engine, engine_reason = self.engine(labels.get("engine", ""))
+        key = (model, engine)
+        reason = model_reason or engine_reason
+        if key in self.rows or key == (OVERFLOW_VALUE, OVERFLOW_VALUE):
+            return key, reason
+        if len(self.rows) >= self.max_rows:
+            return (OVERFLOW_VALUE, OVERFLOW_VALUE), reason or ROW_CAP
+        self.rows.add(key)
+        return key, reason
+
+
+@dataclass
+class EngineRead:
+    """One parsed read: the snapshot, and what of it was dropped or folded, by reason."""
+
+    snapshot: EngineSnapshot
+    invalid: dict[str, int] = field(default_factory=dict)  # reason -> samples dropped
+    folded: dict[str, int] = field(default_factory=dict)  # reason -> samples folded
 
 
 def _parse_labels(text: str, start: int, line_number: int) -> tuple[dict[str, str], int]:
@@ -146,6 +238,7 @@ class Samples:
         self.text = text
         self.wanted = wanted
         self.lines = 0
+        self.line_number = 0  # of the sample last yielded
 
     def __iter__(self) -> Iterator[tuple[str, dict[str, str], float]]:
         wanted = self.wanted
@@ -178,6 +271,7 @@ class Samples:
             rest = line[rest_at:].split()
             if not rest or len(rest) > 2:
                 raise ParseError(line_number, "expected a value after the labels")
+            self.line_number = line_number
             yield name, labels, _parse_value(rest[0], line_number)
         self.lines = line_count
         if line_count == 0:
@@ -186,11 +280,29 @@ class Samples:
 
 def parse(text: str) -> EngineSnapshot:
     """Parse a vLLM exposition body. Raises ParseError on any malformed sample line."""
+    return read(text).snapshot
+
+
+def read(text: str, caps: LabelCaps | None = None) -> EngineRead:
+    """Parse a vLLM exposition body, its label values held to ``caps`` (a fresh LabelCaps:
+    this read's alone). Raises ParseError on any malformed sample line, and, as Prometheus
+    does, on a sample the exporter reads that comes twice with the same labels: summed, the
+    copies would show hits above queries, and the next honest read a false restart."""
     found: Found = defaultdict(list)
     scan = Samples(text, _WANTED)
+    seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
+    canonical: dict[int, frozenset[tuple[str, str]]] = {}  # label sets are shared: id -> set
     for name, labels, value in scan:
+        label_set = canonical.get(id(labels))
+        if label_set is None:
+            label_set = canonical[id(labels)] = frozenset(labels.items())
+        if (name, label_set) in seen:
+            shown = ",".join(f'{key}="{val[:40]}"' for key, val in sorted(labels.items()))
+            raise ParseError(scan.line_number,
+                             f"duplicate sample for timestamp: {name}{{{shown[:200]}}}")
+        seen.add((name, label_set))
         found[name].append((labels, value))
-    return _resolve(found, scan.lines)
+    return _resolve(found, scan.lines, caps or LabelCaps())
 
 
 def _labels_once(line: str, start: int, line_number: int,
@@ -206,22 +318,39 @@ def _labels_once(line: str, start: int, line_number: int,
     return labels, rest_at
 
 
-def _row_key(labels: dict[str, str]) -> RowKey:
-    return labels.get("model_name", ""), labels.get("engine", "")
-
-
 class _Resolver:
     """Turns the samples found into per-(model_name, engine) values, dropping (and counting)
-    impossible ones."""
+    impossible ones, and folding (and counting) label values past the caps."""
 
-    def __init__(self, found: Found) -> None:
+    def __init__(self, found: Found, caps: LabelCaps) -> None:
         self.found = found
+        self.caps = caps
         self.engines: dict[RowKey, EngineValues] = {}
         self.present: dict[str, bool] = {}
-        self.invalid = 0
+        self.invalid: dict[str, int] = {}
+        self.folded: dict[str, int] = {}
+        self._rows: dict[int, tuple[RowKey, str | None]] = {}  # id(labels) -> row, reason
 
-    def slot(self, labels: dict[str, str]) -> EngineValues:
-        key = _row_key(labels)
+    def key(self, labels: dict[str, str], count: bool = True) -> RowKey:
+        """The row of a sample (its label sets are shared, so each is looked up once); a
+        folded sample is counted when ``count``."""
+        known = self._rows.get(id(labels))
+        if known is None:
+            known = self._rows[id(labels)] = self.caps.row(labels)
+        if count and known[1] is not None:
+            self.fold(known[1])
+        return known[0]
+
+    def fold(self, reason: str, samples: int = 1) -> None:
+        self.folded[reason] = self.folded.get(reason, 0) + samples
+
+    def drop(self, reason: str, samples: int = 1) -> None:
+        self.invalid[reason] = self.invalid.get(reason, 0) + samples
+
+    def slot(self, labels: dict[str, str], count: bool = True) -> EngineValues:
+        return self.slot_at(self.key(labels, count))
+
+    def slot_at(self, key: RowKey) -> EngineValues:
         values = self.engines.get(key)
         if values is None:
             values = self.engines[key] = EngineValues(model_name=key[0], engine=key[1])
@@ -232,9 +361,10 @@ class _Resolver:
 
     def valid(self, signal: names.Signal, value: float) -> bool:
         """Whether a value is possible; an impossible one is counted."""
-        if _possible(signal, value):
+        reason = _impossible(signal, value)
+        if reason is None:
             return True
-        self.invalid += 1
+        self.drop(reason)
         return False
 
     def created(self, sample_name: str) -> list[tuple[dict[str, str], float]]:
@@ -256,7 +386,9 @@ class _Resolver:
                 values = self.slot(labels).values
                 values[signal.name] = values.get(signal.name, 0.0) + value
         for labels, value in self.created(sample_name):
-            self.slot(labels).created[signal.name] = value
+            created = self.slot(labels, count=False).created
+            # Several rows folded into one: the newest creation marks a restart.
+            created[signal.name] = max(value, created.get(signal.name, value))
 
     def cached_from_sources(self) -> None:
         """vllm:prompt_tokens_cached where only its by-source split exists."""
@@ -268,9 +400,10 @@ class _Resolver:
             return
         self.present[signal.name] = True
         for labels, value in self.found[by_source]:
-            # An impossible value is counted once, by the split's own reading.
-            if labels.get("source") in names.CACHED_SOURCES and _possible(signal, value):
-                values = self.slot(labels).values
+            # An impossible value is counted once, by the split's own reading; so is a fold.
+            if labels.get("source") in names.CACHED_SOURCES \
+                    and _impossible(signal, value) is None:
+                values = self.slot(labels, count=False).values
                 values[signal.name] = values.get(signal.name, 0.0) + value
 
     # ---- splits (one number per engine and label value) ----------------------------------
@@ -288,7 +421,7 @@ class _Resolver:
                 by_value[shown] = by_value.get(shown, 0.0) + value
         for labels, value in self.created(sample_name):
             shown = _shown_label_value(split, labels.get(split.label, ""))
-            created = self.slot(labels).split_created.setdefault(signal.name, {})
+            created = self.slot(labels, count=False).split_created.setdefault(signal.name, {})
             # Several values folded into "other": the newest creation marks a restart.
             created[shown] = max(value, created.get(shown, value))
 
@@ -303,35 +436,57 @@ class _Resolver:
         rows: dict[RowKey, _HistogramSamples] = {}
         for suffix in ("_bucket", "_sum", "_count"):
             for labels, value in self.found.get(family + suffix, []):
-                row = rows.setdefault(_row_key(labels), _HistogramSamples())
+                row = rows.setdefault(self.key(labels), _HistogramSamples())
                 row.add(suffix, labels.get("le"), value)
         for key, row in rows.items():
             histogram = row.resolve()
             if histogram is None:
-                self.invalid += row.lines
+                self.drop(row.reason or BAD_HISTOGRAM, row.lines)
                 continue
-            self.slot({"model_name": key[0], "engine": key[1]}).histograms[signal.name] = \
-                histogram
+            self.slot_at(key).histograms[signal.name] = histogram
         for labels, value in self.found.get(family + "_created", []):
-            values = self.engines.get(_row_key(labels))
+            values = self.engines.get(self.key(labels, count=False))
             if values is not None and signal.name in values.histograms and math.isfinite(value):
-                values.created[signal.name] = value
+                values.created[signal.name] = max(value, values.created.get(signal.name, value))
 
     # ---- cache configuration -------------------------------------------------------------
 
     def cache_configs(self) -> dict[str, CacheConfig]:
+        """One configuration per engine, at most MAX_CONFIG_LABELS of its labels, each value
+        at most MAX_LABEL_VALUE_CHARS; an engine folded into OVERFLOW_VALUE has none (several
+        engines' pools do not add up to one)."""
         configs: dict[str, CacheConfig] = {}
         for labels, _value in self.found.get(names.CACHE_CONFIG.sample_names[0], []):
             self.present[names.CACHE_CONFIG.name] = True
-            engine = labels.get("engine", "")
-            configs[engine] = CacheConfig(engine=engine, fields=dict(labels))
+            engine, reason = self.caps.engine(labels.get("engine", ""))
+            if reason is not None:
+                self.fold(reason)
+                continue
+            fields = {}
+            # The allow-listed keys, then others as they come (exporter/signals/kvpool.py
+            # reads a few more), MAX_CONFIG_LABELS in all.
+            keys = [key for key in CACHE_CONFIG_KEYS if key in labels]
+            keys += [key for key in labels if key not in CACHE_CONFIG_KEYS][
+                :max(MAX_CONFIG_LABELS - len(keys), 0)]
+            for key in keys:
+                fields[key], reason = self.caps.config_value(labels[key])
+                if reason is not None:
+                    self.fold(reason)
+            configs[engine] = CacheConfig(engine=engine, fields=fields)
         return configs
 
 
-def _possible(signal: names.Signal, value: float) -> bool:
-    if not math.isfinite(value) or value < 0:
-        return False
-    return not (signal is names.KV_USAGE and value > 1.0)
+def _impossible(signal: names.Signal, value: float) -> str | None:
+    """Why a value cannot be one of this signal, or None when it can."""
+    if not math.isfinite(value):
+        return NOT_FINITE
+    if value < 0:
+        return NEGATIVE
+    if value > MAX_SAMPLE_VALUE:
+        return TOO_LARGE
+    if signal is names.KV_USAGE and value > 1.0:
+        return ABOVE_ONE
+    return None
 
 
 def _shown_label_value(split: Split, raw: str) -> str:
@@ -348,11 +503,15 @@ class _HistogramSamples:
         self.count: float | None = None
         self.lines = 0
         self.broken = False
+        self.reason: str | None = None  # why it is broken, when a sample says
 
     def add(self, suffix: str, le: str | None, value: float) -> None:
         self.lines += 1
-        if not math.isfinite(value) or value < 0:
+        if not math.isfinite(value) or value < 0 or value > MAX_SAMPLE_VALUE:
             self.broken = True
+            self.reason = self.reason or (
+                TOO_LARGE if value > MAX_SAMPLE_VALUE else
+                NEGATIVE if value < 0 else NOT_FINITE)
             return
         if suffix == "_sum":
             self.sum += value
@@ -392,8 +551,8 @@ def _bound(le: str | None) -> float | None:
     return bound if bound == math.inf or math.isfinite(bound) else None
 
 
-def _resolve(found: Found, lines: int) -> EngineSnapshot:
-    resolver = _Resolver(found)
+def _resolve(found: Found, lines: int, caps: LabelCaps) -> EngineRead:
+    resolver = _Resolver(found, caps)
     for signal in names.SAMPLE_VALUE_SIGNALS:
         resolver.plain(signal)
     resolver.cached_from_sources()
@@ -405,5 +564,7 @@ def _resolve(found: Found, lines: int) -> EngineSnapshot:
     present = resolver.present
     for signal in names.SIGNALS:
         present.setdefault(signal.name, False)
-    return EngineSnapshot(engines=resolver.engines, cache_configs=cache_configs, present=present,
-                          invalid_samples=resolver.invalid, lines=lines)
+    snapshot = EngineSnapshot(
+        engines=resolver.engines, cache_configs=cache_configs, present=present,
+        invalid_samples=sum(resolver.invalid.values()), lines=lines)
+    return EngineRead(snapshot, resolver.invalid, resolver.folded)

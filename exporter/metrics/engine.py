@@ -125,12 +125,22 @@ class _TargetFamilies:
             labels=["target", "reason"])
         self.restarts = CounterMetricFamily(
             "vllm_cache_engine_restarts",
-            "vLLM restarts the exporter saw (a counter fell or its _created time changed).",
+            "vLLM restarts the exporter saw (a newer _created time, or, without one, counters "
+            "of two families falling, or of the only one that moved).",
             labels=["target"])
         self.invalid = CounterMetricFamily(
             "vllm_cache_engine_invalid_samples",
-            "vLLM samples dropped for an impossible value (NaN, negative, usage above 1).",
-            labels=["target"])
+            "vLLM samples dropped, by reason: an impossible value (not_finite, negative, "
+            "above_one, too_large: above 2^53, bad_histogram), or a reading not believed "
+            "(implausible_increase, fell_without_restart, created_went_back).",
+            labels=["target", "reason"])
+        self.folded = CounterMetricFamily(
+            "vllm_cache_engine_samples_folded",
+            "vLLM samples counted under model_name or engine \"__other__\", by reason: "
+            "too_long (a label value over 128 characters; a cache_config_info value that long "
+            "is shown as __other__), model_name_cap (past 4 values), "
+            "engine_cap (past 32), row_cap (past 32 (model_name, engine) rows).",
+            labels=["target", "reason"])
         self.present = GaugeMetricFamily(
             "vllm_cache_engine_metric_present",
             "1 if this vLLM exposes the metric behind a signal under any known name, 0 if not "
@@ -144,7 +154,10 @@ class _TargetFamilies:
         for reason, count in sorted(state.errors.items()):
             self.errors.add_metric([target, reason], float(count))
         self.restarts.add_metric([target], float(state.restarts))
-        self.invalid.add_metric([target], float(state.invalid_samples))
+        for reason, count in sorted(state.invalid.items()):
+            self.invalid.add_metric([target, reason], float(count))
+        for reason, count in sorted(state.folded.items()):
+            self.folded.add_metric([target, reason], float(count))
         if state.up:
             for signal in values.ENGINE_SIGNALS:
                 self.present.add_metric([target, signal],
@@ -152,7 +165,7 @@ class _TargetFamilies:
 
     def families(self) -> Iterator[Metric]:
         yield from (self.up, self.duration, self.errors, self.restarts, self.invalid,
-                    self.present)
+                    self.folded, self.present)
 
 
 class _RowFamilies:

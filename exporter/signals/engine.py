@@ -4,9 +4,23 @@ Pure: callers hand in snapshots and the time; nothing here reads a clock or a so
 vLLM's counters fall to 0 when it restarts. Passing them through would let ``rate()`` see a
 reset only when the new value is lower than the old one; a restarted vLLM that already served
 more than before the scrape would read as a small increase and the lost history as nothing.
-So each counter is carried forward here: a drop, or a changed ``_created`` timestamp, is a
-restart, and the new value is added on top. The exported counters never go down while the
-exporter runs, and never jump by the old total.
+So each counter is carried forward here: a newer ``_created`` timestamp is a restart, and
+so is a drop that a restart explains, and the new value is added on top. The exported
+counters never go down while the exporter runs, and never jump by the old total.
+
+Not every drop is a restart. A restart starts every counter again, with a new ``_created``
+time: a counter that falls with its ``_created`` unchanged, or going back to an older one
+(two vLLMs answering behind one URL in turn), or one counter family that falls alone while
+another rises (where vLLM has no ``_created``), is a glitch: its reading is ignored and
+counted as invalid (``fell_without_restart``, ``created_went_back``), the carried total is
+left as it was, and the next honest reading continues from the last believed one. A drop
+of two families or more at once, or of the only family that moved, is a restart.
+
+Every increase is bounded too: at most MAX_INCREASE_PER_SECOND for each second since the
+counter's last accepted reading (one second at least); a reading past it is ignored and
+counted (``implausible_increase``), and the parser drops samples above 2**53 (exporter/
+engine/parse.py, MAX_SAMPLE_VALUE). So a carried total is at most its first reading plus
+the bounded increases: finite, whatever a target sends.
 
 The KV pool is carried the same way: its size moves from boot to boot (with whatever else
 holds GPU memory when vLLM loads), and the smallest one seen is the one an admission budget
@@ -26,6 +40,8 @@ change that fell between two old bounds are counted in a higher bucket.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +69,39 @@ MAX_HISTOGRAM_TRACKS = 256
 # buckets one histogram may have, i.e. three changes of every bound before any is forgotten.
 MAX_REMEMBERED_BOUNDS = 256
 
+# The most a carried counter (or a histogram's count or sum) may grow per second since its
+# last accepted reading: a thousand times the prompt tokens a large GPU node prefills in a
+# second, and far more requests or seconds of latency than any engine observes.
+MAX_INCREASE_PER_SECOND = 1e9
+# The largest raw reading believed (the parser's own bound, exporter/engine/parse.py,
+# checked again for snapshots that did not come from it).
+MAX_RAW_VALUE = float(2 ** 53)
+
+# Why a sample was dropped: the parser's reasons (exporter/engine/parse.py INVALID_REASONS;
+# tests/engine/test_lying_engines.py checks that the two lists agree) and the carrier's.
+IMPLAUSIBLE_INCREASE, FELL_WITHOUT_RESTART, CREATED_WENT_BACK = (
+    "implausible_increase", "fell_without_restart", "created_went_back")
+INVALID_REASONS = ("not_finite", "negative", "above_one", "too_large", "bad_histogram",
+                   IMPLAUSIBLE_INCREASE, FELL_WITHOUT_RESTART, CREATED_WENT_BACK)
+# Why samples were counted under __other__ (exporter/engine/parse.py FOLD_REASONS).
+FOLD_REASONS = ("too_long", "model_name_cap", "engine_cap", "row_cap")
+
+# What one reading of a track shows, before the family vote (_Carry.vote).
+STEP, RESTART, FELL = "step", "restart", "fell"
+
 TrackKey = tuple[str, str, str, str]  # (model_name, engine, signal, label value or "")
 HistogramKey = tuple[str, str, str]  # (model_name, engine, signal)
+
+
+def plausible_increase(since_last: float) -> float:
+    return MAX_INCREASE_PER_SECOND * max(since_last, 1.0)
+
+
+def _created_verdict(created: float | None, last_created: float | None) -> str | None:
+    """RESTART for a newer ``_created`` time, CREATED_WENT_BACK for an older one, else None."""
+    if created is None or last_created is None or created == last_created:
+        return None
+    return RESTART if created > last_created else CREATED_WENT_BACK
 
 
 @dataclass
@@ -62,21 +109,36 @@ class CounterTrack:
     last_raw: float
     last_created: float | None
     total: float
+    last_time: float = 0.0  # unix time of the last accepted reading
 
-    def update(self, raw: float, created: float | None) -> bool:
-        """Fold a new raw reading in; return True when it shows a restart.
+    def verdict(self, raw: float, created: float | None) -> str:
+        """STEP, RESTART (a newer ``_created``), FELL (a drop without ``_created`` to tell,
+        for the family vote), or the glitch's invalid reason."""
+        by_created = _created_verdict(created, self.last_created)
+        if by_created is not None:
+            return by_created
+        if raw < self.last_raw:
+            # A _created time unchanged: the same process, whose counter cannot fall.
+            known = created is not None and self.last_created is not None
+            return FELL_WITHOUT_RESTART if known else FELL
+        return STEP
 
-        The total only ever grows: a drop, or a new ``_created`` time, is a restart whose
-        count is added on top. A read without a ``_created`` time keeps the last one known.
-        """
-        restarted = raw < self.last_raw or (
-            created is not None and self.last_created is not None
-            and created != self.last_created)
-        self.total += raw if restarted else raw - self.last_raw
+    def apply(self, raw: float, created: float | None, restarted: bool,
+              now: float) -> str | None:
+        """Fold a believed reading in; the invalid reason when its increase is implausible
+        (the reading is then ignored). A read without ``_created`` keeps the last one."""
+        increase = raw if restarted else raw - self.last_raw
+        if increase > plausible_increase(now - self.last_time):
+            return IMPLAUSIBLE_INCREASE
+        self.total += increase
         self.last_raw = raw
+        self.last_time = now
         if created is not None:
             self.last_created = created
-        return restarted
+        return None
+
+    def rose(self, raw: float) -> bool:
+        return raw > self.last_raw
 
 
 def _rebased(remembered: dict[float, float], bounds: tuple[float, ...]) -> tuple[float, ...]:
@@ -100,6 +162,7 @@ class HistogramTrack:
     last_raw: HistogramValue
     last_created: float | None
     total: HistogramValue
+    last_time: float = 0.0  # unix time of the last accepted reading
     # The last count shown for every bound ever shown (a bound may leave with one restart
     # and come back with the next), at most MAX_REMEMBERED_BOUNDS of them.
     remembered: dict[float, float] = field(default_factory=dict)
@@ -107,33 +170,51 @@ class HistogramTrack:
     def __post_init__(self) -> None:
         self._remember()
 
-    def update(self, raw: HistogramValue, created: float | None) -> bool:
-        """Fold a new raw histogram in; return True when it shows a restart (any bucket, the
-        sum or the count fell, the ``_created`` time changed, or the bounds changed)."""
+    def verdict(self, raw: HistogramValue, created: float | None) -> str:
+        """As CounterTrack.verdict; other bounds are a restart (a vLLM started with other
+        --custom-histogram-buckets), any bucket, the sum or the count falling a drop."""
+        by_created = _created_verdict(created, self.last_created)
+        if by_created is not None:
+            return by_created
+        last = self.last_raw
+        if raw.bounds != last.bounds:
+            return RESTART
+        if raw.sum < last.sum or any(
+                now < before for now, before in zip(raw.cumulative, last.cumulative,
+                                                    strict=True)):
+            known = created is not None and self.last_created is not None
+            return FELL_WITHOUT_RESTART if known else FELL
+        return STEP
+
+    def apply(self, raw: HistogramValue, created: float | None, restarted: bool,
+              now: float) -> str | None:
+        """Fold a believed histogram in; the invalid reason when its count or sum grew
+        implausibly (it is then ignored)."""
         last = self.last_raw
         same_bounds = raw.bounds == last.bounds
-        restarted = (
-            not same_bounds or raw.sum < last.sum
-            or any(now < before
-                   for now, before in zip(raw.cumulative, last.cumulative, strict=True))
-            or (created is not None and self.last_created is not None
-                and created != self.last_created))
-        base = (self.total.cumulative if same_bounds
-                else _rebased(self.remembered, raw.bounds))
         if restarted:
             step, step_sum = raw.cumulative, raw.sum
         else:
             step = tuple(now - before
                          for now, before in zip(raw.cumulative, last.cumulative, strict=True))
             step_sum = raw.sum - last.sum
+        bound = plausible_increase(now - self.last_time)
+        if step[-1] > bound or step_sum > bound:
+            return IMPLAUSIBLE_INCREASE
+        base = (self.total.cumulative if same_bounds
+                else _rebased(self.remembered, raw.bounds))
         self.total = HistogramValue(
             raw.bounds, tuple(a + b for a, b in zip(base, step, strict=True)),
             self.total.sum + step_sum)
         self.last_raw = raw
+        self.last_time = now
         if created is not None:
             self.last_created = created
         self._remember()
-        return restarted
+        return None
+
+    def rose(self, raw: HistogramValue) -> bool:
+        return raw.count > self.last_raw.count
 
     def _remember(self) -> None:
         self.remembered.update(zip(self.total.bounds, self.total.cumulative, strict=True))
@@ -169,11 +250,24 @@ class TargetState:
     rows: list[EngineRow] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)  # reason -> count
     restarts: int = 0
-    invalid_samples: int = 0
+    # reason -> samples dropped (INVALID_REASONS at 0 from the start), or counted under
+    # __other__ (FOLD_REASONS)
+    invalid: dict[str, int] = field(default_factory=lambda: dict.fromkeys(INVALID_REASONS, 0))
+    folded: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FOLD_REASONS, 0))
     # engine label -> smallest KV pool (tokens) it reported since the exporter started
     smallest_pool: dict[str, int] = field(default_factory=dict)
     tracks: dict[TrackKey, CounterTrack] = field(default_factory=dict)
     histogram_tracks: dict[HistogramKey, HistogramTrack] = field(default_factory=dict)
+
+    @property
+    def invalid_samples(self) -> int:
+        return sum(self.invalid.values())
+
+
+def _add(counts: dict[str, int], more: Mapping[str, int]) -> None:
+    for reason, count in more.items():
+        if count:
+            counts[reason] = counts.get(reason, 0) + count
 
 
 class EngineState:
@@ -205,7 +299,11 @@ class EngineState:
         state.present = {}
 
     def record_success(self, target: str, snapshot: EngineSnapshot, duration: float,
-                       now: float) -> None:
+                       now: float, *, invalid: Mapping[str, int] | None = None,
+                       folded: Mapping[str, int] | None = None) -> None:
+        """Carry one read forward. ``invalid`` says why the parser dropped the snapshot's
+        ``invalid_samples`` (without it they are counted under ``other``), ``folded`` how
+        many samples it counted under __other__, by reason."""
         state = self.targets[target]
         state.attempted = True
         state.up = True
@@ -213,8 +311,10 @@ class EngineState:
         state.last_error = ""
         state.last_success_time = now
         state.present = dict(snapshot.present)
-        state.invalid_samples += snapshot.invalid_samples
-        carry = _Carry(state)
+        _add(state.invalid, invalid if invalid is not None
+             else {"other": snapshot.invalid_samples})
+        _add(state.folded, folded or {})
+        carry = _Carry(state, snapshot, now)
         rows = [carry.row(values) for _key, values in sorted(snapshot.engines.items())]
         for row in rows:
             row.cache_config = snapshot.cache_config_for(row.engine)
@@ -225,6 +325,7 @@ class EngineState:
                 rows.append(EngineRow("", engine, {}, {}, config))
         if carry.restarted:
             state.restarts += 1
+        _add(state.invalid, carry.invalid)
         remember_smallest_pool(state.smallest_pool, snapshot)
         carry.forget_beyond_bounds()
         state.rows = rows
@@ -242,62 +343,144 @@ def remember_smallest_pool(smallest: dict[str, int], snapshot: EngineSnapshot) -
         del smallest[next(iter(smallest))]
 
 
-class _Carry:
-    """One read's values, carried forward through the target's tracks."""
+Reading = tuple[Any, str, Any, float | None]  # (track key, signal, raw value, _created)
 
-    def __init__(self, state: TargetState) -> None:
+
+def _counter_readings(values: EngineValues) -> list[Reading]:
+    readings: list[Reading] = []
+    for signal_name, raw in values.values.items():
+        if signal_name in COUNTER_SIGNALS:
+            readings.append(((values.model_name, values.engine, signal_name, ""), signal_name,
+                             raw, values.created.get(signal_name)))
+    for signal_name, by_value in values.splits.items():
+        if signal_name in COUNTER_SIGNALS:
+            created = values.split_created.get(signal_name, {})
+            readings.extend(((values.model_name, values.engine, signal_name, label),
+                             signal_name, raw, created.get(label))
+                            for label, raw in by_value.items())
+    return readings
+
+
+def _histogram_readings(values: EngineValues) -> list[Reading]:
+    return [((values.model_name, values.engine, signal_name), signal_name, raw,
+             values.created.get(signal_name)) for signal_name, raw in values.histograms.items()]
+
+
+def _unbelievable(raw: float) -> str | None:
+    if not math.isfinite(raw):
+        return "not_finite"
+    if raw < 0:
+        return "negative"
+    return "too_large" if raw > MAX_RAW_VALUE else None
+
+
+class _Carry:
+    """One read's values, carried forward through the target's tracks.
+
+    Each reading of a known track gets a verdict first (CounterTrack.verdict); the drops
+    without a ``_created`` time to tell are then judged together (``vote``) before any
+    track moves."""
+
+    def __init__(self, state: TargetState, snapshot: EngineSnapshot, now: float) -> None:
         self.state = state
+        self.now = now
         self.restarted = False
+        self.invalid: dict[str, int] = {}
         self.seen: set[TrackKey] = set()
         self.seen_histograms: set[HistogramKey] = set()
+        self.verdicts: dict[Any, str] = {}
+        self.vote(snapshot)
+
+    def vote(self, snapshot: EngineSnapshot) -> None:
+        """A drop is a restart when a newer ``_created`` time shows one in this read, when
+        two families or more drop, or when no other family rose; else a glitch."""
+        fell: set[str] = set()
+        rose: set[str] = set()
+        restart_shown = False
+        for values in snapshot.engines.values():
+            for tracks, readings in ((self.state.tracks, _counter_readings(values)),
+                                     (self.state.histogram_tracks, _histogram_readings(values))):
+                for key, signal_name, raw, created in readings:
+                    track = tracks.get(key)
+                    if track is None:
+                        continue
+                    verdict = self.verdicts[key] = track.verdict(raw, created)
+                    restart_shown = restart_shown or verdict == RESTART
+                    if verdict == FELL:
+                        fell.add(signal_name)
+                    elif verdict == STEP and track.rose(raw):
+                        rose.add(signal_name)
+        drop_is_restart = restart_shown or len(fell) >= 2 or not rose - fell
+        for key, verdict in self.verdicts.items():
+            if verdict == FELL:
+                self.verdicts[key] = RESTART if drop_is_restart else FELL_WITHOUT_RESTART
+
+    def count(self, reason: str) -> None:
+        self.invalid[reason] = self.invalid.get(reason, 0) + 1
 
     def row(self, values: EngineValues) -> EngineRow:
         counters: dict[str, float] = {}
-        gauges: dict[str, float] = {}
-        for signal_name, raw in values.values.items():
-            if signal_name in COUNTER_SIGNALS:
-                counters[signal_name] = self.counter(
-                    values, signal_name, "", raw, values.created.get(signal_name))
-            else:
-                gauges[signal_name] = raw
-        splits: dict[str, dict[str, float]] = {}
-        for signal_name, by_value in values.splits.items():
-            if signal_name not in COUNTER_SIGNALS:
-                splits[signal_name] = dict(by_value)
+        gauges = {signal_name: raw for signal_name, raw in values.values.items()
+                  if signal_name not in COUNTER_SIGNALS}
+        splits: dict[str, dict[str, float]] = {
+            signal_name: dict(by_value) for signal_name, by_value in values.splits.items()
+            if signal_name not in COUNTER_SIGNALS}
+        for key, signal_name, raw, created in _counter_readings(values):
+            total = self.counter(key, raw, created)
+            if total is None:
                 continue
-            created = values.split_created.get(signal_name, {})
-            splits[signal_name] = {
-                label: self.counter(values, signal_name, label, raw, created.get(label))
-                for label, raw in by_value.items()}
-        histograms = {signal_name: self.histogram(values, signal_name, raw)
-                      for signal_name, raw in values.histograms.items()}
+            if signal_name in values.splits:
+                splits.setdefault(signal_name, {})[key[3]] = total
+            else:
+                counters[signal_name] = total
+        histograms: dict[str, HistogramValue] = {}
+        for key, signal_name, raw, created in _histogram_readings(values):
+            shown = self.histogram(key, raw, created)
+            if shown is not None:
+                histograms[signal_name] = shown
         return EngineRow(values.model_name, values.engine, counters, gauges, None, splits,
                          histograms)
 
-    def counter(self, values: EngineValues, signal_name: str, label: str, raw: float,
-                created: float | None) -> float:
-        key = (values.model_name, values.engine, signal_name, label)
+    def counter(self, key: TrackKey, raw: float, created: float | None) -> float | None:
+        """The carried total after this reading (None: no believable reading yet)."""
         self.seen.add(key)
         tracks = self.state.tracks
         track = tracks.get(key)
+        unbelievable = _unbelievable(raw)
+        if unbelievable is not None:
+            self.count(unbelievable)
+            return track.total if track is not None else None
         if track is None:
-            tracks[key] = track = CounterTrack(raw, created, raw)
-        elif track.update(raw, created):
-            self.restarted = True
+            tracks[key] = track = CounterTrack(raw, created, raw, self.now)
+            return track.total
+        self.carry(track, raw, created, self.verdicts.get(key, STEP))
         return track.total
 
-    def histogram(self, values: EngineValues, signal_name: str,
-                  raw: HistogramValue) -> HistogramValue:
-        key = (values.model_name, values.engine, signal_name)
+    def histogram(self, key: HistogramKey, raw: HistogramValue,
+                  created: float | None) -> HistogramValue | None:
         self.seen_histograms.add(key)
         tracks = self.state.histogram_tracks
-        created = values.created.get(signal_name)
         track = tracks.get(key)
+        unbelievable = _unbelievable(raw.count) or _unbelievable(raw.sum)
+        if unbelievable is not None:
+            self.count(unbelievable)
+            return track.total if track is not None else None
         if track is None:
-            tracks[key] = track = HistogramTrack(raw, created, raw)
-        elif track.update(raw, created):
-            self.restarted = True
+            tracks[key] = track = HistogramTrack(raw, created, raw, self.now)
+            return track.total
+        self.carry(track, raw, created, self.verdicts.get(key, STEP))
         return track.total
+
+    def carry(self, track: CounterTrack | HistogramTrack, raw: Any, created: float | None,
+              verdict: str) -> None:
+        if verdict not in (STEP, RESTART):  # a glitch: ignored, counted
+            self.count(verdict)
+            return
+        refused = track.apply(raw, created, verdict == RESTART, self.now)
+        if refused is not None:
+            self.count(refused)
+        elif verdict == RESTART:
+            self.restarted = True
 
     def forget_beyond_bounds(self) -> None:
         """A counter missing from one read (NaN, absent, a partial exposition) keeps its

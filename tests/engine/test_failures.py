@@ -4,6 +4,9 @@ and nothing else lost (other targets, the process, the counters when it comes ba
 from __future__ import annotations
 
 import asyncio
+import re
+
+import pytest
 
 from tests.helpers import fixture_text, scrape, value
 
@@ -14,7 +17,8 @@ def engine_series(text: str, target: str) -> list[str]:
     return [line for line in text.splitlines()
             if line.startswith("vllm_cache_engine_") and f'target="{target}"' in line
             and not line.startswith(("vllm_cache_engine_up", "vllm_cache_engine_scrape_",
-                                     "vllm_cache_engine_restarts", "vllm_cache_engine_invalid"))]
+                                     "vllm_cache_engine_restarts", "vllm_cache_engine_invalid",
+                                     "vllm_cache_engine_samples_folded"))]
 
 
 async def assert_down(client, target: str, reason: str) -> str:
@@ -111,7 +115,10 @@ async def test_lying_values_are_dropped_not_exported(fake_vllm, exporter_for):
     out = await scrape(client)
     row = {"target": fake_vllm.url, **ROW}
     assert value(out, "vllm_cache_engine_up", target=fake_vllm.url) == 1
-    assert value(out, "vllm_cache_engine_invalid_samples_total", target=fake_vllm.url) == 2
+    assert value(out, "vllm_cache_engine_invalid_samples_total", target=fake_vllm.url,
+                 reason="negative") == 1
+    assert value(out, "vllm_cache_engine_invalid_samples_total", target=fake_vllm.url,
+                 reason="not_finite") == 1
     assert value(out, "vllm_cache_engine_preemptions_total", **row) is None
     assert value(out, "vllm_cache_engine_kv_usage_ratio", **row) is None
     assert value(out, "vllm_cache_engine_prefix_cache_hits_tokens_total", **row) == 6784
@@ -138,8 +145,25 @@ def _with_counters(text: str, queries: float, hits: float, created: str | None =
     return text
 
 
-async def test_vllm_restart_never_goes_backwards_or_spikes(fake_vllm, exporter_for):
+def restarted(text: str, seconds: float = 3600.0) -> str:
+    """The exposition of a vLLM started ``seconds`` later: every _created time moved."""
+    return re.sub(r"^(\S+_created(?:\{[^}]*\})?) (\S+)$",
+                  lambda m: f"{m.group(1)} {float(m.group(2)) + seconds!r}", text, flags=re.M)
+
+
+def without_created(text: str) -> str:
+    """As a vLLM run with PROMETHEUS_DISABLE_CREATED_SERIES (or an old one) exposes it."""
+    return "\n".join(line for line in text.splitlines() if "_created" not in line) + "\n"
+
+
+@pytest.mark.parametrize("created", ["new", "absent"])
+async def test_vllm_restart_never_goes_backwards_or_spikes(fake_vllm, exporter_for, created):
+    """A restart told by its new _created times, or without them by every counter that
+    moved falling at once."""
     base = fixture_text("vllm-0.32.0-cpu/metrics_after.prom")
+    if created == "absent":
+        base = without_created(base)
+    after = restarted(base) if created == "new" else base
     client = await exporter_for(fake_vllm.url)
     row = {"target": fake_vllm.url, **ROW}
     name = "vllm_cache_engine_prefix_cache_hits_tokens_total"
@@ -147,9 +171,9 @@ async def test_vllm_restart_never_goes_backwards_or_spikes(fake_vllm, exporter_f
     fake_vllm.body = _with_counters(base, 9914, 6784)
     first = value(await scrape(client), name, **row)
     # vLLM restarts: its counters start again from 0, then grow to 100.
-    fake_vllm.body = _with_counters(base, 0, 0)
+    fake_vllm.body = _with_counters(after, 0, 0)
     after_reset = value(await scrape(client), name, **row)
-    fake_vllm.body = _with_counters(base, 200, 100)
+    fake_vllm.body = _with_counters(after, 200, 100)
     later = await scrape(client)
 
     assert first == 6784

@@ -142,8 +142,10 @@ async def test_a_broken_histogram_is_dropped_and_counted(fake_vllm, exporter_for
         broken = broken.replace(total, total.rsplit(" ", 1)[0] + " -1.0")
     text, row = await read(fake_vllm, exporter_for, broken)
     expected_lines = len(lines) - 1 - (breakage == "no_inf")  # not the _created line
+    reason = {"nan_bucket": "not_finite", "negative_sum": "negative"}.get(breakage,
+                                                                          "bad_histogram")
     assert value(text, "vllm_cache_engine_invalid_samples_total",
-                 target=fake_vllm.url) == expected_lines
+                 target=fake_vllm.url, reason=reason) == expected_lines
     assert value(text, "vllm_cache_engine_kv_block_idle_before_evict_seconds_count",
                  **row) is None
     # It was there, so it is present; the others are unharmed.
@@ -196,10 +198,12 @@ def test_a_histogram_is_carried_across_a_restart():
     state = EngineState((TARGET,))
     bounds = (1.0, 10.0, INF)
     assert read_histogram(state, hist(bounds, (2, 5, 6), 30.0)) == hist(bounds, (2, 5, 6), 30.0)
-    # vLLM restarted: its histogram starts again from empty, then sees 1 observation.
-    after = read_histogram(state, hist(bounds, (0, 1, 1), 4.0))
+    # vLLM restarted (a newer _created): its histogram starts again from empty, then sees
+    # 1 observation.
+    after = read_histogram(state, hist(bounds, (0, 1, 1), 4.0), created=1.5)
     assert after == hist(bounds, (2, 6, 7), 34.0)
-    assert read_histogram(state, hist(bounds, (1, 3, 3), 9.0)) == hist(bounds, (3, 8, 9), 39.0)
+    assert read_histogram(state, hist(bounds, (1, 3, 3), 9.0), created=1.5) == \
+        hist(bounds, (3, 8, 9), 39.0)
     assert state.targets[TARGET].restarts == 1
     # A restart that already grew past the old counts shows in _created.
     grown = read_histogram(state, hist(bounds, (5, 9, 10), 50.0), created=2.0)
