@@ -11,14 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from exporter import families
 from exporter.metrics.exposition import (
     OPENMETRICS,
     TEXT,
@@ -41,61 +39,28 @@ from exporter.signals.usage import (
 _TTFT_LE = [floatToGoString(b) for b in TTFT_BUCKETS] + ["+Inf"]
 _QUEUE_LE = [floatToGoString(b) for b in QUEUE_BUCKETS] + ["+Inf"]
 
-REQUESTS = "vllm_cache_requests"
-PROMPT = "vllm_cache_prompt_tokens"
-CACHED = "vllm_cache_cached_tokens"
-UNREPORTED = "vllm_cache_unreported_prompt_tokens"
-TTFT = "vllm_cache_ttft_seconds"
-QUEUE = "vllm_cache_queue_wait_seconds"
+REQUESTS = families.REQUESTS
+TTFT = families.TTFT_SECONDS
+QUEUE = families.QUEUE_WAIT_SECONDS
+# The per-caller families in exposition order: the requests by state, the counters read from
+# one Series field each (families.PER_CALLER_COUNTERS), the two histograms.
+PER_CALLER = (REQUESTS, *families.PER_CALLER_COUNTERS, TTFT, QUEUE)
+# Blocks of a series' lines that hold its own strings (the histograms' are kept by them).
+_COUNTER_BLOCKS = 1 + len(families.PER_CALLER_COUNTERS)
 
 
-def _per_caller_families() -> tuple[Metric, ...]:
-    """The six per-caller families, empty, in exposition order."""
-    return (
-        CounterMetricFamily(
-            REQUESTS,
-            "Requests reported by the proxy, by cache outcome: warm (as full a hit as the "
-            "prompt allows), partial, cold (nothing reused where something could be), short "
-            "(too short to hold one cache granule; never a failure), unknown (cached tokens "
-            "not reported), error (non-2xx; counted nowhere else).",
-            labels=["caller", "model", "state"]),
-        CounterMetricFamily(
-            PROMPT,
-            "Prompt tokens of successful requests that reported cached tokens "
-            "(the denominator of the per-caller hit ratio).",
-            labels=["caller", "model"]),
-        CounterMetricFamily(
-            CACHED,
-            "Prompt tokens served from vLLM's prefix cache, per the responses' "
-            "usage.prompt_tokens_details.cached_tokens.",
-            labels=["caller", "model"]),
-        CounterMetricFamily(
-            UNREPORTED,
-            "Prompt tokens of successful requests whose cached tokens were not reported "
-            "(vLLM without --enable-prompt-tokens-details); not in the hit ratio.",
-            labels=["caller", "model"]),
-        HistogramMetricFamily(
-            TTFT,
-            "Time to first token without the waits in front of it, by cache outcome and by "
-            "who measured it: source=engine is vLLM's own (scheduled to first token, "
-            "--enable-per-request-metrics), source=proxy the proxy's TTFT minus its "
-            "admission wait when known (vLLM's own queue still in it). One per request.",
-            labels=["caller", "model", "state", "source"]),
-        HistogramMetricFamily(
-            QUEUE,
-            "Time waited before vLLM read the prompt: source=proxy is the proxy's admission "
-            "gate, source=engine vLLM's own scheduler queue. Two queues one after the "
-            "other, never to be summed.",
-            labels=["caller", "model", "source"]),
-    )
+def _per_caller_families() -> list[Metric]:
+    """The per-caller families, empty, in exposition order."""
+    return [families.histogram(family) if family.type == families.HISTOGRAM
+            else families.counter(family) for family in PER_CALLER]
 
 
 # HELP and TYPE lines of the per-caller families, in each format, built once.
-_TEXT_HEADERS = tuple(TEXT.header(family.name, family.documentation, family.type)
-                      for family in _per_caller_families())
-_OPENMETRICS_HEADERS = tuple(OPENMETRICS.header(family.name, family.documentation, family.type,
+_TEXT_HEADERS = tuple(TEXT.header(family.name, family.help, family.type)
+                      for family in PER_CALLER)
+_OPENMETRICS_HEADERS = tuple(OPENMETRICS.header(family.name, family.help, family.type,
                                                 family.unit)
-                             for family in _per_caller_families())
+                             for family in PER_CALLER)
 
 # Series rendered between two turns of the event loop (a series is up to SERIES_PER_PAIR
 # samples: every state timed by both sources), so that no slice holds the loop for long.
@@ -108,16 +73,16 @@ REUSED_PER_RENDERED = 64
 SERIES_PER_PIECE = 256
 
 
-def _histogram(samples: list[Sample], name: str, labels: dict[str, str], hist: Histogram,
-               les: list[str]) -> None:
+def _histogram(samples: list[Sample], family: families.Family, labels: dict[str, str],
+               hist: Histogram, les: list[str]) -> None:
     """Append one histogram's _bucket, _count and _sum samples (cumulative buckets)."""
-    bucket = name + "_bucket"
+    bucket = family.bucket
     running = 0
     for le, count in zip(les, hist.counts, strict=True):
         running += count
         samples.append(Sample(bucket, {**labels, "le": le}, running))
-    samples.append(Sample(name + "_count", labels, running))
-    samples.append(Sample(name + "_sum", labels, hist.total))
+    samples.append(Sample(family.count, labels, running))
+    samples.append(Sample(family.sum, labels, hist.total))
 
 
 class _HistogramText:
@@ -126,21 +91,21 @@ class _HistogramText:
 
     __slots__ = ("head", "tail", "count", "sum", "hist", "observed", "total", "lines")
 
-    def __init__(self, name: str, caller: str, rest: str) -> None:
+    def __init__(self, family: families.Family, caller: str, rest: str) -> None:
         # Labels print sorted by name: caller, le, model, source, state.
-        self.head = f'{name}_bucket{{{caller},le="'
+        self.head = f'{family.bucket}{{{caller},le="'
         self.tail = f'",{rest}}} '
-        self.count = f"{name}_count{{{caller},{rest}}} "
-        self.sum = f"{name}_sum{{{caller},{rest}}} "
+        self.count = f"{family.count}{{{caller},{rest}}} "
+        self.sum = f"{family.sum}{{{caller},{rest}}} "
         self.hist: Histogram | None = None
         self.observed = -1
         self.total = 0.0
         self.lines = ""
 
 
-# One series' lines: requests, prompt, cached and unreported tokens (a string each), then its
-# TTFT and queue-wait histograms' (a string per histogram, the one its _HistogramText keeps).
-SeriesLines = tuple[str, str, str, str, list[str], list[str]]
+# One series' lines, a block per family of PER_CALLER: a counter's block is one string, a
+# histogram family's one string per histogram (the one its _HistogramText keeps).
+SeriesLines = list[list[str]]
 
 
 class _SeriesText:
@@ -153,24 +118,23 @@ class _SeriesText:
     shown (past the new-series hold), since a held one renders zeros whatever its version.
     """
 
-    __slots__ = ("requests", "prompt", "cached", "unreported", "ttft", "queue", "_caller",
-                 "_model", "series", "version", "lines")
+    __slots__ = ("requests", "counters", "ttft", "queue", "_caller", "_model", "series",
+                 "version", "lines")
 
     def __init__(self, caller: str, model: str) -> None:
         self._caller = f'caller="{escape_label_value(caller)}"'
         self._model = f'model="{escape_label_value(model)}"'
         pair = f"{self._caller},{self._model}"
-        self.requests = [f'{REQUESTS}_total{{{pair},state="{state}"}} ' for state in STATES]
-        self.prompt = f"{PROMPT}_total{{{pair}}} "
-        self.cached = f"{CACHED}_total{{{pair}}} "
-        self.unreported = f"{UNREPORTED}_total{{{pair}}} "
+        self.requests = [f'{REQUESTS.total}{{{pair},state="{state}"}} ' for state in STATES]
+        self.counters = [f"{family.total}{{{pair}}} " for family in families.PER_CALLER_COUNTERS]
         self.ttft: dict[tuple[str, str], _HistogramText] = {}  # by (state, source)
         self.queue: dict[str, _HistogramText] = {}  # by source
-        # The lines of each per-caller family (ttft and queue "" when the series has none),
-        # the series object and the version they were rendered from; None until reusable.
+        # The lines of each per-caller family (the histograms' empty when the series has
+        # none), the series object and the version they were rendered from; None until
+        # reusable.
         self.series: Series | None = None
         self.version = -1
-        self.lines: SeriesLines = ("", "", "", "", [], [])
+        self.lines: SeriesLines = [[] for _ in PER_CALLER]
 
     def ttft_text(self, state: str, source: str) -> _HistogramText:
         text = self.ttft.get((state, source))
@@ -281,9 +245,12 @@ def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
         for source, hist in _queue_histograms(real):
             _histogram_lines(queue, text.queue_text(source),
                              _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
-    return (requests, f"{text.prompt}{fmt_value(series.prompt_tokens)}\n",
-            f"{text.cached}{fmt_value(series.cached_tokens)}\n",
-            f"{text.unreported}{fmt_value(series.unreported_prompt_tokens)}\n", ttft, queue)
+    lines = [[requests]]
+    for prefix, family in zip(text.counters, families.PER_CALLER_COUNTERS, strict=True):
+        lines.append([f"{prefix}{fmt_value(getattr(series, family.field))}\n"])
+    lines.append(ttft)
+    lines.append(queue)
+    return lines
 
 
 class UsageCollector:
@@ -300,7 +267,7 @@ class UsageCollector:
         (each kept string is a series' or a histogram's lines as last rendered)."""
         kept = 0
         for text in self._text.values():
-            kept += sum(len(part) for part in text.lines[:4])
+            kept += sum(len(part) for block in text.lines[:_COUNTER_BLOCKS] for part in block)
             for hists in (text.ttft.values(), text.queue.values()):
                 kept += sum(len(hist.lines) for hist in hists)
         return kept
@@ -308,39 +275,36 @@ class UsageCollector:
     def collect(self) -> Iterator[Metric]:
         """The reference rendering (registry.get_sample_value, client_python's encoders, tests)."""
         usage = self.usage
-        requests, prompt, cached, unreported, ttft, queue = families = _per_caller_families()
+        metrics = _per_caller_families()
+        requests, counters = metrics[0], metrics[1:_COUNTER_BLOCKS]
+        ttft, queue = metrics[_COUNTER_BLOCKS:]
+        counted = list(zip(counters, families.PER_CALLER_COUNTERS, strict=True))
 
         # Samples are appended directly rather than through add_metric(): at 1,000 callers
         # that is ~80,000 samples per scrape, and add_metric's per-call copies were a quarter
         # of the render time (bench/bench_render.py).
-        requests_samples, prompt_samples = requests.samples, prompt.samples
-        cached_samples, unreported_samples = cached.samples, unreported.samples
         now = usage.now()
         for (caller, model), real in sorted(usage.series.items()):
             pair = {"caller": caller, "model": model}
             series = _shown(real, now)
             counts = series.requests
             for state in STATES:
-                requests_samples.append(Sample(
-                    "vllm_cache_requests_total",
-                    {"caller": caller, "model": model, "state": state}, counts[state]))
-            prompt_samples.append(Sample("vllm_cache_prompt_tokens_total", pair,
-                                         series.prompt_tokens))
-            cached_samples.append(Sample("vllm_cache_cached_tokens_total", pair,
-                                         series.cached_tokens))
-            unreported_samples.append(Sample("vllm_cache_unreported_prompt_tokens_total", pair,
-                                             series.unreported_prompt_tokens))
+                requests.samples.append(Sample(
+                    REQUESTS.total, {"caller": caller, "model": model, "state": state},
+                    counts[state]))
+            for metric, family in counted:
+                metric.samples.append(Sample(family.total, pair, getattr(series, family.field)))
             for state in STATES:
                 for source, hist in _ttft_histograms(real, state):
-                    _histogram(ttft.samples, "vllm_cache_ttft_seconds",
+                    _histogram(ttft.samples, TTFT,
                                {"caller": caller, "model": model, "state": state,
                                 "source": source},
                                _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
             for source, hist in _queue_histograms(real):
-                _histogram(queue.samples, "vllm_cache_queue_wait_seconds",
+                _histogram(queue.samples, QUEUE,
                            {"caller": caller, "model": model, "source": source},
                            _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
-        yield from families
+        yield from metrics
         yield from self._other_families()
 
     def render_text(self, out: list[str]) -> None:
@@ -375,12 +339,7 @@ class UsageCollector:
         # One string per series and family (a histogram's lines joined): few objects to hand
         # over and free at the end, where one per line would cost tens of milliseconds at
         # thousands of series; kept strings are shared, never copied, between renders.
-        requests: list[str] = []
-        prompt: list[str] = []
-        cached: list[str] = []
-        unreported: list[str] = []
-        ttft: list[str] = []
-        queue: list[str] = []
+        blocks: list[list[str]] = [[] for _ in PER_CALLER]  # per family, as the headers
         per_slice = series_per_slice or SERIES_PER_SLICE
         keys = sorted(usage.series)
         now = usage.now()
@@ -402,74 +361,45 @@ class UsageCollector:
                 if _fully_shown(real, now):
                     text.series, text.version, text.lines = real, version, lines
                 work += REUSED_PER_RENDERED
-            requests.append(lines[0])
-            prompt.append(lines[1])
-            cached.append(lines[2])
-            unreported.append(lines[3])
-            ttft.extend(lines[4])
-            queue.extend(lines[5])
+            for family_blocks, block in zip(blocks, lines, strict=True):
+                family_blocks.extend(block)
             if work >= per_slice * REUSED_PER_RENDERED:
                 work = 0
                 yield
         yield
-        families = (requests, prompt, cached, unreported, ttft, queue)
         headers = _OPENMETRICS_HEADERS if fmt.openmetrics else _TEXT_HEADERS
         piece = SERIES_PER_PIECE
-        for head, blocks in zip(headers, families, strict=True):
+        for head, family_blocks in zip(headers, blocks, strict=True):
             out.append(head)
-            for start in range(0, len(blocks), piece):
-                out.append("".join(blocks[start:start + piece]))
+            for start in range(0, len(family_blocks), piece):
+                out.append("".join(family_blocks[start:start + piece]))
                 yield
         encode_families(self._other_families(), out, fmt)
 
     def _other_families(self) -> Iterator[Metric]:
         usage = self.usage
-        granularity = GaugeMetricFamily(
-            "vllm_cache_granularity_tokens",
-            "Cache granularity in tokens used to classify this model's requests, and where it "
-            "came from: configured (--signals.granularity), learned (gcd of reported cached "
-            "counts), block_size (vLLM's prefix_match_unit or block_size).",
-            labels=["model", "source"])
+        granularity = families.gauge(families.GRANULARITY_TOKENS)
         for model, value, source in usage.granularities():
             granularity.add_metric([model, source], float(value))
 
-        events = CounterMetricFamily(
-            "vllm_cache_usage_events",
-            "Usage events accepted (and counted in vllm_cache_requests_total), by reader.",
-            labels=["reader"])
+        events = families.counter(families.USAGE_EVENTS)
         for reader, count in sorted(usage.events.items()):
             events.add_metric([reader], count)
-        rejected = CounterMetricFamily(
-            "vllm_cache_usage_events_rejected",
-            "Usage events a reader could not use, by reader and reason (see docs/metrics.md).",
-            labels=["reader", "reason"])
+        rejected = families.counter(families.USAGE_EVENTS_REJECTED)
         now = usage.now()
         shown_from = usage.rejected_shown_from
         for (reader, reason), count in sorted(usage.rejected.items()):
             held = shown_from.get((reader, reason), 0.0) > now
             rejected.add_metric([reader, reason], 0 if held else count)
-        last = GaugeMetricFamily(
-            "vllm_cache_usage_last_event_timestamp_seconds",
-            "Unix time the exporter last accepted an event from this reader.",
-            labels=["reader"])
+        last = families.gauge(families.USAGE_LAST_EVENT_TIMESTAMP_SECONDS)
         for reader, when in sorted(usage.last_event_time.items()):
             last.add_metric([reader], when)
-        refused = CounterMetricFamily(
-            "vllm_cache_usage_ingest_requests_rejected",
-            "POST /v1/usage requests refused as a whole (unauthorized, body_too_large, "
-            "bad_body, bad_format); their events are not counted anywhere else.",
-            labels=["reason"])
+        refused = families.counter(families.USAGE_INGEST_REQUESTS_REJECTED)
         for reason, count in sorted(usage.ingest_requests_rejected.items()):
             refused.add_metric([reason], count)
-        overflowed = CounterMetricFamily(
-            "vllm_cache_callers_overflowed",
-            "Events counted under caller=\"__other__\" because the caller cap "
-            "(--callers.max) was reached.")
+        overflowed = families.counter(families.CALLERS_OVERFLOWED)
         overflowed.add_metric([], usage.callers_overflowed)
-        folded = CounterMetricFamily(
-            "vllm_cache_callers_folded",
-            "Events counted under caller=\"__other__\" because their (caller, model) pair "
-            "would have gone over the series budget (--callers.max-series).")
+        folded = families.counter(families.CALLERS_FOLDED)
         folded.add_metric([], usage.series_folded)
 
         yield granularity
