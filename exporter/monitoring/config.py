@@ -62,6 +62,13 @@ class MonitoringConfig:
     dashboard_url: str = "http://localhost:3000"
     overview_uid: str = "vllm-cache-overview"
     caller_uid: str = "vllm-cache-caller"
+    # --- colour bands (dashboards and `vllm-cache-exporter demo`) ---------------------------
+    # A hit ratio (engine or caller) is red below fair, orange from fair, green from good.
+    hit_ratio_fair: float = 0.3
+    hit_ratio_good: float = 0.6
+    # The share of warm turns among the classified ones: the same three colours.
+    warm_share_fair: float = 0.5
+    warm_share_good: float = 0.8
     # --- VllmCachePrefixCollapse ------------------------------------------------------------
     collapse_drop_factor: float = 0.5  # short-window ratio below this x its long-window baseline
     collapse_min_baseline: float = 0.3  # ...and the baseline above this: there was a cache to lose

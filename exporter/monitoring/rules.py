@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from exporter.monitoring.config import MonitoringConfig
-from exporter.monitoring.promql import PromQL, number
+from exporter.monitoring.promql import PromQL, guarded, hit_ratio, number, over, ratio, warm_share
 
 CALLER = ("caller", "model")
 CALLER_STATE = ("caller", "model", "state")
@@ -145,8 +145,7 @@ def _rule(record: str, expr: str) -> dict[str, Any]:
 
 def _ratio(promql: PromQL, numerator: str, denominator: str) -> str:
     """numerator / denominator of two recorded series with the same labels, 0/0 guarded."""
-    return (f"(\n  {numerator}{promql.sel()}\n  or\n  {denominator}{promql.sel()} * 0\n)\n/\n"
-            f"({denominator}{promql.sel()} > 0)")
+    return ratio(f"{numerator}{promql.sel()}", f"{denominator}{promql.sel()}")
 
 
 def _baseline(config: MonitoringConfig, promql: PromQL, ratio: str) -> str:
@@ -174,8 +173,8 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
                            f"sum {promql.by(*CALLER)} (rate(vllm_cache_cached_tokens_total"
                            f"{promql.sel()}[{window}]))"))
         rules.append(_rule(names.caller_hit_ratio[suffix],
-                           _ratio(promql, names.caller_cached[suffix],
-                                  names.caller_prompt[suffix])))
+                           hit_ratio(names.caller_cached[suffix] + promql.sel(),
+                                     names.caller_prompt[suffix] + promql.sel())))
         rules.append(_rule(names.caller_unreported[suffix],
                            f"sum {promql.by(*CALLER)} ("
                            f"rate(vllm_cache_unreported_prompt_tokens_total"
@@ -199,7 +198,7 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
         # Short (too small for one granule), unknown (cached tokens not reported) and error
         # turns say nothing about the cache, so they are out of the denominator.
         rules.append(_rule(names.caller_warm_share[suffix],
-                           f"(\n  {warm}\n  or\n  {total} * 0\n)\n/\n({total} > 0)"))
+                           warm_share(warm, total)))
     rules.append(_rule(names.caller_hit_ratio[names.baseline],
                        _baseline(config, promql, names.caller_hit_ratio[names.long])))
     rules.append(_rule(names.caller_warm_share[names.baseline],
@@ -248,9 +247,9 @@ def _prompt_order_rules(config: MonitoringConfig, promql: PromQL,
         _rule(names.caller_order_share,
               _ratio(promql, flagged, names.caller_order_compared)),
         _rule(names.caller_order_shared_bytes,
-              f"{rate('shared_bytes')}\n/\n({flagged}{promql.sel()} > 0)"),
+              over(rate("shared_bytes"), flagged + promql.sel())),
         _rule(names.caller_order_first_difference,
-              f"{rate('first_difference_bytes')}\n/\n({flagged}{promql.sel()} > 0)"),
+              over(rate("first_difference_bytes"), flagged + promql.sel())),
     ]
 
 
@@ -271,10 +270,10 @@ def _completion_rules(config: MonitoringConfig, promql: PromQL,
     requests = (f"sum {promql.by(*CALLER)} (rate("
                 f"vllm_cache_completion_used_tokens_count{promql.sel()}[{window}]))")
     rules.append(_rule(names.caller_completion_declared,
-                       f"{declared}\n/\n({requests} > 0)"))
+                       over(declared, requests)))
     rules.append(_rule(names.caller_completion_overstatement,
-                       f"{names.caller_completion_declared}{promql.sel()}\n/\n"
-                       f"({names.caller_completion_used['p50']}{promql.sel()} > 0)"))
+                       over(names.caller_completion_declared + promql.sel(),
+                            names.caller_completion_used["p50"] + promql.sel())))
     return rules
 
 
@@ -292,12 +291,12 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL,
                            f"vllm_cache_engine_prefix_cache_hits_tokens_total{promql.sel()}"
                            f"[{window}]))"))
         rules.append(_rule(names.target_hit_ratio[suffix],
-                           _ratio(promql, names.target_hits[suffix],
-                                  names.target_queries[suffix])))
+                           hit_ratio(names.target_hits[suffix] + promql.sel(),
+                                     names.target_queries[suffix] + promql.sel())))
         hits = f"sum {promql.by(*MODEL)} ({names.target_hits[suffix]}{promql.sel()})"
         queries = f"sum {promql.by(*MODEL)} ({names.target_queries[suffix]}{promql.sel()})"
         rules.append(_rule(names.model_hit_ratio[suffix],
-                           f"(\n  {hits}\n  or\n  {queries} * 0\n)\n/\n({queries} > 0)"))
+                           hit_ratio(hits, queries)))
     rules.append(_rule(names.target_hit_ratio[names.baseline],
                        _baseline(config, promql, names.target_hit_ratio[names.long])))
     rules.append(_rule(names.target_kv_used_tokens,
@@ -307,12 +306,13 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL,
                        f"sum {promql.by(*TARGET)} "
                        f"(vllm_cache_engine_kv_pool_tokens{promql.sel()})"))
     rules.append(_rule(names.target_kv_used_ratio,
-                       f"{names.target_kv_used_tokens}{promql.sel()}\n/\n"
-                       f"({names.target_kv_pool_tokens}{promql.sel()} > 0)"))
+                       over(names.target_kv_used_tokens + promql.sel(),
+                            names.target_kv_pool_tokens + promql.sel())))
     rules.append(_rule(names.model_kv_used_ratio,
-                       f"sum {promql.by(*MODEL)} ({names.target_kv_used_tokens}{promql.sel()})"
-                       f"\n/\n(sum {promql.by(*MODEL)} "
-                       f"({names.target_kv_pool_tokens}{promql.sel()}) > 0)"))
+                       over(f"sum {promql.by(*MODEL)} ({names.target_kv_used_tokens}"
+                            f"{promql.sel()})",
+                            f"sum {promql.by(*MODEL)} ({names.target_kv_pool_tokens}"
+                            f"{promql.sel()})")))
     rules.append(_rule(names.target_preemptions,
                        f"sum {promql.by(*TARGET)} (rate(vllm_cache_engine_preemptions_total"
                        f"{promql.sel()}[{config.short_window}]))"))
@@ -335,8 +335,7 @@ def _foresight_engine_rules(config: MonitoringConfig, promql: PromQL,
               f"sum {promql.by(*TARGET)} "
               f"(vllm_cache_engine_conversations_demand_tokens{selector})"),
         _rule(names.target_fit_ratio,
-              f"{names.target_demand}{selector}\n/\n"
-              f"({names.target_kv_pool_tokens}{selector} > 0)"),
+              over(names.target_demand + selector, names.target_kv_pool_tokens + selector)),
         _rule(names.target_pool_min,
               f"sum {promql.by(*TARGET)} (min_over_time("
               f"vllm_cache_engine_kv_pool_min_tokens{selector}[{config.pool_min_window}]))"),
@@ -349,7 +348,7 @@ def _share(promql: PromQL, rate: str) -> str:
     """Each source's share of a recorded per-source rate, within its (target, model_name)."""
     total = f"sum {promql.by(*TARGET)} ({rate}{promql.sel()})"
     # "group_left ()": a bare group_left would take the parenthesis after it for its labels.
-    return f"{rate}{promql.sel()}\n/ {promql.on(*TARGET)} group_left ()\n({total} > 0)"
+    return f"{rate}{promql.sel()}\n/ {promql.on(*TARGET)} group_left ()\n{guarded(total)}"
 
 
 def _source_rules(config: MonitoringConfig, promql: PromQL,
@@ -391,7 +390,7 @@ def _residency_rules(config: MonitoringConfig, promql: PromQL,
             f"vllm_cache_engine_kv_block_idle_before_evict_seconds_sum{promql.sel()}[{window}]))")
     lifetime = (f"sum {promql.by(*TARGET)} (rate("
                 f"vllm_cache_engine_kv_block_lifetime_seconds_sum{promql.sel()}[{window}]))")
-    rules.append(_rule(names.target_kv_block_idle_share, f"{idle}\n/\n({lifetime} > 0)"))
+    rules.append(_rule(names.target_kv_block_idle_share, over(idle, lifetime)))
     return rules
 
 
