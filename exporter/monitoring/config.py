@@ -102,10 +102,9 @@ class MonitoringConfig:
     kv_pool_full_for: str = "15m"
     kv_pool_full_severity: str = "warning"
     # --- VllmCacheConversationsExceedKVPool (foresight) --------------------------------------
-    # The live conversations' demand above the pool less this many tokens: "two conversations
-    # fit when their summed context stays a few thousand tokens under N". Keep it equal to
-    # the exporter's --signals.admission-headroom, which sets the admission budget.
-    conversations_headroom_tokens: float = 4096.0
+    # Fires when the live conversations' demand passes the exporter's own admission budget
+    # (vllm_cache_engine_admission_budget_tokens: the smallest pool seen less the exporter's
+    # --signals.admission-headroom), so the headroom is set in one place, on the exporter.
     conversations_min_active: float = 2.0  # one conversation alone cannot be evicted by another
     conversations_for: str = "2m"
     conversations_severity: str = "warning"
@@ -261,6 +260,14 @@ def _coerce(name: str, default: Any, raw: Any) -> Any:
     raise MonitoringConfigError(f"{name}: unsupported setting")
 
 
+# Keys an older release had, and where their setting went.
+REMOVED = {
+    "conversations_headroom_tokens": "removed: VllmCacheConversationsExceedKVPool reads the "
+    "exporter's vllm_cache_engine_admission_budget_tokens; set the headroom with the "
+    "exporter's --signals.admission-headroom",
+}
+
+
 def config_from_mapping(data: Mapping[str, Any], source: str = "config") -> MonitoringConfig:
     """Defaults overridden by ``data``; unknown keys and wrong types are errors, not ignored."""
     defaults = MonitoringConfig()
@@ -268,6 +275,8 @@ def config_from_mapping(data: Mapping[str, Any], source: str = "config") -> Moni
     values: dict[str, Any] = {}
     for key, raw in data.items():
         name = str(key).replace("-", "_")
+        if name in REMOVED:
+            raise MonitoringConfigError(f"{source}: {key}: {REMOVED[name]}")
         if name not in known:
             raise MonitoringConfigError(f"{source}: {key}: unknown setting")
         try:

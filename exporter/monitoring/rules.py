@@ -19,8 +19,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from exporter import families
 from exporter.monitoring.config import MonitoringConfig
-from exporter.monitoring.promql import PromQL, guarded, hit_ratio, number, over, ratio, warm_share
+from exporter.monitoring.promql import PromQL, guarded, hit_ratio, over, ratio, warm_share
 
 CALLER = ("caller", "model")
 CALLER_STATE = ("caller", "model", "state")
@@ -29,7 +30,11 @@ MODEL = ("model_name",)
 CALLER_MODEL = ("model",)
 TARGET_SOURCE = ("target", "model_name", "source")
 # The KV-residency histograms whose median is recorded, by the name part they share.
-KV_BLOCK_HISTOGRAMS = ("idle_before_evict", "lifetime", "reuse_gap")
+KV_BLOCK_HISTOGRAMS = {
+    "idle_before_evict": families.ENGINE_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS,
+    "lifetime": families.ENGINE_KV_BLOCK_LIFETIME_SECONDS,
+    "reuse_gap": families.ENGINE_KV_BLOCK_REUSE_GAP_SECONDS,
+}
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95))
 # What callers use of the completion budget they declare: the median, and the p99 an
@@ -167,20 +172,20 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
     windows = ((names.short, config.short_window), (names.long, config.long_window))
     for suffix, window in windows:
         rules.append(_rule(names.caller_prompt[suffix],
-                           f"sum {promql.by(*CALLER)} (rate(vllm_cache_prompt_tokens_total"
+                           f"sum {promql.by(*CALLER)} (rate({families.PROMPT_TOKENS.total}"
                            f"{promql.sel()}[{window}]))"))
         rules.append(_rule(names.caller_cached[suffix],
-                           f"sum {promql.by(*CALLER)} (rate(vllm_cache_cached_tokens_total"
+                           f"sum {promql.by(*CALLER)} (rate({families.CACHED_TOKENS.total}"
                            f"{promql.sel()}[{window}]))"))
         rules.append(_rule(names.caller_hit_ratio[suffix],
                            hit_ratio(names.caller_cached[suffix] + promql.sel(),
                                      names.caller_prompt[suffix] + promql.sel())))
         rules.append(_rule(names.caller_unreported[suffix],
                            f"sum {promql.by(*CALLER)} ("
-                           f"rate(vllm_cache_unreported_prompt_tokens_total"
+                           f"rate({families.UNREPORTED_PROMPT_TOKENS.total}"
                            f"{promql.sel()}[{window}]))"))
     rules.append(_rule(names.caller_state_requests,
-                       f"sum {promql.by(*CALLER_STATE)} (rate(vllm_cache_requests_total"
+                       f"sum {promql.by(*CALLER_STATE)} (rate({families.REQUESTS.total}"
                        f"{promql.sel()}[{config.short_window}]))"))
     classified = promql.states_matcher()
     warm_only = 'state="warm"'
@@ -191,9 +196,9 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
             total = (f"sum {promql.by(*CALLER)} "
                      f"({names.caller_state_requests}{promql.sel(classified)})")
         else:
-            warm = (f"sum {promql.by(*CALLER)} (rate(vllm_cache_requests_total"
+            warm = (f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
                     f"{promql.sel(warm_only)}[{window}]))")
-            total = (f"sum {promql.by(*CALLER)} (rate(vllm_cache_requests_total"
+            total = (f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
                      f"{promql.sel(classified)}[{window}]))")
         # Short (too small for one granule), unknown (cached tokens not reported) and error
         # turns say nothing about the cache, so they are out of the denominator.
@@ -207,7 +212,7 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
     # summed into one distribution.
     rules.append(_rule(names.caller_state_ttft_bucket,
                        f"sum {promql.by(*CALLER_STATE, 'source', 'le')} ("
-                       f"rate(vllm_cache_ttft_seconds_bucket"
+                       f"rate({families.TTFT_SECONDS.bucket}"
                        f"{promql.sel(classified)}[{config.short_window}]))"))
     # ">= 0" drops the NaN histogram_quantile returns for a window without requests.
     for name, quantile in QUANTILES:
@@ -236,20 +241,20 @@ def _prompt_order_rules(config: MonitoringConfig, promql: PromQL,
     beginning, and, of those, the mean shared length and where they first differ."""
     window = config.long_window
 
-    def rate(series: str) -> str:
-        return (f"sum {promql.by(*CALLER)} (rate(vllm_cache_prompt_order_{series}_total"
-                f"{promql.sel()}[{window}]))")
+    def rate(family: families.Family) -> str:
+        return f"sum {promql.by(*CALLER)} (rate({family.total}{promql.sel()}[{window}]))"
 
     flagged = names.caller_order_variable_top
     return [
-        _rule(names.caller_order_compared, rate("compared")),
-        _rule(flagged, rate("variable_top")),
+        _rule(names.caller_order_compared, rate(families.PROMPT_ORDER_COMPARED)),
+        _rule(flagged, rate(families.PROMPT_ORDER_VARIABLE_TOP)),
         _rule(names.caller_order_share,
               _ratio(promql, flagged, names.caller_order_compared)),
         _rule(names.caller_order_shared_bytes,
-              over(rate("shared_bytes"), flagged + promql.sel())),
+              over(rate(families.PROMPT_ORDER_SHARED_BYTES), flagged + promql.sel())),
         _rule(names.caller_order_first_difference,
-              over(rate("first_difference_bytes"), flagged + promql.sel())),
+              over(rate(families.PROMPT_ORDER_FIRST_DIFFERENCE_BYTES),
+                   flagged + promql.sel())),
     ]
 
 
@@ -260,15 +265,15 @@ def _completion_rules(config: MonitoringConfig, promql: PromQL,
     window = config.long_window
     rules = [_rule(names.caller_completion_bucket,
                    f"sum {promql.by(*CALLER, 'le')} (rate("
-                   f"vllm_cache_completion_used_tokens_bucket{promql.sel()}[{window}]))")]
+                   f"{families.COMPLETION_USED_TOKENS.bucket}{promql.sel()}[{window}]))")]
     for name, quantile in COMPLETION_QUANTILES:
         rules.append(_rule(names.caller_completion_used[name],
                            f"histogram_quantile({quantile}, "
                            f"{names.caller_completion_bucket}{promql.sel()}) >= 0"))
     declared = (f"sum {promql.by(*CALLER)} (rate("
-                f"vllm_cache_completion_declared_tokens_total{promql.sel()}[{window}]))")
+                f"{families.COMPLETION_DECLARED_TOKENS.total}{promql.sel()}[{window}]))")
     requests = (f"sum {promql.by(*CALLER)} (rate("
-                f"vllm_cache_completion_used_tokens_count{promql.sel()}[{window}]))")
+                f"{families.COMPLETION_USED_TOKENS.count}{promql.sel()}[{window}]))")
     rules.append(_rule(names.caller_completion_declared,
                        over(declared, requests)))
     rules.append(_rule(names.caller_completion_overstatement,
@@ -284,11 +289,11 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL,
                            (names.long, config.long_window)):
         rules.append(_rule(names.target_queries[suffix],
                            f"sum {promql.by(*TARGET)} (rate("
-                           f"vllm_cache_engine_prefix_cache_queries_tokens_total{promql.sel()}"
+                           f"{families.ENGINE_PREFIX_CACHE_QUERIES_TOKENS.total}{promql.sel()}"
                            f"[{window}]))"))
         rules.append(_rule(names.target_hits[suffix],
                            f"sum {promql.by(*TARGET)} (rate("
-                           f"vllm_cache_engine_prefix_cache_hits_tokens_total{promql.sel()}"
+                           f"{families.ENGINE_PREFIX_CACHE_HITS_TOKENS.total}{promql.sel()}"
                            f"[{window}]))"))
         rules.append(_rule(names.target_hit_ratio[suffix],
                            hit_ratio(names.target_hits[suffix] + promql.sel(),
@@ -301,10 +306,10 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL,
                        _baseline(config, promql, names.target_hit_ratio[names.long])))
     rules.append(_rule(names.target_kv_used_tokens,
                        f"sum {promql.by(*TARGET)} "
-                       f"(vllm_cache_engine_kv_used_tokens{promql.sel()})"))
+                       f"({families.ENGINE_KV_USED_TOKENS.series}{promql.sel()})"))
     rules.append(_rule(names.target_kv_pool_tokens,
                        f"sum {promql.by(*TARGET)} "
-                       f"(vllm_cache_engine_kv_pool_tokens{promql.sel()})"))
+                       f"({families.ENGINE_KV_POOL_TOKENS.series}{promql.sel()})"))
     rules.append(_rule(names.target_kv_used_ratio,
                        over(names.target_kv_used_tokens + promql.sel(),
                             names.target_kv_pool_tokens + promql.sel())))
@@ -314,7 +319,7 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL,
                             f"sum {promql.by(*MODEL)} ({names.target_kv_pool_tokens}"
                             f"{promql.sel()})")))
     rules.append(_rule(names.target_preemptions,
-                       f"sum {promql.by(*TARGET)} (rate(vllm_cache_engine_preemptions_total"
+                       f"sum {promql.by(*TARGET)} (rate({families.ENGINE_PREEMPTIONS.total}"
                        f"{promql.sel()}[{config.short_window}]))"))
     rules.append(_rule(names.model_preemptions,
                        f"sum {promql.by(*MODEL)} ({names.target_preemptions}{promql.sel()})"))
@@ -325,22 +330,26 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL,
 def _foresight_engine_rules(config: MonitoringConfig, promql: PromQL,
                             names: Names) -> list[dict[str, Any]]:
     """Live conversations against the pool (read after the pool's own rule, in this group),
-    and the smallest pool over ``pool_min_window`` with the admission budget under it."""
+    and the smallest pool over ``pool_min_window`` with the admission budget under it: the
+    exporter's own (the pool it saw less its --signals.admission-headroom), at its lowest
+    over the same window, so an exporter restart does not forget a smaller pool."""
     selector = promql.sel()
-    headroom = number(config.conversations_headroom_tokens)
     return [
         _rule(names.target_conversations,
-              f"sum {promql.by(*TARGET)} (vllm_cache_engine_conversations_active{selector})"),
+              f"sum {promql.by(*TARGET)} "
+              f"({families.ENGINE_CONVERSATIONS_ACTIVE.series}{selector})"),
         _rule(names.target_demand,
               f"sum {promql.by(*TARGET)} "
-              f"(vllm_cache_engine_conversations_demand_tokens{selector})"),
+              f"({families.ENGINE_CONVERSATIONS_DEMAND_TOKENS.series}{selector})"),
         _rule(names.target_fit_ratio,
               over(names.target_demand + selector, names.target_kv_pool_tokens + selector)),
         _rule(names.target_pool_min,
               f"sum {promql.by(*TARGET)} (min_over_time("
-              f"vllm_cache_engine_kv_pool_min_tokens{selector}[{config.pool_min_window}]))"),
+              f"{families.ENGINE_KV_POOL_MIN_TOKENS.series}{selector}[{config.pool_min_window}]))"),
         _rule(names.target_budget,
-              f"clamp_min({names.target_pool_min}{selector} - {headroom}, 0)"),
+              f"sum {promql.by(*TARGET)} (min_over_time("
+              f"{families.ENGINE_ADMISSION_BUDGET_TOKENS.series}{selector}"
+              f"[{config.pool_min_window}]))"),
     ]
 
 
@@ -360,11 +369,11 @@ def _source_rules(config: MonitoringConfig, promql: PromQL,
     return [
         _rule(names.target_source_prompt,
               f"sum {promql.by(*TARGET_SOURCE)} (rate("
-              f"vllm_cache_engine_prompt_tokens_by_source_total{promql.sel()}[{window}]))"),
+              f"{families.ENGINE_PROMPT_TOKENS_BY_SOURCE.total}{promql.sel()}[{window}]))"),
         _rule(names.target_source_prompt_share, _share(promql, names.target_source_prompt)),
         _rule(names.target_source_cached,
               f"sum {promql.by(*TARGET_SOURCE)} (rate("
-              f"vllm_cache_engine_prompt_tokens_cached_by_source_total{promql.sel()}"
+              f"{families.ENGINE_PROMPT_TOKENS_CACHED_BY_SOURCE.total}{promql.sel()}"
               f"[{window}]))"),
         _rule(names.target_source_cached_share, _share(promql, names.target_source_cached)),
     ]
@@ -384,12 +393,12 @@ def _residency_rules(config: MonitoringConfig, promql: PromQL,
         rules.append(_rule(
             names.target_kv_block_median[histogram],
             f"histogram_quantile(0.5, sum {promql.by(*TARGET, 'le')} (rate("
-            f"vllm_cache_engine_kv_block_{histogram}_seconds_bucket{promql.sel()}"
+            f"{KV_BLOCK_HISTOGRAMS[histogram].bucket}{promql.sel()}"
             f"[{window}]))) >= 0"))
     idle = (f"sum {promql.by(*TARGET)} (rate("
-            f"vllm_cache_engine_kv_block_idle_before_evict_seconds_sum{promql.sel()}[{window}]))")
+            f"{families.ENGINE_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS.sum}{promql.sel()}[{window}]))")
     lifetime = (f"sum {promql.by(*TARGET)} (rate("
-                f"vllm_cache_engine_kv_block_lifetime_seconds_sum{promql.sel()}[{window}]))")
+                f"{families.ENGINE_KV_BLOCK_LIFETIME_SECONDS.sum}{promql.sel()}[{window}]))")
     rules.append(_rule(names.target_kv_block_idle_share, over(idle, lifetime)))
     return rules
 
