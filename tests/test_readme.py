@@ -90,3 +90,32 @@ def test_the_openai_format_examples_read_as_the_readme_says():
     events = [OpenAIFormat()(json.loads(line)) for line in block.splitlines() if line.strip()]
     assert [(event.caller, event.prompt_tokens, event.cached_tokens) for event in events] == [
         ("a", 1396, 1376), ("b", 1373, 1344), ("c", 268, 256), ("d", 446, 416)]
+
+
+CONFIG_KEYS = ("<!-- monitoring config keys:", "<!-- end of monitoring config keys -->")
+
+
+def config_default(value: object) -> str:
+    """A MonitoringConfig default as the README's table writes it."""
+    from exporter.monitoring.promql import number
+
+    if isinstance(value, float):
+        return number(value)
+    if isinstance(value, tuple):
+        parts = [f"{entry[0]}: {entry[1]}" if isinstance(entry, tuple) else str(entry)
+                 for entry in value]
+        return ", ".join(parts) or '""'
+    return str(value) or '""'
+
+
+def test_the_readme_documents_every_monitoring_config_key_with_its_default():
+    """The README's table of --monitoring.config-file keys is the config schema: the same
+    keys, in the same order, with the defaults the dataclass has."""
+    import dataclasses
+
+    block = README.split(CONFIG_KEYS[0], 1)[1].split(CONFIG_KEYS[1], 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| `([^`]*)` \|", block, flags=re.M)
+    config = MonitoringConfig()
+    expected = [(item.name, config_default(getattr(config, item.name)))
+                for item in dataclasses.fields(config)]
+    assert rows == expected

@@ -52,10 +52,14 @@ class Names:
     def __init__(self, config: MonitoringConfig) -> None:
         short = PromQL.window_suffix(config.short_window)
         long = PromQL.window_suffix(config.long_window)
-        both = (short, long)
         # "p90_1d_rate1h": newest operation first, as Prometheus names recorded series.
         baseline = f"{BASELINE_QUANTILE[0]}_{config.baseline_window}_{long}"
         self.short, self.long, self.baseline = short, long, baseline
+        self._caller_names(short, long, baseline)
+        self._engine_names(config, short, long, baseline)
+
+    def _caller_names(self, short: str, long: str, baseline: str) -> None:
+        both = (short, long)
         # per caller
         self.caller_prompt = {
             window: f"caller_model:vllm_cache_prompt_tokens:{window}" for window in both}
@@ -82,6 +86,30 @@ class Names:
         self.model_state_ttft = {
             quantile: f"model_state:vllm_cache_ttft_seconds:{quantile}_{short}"
             for quantile, _ in QUANTILES}
+        # foresight: completion tokens declared vs used, per caller
+        self.caller_completion_bucket = (
+            f"caller_model:vllm_cache_completion_used_tokens_bucket:{long}")
+        self.caller_completion_used = {
+            quantile: f"caller_model:vllm_cache_completion_used_tokens:{quantile}_{long}"
+            for quantile, _ in COMPLETION_QUANTILES}
+        self.caller_completion_declared = (
+            f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}")
+        self.caller_completion_overstatement = (
+            f"caller_model:vllm_cache_completion_overstatement:ratio_{long}")
+        # prompt order (the tap): requests sharing most of their text but not its beginning
+        self.caller_order_compared = f"caller_model:vllm_cache_prompt_order_compared:{long}"
+        self.caller_order_variable_top = (
+            f"caller_model:vllm_cache_prompt_order_variable_top:{long}")
+        self.caller_order_share = (
+            f"caller_model:vllm_cache_prompt_order_variable_top_share:{long}")
+        self.caller_order_shared_bytes = (
+            f"caller_model:vllm_cache_prompt_order_shared_bytes:mean_{long}")
+        self.caller_order_first_difference = (
+            f"caller_model:vllm_cache_prompt_order_first_difference_bytes:mean_{long}")
+
+    def _engine_names(self, config: MonitoringConfig, short: str, long: str,
+                      baseline: str) -> None:
+        both = (short, long)
         # per vLLM target (and fleet-wide per model)
         self.target_queries = {
             window: f"target_model:vllm_cache_engine_prefix_cache_queries_tokens:{window}"
@@ -107,26 +135,6 @@ class Names:
         self.target_fit_ratio = "target_model:vllm_cache_conversations_fit:ratio"
         self.target_pool_min = f"target_model:vllm_cache_engine_kv_pool_min_tokens:{pool_min}"
         self.target_budget = f"target_model:vllm_cache_admission_budget_tokens:{pool_min}"
-        # foresight: completion tokens declared vs used, per caller
-        self.caller_completion_bucket = (
-            f"caller_model:vllm_cache_completion_used_tokens_bucket:{long}")
-        self.caller_completion_used = {
-            quantile: f"caller_model:vllm_cache_completion_used_tokens:{quantile}_{long}"
-            for quantile, _ in COMPLETION_QUANTILES}
-        self.caller_completion_declared = (
-            f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}")
-        self.caller_completion_overstatement = (
-            f"caller_model:vllm_cache_completion_overstatement:ratio_{long}")
-        # prompt order (the tap): requests sharing most of their text but not its beginning
-        self.caller_order_compared = f"caller_model:vllm_cache_prompt_order_compared:{long}"
-        self.caller_order_variable_top = (
-            f"caller_model:vllm_cache_prompt_order_variable_top:{long}")
-        self.caller_order_share = (
-            f"caller_model:vllm_cache_prompt_order_variable_top_share:{long}")
-        self.caller_order_shared_bytes = (
-            f"caller_model:vllm_cache_prompt_order_shared_bytes:mean_{long}")
-        self.caller_order_first_difference = (
-            f"caller_model:vllm_cache_prompt_order_first_difference_bytes:mean_{long}")
         # where prompt tokens came from, per vLLM target and source
         self.target_source_prompt = (
             f"target_model_source:vllm_cache_engine_prompt_tokens_by_source:{short}")
