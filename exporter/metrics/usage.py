@@ -8,6 +8,7 @@ once that state has a timed event, which keeps a 1,000-caller scrape small.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 from prometheus_client.core import (
@@ -47,6 +48,15 @@ QUEUE = families.QUEUE_WAIT_SECONDS
 PER_CALLER = (REQUESTS, *families.PER_CALLER_COUNTERS, TTFT, QUEUE)
 # Blocks of a series' lines that hold its own strings (the histograms' are kept by them).
 _COUNTER_BLOCKS = 1 + len(families.PER_CALLER_COUNTERS)
+# A Series' values of those counters, in that order, in one call (with "requests" last, so
+# that it is a tuple however many there are).
+_COUNTER_VALUES = operator.attrgetter(
+    *[family.field for family in families.PER_CALLER_COUNTERS], "requests")
+
+
+def _counter_values(series: Series) -> tuple[int, ...]:
+    values: tuple[int, ...] = _COUNTER_VALUES(series)[:-1]
+    return values
 
 
 def _per_caller_families() -> list[Metric]:
@@ -246,8 +256,8 @@ def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
             _histogram_lines(queue, text.queue_text(source),
                              _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
     lines = [[requests]]
-    for prefix, family in zip(text.counters, families.PER_CALLER_COUNTERS, strict=True):
-        lines.append([f"{prefix}{fmt_value(getattr(series, family.field))}\n"])
+    for prefix, counted in zip(text.counters, _counter_values(series), strict=True):
+        lines.append([f"{prefix}{fmt_value(counted)}\n"])
     lines.append(ttft)
     lines.append(queue)
     return lines
