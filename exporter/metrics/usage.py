@@ -9,7 +9,8 @@ once that state has a timed event, which keeps a 1,000-caller scrape small.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from prometheus_client.core import (
     Metric,
@@ -48,15 +49,12 @@ QUEUE = families.QUEUE_WAIT_SECONDS
 PER_CALLER = (REQUESTS, *families.PER_CALLER_COUNTERS, TTFT, QUEUE)
 # Blocks of a series' lines that hold its own strings (the histograms' are kept by them).
 _COUNTER_BLOCKS = 1 + len(families.PER_CALLER_COUNTERS)
-# A Series' values of those counters, in that order, in one call (with "requests" last, so
-# that it is a tuple however many there are).
-_COUNTER_VALUES = operator.attrgetter(
-    *[family.field for family in families.PER_CALLER_COUNTERS], "requests")
-
-
-def _counter_values(series: Series) -> tuple[int, ...]:
-    values: tuple[int, ...] = _COUNTER_VALUES(series)[:-1]
-    return values
+# A Series' values of those counters, in that order, in one call (attrgetter gives a tuple
+# for two names or more; the table has three).
+_COUNTER_FIELDS = [family.field for family in families.PER_CALLER_COUNTERS]
+_counter_values: Callable[[Series], tuple[int, ...]] = (
+    operator.attrgetter(*_COUNTER_FIELDS) if len(_COUNTER_FIELDS) > 1
+    else lambda series: (getattr(series, _COUNTER_FIELDS[0]),))
 
 
 def _per_caller_families() -> list[Metric]:
@@ -113,9 +111,16 @@ class _HistogramText:
         self.lines = ""
 
 
-# One series' lines, a block per family of PER_CALLER: a counter's block is one string, a
-# histogram family's one string per histogram (the one its _HistogramText keeps).
-SeriesLines = list[list[str]]
+class SeriesLines(NamedTuple):
+    """One series' lines in each per-caller family: the requests' (one string), each
+    per-caller counter's (a string each, in families.PER_CALLER_COUNTERS' order), and the
+    TTFT and queue-wait histograms' (a string per histogram, the one its _HistogramText
+    keeps)."""
+
+    requests: str
+    counters: tuple[str, ...]
+    ttft: list[str]
+    queue: list[str]
 
 
 class _SeriesText:
@@ -144,7 +149,7 @@ class _SeriesText:
         # reusable.
         self.series: Series | None = None
         self.version = -1
-        self.lines: SeriesLines = [[] for _ in PER_CALLER]
+        self.lines = SeriesLines("", (), [], [])
 
     def ttft_text(self, state: str, source: str) -> _HistogramText:
         text = self.ttft.get((state, source))
@@ -231,6 +236,10 @@ def _fully_shown(series: Series, now: float) -> bool:
     return True
 
 
+# SeriesLines without the Python-level __new__ a NamedTuple call runs (once per series).
+_lines = tuple.__new__
+
+
 def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
     """One series' lines in each per-caller family, as shown at ``now``."""
     fmt_value = format_value
@@ -255,12 +264,11 @@ def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
         for source, hist in _queue_histograms(real):
             _histogram_lines(queue, text.queue_text(source),
                              _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
-    lines = [[requests]]
-    for prefix, counted in zip(text.counters, _counter_values(series), strict=True):
-        lines.append([f"{prefix}{fmt_value(counted)}\n"])
-    lines.append(ttft)
-    lines.append(queue)
-    return lines
+    # A tuple of strings, which the garbage collector stops tracking (a list it would walk at
+    # every collection: one more per series, thousands per render).
+    counters = tuple([f"{prefix}{fmt_value(counted)}\n"  # as many prefixes as values
+                      for prefix, counted in zip(text.counters, _counter_values(series))])  # noqa: B905
+    return _lines(SeriesLines, (requests, counters, ttft, queue))
 
 
 class UsageCollector:
@@ -277,7 +285,7 @@ class UsageCollector:
         (each kept string is a series' or a histogram's lines as last rendered)."""
         kept = 0
         for text in self._text.values():
-            kept += sum(len(part) for block in text.lines[:_COUNTER_BLOCKS] for part in block)
+            kept += len(text.lines.requests) + sum(len(line) for line in text.lines.counters)
             for hists in (text.ttft.values(), text.queue.values()):
                 kept += sum(len(hist.lines) for hist in hists)
         return kept
@@ -349,7 +357,10 @@ class UsageCollector:
         # One string per series and family (a histogram's lines joined): few objects to hand
         # over and free at the end, where one per line would cost tens of milliseconds at
         # thousands of series; kept strings are shared, never copied, between renders.
-        blocks: list[list[str]] = [[] for _ in PER_CALLER]  # per family, as the headers
+        requests: list[str] = []
+        counters: list[tuple[str, ...]] = []  # per series, transposed at the end
+        ttft: list[str] = []
+        queue: list[str] = []
         per_slice = series_per_slice or SERIES_PER_SLICE
         keys = sorted(usage.series)
         now = usage.now()
@@ -371,14 +382,21 @@ class UsageCollector:
                 if _fully_shown(real, now):
                     text.series, text.version, text.lines = real, version, lines
                 work += REUSED_PER_RENDERED
-            for family_blocks, block in zip(blocks, lines, strict=True):
-                family_blocks.extend(block)
+            series_requests, series_counters, series_ttft, series_queue = lines
+            requests.append(series_requests)
+            counters.append(series_counters)
+            ttft.extend(series_ttft)
+            queue.extend(series_queue)
             if work >= per_slice * REUSED_PER_RENDERED:
                 work = 0
                 yield
         yield
         headers = _OPENMETRICS_HEADERS if fmt.openmetrics else _TEXT_HEADERS
         piece = SERIES_PER_PIECE
+        # Per family: a series' counter lines are read from the tuples by one C-level zip.
+        by_family = (list(zip(*counters, strict=True))
+                     or [() for _ in families.PER_CALLER_COUNTERS])
+        blocks = (requests, *by_family, ttft, queue)
         for head, family_blocks in zip(headers, blocks, strict=True):
             out.append(head)
             for start in range(0, len(family_blocks), piece):
