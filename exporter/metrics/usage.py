@@ -52,6 +52,11 @@ _COUNTER_BLOCKS = 1 + len(families.PER_CALLER_COUNTERS)
 # A Series' values of those counters, in that order, in one call (attrgetter gives a tuple
 # for two names or more; the table has three).
 _COUNTER_FIELDS = [family.field for family in families.PER_CALLER_COUNTERS]
+# Sample names, read once (a new series' label text is built from them).
+_REQUESTS_TOTAL = REQUESTS.total
+_COUNTER_TOTALS = [family.total for family in families.PER_CALLER_COUNTERS]
+_TTFT_NAMES = (TTFT.bucket, TTFT.count, TTFT.sum)
+_QUEUE_NAMES = (QUEUE.bucket, QUEUE.count, QUEUE.sum)
 _counter_values: Callable[[Series], tuple[int, ...]] = (
     operator.attrgetter(*_COUNTER_FIELDS) if len(_COUNTER_FIELDS) > 1
     else lambda series: (getattr(series, _COUNTER_FIELDS[0]),))
@@ -99,12 +104,13 @@ class _HistogramText:
 
     __slots__ = ("head", "tail", "count", "sum", "hist", "observed", "total", "lines")
 
-    def __init__(self, family: families.Family, caller: str, rest: str) -> None:
+    def __init__(self, names: tuple[str, str, str], caller: str, rest: str) -> None:
         # Labels print sorted by name: caller, le, model, source, state.
-        self.head = f'{family.bucket}{{{caller},le="'
+        bucket, count, total = names
+        self.head = f'{bucket}{{{caller},le="'
         self.tail = f'",{rest}}} '
-        self.count = f"{family.count}{{{caller},{rest}}} "
-        self.sum = f"{family.sum}{{{caller},{rest}}} "
+        self.count = f"{count}{{{caller},{rest}}} "
+        self.sum = f"{total}{{{caller},{rest}}} "
         self.hist: Histogram | None = None
         self.observed = -1
         self.total = 0.0
@@ -140,8 +146,8 @@ class _SeriesText:
         self._caller = f'caller="{escape_label_value(caller)}"'
         self._model = f'model="{escape_label_value(model)}"'
         pair = f"{self._caller},{self._model}"
-        self.requests = [f'{REQUESTS.total}{{{pair},state="{state}"}} ' for state in STATES]
-        self.counters = [f"{family.total}{{{pair}}} " for family in families.PER_CALLER_COUNTERS]
+        self.requests = [f'{_REQUESTS_TOTAL}{{{pair},state="{state}"}} ' for state in STATES]
+        self.counters = [f"{total}{{{pair}}} " for total in _COUNTER_TOTALS]
         self.ttft: dict[tuple[str, str], _HistogramText] = {}  # by (state, source)
         self.queue: dict[str, _HistogramText] = {}  # by source
         # The lines of each per-caller family (the histograms' empty when the series has
@@ -155,13 +161,13 @@ class _SeriesText:
         text = self.ttft.get((state, source))
         if text is None:
             text = self.ttft[(state, source)] = _HistogramText(
-                TTFT, self._caller, f'{self._model},source="{source}",state="{state}"')
+                _TTFT_NAMES, self._caller, f'{self._model},source="{source}",state="{state}"')
         return text
 
     def queue_text(self, source: str) -> _HistogramText:
         text = self.queue.get(source)
         if text is None:
-            text = self.queue[source] = _HistogramText(QUEUE, self._caller,
+            text = self.queue[source] = _HistogramText(_QUEUE_NAMES, self._caller,
                                                        f'{self._model},source="{source}"')
         return text
 
