@@ -25,12 +25,13 @@ from exporter.monitoring.dashboards.panels import (
     timeseries,
     warm_share_stat,
 )
-from exporter.monitoring.promql import hit_ratio, number, over, share
+from exporter.monitoring.promql import PromQL, hit_ratio, number, over, share
 from exporter.monitoring.rules import QUANTILES, Names
 
 FILENAME = "vllm-cache-caller.json"
 TITLE = "vLLM prefix cache: caller"
 
+CLASSIFIED = PromQL.states_matcher()
 WARM = 'state="warm"'
 COLD = 'state="cold"'
 SOURCES = ("One series per source: engine is vLLM's own (scheduled to first token, vLLM with "
@@ -57,7 +58,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
     layout = Layout()
     _now_row(layout, config, filters, names)
     _cache_row(layout, config, filters, names)
-    _waiting_row(layout, filters, names)
+    _waiting_row(layout, filters)
     _prompt_order_row(layout, config, filters, names)
     return dashboard(
         config, TITLE, config.caller_uid,
@@ -158,7 +159,7 @@ def _cache_row(layout: Layout, config: MonitoringConfig, filters: Filters,
 
 
 
-def _waiting_row(layout: Layout, filters: Filters, names: Names) -> None:
+def _waiting_row(layout: Layout, filters: Filters) -> None:
     callers = filters.caller()
     layout.row("Waiting")
     layout.add(timeseries(
@@ -168,8 +169,10 @@ def _waiting_row(layout: Layout, filters: Filters, names: Names) -> None:
         "(VllmCacheWarmTTFTCollapse watches the median of turns that should be warm, vLLM's "
         f"own where there is one). {SOURCES}",
         "s",
-        [target(f"histogram_quantile({quantile}, sum by (caller, state, source, le) ("
-                f"{names.caller_state_ttft_bucket}{callers}))",
+        # At the dashboard's resolution and per exporter instance, as the queue wait beside
+        # it (the recorded bucket rates sum instances away and hold only the rule's window).
+        [target(f"histogram_quantile({quantile}, sum by (caller, state, source, le) (rate("
+                f"{families.TTFT_SECONDS.bucket}{filters.caller(CLASSIFIED)}[{RATE}])))",
                 f"{{{{caller}}}} {{{{state}}}} {{{{source}}}} {label}")
          for label, quantile in QUANTILES]), 12, 8)
     layout.add(timeseries(
