@@ -36,7 +36,9 @@ from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+
+from exporter import families
 
 log = logging.getLogger(__name__)
 
@@ -213,31 +215,19 @@ class FollowedFilesCollector:
 
     def collect(self) -> Iterator[Metric]:
         follower = self.follower
-        files = GaugeMetricFamily(
-            "vllm_cache_usage_files",
-            "Files matching --usage.file: open (holding a descriptor), closed (followed, "
-            "reopened when they change), not_followed (past the most followed at once).",
-            labels=["state"])
+        files = families.gauge(families.USAGE_FILES)
         open_now = follower.open_files
         files.add_metric(["open"], float(open_now))
         files.add_metric(["closed"], float(len(follower.files) - open_now))
         files.add_metric(["not_followed"], float(follower.over_limit))
         yield files
-        most = GaugeMetricFamily(
-            "vllm_cache_usage_files_open_max",
-            "The most followed files held open at once (--usage.file.max-open, kept within "
-            "the followed files' share of the descriptors).")
+        most = families.gauge(families.USAGE_FILES_OPEN_MAX)
         most.add_metric([], float(follower.max_open))
         yield most
-        reopens = CounterMetricFamily(
-            "vllm_cache_usage_file_reopens",
-            "Followed files opened again after being closed to stay within the open cap.")
+        reopens = families.counter(families.USAGE_FILE_REOPENS)
         reopens.add_metric([], float(follower.reopens))
         yield reopens
-        lost = CounterMetricFamily(
-            "vllm_cache_usage_file_lost_bytes",
-            "Bytes of followed files that were never read, by reason (docs/metrics.md).",
-            labels=["reason"])
+        lost = families.counter(families.USAGE_FILE_LOST_BYTES)
         for reason, count in sorted(follower.lost_bytes.items()):
             lost.add_metric([reason], float(count))
         yield lost
@@ -437,10 +427,7 @@ class SendStatsCollector:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        cut = CounterMetricFamily(
-            "vllm_cache_exporter_scrapes_cut",
-            "Scrapes whose reader had not taken the whole /metrics body 30 s after it was "
-            "ready; the connection was closed.")
+        cut = families.counter(families.EXPORTER_SCRAPES_CUT)
         cut.add_metric([], float(self.stats.cut))
         yield cut
 
@@ -462,23 +449,10 @@ class LimitsCollector:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        open_now = GaugeMetricFamily(
-            "vllm_cache_exporter_connections",
-            "Client connections open on a listener (web: /metrics and /v1/usage; tap).",
-            labels=["listener"])
-        cap = GaugeMetricFamily(
-            "vllm_cache_exporter_connections_max",
-            "The most client connections a listener serves at once (--web.max-connections, "
-            "--tap.max-connections, kept below the file-descriptor limit).",
-            labels=["listener"])
-        evicted = CounterMetricFamily(
-            "vllm_cache_exporter_connections_evicted",
-            "Oldest connections closed (after their current request) to make room for a new "
-            "one at the cap.", labels=["listener"])
-        refused = CounterMetricFamily(
-            "vllm_cache_exporter_connections_refused",
-            "Connections answered 503 and closed because the listener was past its cap and "
-            "the slack for closes in progress.", labels=["listener"])
+        open_now = families.gauge(families.EXPORTER_CONNECTIONS)
+        cap = families.gauge(families.EXPORTER_CONNECTIONS_MAX)
+        evicted = families.counter(families.EXPORTER_CONNECTIONS_EVICTED)
+        refused = families.counter(families.EXPORTER_CONNECTIONS_REFUSED)
         for stats in self.listeners:
             open_now.add_metric([stats.name], float(stats.open))
             cap.add_metric([stats.name], float(stats.cap))
@@ -489,25 +463,17 @@ class LimitsCollector:
         yield evicted
         yield refused
         if self.plan is not None:
-            reserved = GaugeMetricFamily(
-                "vllm_cache_exporter_fds_reserved",
-                "File descriptors the budget sets aside for each use: a listener's "
-                "connections (a tap connection counts two: its socket to vLLM), followed "
-                "usage files, the rest of the process; together the soft RLIMIT_NOFILE.",
-                labels=["use"])
+            reserved = families.gauge(families.EXPORTER_FDS_RESERVED)
             for use, count in self.plan.reserved().items():
                 reserved.add_metric([use], float(count))
             yield reserved
-            denied = CounterMetricFamily(
-                "vllm_cache_exporter_fds_refused",
-                "Descriptors a use asked for beyond its share (files: a followed file's open "
-                "put off to the next poll).", labels=["use"])
+            denied = families.counter(families.EXPORTER_FDS_REFUSED)
             denied.add_metric(["files"], float(self.files.refused if self.files else 0))
             yield denied
         if self.logs is not None:
-            suppressed = CounterMetricFamily(
-                "vllm_cache_exporter_log_messages_suppressed",
-                "Log messages not written because the same message was logged more than "
-                f"{LOG_BURST} times in {LOG_WINDOW_SECONDS:g} s.")
+            suppressed = families.counter(
+                families.EXPORTER_LOG_MESSAGES_SUPPRESSED,
+                families.EXPORTER_LOG_MESSAGES_SUPPRESSED.help.format(
+                    burst=LOG_BURST, window=LOG_WINDOW_SECONDS))
             suppressed.add_metric([], float(self.logs.suppressed_total))
             yield suppressed

@@ -26,14 +26,15 @@ ALLOWED: dict[str, frozenset[str]] = {
     "values": frozenset(),
     "redaction": frozenset(),
     "logs": frozenset(),
-    "limits": frozenset(),
+    "limits": frozenset({"families"}),
+    "families": frozenset({"values"}),
     "engine": frozenset({"values", "redaction"}),
     "usage": frozenset({"values", "redaction"}),
     "signals": frozenset({"values", "redaction"}),
-    "metrics": frozenset({"signals", "values", ""}),
+    "metrics": frozenset({"signals", "values", "families", ""}),
     "sim": frozenset({"logs"}),
-    "monitoring": frozenset(),
-    "web": frozenset(),
+    "monitoring": frozenset({"families"}),
+    "web": frozenset({"families"}),
 }
 
 

@@ -44,3 +44,17 @@ def test_without_kv_cache_metrics_nothing_is_shown():
     summary = view.update('vllm_cache_engine_up{target="x"} 1.0\n', 0.0)
     assert summary.evicted_window is None
     assert "evicted" not in view.render_plain(summary)
+
+
+def test_the_demo_colours_a_hit_ratio_as_the_dashboards_do() -> None:
+    """One set of colour bands: the monitoring config's, read by the dashboards and the demo."""
+    from exporter.demo import view
+    from exporter.monitoring.config import MonitoringConfig
+    from exporter.monitoring.dashboards.panels import hit_ratio_thresholds
+
+    config = MonitoringConfig()
+    (_, fair), (_, good) = hit_ratio_thresholds(config)[1:]
+    assert (fair, good) == (config.hit_ratio_fair, config.hit_ratio_good)
+    colours = {value: view._ratio_text(value).style
+               for value in (fair - 0.01, fair, good - 0.01, good)}
+    assert colours == {fair - 0.01: "red", fair: "yellow", good - 0.01: "yellow", good: "green"}

@@ -106,3 +106,33 @@ def test_the_docs_list_every_shipped_alert():
                  for rule in group["rules"] if "alert" in rule}
     assert len(listed) == len(set(listed)), listed
     assert set(listed) == generated
+
+
+CONFIG_KEYS = ("<!-- monitoring config keys:", "<!-- end of monitoring config keys -->")
+
+
+def config_default(value: object) -> str:
+    """A MonitoringConfig default as docs/monitoring.md's table writes it."""
+    from exporter.monitoring.promql import number
+
+    if isinstance(value, float):
+        return number(value)
+    if isinstance(value, tuple):
+        parts = [f"{entry[0]}: {entry[1]}" if isinstance(entry, tuple) else str(entry)
+                 for entry in value]
+        return ", ".join(parts) or '""'
+    return str(value) or '""'
+
+
+def test_the_readme_documents_every_monitoring_config_key_with_its_default():
+    """docs/monitoring.md's table of --monitoring.config-file keys is the config schema: the same
+    keys, in the same order, with the defaults the dataclass has."""
+    import dataclasses
+
+    monitoring = (ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8")
+    block = monitoring.split(CONFIG_KEYS[0], 1)[1].split(CONFIG_KEYS[1], 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| `([^`]*)` \|", block, flags=re.M)
+    config = MonitoringConfig()
+    expected = [(item.name, config_default(getattr(config, item.name)))
+                for item in dataclasses.fields(config)]
+    assert rows == expected

@@ -73,7 +73,7 @@ def rendered_anew(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
 
     def spy(text, real, now):  # type: ignore[no-untyped-def]
         lines = series_lines(text, real, now)
-        callers.append(lines[0].split('caller="', 1)[1].split('"', 1)[0])
+        callers.append(lines.requests.split('caller="', 1)[1].split('"', 1)[0])
         return lines
 
     monkeypatch.setattr(usage_metrics, "_series_lines", spy)

@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from exporter.engine.parse import Samples
+from exporter.monitoring.config import MonitoringConfig
 from exporter.signals import advice
 
 STATES = ("warm", "partial", "cold", "short", "unknown", "error")
@@ -342,10 +343,16 @@ def _window_ttft_p50(now: CallerStats, before: CallerStats) -> float | None:
     return None
 
 
+# The hit ratio's colour bands: the dashboards' (hit_ratio_fair, hit_ratio_good of the
+# monitoring config), so the demo and Grafana colour a ratio alike.
+_BANDS = MonitoringConfig()
+
+
 def _ratio_text(value: float | None) -> Text:
     if value is None:
         return Text("-")
-    style = "green" if value >= 0.8 else ("yellow" if value >= 0.3 else "red")
+    style = ("green" if value >= _BANDS.hit_ratio_good
+             else "yellow" if value >= _BANDS.hit_ratio_fair else "red")
     return Text(_pct(value), style=style)
 
 

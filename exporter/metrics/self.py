@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
-from exporter import __version__
+from exporter import __version__, families
 from exporter.signals.state import SignalsState
 
 
@@ -15,10 +15,7 @@ class SelfCollector:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
-        info = GaugeMetricFamily(
-            "vllm_cache_exporter_build_info",
-            "A metric with a constant '1' value labelled by the exporter's version.",
-            labels=["version"])
+        info = families.gauge(families.EXPORTER_BUILD_INFO)
         info.add_metric([__version__], 1.0)
         yield info
 

@@ -8,17 +8,17 @@ once that state has a timed event, which keeps a 1,000-caller scrape small.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import operator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from exporter import families
 from exporter.metrics.exposition import (
     OPENMETRICS,
     TEXT,
@@ -42,61 +42,39 @@ from exporter.signals.usage import (
 _TTFT_LE = [floatToGoString(b) for b in TTFT_BUCKETS] + ["+Inf"]
 _QUEUE_LE = [floatToGoString(b) for b in QUEUE_BUCKETS] + ["+Inf"]
 
-REQUESTS = "vllm_cache_requests"
-PROMPT = "vllm_cache_prompt_tokens"
-CACHED = "vllm_cache_cached_tokens"
-UNREPORTED = "vllm_cache_unreported_prompt_tokens"
-TTFT = "vllm_cache_ttft_seconds"
-QUEUE = "vllm_cache_queue_wait_seconds"
+REQUESTS = families.REQUESTS
+TTFT = families.TTFT_SECONDS
+QUEUE = families.QUEUE_WAIT_SECONDS
+# The per-caller families in exposition order: the requests by state, the counters read from
+# one Series field each (families.PER_CALLER_COUNTERS), the two histograms.
+PER_CALLER = (REQUESTS, *families.PER_CALLER_COUNTERS, TTFT, QUEUE)
+# Blocks of a series' lines that hold its own strings (the histograms' are kept by them).
+_COUNTER_BLOCKS = 1 + len(families.PER_CALLER_COUNTERS)
+# A Series' values of those counters, in that order, in one call (attrgetter gives a tuple
+# for two names or more; the table has three).
+_COUNTER_FIELDS = [family.field for family in families.PER_CALLER_COUNTERS]
+# Sample names, read once (a new series' label text is built from them).
+_REQUESTS_TOTAL = REQUESTS.total
+_COUNTER_TOTALS = [family.total for family in families.PER_CALLER_COUNTERS]
+_TTFT_NAMES = (TTFT.bucket, TTFT.count, TTFT.sum)
+_QUEUE_NAMES = (QUEUE.bucket, QUEUE.count, QUEUE.sum)
+_counter_values: Callable[[Series], tuple[int, ...]] = (
+    operator.attrgetter(*_COUNTER_FIELDS) if len(_COUNTER_FIELDS) > 1
+    else lambda series: (getattr(series, _COUNTER_FIELDS[0]),))
 
 
-def _per_caller_families() -> tuple[Metric, ...]:
-    """The six per-caller families, empty, in exposition order."""
-    return (
-        CounterMetricFamily(
-            REQUESTS,
-            "Requests reported by the proxy, by cache outcome: warm (as full a hit as the "
-            "prompt allows), partial, cold (nothing reused where something could be), short "
-            "(too short to hold one cache granule; never a failure), unknown (cached tokens "
-            "not reported), error (non-2xx; counted nowhere else).",
-            labels=["caller", "model", "state"]),
-        CounterMetricFamily(
-            PROMPT,
-            "Prompt tokens of successful requests that reported cached tokens "
-            "(the denominator of the per-caller hit ratio).",
-            labels=["caller", "model"]),
-        CounterMetricFamily(
-            CACHED,
-            "Prompt tokens served from vLLM's prefix cache, per the responses' "
-            "usage.prompt_tokens_details.cached_tokens.",
-            labels=["caller", "model"]),
-        CounterMetricFamily(
-            UNREPORTED,
-            "Prompt tokens of successful requests whose cached tokens were not reported "
-            "(vLLM without --enable-prompt-tokens-details); not in the hit ratio.",
-            labels=["caller", "model"]),
-        HistogramMetricFamily(
-            TTFT,
-            "Time to first token without the waits in front of it, by cache outcome and by "
-            "who measured it: source=engine is vLLM's own (scheduled to first token, "
-            "--enable-per-request-metrics), source=proxy the proxy's TTFT minus its "
-            "admission wait when known (vLLM's own queue still in it). One per request.",
-            labels=["caller", "model", "state", "source"]),
-        HistogramMetricFamily(
-            QUEUE,
-            "Time waited before vLLM read the prompt: source=proxy is the proxy's admission "
-            "gate, source=engine vLLM's own scheduler queue. Two queues one after the "
-            "other, never to be summed.",
-            labels=["caller", "model", "source"]),
-    )
+def _per_caller_families() -> list[Metric]:
+    """The per-caller families, empty, in exposition order."""
+    return [families.histogram(family) if family.type == families.HISTOGRAM
+            else families.counter(family) for family in PER_CALLER]
 
 
 # HELP and TYPE lines of the per-caller families, in each format, built once.
-_TEXT_HEADERS = tuple(TEXT.header(family.name, family.documentation, family.type)
-                      for family in _per_caller_families())
-_OPENMETRICS_HEADERS = tuple(OPENMETRICS.header(family.name, family.documentation, family.type,
+_TEXT_HEADERS = tuple(TEXT.header(family.name, family.help, family.type)
+                      for family in PER_CALLER)
+_OPENMETRICS_HEADERS = tuple(OPENMETRICS.header(family.name, family.help, family.type,
                                                 family.unit)
-                             for family in _per_caller_families())
+                             for family in PER_CALLER)
 
 # Series rendered between two turns of the event loop (a series is up to SERIES_PER_PAIR
 # samples: every state timed by both sources), so that no slice holds the loop for long.
@@ -109,16 +87,16 @@ REUSED_PER_RENDERED = 64
 SERIES_PER_PIECE = 256
 
 
-def _histogram(samples: list[Sample], name: str, labels: dict[str, str], hist: Histogram,
-               les: list[str]) -> None:
+def _histogram(samples: list[Sample], family: families.Family, labels: dict[str, str],
+               hist: Histogram, les: list[str]) -> None:
     """Append one histogram's _bucket, _count and _sum samples (cumulative buckets)."""
-    bucket = name + "_bucket"
+    bucket = family.bucket
     running = 0
     for le, count in zip(les, hist.counts, strict=True):
         running += count
         samples.append(Sample(bucket, {**labels, "le": le}, running))
-    samples.append(Sample(name + "_count", labels, running))
-    samples.append(Sample(name + "_sum", labels, hist.total))
+    samples.append(Sample(family.count, labels, running))
+    samples.append(Sample(family.sum, labels, hist.total))
 
 
 class _HistogramText:
@@ -127,21 +105,29 @@ class _HistogramText:
 
     __slots__ = ("head", "tail", "count", "sum", "hist", "observed", "total", "lines")
 
-    def __init__(self, name: str, caller: str, rest: str) -> None:
+    def __init__(self, names: tuple[str, str, str], caller: str, rest: str) -> None:
         # Labels print sorted by name: caller, le, model, source, state.
-        self.head = f'{name}_bucket{{{caller},le="'
+        bucket, count, total = names
+        self.head = f'{bucket}{{{caller},le="'
         self.tail = f'",{rest}}} '
-        self.count = f"{name}_count{{{caller},{rest}}} "
-        self.sum = f"{name}_sum{{{caller},{rest}}} "
+        self.count = f"{count}{{{caller},{rest}}} "
+        self.sum = f"{total}{{{caller},{rest}}} "
         self.hist: Histogram | None = None
         self.observed = -1
         self.total = 0.0
         self.lines = ""
 
 
-# One series' lines: requests, prompt, cached and unreported tokens (a string each), then its
-# TTFT and queue-wait histograms' (a string per histogram, the one its _HistogramText keeps).
-SeriesLines = tuple[str, str, str, str, list[str], list[str]]
+class SeriesLines(NamedTuple):
+    """One series' lines in each per-caller family: the requests' (one string), each
+    per-caller counter's (a string each, in families.PER_CALLER_COUNTERS' order), and the
+    TTFT and queue-wait histograms' (a string per histogram, the one its _HistogramText
+    keeps)."""
+
+    requests: str
+    counters: tuple[str, ...]
+    ttft: list[str]
+    queue: list[str]
 
 
 class _SeriesText:
@@ -154,36 +140,35 @@ class _SeriesText:
     shown (past the new-series hold), since a held one renders zeros whatever its version.
     """
 
-    __slots__ = ("requests", "prompt", "cached", "unreported", "ttft", "queue", "_caller",
-                 "_model", "series", "version", "lines")
+    __slots__ = ("requests", "counters", "ttft", "queue", "_caller", "_model", "series",
+                 "version", "lines")
 
     def __init__(self, caller: str, model: str) -> None:
         self._caller = f'caller="{escape_label_value(caller)}"'
         self._model = f'model="{escape_label_value(model)}"'
         pair = f"{self._caller},{self._model}"
-        self.requests = [f'{REQUESTS}_total{{{pair},state="{state}"}} ' for state in STATES]
-        self.prompt = f"{PROMPT}_total{{{pair}}} "
-        self.cached = f"{CACHED}_total{{{pair}}} "
-        self.unreported = f"{UNREPORTED}_total{{{pair}}} "
+        self.requests = [f'{_REQUESTS_TOTAL}{{{pair},state="{state}"}} ' for state in STATES]
+        self.counters = [f"{total}{{{pair}}} " for total in _COUNTER_TOTALS]
         self.ttft: dict[tuple[str, str], _HistogramText] = {}  # by (state, source)
         self.queue: dict[str, _HistogramText] = {}  # by source
-        # The lines of each per-caller family (ttft and queue "" when the series has none),
-        # the series object and the version they were rendered from; None until reusable.
+        # The lines of each per-caller family (the histograms' empty when the series has
+        # none), the series object and the version they were rendered from; None until
+        # reusable.
         self.series: Series | None = None
         self.version = -1
-        self.lines: SeriesLines = ("", "", "", "", [], [])
+        self.lines = SeriesLines("", (), [], [])
 
     def ttft_text(self, state: str, source: str) -> _HistogramText:
         text = self.ttft.get((state, source))
         if text is None:
             text = self.ttft[(state, source)] = _HistogramText(
-                TTFT, self._caller, f'{self._model},source="{source}",state="{state}"')
+                _TTFT_NAMES, self._caller, f'{self._model},source="{source}",state="{state}"')
         return text
 
     def queue_text(self, source: str) -> _HistogramText:
         text = self.queue.get(source)
         if text is None:
-            text = self.queue[source] = _HistogramText(QUEUE, self._caller,
+            text = self.queue[source] = _HistogramText(_QUEUE_NAMES, self._caller,
                                                        f'{self._model},source="{source}"')
         return text
 
@@ -258,6 +243,10 @@ def _fully_shown(series: Series, now: float) -> bool:
     return True
 
 
+# SeriesLines without the Python-level __new__ a NamedTuple call runs (once per series).
+_lines = tuple.__new__
+
+
 def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
     """One series' lines in each per-caller family, as shown at ``now``."""
     fmt_value = format_value
@@ -282,9 +271,11 @@ def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
         for source, hist in _queue_histograms(real):
             _histogram_lines(queue, text.queue_text(source),
                              _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
-    return (requests, f"{text.prompt}{fmt_value(series.prompt_tokens)}\n",
-            f"{text.cached}{fmt_value(series.cached_tokens)}\n",
-            f"{text.unreported}{fmt_value(series.unreported_prompt_tokens)}\n", ttft, queue)
+    # A tuple of strings, which the garbage collector stops tracking (a list it would walk at
+    # every collection: one more per series, thousands per render).
+    counters = tuple([f"{prefix}{fmt_value(counted)}\n"  # as many prefixes as values
+                      for prefix, counted in zip(text.counters, _counter_values(series))])  # noqa: B905
+    return _lines(SeriesLines, (requests, counters, ttft, queue))
 
 
 class UsageCollector:
@@ -301,7 +292,7 @@ class UsageCollector:
         (each kept string is a series' or a histogram's lines as last rendered)."""
         kept = 0
         for text in self._text.values():
-            kept += sum(len(part) for part in text.lines[:4])
+            kept += len(text.lines.requests) + sum(len(line) for line in text.lines.counters)
             for hists in (text.ttft.values(), text.queue.values()):
                 kept += sum(len(hist.lines) for hist in hists)
         return kept
@@ -309,39 +300,36 @@ class UsageCollector:
     def collect(self) -> Iterator[Metric]:
         """The reference rendering (registry.get_sample_value, client_python's encoders, tests)."""
         usage = self.usage
-        requests, prompt, cached, unreported, ttft, queue = families = _per_caller_families()
+        metrics = _per_caller_families()
+        requests, counters = metrics[0], metrics[1:_COUNTER_BLOCKS]
+        ttft, queue = metrics[_COUNTER_BLOCKS:]
+        counted = list(zip(counters, families.PER_CALLER_COUNTERS, strict=True))
 
         # Samples are appended directly rather than through add_metric(): at 1,000 callers
         # that is ~80,000 samples per scrape, and add_metric's per-call copies were a quarter
         # of the render time (bench/bench_render.py).
-        requests_samples, prompt_samples = requests.samples, prompt.samples
-        cached_samples, unreported_samples = cached.samples, unreported.samples
         now = usage.now()
         for (caller, model), real in sorted(usage.series.items()):
             pair = {"caller": caller, "model": model}
             series = _shown(real, now)
             counts = series.requests
             for state in STATES:
-                requests_samples.append(Sample(
-                    "vllm_cache_requests_total",
-                    {"caller": caller, "model": model, "state": state}, counts[state]))
-            prompt_samples.append(Sample("vllm_cache_prompt_tokens_total", pair,
-                                         series.prompt_tokens))
-            cached_samples.append(Sample("vllm_cache_cached_tokens_total", pair,
-                                         series.cached_tokens))
-            unreported_samples.append(Sample("vllm_cache_unreported_prompt_tokens_total", pair,
-                                             series.unreported_prompt_tokens))
+                requests.samples.append(Sample(
+                    REQUESTS.total, {"caller": caller, "model": model, "state": state},
+                    counts[state]))
+            for metric, family in counted:
+                metric.samples.append(Sample(family.total, pair, getattr(series, family.field)))
             for state in STATES:
                 for source, hist in _ttft_histograms(real, state):
-                    _histogram(ttft.samples, "vllm_cache_ttft_seconds",
+                    _histogram(ttft.samples, TTFT,
                                {"caller": caller, "model": model, "state": state,
                                 "source": source},
                                _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
             for source, hist in _queue_histograms(real):
-                _histogram(queue.samples, "vllm_cache_queue_wait_seconds",
+                _histogram(queue.samples, QUEUE,
                            {"caller": caller, "model": model, "source": source},
                            _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
-        yield from families
+        yield from metrics
         yield from self._other_families()
 
     def render_text(self, out: list[str]) -> None:
@@ -377,9 +365,7 @@ class UsageCollector:
         # over and free at the end, where one per line would cost tens of milliseconds at
         # thousands of series; kept strings are shared, never copied, between renders.
         requests: list[str] = []
-        prompt: list[str] = []
-        cached: list[str] = []
-        unreported: list[str] = []
+        counters: list[tuple[str, ...]] = []  # per series, transposed at the end
         ttft: list[str] = []
         queue: list[str] = []
         per_slice = series_per_slice or SERIES_PER_SLICE
@@ -403,74 +389,52 @@ class UsageCollector:
                 if _fully_shown(real, now):
                     text.series, text.version, text.lines = real, version, lines
                 work += REUSED_PER_RENDERED
-            requests.append(lines[0])
-            prompt.append(lines[1])
-            cached.append(lines[2])
-            unreported.append(lines[3])
-            ttft.extend(lines[4])
-            queue.extend(lines[5])
+            series_requests, series_counters, series_ttft, series_queue = lines
+            requests.append(series_requests)
+            counters.append(series_counters)
+            ttft.extend(series_ttft)
+            queue.extend(series_queue)
             if work >= per_slice * REUSED_PER_RENDERED:
                 work = 0
                 yield
         yield
-        families = (requests, prompt, cached, unreported, ttft, queue)
         headers = _OPENMETRICS_HEADERS if fmt.openmetrics else _TEXT_HEADERS
         piece = SERIES_PER_PIECE
-        for head, blocks in zip(headers, families, strict=True):
+        # Per family: a series' counter lines are read from the tuples by one C-level zip.
+        by_family = (list(zip(*counters, strict=True))
+                     or [() for _ in families.PER_CALLER_COUNTERS])
+        blocks = (requests, *by_family, ttft, queue)
+        for head, family_blocks in zip(headers, blocks, strict=True):
             out.append(head)
-            for start in range(0, len(blocks), piece):
-                out.append("".join(blocks[start:start + piece]))
+            for start in range(0, len(family_blocks), piece):
+                out.append("".join(family_blocks[start:start + piece]))
                 yield
         encode_families(self._other_families(), out, fmt)
 
     def _other_families(self) -> Iterator[Metric]:
         usage = self.usage
-        granularity = GaugeMetricFamily(
-            "vllm_cache_granularity_tokens",
-            "Cache granularity in tokens used to classify this model's requests, and where it "
-            "came from: configured (--signals.granularity), learned (gcd of reported cached "
-            "counts), block_size (vLLM's prefix_match_unit or block_size).",
-            labels=["model", "source"])
+        granularity = families.gauge(families.GRANULARITY_TOKENS)
         for model, value, source in usage.granularities():
             granularity.add_metric([model, source], float(value))
 
-        events = CounterMetricFamily(
-            "vllm_cache_usage_events",
-            "Usage events accepted (and counted in vllm_cache_requests_total), by reader.",
-            labels=["reader"])
+        events = families.counter(families.USAGE_EVENTS)
         for reader, count in sorted(usage.events.items()):
             events.add_metric([reader], count)
-        rejected = CounterMetricFamily(
-            "vllm_cache_usage_events_rejected",
-            "Usage events a reader could not use, by reader and reason (see docs/metrics.md).",
-            labels=["reader", "reason"])
+        rejected = families.counter(families.USAGE_EVENTS_REJECTED)
         now = usage.now()
         shown_from = usage.rejected_shown_from
         for (reader, reason), count in sorted(usage.rejected.items()):
             held = shown_from.get((reader, reason), 0.0) > now
             rejected.add_metric([reader, reason], 0 if held else count)
-        last = GaugeMetricFamily(
-            "vllm_cache_usage_last_event_timestamp_seconds",
-            "Unix time the exporter last accepted an event from this reader.",
-            labels=["reader"])
+        last = families.gauge(families.USAGE_LAST_EVENT_TIMESTAMP_SECONDS)
         for reader, when in sorted(usage.last_event_time.items()):
             last.add_metric([reader], when)
-        refused = CounterMetricFamily(
-            "vllm_cache_usage_ingest_requests_rejected",
-            "POST /v1/usage requests refused as a whole (unauthorized, body_too_large, "
-            "bad_body, bad_format); their events are not counted anywhere else.",
-            labels=["reason"])
+        refused = families.counter(families.USAGE_INGEST_REQUESTS_REJECTED)
         for reason, count in sorted(usage.ingest_requests_rejected.items()):
             refused.add_metric([reason], count)
-        overflowed = CounterMetricFamily(
-            "vllm_cache_callers_overflowed",
-            "Events counted under caller=\"__other__\" because the caller cap "
-            "(--callers.max) was reached.")
+        overflowed = families.counter(families.CALLERS_OVERFLOWED)
         overflowed.add_metric([], usage.callers_overflowed)
-        folded = CounterMetricFamily(
-            "vllm_cache_callers_folded",
-            "Events counted under caller=\"__other__\" because their (caller, model) pair "
-            "would have gone over the series budget (--callers.max-series).")
+        folded = families.counter(families.CALLERS_FOLDED)
         folded.add_metric([], usage.series_folded)
 
         yield granularity
@@ -485,25 +449,13 @@ class UsageCollector:
     def _retry_families(self) -> Iterator[Metric]:
         """Timings left out of counted events, and the memory of ids for retried copies."""
         usage = self.usage
-        dropped = CounterMetricFamily(
-            "vllm_cache_usage_timings_dropped",
-            "Counted events whose proxy TTFT and queue wait were left out as inconsistent "
-            "(queue_exceeds_ttft: the wait, part of the TTFT, was longer than it).",
-            labels=["reader", "reason"])
+        dropped = families.counter(families.USAGE_TIMINGS_DROPPED)
         for reader in sorted(usage.events):
             for reason in TIMING_DROP_REASONS:
                 dropped.add_metric([reader, reason],
                                    usage.timings_dropped.get((reader, reason), 0))
-        remembered = GaugeMetricFamily(
-            "vllm_cache_usage_ids_remembered",
-            "Event ids (per caller) and POST /v1/usage Idempotency-Keys remembered to count "
-            "a retried copy once (--usage.dedup.max-ids, --usage.dedup.window).",
-            labels=["kind"])
-        forgotten = CounterMetricFamily(
-            "vllm_cache_usage_ids_forgotten_early",
-            "Event ids and Idempotency-Keys forgotten before --usage.dedup.window because "
-            "the cap (--usage.dedup.max-ids) was reached: a copy of one is counted again.",
-            labels=["kind"])
+        remembered = families.gauge(families.USAGE_IDS_REMEMBERED)
+        forgotten = families.counter(families.USAGE_IDS_FORGOTTEN_EARLY)
         for kind, keys in (("event_id", usage.event_ids),
                            ("idempotency_key", usage.batch_keys)):
             remembered.add_metric([kind], len(keys))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from exporter import families
 from exporter.monitoring.config import MonitoringConfig, duration_seconds
 from exporter.monitoring.promql import PromQL, number
 from exporter.monitoring.rules import CALLER, TARGET, Names
@@ -176,7 +177,7 @@ sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(promql.states
     def prefix_caching_disabled(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         expr = (f"max {promql.by(*TARGET)} "
-                f"(vllm_cache_engine_prefix_caching_enabled{promql.sel()}) == 0")
+                f"({families.ENGINE_PREFIX_CACHING_ENABLED.series}{promql.sel()}) == 0")
         return self.alert(
             "VllmCachePrefixCachingDisabled", expr, config.prefix_caching_disabled_for,
             config.prefix_caching_disabled_severity,
@@ -236,24 +237,27 @@ unless
         before the turns it evicts come back cold and the hit ratio falls."""
         config, promql, names = self.config, self.promql, self.names
         selector = promql.sel()
+        # The budget is the exporter's own series (recorded at its lowest over the pool's
+        # window): an operator who changes --signals.admission-headroom moves this line.
         expr = f"""
 {names.target_demand}{selector}
-  > {names.target_kv_pool_tokens}{selector} - {number(config.conversations_headroom_tokens)}
+  > {names.target_budget}{selector}
 and {names.target_conversations}{selector} >= {number(config.conversations_min_active)}"""
         active = self.query_value(names.target_conversations, TARGET, "humanize")
         pool = self.query_value(names.target_kv_pool_tokens, TARGET, "humanize")
         fit = self.query_value(names.target_fit_ratio, TARGET, "humanizePercentage")
+        budget = self.query_value(names.target_budget, TARGET, "humanize")
         return self.alert(
             "VllmCacheConversationsExceedKVPool", expr, config.conversations_for,
             config.conversations_severity,
             "The conversations active on a vLLM engine no longer fit its KV pool together.",
             f"""{active} conversations active on vLLM {{{{ $labels.target }}}}
             ({{{{ $labels.model_name }}}}) need {{{{ $value | humanize }}}} tokens of KV cache
-            to keep their prefixes, {fit} of its {pool}-token pool (less
-            {number(config.conversations_headroom_tokens)} tokens of headroom for their next
-            turns): each turn will evict another conversation's prefix, and the hit ratio will
-            collapse. Gate admission by tokens, under the smallest pool seen, or let fewer
-            conversations share this engine.""",
+            to keep their prefixes, {fit} of its {pool}-token pool and more than its
+            {budget}-token admission budget (the smallest pool seen less the exporter's
+            --signals.admission-headroom, room for their next turns): each turn will evict
+            another conversation's prefix, and the hit ratio will collapse. Gate admission by
+            tokens, under that budget, or let fewer conversations share this engine.""",
             self.dashboard_link(config.overview_uid, TARGET))
 
     def prompt_variable_top(self) -> dict[str, Any]:
@@ -283,7 +287,7 @@ and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
     def engine_down(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         return self.alert(
-            "VllmCacheEngineDown", f"vllm_cache_engine_up{promql.sel()} == 0",
+            "VllmCacheEngineDown", f"{families.ENGINE_UP.series}{promql.sel()} == 0",
             config.engine_down_for, config.engine_down_severity,
             "The exporter cannot read a vLLM engine's metrics.",
             f"""Exporter {{{{ $labels.instance }}}} has failed to read
@@ -307,7 +311,7 @@ and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
         signals = 'signal=~"' + "|".join(config.required_signals) + '"'
         return self.alert(
             "VllmCacheEngineMetricAbsent",
-            f"vllm_cache_engine_metric_present{promql.sel(signals)} == 0",
+            f"{families.ENGINE_METRIC_PRESENT.series}{promql.sel(signals)} == 0",
             config.metric_absent_for, config.metric_absent_severity,
             "vLLM no longer exposes a metric the cache rules depend on.",
             """vLLM {{ $labels.target }} exposes no metric for the {{ $labels.signal }}

@@ -62,6 +62,13 @@ class MonitoringConfig:
     dashboard_url: str = "http://localhost:3000"
     overview_uid: str = "vllm-cache-overview"
     caller_uid: str = "vllm-cache-caller"
+    # --- colour bands (dashboards and `vllm-cache-exporter demo`) ---------------------------
+    # A hit ratio (engine or caller) is red below fair, orange from fair, green from good.
+    hit_ratio_fair: float = 0.3
+    hit_ratio_good: float = 0.6
+    # The share of warm turns among the classified ones: the same three colours.
+    warm_share_fair: float = 0.5
+    warm_share_good: float = 0.8
     # --- VllmCachePrefixCollapse ------------------------------------------------------------
     collapse_drop_factor: float = 0.5  # short-window ratio below this x its long-window baseline
     collapse_min_baseline: float = 0.3  # ...and the baseline above this: there was a cache to lose
@@ -95,10 +102,9 @@ class MonitoringConfig:
     kv_pool_full_for: str = "15m"
     kv_pool_full_severity: str = "warning"
     # --- VllmCacheConversationsExceedKVPool (foresight) --------------------------------------
-    # The live conversations' demand above the pool less this many tokens: "two conversations
-    # fit when their summed context stays a few thousand tokens under N". Keep it equal to
-    # the exporter's --signals.admission-headroom, which sets the admission budget.
-    conversations_headroom_tokens: float = 4096.0
+    # Fires when the live conversations' demand passes the exporter's own admission budget
+    # (vllm_cache_engine_admission_budget_tokens: the smallest pool seen less the exporter's
+    # --signals.admission-headroom), so the headroom is set in one place, on the exporter.
     conversations_min_active: float = 2.0  # one conversation alone cannot be evicted by another
     conversations_for: str = "2m"
     conversations_severity: str = "warning"
@@ -179,54 +185,81 @@ def duration_seconds(text: str) -> float:
     return sum(int(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
 
 
-def _validate(config: MonitoringConfig) -> None:
-    def fail(name: str, problem: str) -> None:
-        raise MonitoringConfigError(f"{name}: {problem}")
+def _fail(name: str, problem: str) -> None:
+    raise MonitoringConfigError(f"{name}: {problem}")
 
+
+def _validate(config: MonitoringConfig) -> None:
+    """Every check, each naming the key it is about (the first that fails is raised)."""
+    _check_labels(config)
+    for item in fields(config):
+        _check_field(item.name, getattr(config, item.name))
+    _check_windows(config)
+    _check_fractions(config)
+    _check_links(config)
+
+
+def _check_labels(config: MonitoringConfig) -> None:
     try:
         parse_selector(config.selector)
     except ValueError as err:
-        fail("selector", str(err))
+        _fail("selector", str(err))
     for label in config.extra_group_labels:
         if not _LABEL.match(label):
-            fail("extra_group_labels", f"{label!r} is not a label name")
-    for item in fields(config):
-        value = getattr(config, item.name)
-        if item.name.endswith(("_for", "_window")) or item.name == "rule_interval":
-            if item.name == "rule_interval" and value == "":
-                continue
-            try:
-                seconds = duration_seconds(value)
-            except ValueError as err:
-                fail(item.name, str(err))
-            if item.name.endswith("_window") and seconds <= 0:
-                fail(item.name, "must be longer than 0")
-        elif item.name.endswith("_severity"):
-            if value not in SEVERITIES:
-                fail(item.name, f"must be one of {', '.join(SEVERITIES)}, got {value!r}")
-        elif isinstance(value, float) and value < 0:
-            fail(item.name, f"must not be negative, got {value}")
-    if config.short_seconds >= config.long_seconds:
-        fail("short_window", f"must be shorter than long_window ({config.long_window})")
-    if config.long_seconds >= config.baseline_seconds:
-        fail("long_window", f"must be shorter than baseline_window ({config.baseline_window})")
-    for name in ("collapse_drop_factor", "collapse_min_baseline", "warm_ttft_min_warm_share",
-                 "kv_pool_full_ratio", "prompt_order_share"):
-        if not 0 < getattr(config, name) <= 1:
-            fail(name, f"must be in (0, 1], got {getattr(config, name)}")
-    for name in ("overview_uid", "caller_uid"):
-        if not _UID.match(getattr(config, name)):
-            fail(name, "must be 1-40 letters, digits, '-' or '_' (a Grafana uid)")
-    if config.overview_uid == config.caller_uid:
-        fail("caller_uid", "must differ from overview_uid")
+            _fail("extra_group_labels", f"{label!r} is not a label name")
     if not config.required_signals:
-        fail("required_signals", "must name at least one signal")
+        _fail("required_signals", "must name at least one signal")
     for signal in config.required_signals:
         if not _LABEL.match(signal):
-            fail("required_signals", f"{signal!r} is not a signal name")
+            _fail("required_signals", f"{signal!r} is not a signal name")
+
+
+def _check_field(name: str, value: Any) -> None:
+    """What a key's name says it holds: a duration, a severity, a non-negative number."""
+    if name.endswith(("_for", "_window")) or name == "rule_interval":
+        if name == "rule_interval" and value == "":
+            return
+        try:
+            seconds = duration_seconds(value)
+        except ValueError as err:
+            _fail(name, str(err))
+        if name.endswith("_window") and seconds <= 0:
+            _fail(name, "must be longer than 0")
+    elif name.endswith("_severity"):
+        if value not in SEVERITIES:
+            _fail(name, f"must be one of {', '.join(SEVERITIES)}, got {value!r}")
+    elif isinstance(value, float) and value < 0:
+        _fail(name, f"must not be negative, got {value}")
+
+
+def _check_windows(config: MonitoringConfig) -> None:
+    if config.short_seconds >= config.long_seconds:
+        _fail("short_window", f"must be shorter than long_window ({config.long_window})")
+    if config.long_seconds >= config.baseline_seconds:
+        _fail("long_window", f"must be shorter than baseline_window ({config.baseline_window})")
+
+
+def _check_fractions(config: MonitoringConfig) -> None:
+    for name in ("collapse_drop_factor", "collapse_min_baseline", "warm_ttft_min_warm_share",
+                 "kv_pool_full_ratio", "prompt_order_share", "hit_ratio_fair",
+                 "hit_ratio_good", "warm_share_fair", "warm_share_good"):
+        if not 0 < getattr(config, name) <= 1:
+            _fail(name, f"must be in (0, 1], got {getattr(config, name)}")
+    for fair, good in (("hit_ratio_fair", "hit_ratio_good"),
+                       ("warm_share_fair", "warm_share_good")):
+        if getattr(config, fair) >= getattr(config, good):
+            _fail(good, f"must be above {fair} ({getattr(config, fair)})")
+
+
+def _check_links(config: MonitoringConfig) -> None:
+    for name in ("overview_uid", "caller_uid"):
+        if not _UID.match(getattr(config, name)):
+            _fail(name, "must be 1-40 letters, digits, '-' or '_' (a Grafana uid)")
+    if config.overview_uid == config.caller_uid:
+        _fail("caller_uid", "must differ from overview_uid")
     for name in ("runbook_url", "dashboard_url"):
         if not getattr(config, name).startswith(("http://", "https://")):
-            fail(name, "must be an http(s) URL")
+            _fail(name, "must be an http(s) URL")
 
 
 # --- YAML override ------------------------------------------------------------------------
@@ -254,6 +287,14 @@ def _coerce(name: str, default: Any, raw: Any) -> Any:
     raise MonitoringConfigError(f"{name}: unsupported setting")
 
 
+# Keys an older release had, and where their setting went.
+REMOVED = {
+    "conversations_headroom_tokens": "removed: VllmCacheConversationsExceedKVPool reads the "
+    "exporter's vllm_cache_engine_admission_budget_tokens; set the headroom with the "
+    "exporter's --signals.admission-headroom",
+}
+
+
 def config_from_mapping(data: Mapping[str, Any], source: str = "config") -> MonitoringConfig:
     """Defaults overridden by ``data``; unknown keys and wrong types are errors, not ignored."""
     defaults = MonitoringConfig()
@@ -261,6 +302,8 @@ def config_from_mapping(data: Mapping[str, Any], source: str = "config") -> Moni
     values: dict[str, Any] = {}
     for key, raw in data.items():
         name = str(key).replace("-", "_")
+        if name in REMOVED:
+            raise MonitoringConfigError(f"{source}: {key}: {REMOVED[name]}")
         if name not in known:
             raise MonitoringConfigError(f"{source}: {key}: unknown setting")
         try:

@@ -47,3 +47,42 @@ def number(value: float) -> str:
         return str(int(value))
     text = f"{value:.6f}".rstrip("0").rstrip(".")
     return text
+
+
+# --- the shared expressions ---------------------------------------------------------------
+# Rules and dashboards build every ratio from these, so a guard is written once: a ``> 0``
+# denominator makes an idle window yield no sample instead of NaN or a fake 0, and
+# ``(numerator or denominator * 0)`` makes an absent numerator (a caller that never had a
+# warm turn) an honest 0 for every label set the denominator has.
+
+
+def guarded(denominator: str) -> str:
+    """A denominator that drops its zero samples."""
+    return f"({denominator} > 0)"
+
+
+def over(numerator: str, denominator: str) -> str:
+    """numerator / denominator, no sample where the denominator is 0."""
+    return f"{numerator}\n/\n{guarded(denominator)}"
+
+
+def ratio(numerator: str, denominator: str) -> str:
+    """numerator / denominator where the numerator may be absent: 0 then, never a gap."""
+    return f"(\n  {numerator}\n  or\n  {denominator} * 0\n)\n/\n{guarded(denominator)}"
+
+
+def hit_ratio(cached: str, prompt: str) -> str:
+    """The token hit ratio: cached (or hit) tokens over prompt (or looked-up) tokens, both
+    already summed rates over the same labels."""
+    return ratio(cached, prompt)
+
+
+def warm_share(warm: str, classified: str) -> str:
+    """The share of warm turns among the classified ones (warm, partial, cold): short,
+    unknown and error turns say nothing about the cache and are out of the denominator."""
+    return ratio(warm, classified)
+
+
+def share(part: str, whole: str) -> str:
+    """A part of a whole that is always at least the part (unreported of all prompt tokens)."""
+    return over(part, whole)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from exporter import families
 from exporter.monitoring.config import MonitoringConfig
-from exporter.monitoring.promql import PromQL, number
+from exporter.monitoring.promql import PromQL, guarded, hit_ratio, over, ratio, warm_share
 
 CALLER = ("caller", "model")
 CALLER_STATE = ("caller", "model", "state")
@@ -29,7 +30,11 @@ MODEL = ("model_name",)
 CALLER_MODEL = ("model",)
 TARGET_SOURCE = ("target", "model_name", "source")
 # The KV-residency histograms whose median is recorded, by the name part they share.
-KV_BLOCK_HISTOGRAMS = ("idle_before_evict", "lifetime", "reuse_gap")
+KV_BLOCK_HISTOGRAMS = {
+    "idle_before_evict": families.ENGINE_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS,
+    "lifetime": families.ENGINE_KV_BLOCK_LIFETIME_SECONDS,
+    "reuse_gap": families.ENGINE_KV_BLOCK_REUSE_GAP_SECONDS,
+}
 
 QUANTILES = (("p50", 0.5), ("p95", 0.95))
 # What callers use of the completion budget they declare: the median, and the p99 an
@@ -47,10 +52,14 @@ class Names:
     def __init__(self, config: MonitoringConfig) -> None:
         short = PromQL.window_suffix(config.short_window)
         long = PromQL.window_suffix(config.long_window)
-        both = (short, long)
         # "p90_1d_rate1h": newest operation first, as Prometheus names recorded series.
         baseline = f"{BASELINE_QUANTILE[0]}_{config.baseline_window}_{long}"
         self.short, self.long, self.baseline = short, long, baseline
+        self._caller_names(short, long, baseline)
+        self._engine_names(config, short, long, baseline)
+
+    def _caller_names(self, short: str, long: str, baseline: str) -> None:
+        both = (short, long)
         # per caller
         self.caller_prompt = {
             window: f"caller_model:vllm_cache_prompt_tokens:{window}" for window in both}
@@ -77,6 +86,30 @@ class Names:
         self.model_state_ttft = {
             quantile: f"model_state:vllm_cache_ttft_seconds:{quantile}_{short}"
             for quantile, _ in QUANTILES}
+        # foresight: completion tokens declared vs used, per caller
+        self.caller_completion_bucket = (
+            f"caller_model:vllm_cache_completion_used_tokens_bucket:{long}")
+        self.caller_completion_used = {
+            quantile: f"caller_model:vllm_cache_completion_used_tokens:{quantile}_{long}"
+            for quantile, _ in COMPLETION_QUANTILES}
+        self.caller_completion_declared = (
+            f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}")
+        self.caller_completion_overstatement = (
+            f"caller_model:vllm_cache_completion_overstatement:ratio_{long}")
+        # prompt order (the tap): requests sharing most of their text but not its beginning
+        self.caller_order_compared = f"caller_model:vllm_cache_prompt_order_compared:{long}"
+        self.caller_order_variable_top = (
+            f"caller_model:vllm_cache_prompt_order_variable_top:{long}")
+        self.caller_order_share = (
+            f"caller_model:vllm_cache_prompt_order_variable_top_share:{long}")
+        self.caller_order_shared_bytes = (
+            f"caller_model:vllm_cache_prompt_order_shared_bytes:mean_{long}")
+        self.caller_order_first_difference = (
+            f"caller_model:vllm_cache_prompt_order_first_difference_bytes:mean_{long}")
+
+    def _engine_names(self, config: MonitoringConfig, short: str, long: str,
+                      baseline: str) -> None:
+        both = (short, long)
         # per vLLM target (and fleet-wide per model)
         self.target_queries = {
             window: f"target_model:vllm_cache_engine_prefix_cache_queries_tokens:{window}"
@@ -102,26 +135,6 @@ class Names:
         self.target_fit_ratio = "target_model:vllm_cache_conversations_fit:ratio"
         self.target_pool_min = f"target_model:vllm_cache_engine_kv_pool_min_tokens:{pool_min}"
         self.target_budget = f"target_model:vllm_cache_admission_budget_tokens:{pool_min}"
-        # foresight: completion tokens declared vs used, per caller
-        self.caller_completion_bucket = (
-            f"caller_model:vllm_cache_completion_used_tokens_bucket:{long}")
-        self.caller_completion_used = {
-            quantile: f"caller_model:vllm_cache_completion_used_tokens:{quantile}_{long}"
-            for quantile, _ in COMPLETION_QUANTILES}
-        self.caller_completion_declared = (
-            f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}")
-        self.caller_completion_overstatement = (
-            f"caller_model:vllm_cache_completion_overstatement:ratio_{long}")
-        # prompt order (the tap): requests sharing most of their text but not its beginning
-        self.caller_order_compared = f"caller_model:vllm_cache_prompt_order_compared:{long}"
-        self.caller_order_variable_top = (
-            f"caller_model:vllm_cache_prompt_order_variable_top:{long}")
-        self.caller_order_share = (
-            f"caller_model:vllm_cache_prompt_order_variable_top_share:{long}")
-        self.caller_order_shared_bytes = (
-            f"caller_model:vllm_cache_prompt_order_shared_bytes:mean_{long}")
-        self.caller_order_first_difference = (
-            f"caller_model:vllm_cache_prompt_order_first_difference_bytes:mean_{long}")
         # where prompt tokens came from, per vLLM target and source
         self.target_source_prompt = (
             f"target_model_source:vllm_cache_engine_prompt_tokens_by_source:{short}")
@@ -145,8 +158,7 @@ def _rule(record: str, expr: str) -> dict[str, Any]:
 
 def _ratio(promql: PromQL, numerator: str, denominator: str) -> str:
     """numerator / denominator of two recorded series with the same labels, 0/0 guarded."""
-    return (f"(\n  {numerator}{promql.sel()}\n  or\n  {denominator}{promql.sel()} * 0\n)\n/\n"
-            f"({denominator}{promql.sel()} > 0)")
+    return ratio(f"{numerator}{promql.sel()}", f"{denominator}{promql.sel()}")
 
 
 def _baseline(config: MonitoringConfig, promql: PromQL, ratio: str) -> str:
@@ -168,20 +180,20 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
     windows = ((names.short, config.short_window), (names.long, config.long_window))
     for suffix, window in windows:
         rules.append(_rule(names.caller_prompt[suffix],
-                           f"sum {promql.by(*CALLER)} (rate(vllm_cache_prompt_tokens_total"
+                           f"sum {promql.by(*CALLER)} (rate({families.PROMPT_TOKENS.total}"
                            f"{promql.sel()}[{window}]))"))
         rules.append(_rule(names.caller_cached[suffix],
-                           f"sum {promql.by(*CALLER)} (rate(vllm_cache_cached_tokens_total"
+                           f"sum {promql.by(*CALLER)} (rate({families.CACHED_TOKENS.total}"
                            f"{promql.sel()}[{window}]))"))
         rules.append(_rule(names.caller_hit_ratio[suffix],
-                           _ratio(promql, names.caller_cached[suffix],
-                                  names.caller_prompt[suffix])))
+                           hit_ratio(names.caller_cached[suffix] + promql.sel(),
+                                     names.caller_prompt[suffix] + promql.sel())))
         rules.append(_rule(names.caller_unreported[suffix],
                            f"sum {promql.by(*CALLER)} ("
-                           f"rate(vllm_cache_unreported_prompt_tokens_total"
+                           f"rate({families.UNREPORTED_PROMPT_TOKENS.total}"
                            f"{promql.sel()}[{window}]))"))
     rules.append(_rule(names.caller_state_requests,
-                       f"sum {promql.by(*CALLER_STATE)} (rate(vllm_cache_requests_total"
+                       f"sum {promql.by(*CALLER_STATE)} (rate({families.REQUESTS.total}"
                        f"{promql.sel()}[{config.short_window}]))"))
     classified = promql.states_matcher()
     warm_only = 'state="warm"'
@@ -192,14 +204,14 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
             total = (f"sum {promql.by(*CALLER)} "
                      f"({names.caller_state_requests}{promql.sel(classified)})")
         else:
-            warm = (f"sum {promql.by(*CALLER)} (rate(vllm_cache_requests_total"
+            warm = (f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
                     f"{promql.sel(warm_only)}[{window}]))")
-            total = (f"sum {promql.by(*CALLER)} (rate(vllm_cache_requests_total"
+            total = (f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
                      f"{promql.sel(classified)}[{window}]))")
         # Short (too small for one granule), unknown (cached tokens not reported) and error
         # turns say nothing about the cache, so they are out of the denominator.
         rules.append(_rule(names.caller_warm_share[suffix],
-                           f"(\n  {warm}\n  or\n  {total} * 0\n)\n/\n({total} > 0)"))
+                           warm_share(warm, total)))
     rules.append(_rule(names.caller_hit_ratio[names.baseline],
                        _baseline(config, promql, names.caller_hit_ratio[names.long])))
     rules.append(_rule(names.caller_warm_share[names.baseline],
@@ -208,7 +220,7 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL,
     # summed into one distribution.
     rules.append(_rule(names.caller_state_ttft_bucket,
                        f"sum {promql.by(*CALLER_STATE, 'source', 'le')} ("
-                       f"rate(vllm_cache_ttft_seconds_bucket"
+                       f"rate({families.TTFT_SECONDS.bucket}"
                        f"{promql.sel(classified)}[{config.short_window}]))"))
     # ">= 0" drops the NaN histogram_quantile returns for a window without requests.
     for name, quantile in QUANTILES:
@@ -237,20 +249,20 @@ def _prompt_order_rules(config: MonitoringConfig, promql: PromQL,
     beginning, and, of those, the mean shared length and where they first differ."""
     window = config.long_window
 
-    def rate(series: str) -> str:
-        return (f"sum {promql.by(*CALLER)} (rate(vllm_cache_prompt_order_{series}_total"
-                f"{promql.sel()}[{window}]))")
+    def rate(family: families.Family) -> str:
+        return f"sum {promql.by(*CALLER)} (rate({family.total}{promql.sel()}[{window}]))"
 
     flagged = names.caller_order_variable_top
     return [
-        _rule(names.caller_order_compared, rate("compared")),
-        _rule(flagged, rate("variable_top")),
+        _rule(names.caller_order_compared, rate(families.PROMPT_ORDER_COMPARED)),
+        _rule(flagged, rate(families.PROMPT_ORDER_VARIABLE_TOP)),
         _rule(names.caller_order_share,
               _ratio(promql, flagged, names.caller_order_compared)),
         _rule(names.caller_order_shared_bytes,
-              f"{rate('shared_bytes')}\n/\n({flagged}{promql.sel()} > 0)"),
+              over(rate(families.PROMPT_ORDER_SHARED_BYTES), flagged + promql.sel())),
         _rule(names.caller_order_first_difference,
-              f"{rate('first_difference_bytes')}\n/\n({flagged}{promql.sel()} > 0)"),
+              over(rate(families.PROMPT_ORDER_FIRST_DIFFERENCE_BYTES),
+                   flagged + promql.sel())),
     ]
 
 
@@ -261,20 +273,20 @@ def _completion_rules(config: MonitoringConfig, promql: PromQL,
     window = config.long_window
     rules = [_rule(names.caller_completion_bucket,
                    f"sum {promql.by(*CALLER, 'le')} (rate("
-                   f"vllm_cache_completion_used_tokens_bucket{promql.sel()}[{window}]))")]
+                   f"{families.COMPLETION_USED_TOKENS.bucket}{promql.sel()}[{window}]))")]
     for name, quantile in COMPLETION_QUANTILES:
         rules.append(_rule(names.caller_completion_used[name],
                            f"histogram_quantile({quantile}, "
                            f"{names.caller_completion_bucket}{promql.sel()}) >= 0"))
     declared = (f"sum {promql.by(*CALLER)} (rate("
-                f"vllm_cache_completion_declared_tokens_total{promql.sel()}[{window}]))")
+                f"{families.COMPLETION_DECLARED_TOKENS.total}{promql.sel()}[{window}]))")
     requests = (f"sum {promql.by(*CALLER)} (rate("
-                f"vllm_cache_completion_used_tokens_count{promql.sel()}[{window}]))")
+                f"{families.COMPLETION_USED_TOKENS.count}{promql.sel()}[{window}]))")
     rules.append(_rule(names.caller_completion_declared,
-                       f"{declared}\n/\n({requests} > 0)"))
+                       over(declared, requests)))
     rules.append(_rule(names.caller_completion_overstatement,
-                       f"{names.caller_completion_declared}{promql.sel()}\n/\n"
-                       f"({names.caller_completion_used['p50']}{promql.sel()} > 0)"))
+                       over(names.caller_completion_declared + promql.sel(),
+                            names.caller_completion_used["p50"] + promql.sel())))
     return rules
 
 
@@ -285,36 +297,37 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL,
                            (names.long, config.long_window)):
         rules.append(_rule(names.target_queries[suffix],
                            f"sum {promql.by(*TARGET)} (rate("
-                           f"vllm_cache_engine_prefix_cache_queries_tokens_total{promql.sel()}"
+                           f"{families.ENGINE_PREFIX_CACHE_QUERIES_TOKENS.total}{promql.sel()}"
                            f"[{window}]))"))
         rules.append(_rule(names.target_hits[suffix],
                            f"sum {promql.by(*TARGET)} (rate("
-                           f"vllm_cache_engine_prefix_cache_hits_tokens_total{promql.sel()}"
+                           f"{families.ENGINE_PREFIX_CACHE_HITS_TOKENS.total}{promql.sel()}"
                            f"[{window}]))"))
         rules.append(_rule(names.target_hit_ratio[suffix],
-                           _ratio(promql, names.target_hits[suffix],
-                                  names.target_queries[suffix])))
+                           hit_ratio(names.target_hits[suffix] + promql.sel(),
+                                     names.target_queries[suffix] + promql.sel())))
         hits = f"sum {promql.by(*MODEL)} ({names.target_hits[suffix]}{promql.sel()})"
         queries = f"sum {promql.by(*MODEL)} ({names.target_queries[suffix]}{promql.sel()})"
         rules.append(_rule(names.model_hit_ratio[suffix],
-                           f"(\n  {hits}\n  or\n  {queries} * 0\n)\n/\n({queries} > 0)"))
+                           hit_ratio(hits, queries)))
     rules.append(_rule(names.target_hit_ratio[names.baseline],
                        _baseline(config, promql, names.target_hit_ratio[names.long])))
     rules.append(_rule(names.target_kv_used_tokens,
                        f"sum {promql.by(*TARGET)} "
-                       f"(vllm_cache_engine_kv_used_tokens{promql.sel()})"))
+                       f"({families.ENGINE_KV_USED_TOKENS.series}{promql.sel()})"))
     rules.append(_rule(names.target_kv_pool_tokens,
                        f"sum {promql.by(*TARGET)} "
-                       f"(vllm_cache_engine_kv_pool_tokens{promql.sel()})"))
+                       f"({families.ENGINE_KV_POOL_TOKENS.series}{promql.sel()})"))
     rules.append(_rule(names.target_kv_used_ratio,
-                       f"{names.target_kv_used_tokens}{promql.sel()}\n/\n"
-                       f"({names.target_kv_pool_tokens}{promql.sel()} > 0)"))
+                       over(names.target_kv_used_tokens + promql.sel(),
+                            names.target_kv_pool_tokens + promql.sel())))
     rules.append(_rule(names.model_kv_used_ratio,
-                       f"sum {promql.by(*MODEL)} ({names.target_kv_used_tokens}{promql.sel()})"
-                       f"\n/\n(sum {promql.by(*MODEL)} "
-                       f"({names.target_kv_pool_tokens}{promql.sel()}) > 0)"))
+                       over(f"sum {promql.by(*MODEL)} ({names.target_kv_used_tokens}"
+                            f"{promql.sel()})",
+                            f"sum {promql.by(*MODEL)} ({names.target_kv_pool_tokens}"
+                            f"{promql.sel()})")))
     rules.append(_rule(names.target_preemptions,
-                       f"sum {promql.by(*TARGET)} (rate(vllm_cache_engine_preemptions_total"
+                       f"sum {promql.by(*TARGET)} (rate({families.ENGINE_PREEMPTIONS.total}"
                        f"{promql.sel()}[{config.short_window}]))"))
     rules.append(_rule(names.model_preemptions,
                        f"sum {promql.by(*MODEL)} ({names.target_preemptions}{promql.sel()})"))
@@ -325,23 +338,26 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL,
 def _foresight_engine_rules(config: MonitoringConfig, promql: PromQL,
                             names: Names) -> list[dict[str, Any]]:
     """Live conversations against the pool (read after the pool's own rule, in this group),
-    and the smallest pool over ``pool_min_window`` with the admission budget under it."""
+    and the smallest pool over ``pool_min_window`` with the admission budget under it: the
+    exporter's own (the pool it saw less its --signals.admission-headroom), at its lowest
+    over the same window, so an exporter restart does not forget a smaller pool."""
     selector = promql.sel()
-    headroom = number(config.conversations_headroom_tokens)
     return [
         _rule(names.target_conversations,
-              f"sum {promql.by(*TARGET)} (vllm_cache_engine_conversations_active{selector})"),
+              f"sum {promql.by(*TARGET)} "
+              f"({families.ENGINE_CONVERSATIONS_ACTIVE.series}{selector})"),
         _rule(names.target_demand,
               f"sum {promql.by(*TARGET)} "
-              f"(vllm_cache_engine_conversations_demand_tokens{selector})"),
+              f"({families.ENGINE_CONVERSATIONS_DEMAND_TOKENS.series}{selector})"),
         _rule(names.target_fit_ratio,
-              f"{names.target_demand}{selector}\n/\n"
-              f"({names.target_kv_pool_tokens}{selector} > 0)"),
+              over(names.target_demand + selector, names.target_kv_pool_tokens + selector)),
         _rule(names.target_pool_min,
               f"sum {promql.by(*TARGET)} (min_over_time("
-              f"vllm_cache_engine_kv_pool_min_tokens{selector}[{config.pool_min_window}]))"),
+              f"{families.ENGINE_KV_POOL_MIN_TOKENS.series}{selector}[{config.pool_min_window}]))"),
         _rule(names.target_budget,
-              f"clamp_min({names.target_pool_min}{selector} - {headroom}, 0)"),
+              f"sum {promql.by(*TARGET)} (min_over_time("
+              f"{families.ENGINE_ADMISSION_BUDGET_TOKENS.series}{selector}"
+              f"[{config.pool_min_window}]))"),
     ]
 
 
@@ -349,7 +365,7 @@ def _share(promql: PromQL, rate: str) -> str:
     """Each source's share of a recorded per-source rate, within its (target, model_name)."""
     total = f"sum {promql.by(*TARGET)} ({rate}{promql.sel()})"
     # "group_left ()": a bare group_left would take the parenthesis after it for its labels.
-    return f"{rate}{promql.sel()}\n/ {promql.on(*TARGET)} group_left ()\n({total} > 0)"
+    return f"{rate}{promql.sel()}\n/ {promql.on(*TARGET)} group_left ()\n{guarded(total)}"
 
 
 def _source_rules(config: MonitoringConfig, promql: PromQL,
@@ -361,11 +377,11 @@ def _source_rules(config: MonitoringConfig, promql: PromQL,
     return [
         _rule(names.target_source_prompt,
               f"sum {promql.by(*TARGET_SOURCE)} (rate("
-              f"vllm_cache_engine_prompt_tokens_by_source_total{promql.sel()}[{window}]))"),
+              f"{families.ENGINE_PROMPT_TOKENS_BY_SOURCE.total}{promql.sel()}[{window}]))"),
         _rule(names.target_source_prompt_share, _share(promql, names.target_source_prompt)),
         _rule(names.target_source_cached,
               f"sum {promql.by(*TARGET_SOURCE)} (rate("
-              f"vllm_cache_engine_prompt_tokens_cached_by_source_total{promql.sel()}"
+              f"{families.ENGINE_PROMPT_TOKENS_CACHED_BY_SOURCE.total}{promql.sel()}"
               f"[{window}]))"),
         _rule(names.target_source_cached_share, _share(promql, names.target_source_cached)),
     ]
@@ -385,13 +401,13 @@ def _residency_rules(config: MonitoringConfig, promql: PromQL,
         rules.append(_rule(
             names.target_kv_block_median[histogram],
             f"histogram_quantile(0.5, sum {promql.by(*TARGET, 'le')} (rate("
-            f"vllm_cache_engine_kv_block_{histogram}_seconds_bucket{promql.sel()}"
+            f"{KV_BLOCK_HISTOGRAMS[histogram].bucket}{promql.sel()}"
             f"[{window}]))) >= 0"))
     idle = (f"sum {promql.by(*TARGET)} (rate("
-            f"vllm_cache_engine_kv_block_idle_before_evict_seconds_sum{promql.sel()}[{window}]))")
+            f"{families.ENGINE_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS.sum}{promql.sel()}[{window}]))")
     lifetime = (f"sum {promql.by(*TARGET)} (rate("
-                f"vllm_cache_engine_kv_block_lifetime_seconds_sum{promql.sel()}[{window}]))")
-    rules.append(_rule(names.target_kv_block_idle_share, f"{idle}\n/\n({lifetime} > 0)"))
+                f"{families.ENGINE_KV_BLOCK_LIFETIME_SECONDS.sum}{promql.sel()}[{window}]))")
+    rules.append(_rule(names.target_kv_block_idle_share, over(idle, lifetime)))
     return rules
 
 

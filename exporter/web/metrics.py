@@ -14,11 +14,10 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+import exporter.families as families
 from exporter.web.listener import ReloadStatus
 
-RELOADS = "vllm_cache_exporter_web_config_reloads"
-LAST_SUCCESS = "vllm_cache_exporter_web_config_last_reload_success_timestamp_seconds"
-NOT_AFTER = "vllm_cache_exporter_tls_certificate_not_after_timestamp_seconds"
+NOT_AFTER = families.EXPORTER_TLS_CERTIFICATE_NOT_AFTER_TIMESTAMP_SECONDS.name
 
 
 class WebConfigCollector(Collector):
@@ -36,16 +35,10 @@ class WebConfigCollector(Collector):
     @staticmethod
     def _families(statuses: Iterable[ReloadStatus],
                   ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        reloads = CounterMetricFamily(
-            RELOADS, "Re-reads of the web config file (on a change or SIGHUP) by result; a "
-            "failure keeps the previous configuration.", labels=["listener", "result"])
-        last = GaugeMetricFamily(
-            LAST_SUCCESS, "Unix time the listener's web config was last loaded (at start or "
-            "by a reload).", labels=["listener"])
-        not_after = GaugeMetricFamily(
-            NOT_AFTER, "Unix time the TLS certificate the listener serves expires (the "
-            "earliest notAfter of the chain in its certificate file); it is served even "
-            "once expired.", labels=["listener"])
+        reloads = families.counter(families.EXPORTER_WEB_CONFIG_RELOADS)
+        last = families.gauge(
+            families.EXPORTER_WEB_CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP_SECONDS)
+        not_after = families.gauge(families.EXPORTER_TLS_CERTIFICATE_NOT_AFTER_TIMESTAMP_SECONDS)
         for status in statuses:
             reloads.add_metric([status.listener, "success"], status.successes)
             reloads.add_metric([status.listener, "failure"], status.failures)

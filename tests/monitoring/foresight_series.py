@@ -48,6 +48,7 @@ SERIES = (
     "vllm_cache_engine_prefix_cache_hits_tokens_total",
     "vllm_cache_engine_kv_pool_tokens",
     "vllm_cache_engine_kv_pool_min_tokens",
+    "vllm_cache_engine_admission_budget_tokens",
     "vllm_cache_engine_conversations_active",
     "vllm_cache_engine_conversations_demand_tokens",
 )

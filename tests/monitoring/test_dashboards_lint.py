@@ -18,7 +18,7 @@ import pytest
 
 from exporter.monitoring.config import MonitoringConfig
 from exporter.monitoring.rules import recorded_names
-from tests.monitoring.common import DASHBOARD_DIR, METRICS_DOC
+from tests.monitoring.common import DASHBOARD_DIR, METRICS_DOC, RULES_FILE, rules
 from tests.monitoring.promql_scan import metric_names, rate_windows, scan
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -164,7 +164,16 @@ def test_overview_and_caller_cover_the_issue() -> None:
     caller, KV used vs pool in tokens, preemptions, running and waiting, prefix caching
     on/off per engine, granularity; and a per-caller drill-down."""
     overview_targets = targets(load(DASHBOARD_DIR / "vllm-cache-overview.json"))
-    overview = " ".join(t["expr"] for t in overview_targets)
+    # A panel that reads a recorded series reads what its rule (and the rules it builds on)
+    # reads: the dashboards read recorded series wherever a rule records them.
+    recorded = {rule["record"]: rule["expr"] for rule in rules(RULES_FILE)}
+    pending = [t["expr"] for t in overview_targets]
+    read: list[str] = []
+    while pending:
+        expr = pending.pop()
+        read.append(expr)
+        pending.extend(recorded.pop(name) for name in metric_names(expr) if name in recorded)
+    overview = " ".join(read)
     for series in ("vllm_cache_engine_prefix_cache_hits_tokens_total",
                    "vllm_cache_cached_tokens_total", "vllm_cache_ttft_seconds_bucket",
                    "vllm_cache_requests_total", "vllm_cache_engine_kv_used_tokens",

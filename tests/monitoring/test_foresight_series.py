@@ -51,17 +51,16 @@ def test_every_scenario_file_runs_the_series_through_the_shipped_rules() -> None
 
 def test_the_collapse_is_seen_in_the_demand_before_the_hit_ratio() -> None:
     """The data behind conversations_two_agents_collapse.yaml, read without promtool: the
-    demand of two live conversations passes the pool less the default headroom at 4m45s,
+    demand of two live conversations passes the exporter's admission budget at 4m45s,
     when the engine's hit ratio over the last 5 minutes still reads healthy."""
     played = foresight_series.exporter_series("two-agents-collapse")
     series = {name.split("{")[0]: values for name, values in played.series.items()}
     demand = series["vllm_cache_engine_conversations_demand_tokens"]
     active = series["vllm_cache_engine_conversations_active"]
-    pool = series["vllm_cache_engine_kv_pool_tokens"]
-    headroom = MonitoringConfig().conversations_headroom_tokens
+    budget = series["vllm_cache_engine_admission_budget_tokens"]
     over = [step for step in range(played.steps + 1)
             if demand[step] is not None and active[step] is not None and active[step] >= 2
-            and demand[step] > pool[step] - headroom]
+            and demand[step] > budget[step]]
     assert over[0] * foresight_series.STEP_SECONDS == 4 * 60 + 45
     hits = series["vllm_cache_engine_prefix_cache_hits_tokens_total"]
     queries = series["vllm_cache_engine_prefix_cache_queries_tokens_total"]
@@ -115,10 +114,9 @@ def test_the_minutes_before_the_page_that_the_docs_quote_are_measured():
     played = foresight_series.exporter_series("two-agents-collapse")
     series = {name.split("{")[0]: values for name, values in played.series.items()}
     demand = series["vllm_cache_engine_conversations_demand_tokens"]
-    pool = series["vllm_cache_engine_kv_pool_tokens"]
-    headroom = MonitoringConfig().conversations_headroom_tokens
+    budget = series["vllm_cache_engine_admission_budget_tokens"]
     first = next(step for step, value in enumerate(demand)
-                 if value is not None and value > (pool[step] or 0) - headroom)
+                 if value is not None and value > (budget[step] or 0))
     assert first * foresight_series.STEP_SECONDS == warning
     words = NUMBER_WORDS[(page - warning) // 60]
     readme = " ".join((ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8").split())

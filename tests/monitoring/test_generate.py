@@ -150,6 +150,11 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
     ({"caller_uid": "vllm-cache-overview"}, "caller_uid: must differ from overview_uid"),
     ({"dashboard_url": "grafana:3000"}, "dashboard_url: must be an http(s) URL"),
     ({"required_signals": []}, "required_signals: must name at least one signal"),
+    ({"hit_ratio_good": 0.2}, "hit_ratio_good: must be above hit_ratio_fair (0.3)"),
+    ({"warm_share_fair": 0}, "warm_share_fair: must be in (0, 1]"),
+    ({"conversations_headroom_tokens": 8192},
+     "conversations_headroom_tokens: removed: VllmCacheConversationsExceedKVPool reads the "
+     "exporter's vllm_cache_engine_admission_budget_tokens"),
     ("- a list\n", "must hold a mapping of settings"),
     ("key: [unclosed\n", "not valid YAML at line"),
 ])

@@ -14,9 +14,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from exporter.monitoring.config import MonitoringConfig, config_from_mapping
 from exporter.monitoring.render import ALERTS_PATH, RULES_PATH, prometheus_files
+from exporter.signals.foresight import admission_budget
 from tests.monitoring.common import (
     ALERTS_DIR,
     ALERTS_FILE,
@@ -128,3 +130,53 @@ def test_deploy_configs_are_valid(tmp_path: Path) -> None:
     amtool = require_tool("amtool")
     result = run(amtool, "check-config", str(ROOT / "deploy" / "alertmanager.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _budget_alert_test(headroom: int) -> dict[str, object]:
+    """Two conversations needing 90,000 tokens of a 100,000-token pool, with the admission
+    budget the exporter serves for ``headroom`` (its --signals.admission-headroom)."""
+    labels = ('job="vllm-cache-exporter", instance="exporter:10123", '
+              'target="http://vllm:8000/metrics", model_name="m"')
+    budget = admission_budget(100_000, headroom)
+    series = {
+        "vllm_cache_engine_kv_pool_tokens": 100_000,
+        "vllm_cache_engine_kv_pool_min_tokens": 100_000,
+        "vllm_cache_engine_admission_budget_tokens": budget,
+        "vllm_cache_engine_conversations_active": 2,
+        "vllm_cache_engine_conversations_demand_tokens": 90_000,
+    }
+    per_engine = ("pool_tokens", "pool_min_tokens", "budget_tokens")
+    return {"interval": "15s", "input_series": [
+        {"series": f"{name}{{{labels}" + (', engine="0"' if name.endswith(per_engine) else "")
+                   + "}", "values": f"{value}x40"} for name, value in series.items()],
+        "promql_expr_test": [{
+            "expr": 'count(ALERTS{alertname="VllmCacheConversationsExceedKVPool", '
+                    'alertstate="firing"}) or vector(0)',
+            "eval_time": "5m", "exp_samples": [{"labels": "{}", "value": 1 if budget < 90_000
+                                                 else 0}]}]}
+
+
+@pytest.mark.parametrize("headroom", [4_096, 20_000])
+def test_the_demand_alert_fires_where_the_exporter_s_headroom_puts_the_budget(
+        tmp_path: Path, headroom: int) -> None:
+    """VllmCacheConversationsExceedKVPool reads the exporter's own admission budget: the same
+    demand and pool stay silent under the default headroom (budget 95,904) and fire under a
+    headroom of 20,000 (budget 80,000), with no change to the monitoring config."""
+    promtool = require_tool("promtool")
+    alerts_dir = tmp_path / "alerts"
+    (alerts_dir / "tests").mkdir(parents=True)
+    for relative, content in prometheus_files(MonitoringConfig()).items():
+        if relative in (RULES_PATH, ALERTS_PATH):
+            (tmp_path / relative).write_text(content, encoding="utf-8")
+    test_file = alerts_dir / "tests" / "budget.yaml"
+    test_file.write_text(yaml.safe_dump({
+        "rule_files": ["../vllm-cache-rules.yaml", "../vllm-cache-alerts.yaml"],
+        "evaluation_interval": "15s", "tests": [_budget_alert_test(headroom)]}), "utf-8")
+    result = run(promtool, "test", "rules", "tests/budget.yaml", cwd=alerts_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # And the other expectation fails: the test tells the two budgets apart.
+    data = yaml.safe_load(test_file.read_text("utf-8"))
+    sample = data["tests"][0]["promql_expr_test"][0]["exp_samples"][0]
+    sample["value"] = 1 - sample["value"]
+    test_file.write_text(yaml.safe_dump(data), "utf-8")
+    assert run(promtool, "test", "rules", "tests/budget.yaml", cwd=alerts_dir).returncode != 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from grafanalib import core as g
 
+from exporter import families
 from exporter.monitoring.config import MonitoringConfig
 from exporter.monitoring.dashboards.panels import (
     RATE,
@@ -22,14 +23,15 @@ from exporter.monitoring.dashboards.panels import (
     stat,
     target,
     timeseries,
+    warm_share_stat,
 )
-from exporter.monitoring.promql import CLASSIFIED_STATES, number
-from exporter.monitoring.rules import Names
+from exporter.monitoring.promql import PromQL, hit_ratio, number, over, share
+from exporter.monitoring.rules import QUANTILES, Names
 
 FILENAME = "vllm-cache-caller.json"
 TITLE = "vLLM prefix cache: caller"
 
-CLASSIFIED = 'state=~"' + "|".join(CLASSIFIED_STATES) + '"'
+CLASSIFIED = PromQL.states_matcher()
 WARM = 'state="warm"'
 COLD = 'state="cold"'
 SOURCES = ("One series per source: engine is vLLM's own (scheduled to first token, vLLM with "
@@ -41,44 +43,51 @@ def variables(config: MonitoringConfig) -> list[g.Template]:
     filters = Filters(config)
     return [
         query_variable("job", "Job",
-                       f"label_values(vllm_cache_exporter_build_info{filters.selector()}, job)"),
+                       f"label_values({families.EXPORTER_BUILD_INFO.series}"
+                       f"{filters.selector()}, job)"),
         query_variable("model", "Model",
-                       f"label_values(vllm_cache_requests_total{filters.job()}, model)"),
+                       f"label_values({families.REQUESTS.total}{filters.job()}, model)"),
         query_variable("caller", "Caller",
-                       f"label_values(vllm_cache_requests_total{filters.model()}, caller)"),
+                       f"label_values({families.REQUESTS.total}{filters.model()}, caller)"),
     ]
 
 
 def build(config: MonitoringConfig) -> g.Dashboard:
     filters = Filters(config)
     names = Names(config)
-    callers = filters.caller()
-    warm_callers, classified_callers = filters.caller(WARM), filters.caller(CLASSIFIED)
-    baseline = names.caller_hit_ratio[names.baseline]
     layout = Layout()
+    _now_row(layout, config, filters, names)
+    _cache_row(layout, config, filters, names)
+    _waiting_row(layout, filters)
+    _prompt_order_row(layout, config, filters, names)
+    return dashboard(
+        config, TITLE, config.caller_uid,
+        "One caller's prefix-cache hit ratio against the collapse alert's baseline, its turns "
+        "by cache outcome, time to first token and admission wait, and its prompt order, "
+        "from vllm-cache-exporter.",
+        variables(config), layout)
+
+
+def _now_row(layout: Layout, config: MonitoringConfig, filters: Filters, names: Names) -> None:
+    callers = filters.caller()
+    short = names.short
 
     def ttft_median(state: str) -> str:
         # One value per source: vLLM's own and the proxy's are never one distribution.
-        return (f"histogram_quantile(0.5, sum by (source, le) (rate("
-                f"vllm_cache_ttft_seconds_bucket{filters.caller(state)}[{RATE}])))")
+        return (f"histogram_quantile(0.5, sum by (source, le) ("
+                f"{names.caller_state_ttft_bucket}{filters.caller(state)}))")
 
     layout.row("Now")
     layout.add(caller_hit_ratio_stat(
-        "Hit ratio",
-        "Share of the selected callers' prompt tokens served from the prefix cache", callers),
-        4, 5)
-    layout.add(stat(
-        "Warm turns",
-        "Share of warm turns among warm, partial and cold ones.",
-        "percentunit",
-        [target(f"(sum(rate(vllm_cache_requests_total{warm_callers}[{RATE}])) or vector(0))"
-                f"\n/\n(sum(rate(vllm_cache_requests_total{classified_callers}[{RATE}])) > 0)")],
-        thresholds=[("red", None), ("orange", 0.5), ("green", 0.8)]), 4, 5)
+        config, "Hit ratio",
+        "Share of the selected callers' prompt tokens served from the prefix cache"), 4, 5)
+    layout.add(warm_share_stat(
+        config, "Warm turns", "Share of warm turns among warm, partial and cold ones."), 4, 5)
     layout.add(stat(
         "Turns per second",
         "Requests per second from the selected callers, all states.",
         "reqps",
-        [target(f"sum(rate(vllm_cache_requests_total{callers}[{RATE}]))")]), 4, 5)
+        [target(f"sum({names.caller_state_requests}{callers})")]), 4, 5)
     layout.add(stat(
         "Median TTFT, warm turns",
         "Engine-side median time to first token of warm turns: seconds when the cache holds. "
@@ -89,17 +98,22 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Engine-side median time to first token of cold turns: what every turn costs once "
         f"the cache is lost. {SOURCES}",
         "s", [target(ttft_median(COLD), "{{source}}")]), 4, 5)
+    unreported = f"(sum({names.caller_unreported[short]}{callers}) or vector(0))"
     layout.add(stat(
         "Unreported prompt tokens",
         "Share of prompt tokens whose response did not say how many were cached. Near 100% "
         "means vLLM runs without --enable-prompt-tokens-details.",
         "percentunit",
-        [target(f"(sum(rate(vllm_cache_unreported_prompt_tokens_total{callers}[{RATE}])) "
-                f"or vector(0))\n/\n((sum(rate(vllm_cache_unreported_prompt_tokens_total{callers}"
-                f"[{RATE}])) or vector(0)) + sum(rate(vllm_cache_prompt_tokens_total{callers}"
-                f"[{RATE}])) > 0)")],
+        [target(share(unreported,
+                      f"{unreported} + sum({names.caller_prompt[short]}{callers})"))],
         thresholds=[("green", None), ("orange", 0.1), ("red", 0.5)]), 4, 5)
 
+
+def _cache_row(layout: Layout, config: MonitoringConfig, filters: Filters,
+               names: Names) -> None:
+    callers = filters.caller()
+    short = names.short
+    baseline = names.caller_hit_ratio[names.baseline]
     layout.row("Cache")
     layout.add(timeseries(
         "Hit ratio against its baseline",
@@ -110,9 +124,10 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         f"{number(config.collapse_min_baseline)} and the caller still sending prompt tokens. "
         "The thin line is the ratio at the dashboard's own resolution.",
         "percentunit",
-        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))"
-                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{callers}"
-                f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
+        [target(hit_ratio(f"sum by (caller, model) (rate({families.CACHED_TOKENS.total}"
+                          f"{callers}[{RATE}]))",
+                          f"sum by (caller, model) (rate({families.PROMPT_TOKENS.total}"
+                          f"{callers}[{RATE}]))"), "{{caller}} {{model}}"),
          target(f"{names.caller_hit_ratio[names.short]}{callers}",
                 f"{{{{caller}}}} {{{{model}}}} {config.short_window}"),
          target(f"{baseline}{callers}", "{{caller}} {{model}} baseline"),
@@ -124,24 +139,28 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "The caller's prompt tokens per second: served from the cache, recomputed, and those "
         "whose response did not report a cached count (then the hit ratio cannot be known).",
         TOKENS_PER_SECOND,
-        [target(f"sum by (caller) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))",
+        [target(f"sum by (caller) ({names.caller_cached[short]}{callers})",
                 "{{caller}} cached"),
-         target(f"sum by (caller) (rate(vllm_cache_prompt_tokens_total{callers}[{RATE}]))\n-\n"
-                f"sum by (caller) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))",
+         target(f"sum by (caller) ({names.caller_prompt[short]}{callers})\n-\n"
+                f"sum by (caller) ({names.caller_cached[short]}{callers})",
                 "{{caller}} recomputed"),
-         target(f"sum by (caller) (rate(vllm_cache_unreported_prompt_tokens_total{callers}"
-                f"[{RATE}]))\nor\nsum by (caller) (rate(vllm_cache_requests_total{callers}"
-                f"[{RATE}])) * 0", "{{caller}} unreported")],
+         target(f"sum by (caller) ({names.caller_unreported[short]}{callers})\nor\n"
+                f"sum by (caller) ({names.caller_state_requests}{callers}) * 0",
+                "{{caller}} unreported")],
         stacked=True), 12, 8)
     layout.add(timeseries(
         "Turns by state",
         "Requests per second by cache outcome: warm, partial, cold, short (too short for one "
         "granule), unknown (cached tokens not reported), error.",
         "reqps",
-        [target(f"sum by (caller, state) (rate(vllm_cache_requests_total{callers}[{RATE}]))",
+        [target(f"sum by (caller, state) ({names.caller_state_requests}{callers})",
                 "{{caller}} {{state}}")],
         stacked=True, bars=True), 12, 8)
 
+
+
+def _waiting_row(layout: Layout, filters: Filters) -> None:
+    callers = filters.caller()
     layout.row("Waiting")
     layout.add(timeseries(
         "Time to first token by state",
@@ -150,10 +169,12 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "(VllmCacheWarmTTFTCollapse watches the median of turns that should be warm, vLLM's "
         f"own where there is one). {SOURCES}",
         "s",
+        # At the dashboard's resolution and per exporter instance, as the queue wait beside
+        # it (the recorded bucket rates sum instances away and hold only the rule's window).
         [target(f"histogram_quantile({quantile}, sum by (caller, state, source, le) (rate("
-                f"vllm_cache_ttft_seconds_bucket{classified_callers}[{RATE}])))",
+                f"{families.TTFT_SECONDS.bucket}{filters.caller(CLASSIFIED)}[{RATE}])))",
                 f"{{{{caller}}}} {{{{state}}}} {{{{source}}}} {label}")
-         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
+         for label, quantile in QUANTILES]), 12, 8)
     layout.add(timeseries(
         "Admission queue wait",
         "Time requests waited before vLLM started reading their prompt, median and 95th "
@@ -163,17 +184,24 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "engine TTFT mean a queue, not the cache, is the bottleneck.",
         "s",
         [target(f"histogram_quantile({quantile}, sum by (caller, source, le) (rate("
-                f"vllm_cache_queue_wait_seconds_bucket{callers}[{RATE}])))",
+                f"{families.QUEUE_WAIT_SECONDS.bucket}{callers}[{RATE}])))",
                 f"{{{{caller}}}} {{{{source}}}} {label}")
-         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
+         for label, quantile in QUANTILES]), 12, 8)
 
+
+
+def _prompt_order_row(layout: Layout, config: MonitoringConfig, filters: Filters,
+                      names: Names) -> None:
+    """Prompt order at the dashboard's resolution (the rules record only the long window's,
+    drawn beside it)."""
+    callers = filters.caller()
     layout.row("Prompt order (the tap)")
-    order = "vllm_cache_prompt_order_"
 
-    def per_flagged(counter: str) -> str:
-        return (f"sum by (caller, model) (rate({order}{counter}_total{callers}[{RATE}]))\n/\n"
-                f"(sum by (caller, model) (rate({order}variable_top_total{callers}[{RATE}]))"
-                " > 0)")
+    def rate(family: families.Family) -> str:
+        return f"sum by (caller, model) (rate({family.total}{callers}[{RATE}]))"
+
+    def per_flagged(family: families.Family) -> str:
+        return over(rate(family), rate(families.PROMPT_ORDER_VARIABLE_TOP))
 
     layout.add(timeseries(
         "Requests sharing their text but not its beginning",
@@ -186,9 +214,8 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         f"{config.prompt_order_for}. Only the tap sees prompts: callers reported another way "
         "have no line.",
         "percentunit",
-        [target(f"sum by (caller, model) (rate({order}variable_top_total{callers}[{RATE}]))"
-                f"\n/\n(sum by (caller, model) (rate({order}compared_total{callers}"
-                f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
+        [target(over(rate(families.PROMPT_ORDER_VARIABLE_TOP),
+                     rate(families.PROMPT_ORDER_COMPARED)), "{{caller}} {{model}}"),
          target(f"{names.caller_order_share}{callers}",
                 f"{{{{caller}}}} {{{{model}}}} {config.long_window}")],
         min_value=0, max_value=1), 12, 8)
@@ -200,14 +227,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "line (a timestamp, an id); M about the size of the per-agent part means that part "
         "comes first.",
         "short",
-        [target(per_flagged("shared_bytes"), "{{caller}} {{model}} shared"),
-         target(per_flagged("first_difference_bytes"),
+        [target(per_flagged(families.PROMPT_ORDER_SHARED_BYTES), "{{caller}} {{model}} shared"),
+         target(per_flagged(families.PROMPT_ORDER_FIRST_DIFFERENCE_BYTES),
                 "{{caller}} {{model}} differs within")],
         min_value=0), 12, 8)
-
-    return dashboard(
-        config, TITLE, config.caller_uid,
-        "One caller's prefix-cache hit ratio against the collapse alert's baseline, its turns "
-        "by cache outcome, time to first token and admission wait, and its prompt order, "
-        "from vllm-cache-exporter.",
-        variables(config), layout)

@@ -12,11 +12,13 @@ present, usage flowing).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from grafanalib import core as g
 
+from exporter import families
 from exporter.monitoring.config import MonitoringConfig
 from exporter.monitoring.dashboards.panels import (
-    HIT_RATIO_THRESHOLDS,
     JOB,
     RATE,
     TOKENS,
@@ -26,21 +28,21 @@ from exporter.monitoring.dashboards.panels import (
     bargauge,
     caller_hit_ratio_stat,
     dashboard,
+    hit_ratio_thresholds,
     query_variable,
     stat,
     table,
     target,
     timeseries,
     value_mapping,
+    warm_share_stat,
 )
-from exporter.monitoring.promql import CLASSIFIED_STATES, number
-from exporter.monitoring.rules import Names
+from exporter.monitoring.promql import CLASSIFIED_STATES, hit_ratio, number, warm_share
+from exporter.monitoring.rules import QUANTILES, Names
 
 FILENAME = "vllm-cache-overview.json"
 TITLE = "vLLM prefix cache: overview"
 
-HITS = "vllm_cache_engine_prefix_cache_hits_tokens_total"
-QUERIES = "vllm_cache_engine_prefix_cache_queries_tokens_total"
 CLASSIFIED = 'state=~"' + "|".join(CLASSIFIED_STATES) + '"'
 WARM = 'state="warm"'
 WARM_COLD = 'state=~"warm|cold"'
@@ -53,27 +55,66 @@ def variables(config: MonitoringConfig) -> list[g.Template]:
     filters = Filters(config)
     # One model dropdown for both label spellings: vLLM's model_name on engine series and the
     # requested model on per-caller series (the regex takes whichever the row has).
-    series = '__name__=~"vllm_cache_requests_total|vllm_cache_engine_kv_pool_tokens"'
+    series = (f'__name__=~"{families.REQUESTS.total}|{families.ENGINE_KV_POOL_TOKENS.series}"')
     models = f"query_result(count by (model, model_name) ({filters.selector(series, JOB)}))"
     return [
         query_variable("job", "Job",
-                       f"label_values(vllm_cache_exporter_build_info{filters.selector()}, job)"),
+                       f"label_values({families.EXPORTER_BUILD_INFO.series}"
+                       f"{filters.selector()}, job)"),
         query_variable("target", "vLLM",
-                       f"label_values(vllm_cache_engine_up{filters.job()}, target)"),
+                       f"label_values({families.ENGINE_UP.series}{filters.job()}, target)"),
         query_variable("model", "Model", models, regex='/model(?:_name)?="([^"]+)"/'),
         query_variable("caller", "Caller",
-                       f"label_values(vllm_cache_requests_total{filters.model()}, caller)"),
+                       f"label_values({families.REQUESTS.total}{filters.model()}, caller)"),
     ]
 
 
-def build(config: MonitoringConfig) -> g.Dashboard:
-    filters = Filters(config)
-    names = Names(config)
-    engines, callers = filters.engine(), filters.caller()
-    vllm_targets, jobs = filters.target(), filters.job()
-    warm_callers, classified_callers = filters.caller(WARM), filters.caller(CLASSIFIED)
-    layout = Layout()
+@dataclass(frozen=True)
+class _Queries:
+    """What every row builder needs: the configuration, the filters and the recorded names."""
 
+    config: MonitoringConfig
+    filters: Filters
+    names: Names
+
+    @property
+    def engines(self) -> str:
+        return self.filters.engine()
+
+    @property
+    def callers(self) -> str:
+        return self.filters.caller()
+
+    def engine_rate(self, recorded: dict[str, str]) -> str:
+        """A recorded per-target rate at the short window, for the selected engines."""
+        return f"{recorded[self.names.short]}{self.engines}"
+
+    def caller_rate(self, recorded: dict[str, str]) -> str:
+        return f"{recorded[self.names.short]}{self.callers}"
+
+
+def build(config: MonitoringConfig) -> g.Dashboard:
+    queries = _Queries(config, Filters(config), Names(config))
+    layout = Layout()
+    _cache_row(layout, queries)
+    _hit_ratio_lines(layout, queries)
+    _turns_row(layout, queries)
+    _callers_table(layout, queries)
+    _kv_row(layout, queries)
+    _residency_row(layout, queries)
+    _sources_row(layout, queries)
+    _phases_row(layout, queries.engines)
+    _trust_row(layout, queries.filters)
+    return dashboard(
+        config, TITLE, config.overview_uid,
+        "Prefix-cache hit ratio per engine and per caller, warm vs cold time to first token, "
+        "KV occupancy in tokens and preemptions, from vllm-cache-exporter.",
+        variables(config), layout)
+
+
+def _cache_row(layout: Layout, queries: _Queries) -> None:
+    """The cache now: engine and caller hit ratios, warm share, prefix caching, granularity."""
+    config, names, engines = queries.config, queries.names, queries.engines
     layout.row("Prefix cache")
     layout.add(stat(
         "Engine hit ratio",
@@ -81,28 +122,25 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "the selected engines (ratio of summed rates). On a hybrid model about 94% is a full "
         "hit; 0% for a whole boot means the cache never works.",
         "percentunit",
-        [target(f"sum(rate({HITS}{engines}[{RATE}]))\n/\n"
-                f"(sum(rate({QUERIES}{engines}[{RATE}])) > 0)")],
-        thresholds=HIT_RATIO_THRESHOLDS), 4, 5)
+        [target(hit_ratio(f"sum({queries.engine_rate(names.target_hits)})",
+                          f"sum({queries.engine_rate(names.target_queries)})"))],
+        thresholds=hit_ratio_thresholds(config)), 4, 5)
     layout.add(caller_hit_ratio_stat(
-        "Caller hit ratio",
+        config, "Caller hit ratio",
         "Share of the selected callers' prompt tokens served from the prefix cache, from the "
-        "usage each response reports", callers), 4, 5)
-    layout.add(stat(
-        "Warm turns",
+        "usage each response reports"), 4, 5)
+    layout.add(warm_share_stat(
+        config, "Warm turns",
         "Share of the selected callers' turns that reused all the cache they could (warm), "
         "among warm, partial and cold turns. Short and unknown turns say nothing about the "
-        "cache and are left out.",
-        "percentunit",
-        [target(f"(sum(rate(vllm_cache_requests_total{warm_callers}[{RATE}])) or vector(0))"
-                f"\n/\n(sum(rate(vllm_cache_requests_total{classified_callers}[{RATE}])) > 0)")],
-        thresholds=[("red", None), ("orange", 0.5), ("green", 0.8)]), 4, 5)
+        "cache and are left out."), 4, 5)
     layout.add(stat(
         "Prefix caching",
         "Whether each vLLM runs with enable_prefix_caching. Hybrid models default to off: "
         "then every turn re-reads its whole prompt (VllmCachePrefixCachingDisabled).",
         "none",
-        [target(f"max by (target, model_name) (vllm_cache_engine_prefix_caching_enabled{engines})",
+        [target(f"max by (target, model_name) "
+                f"({families.ENGINE_PREFIX_CACHING_ENABLED.series}{engines})",
                 "{{target}} {{model_name}}")],
         mappings=value_mapping(("0", "Off", "red"), ("1", "On", "green"))), 6, 5)
     layout.add(stat(
@@ -111,8 +149,14 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "size, 2,048 or ~800 on hybrid models), and where it came from (configured, learned "
         "from cached counts, or vLLM's block size).",
         TOKENS,
-        [target(f"max by (model, source) (vllm_cache_granularity_tokens{filters.model()})",
+        [target(f"max by (model, source) "
+                f"({families.GRANULARITY_TOKENS.series}{queries.filters.model()})",
                 "{{model}} ({{source}})")]), 6, 5)
+
+
+def _hit_ratio_lines(layout: Layout, queries: _Queries) -> None:
+    """The recorded hit ratios per engine and per caller, each against its baseline."""
+    config, names = queries.config, queries.names
     layout.add(timeseries(
         "Hit ratio per vLLM engine",
         f"Prefix-cache hit ratio of each vLLM (summed over its engines), and its baseline as "
@@ -121,10 +165,8 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         f"VllmCachePrefixCollapse fires when the {config.short_window} ratio stays below "
         f"{number(config.collapse_drop_factor)} x the baseline while traffic continues.",
         "percentunit",
-        [target(f"sum by (target, model_name) (rate({HITS}{engines}[{RATE}]))\n/\n"
-                f"(sum by (target, model_name) (rate({QUERIES}{engines}[{RATE}])) > 0)",
-                "{{target}} {{model_name}}"),
-         target(f"{names.target_hit_ratio[names.baseline]}{filters.engine()}",
+        [target(queries.engine_rate(names.target_hit_ratio), "{{target}} {{model_name}}"),
+         target(f"{names.target_hit_ratio[names.baseline]}{queries.engines}",
                 "{{target}} {{model_name}} baseline")],
         min_value=0, max_value=1), 12, 8)
     layout.add(timeseries(
@@ -134,13 +176,15 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "ratio). Two conversations that no longer fit the KV pool evict each other: both "
         "lines fall to ~0 together.",
         "percentunit",
-        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))"
-                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{callers}"
-                f"[{RATE}])) > 0)", "{{caller}} {{model}}"),
-         target(f"{names.caller_hit_ratio[names.baseline]}{callers}",
+        [target(queries.caller_rate(names.caller_hit_ratio), "{{caller}} {{model}}"),
+         target(f"{names.caller_hit_ratio[names.baseline]}{queries.callers}",
                 "{{caller}} {{model}} baseline")],
         min_value=0, max_value=1), 12, 8)
 
+
+def _turns_row(layout: Layout, queries: _Queries) -> None:
+    """Turns per caller by state, and warm vs cold time to first token."""
+    filters, names = queries.filters, queries.names
     layout.row("Turns and time to first token")
     layout.add(timeseries(
         "Turns per caller by state",
@@ -148,7 +192,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "partial, cold, short (too short to hold one granule), unknown (cached tokens not "
         "reported), error.",
         "reqps",
-        [target(f"sum by (caller, state) (rate(vllm_cache_requests_total{callers}[{RATE}]))",
+        [target(f"sum by (caller, state) ({names.caller_state_requests}{queries.callers})",
                 "{{caller}} {{state}}")],
         stacked=True, bars=True), 12, 8)
     layout.add(timeseries(
@@ -158,10 +202,22 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "--enable-per-request-metrics), proxy the proxy's TTFT minus its admission wait. "
         "Seconds means the cache held; a minute or more means it was evicted.",
         "s",
-        [target(f"histogram_quantile({quantile}, sum by (state, source, le) (rate("
-                f"vllm_cache_ttft_seconds_bucket{filters.caller(WARM_COLD)}[{RATE}])))",
+        [target(f"histogram_quantile({quantile}, sum by (state, source, le) ("
+                f"{names.caller_state_ttft_bucket}{filters.caller(WARM_COLD)}))",
                 f"{label} {{{{state}}}} {{{{source}}}}")
-         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
+         for label, quantile in QUANTILES]), 12, 8)
+
+
+def _callers_table(layout: Layout, queries: _Queries) -> None:
+    """One row per caller and model, from the recorded per-caller series."""
+    config, names, filters = queries.config, queries.names, queries.filters
+
+    def per_caller(recorded: str, *matchers: str) -> str:
+        # Summed by (caller, model): one row each, whatever jobs are selected.
+        return f"sum by (caller, model) ({recorded}{filters.caller(*matchers)})"
+
+    requests = per_caller(names.caller_state_requests)
+    short = names.short
     layout.add(table(
         "Callers",
         "One row per caller and model, now: hit ratio, warm share, turns per second, median "
@@ -169,20 +225,14 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "the proxy's), and prompt tokens per second whose cached count vLLM did not report. "
         "Click a caller for its drill-down.",
         "percentunit",
-        [target(f"sum by (caller, model) (rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))"
-                f"\n/\n(sum by (caller, model) (rate(vllm_cache_prompt_tokens_total{callers}"
-                f"[{RATE}])) > 0)", instant=True),
-         target(f"(sum by (caller, model) (rate(vllm_cache_requests_total{warm_callers}"
-                f"[{RATE}]))\n or\n sum by (caller, model) (rate(vllm_cache_requests_total"
-                f"{classified_callers}[{RATE}])) * 0)\n/\n(sum by (caller, model) (rate("
-                f"vllm_cache_requests_total{classified_callers}[{RATE}])) > 0)",
-                instant=True),
-         target(f"sum by (caller, model) (rate(vllm_cache_requests_total{callers}[{RATE}]))",
-                instant=True),
-         target(_engine_first_median(filters), instant=True),
-         target(f"sum by (caller, model) (rate(vllm_cache_unreported_prompt_tokens_total{callers}"
-                f"[{RATE}]))\nor\nsum by (caller, model) (rate(vllm_cache_requests_total{callers}"
-                f"[{RATE}])) * 0", instant=True)],
+        [target(hit_ratio(per_caller(names.caller_cached[short]),
+                          per_caller(names.caller_prompt[short])), instant=True),
+         target(warm_share(per_caller(names.caller_state_requests, WARM),
+                           per_caller(names.caller_state_requests, CLASSIFIED)), instant=True),
+         target(requests, instant=True),
+         target(_engine_first_median(queries), instant=True),
+         target(f"{per_caller(names.caller_unreported[short])}\nor\n{requests} * 0",
+                instant=True)],
         renames=CALLER_TABLE_COLUMNS,
         # Overrides apply after the rename, so they name the renamed columns.
         overrides=[
@@ -196,6 +246,11 @@ def build(config: MonitoringConfig) -> g.Dashboard:
                         "&${__url_time_range}"}]}]},
         ]), 24, 8)
 
+
+def _kv_row(layout: Layout, queries: _Queries) -> None:
+    """Do the conversations fit the KV pool: tokens used vs pool, preemptions, the queue."""
+    config, names, engines = queries.config, queries.names, queries.engines
+    by_target = "sum by (target, model_name) "
     layout.row("KV cache and scheduler")
     layout.add(timeseries(
         "KV cache: tokens used vs pool",
@@ -203,61 +258,57 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "(vLLM's startup log: \"GPU KV cache size: N tokens\"). Conversations fit while their "
         "summed context stays a few thousand tokens under the pool.",
         TOKENS,
-        [target(f"sum by (target, model_name) (vllm_cache_engine_kv_used_tokens{engines})",
-                "{{target}} {{model_name}} used"),
-         target(f"sum by (target, model_name) (vllm_cache_engine_kv_pool_tokens{engines})",
-                "{{target}} {{model_name}} pool")]), 12, 8)
+        [target(f"{names.target_kv_used_tokens}{engines}", "{{target}} {{model_name}} used"),
+         target(f"{names.target_kv_pool_tokens}{engines}", "{{target}} {{model_name}} pool")]),
+        12, 8)
     layout.add(bargauge(
         "KV pool in use",
         "Fraction of each vLLM's KV pool in use (summed used tokens over summed pool tokens "
         "of its engines). VllmCacheKVPoolNearFull fires above "
         f"{number(config.kv_pool_full_ratio * 100)}% for {config.kv_pool_full_for}.",
         "percentunit",
-        [target(f"sum by (target, model_name) (vllm_cache_engine_kv_used_tokens{engines})\n/\n"
-                f"(sum by (target, model_name) (vllm_cache_engine_kv_pool_tokens{engines}) > 0)",
-                "{{target}} {{model_name}}")],
+        [target(f"{names.target_kv_used_ratio}{engines}", "{{target}} {{model_name}}")],
         thresholds=[("green", None), ("orange", 0.8), ("red", config.kv_pool_full_ratio)]),
         12, 8)
+    hits, looked_up = (queries.engine_rate(names.target_hits),
+                       queries.engine_rate(names.target_queries))
     layout.add(timeseries(
         "Prompt tokens: from cache vs recomputed",
         "Prompt tokens per second vLLM served from its prefix cache and those it had to "
         "recompute. When two conversations evict each other the cached share drops to 0 "
         "while the recomputed one jumps.",
         TOKENS_PER_SECOND,
-        [target(f"sum by (target, model_name) (rate({HITS}{engines}[{RATE}]))",
-                "{{target}} {{model_name}} from cache"),
-         target(f"sum by (target, model_name) (rate({QUERIES}{engines}[{RATE}]))\n-\n"
-                f"sum by (target, model_name) (rate({HITS}{engines}[{RATE}]))",
-                "{{target}} {{model_name}} recomputed")],
+        [target(hits, "{{target}} {{model_name}} from cache"),
+         target(f"{looked_up}\n-\n{hits}", "{{target}} {{model_name}} recomputed")],
         stacked=True), 8, 8)
     layout.add(timeseries(
         "Preemptions",
         "Requests vLLM preempted per second: the running ones did not fit the KV pool, and a "
         "preempted request loses its blocks and is recomputed later.",
         "suffix: preemptions/s",
-        [target(f"sum by (target, model_name) (rate(vllm_cache_engine_preemptions_total{engines}"
-                f"[{RATE}]))", "{{target}} {{model_name}}")]), 8, 8)
+        [target(f"{names.target_preemptions}{engines}", "{{target}} {{model_name}}")]), 8, 8)
     layout.add(timeseries(
         "Running and waiting requests",
         "Requests in vLLM's running batch and waiting in its queue. Waiting requests with a "
         "full KV pool mean the pool, not the scheduler, is the concurrency limit.",
         "short",
-        [target(f"sum by (target, model_name) (vllm_cache_engine_requests_running{engines})",
+        [target(f"{by_target}({families.ENGINE_REQUESTS_RUNNING.series}{engines})",
                 "{{target}} {{model_name}} running"),
-         target(f"sum by (target, model_name) (vllm_cache_engine_requests_waiting{engines})",
+         target(f"{by_target}({families.ENGINE_REQUESTS_WAITING.series}{engines})",
                 "{{target}} {{model_name}} waiting")]), 8, 8)
 
-    _residency_row(layout, engines)
-    _sources_row(layout, engines)
-    _phases_row(layout, engines)
 
+def _trust_row(layout: Layout, filters: Filters) -> None:
+    """Can the numbers be trusted: vLLM read, its metrics present, usage flowing."""
+    vllm_targets, jobs = filters.target(), filters.job()
+    events = families.USAGE_EVENTS.total
     layout.row("Can the numbers be trusted")
     layout.add(stat(
         "vLLM reachable",
         "Whether the exporter's last read of each vLLM /metrics succeeded "
         "(VllmCacheEngineDown).",
         "none",
-        [target(f"max by (target) (vllm_cache_engine_up{vllm_targets})", "{{target}}")],
+        [target(f"max by (target) ({families.ENGINE_UP.series}{vllm_targets})", "{{target}}")],
         mappings=value_mapping(("0", "Down", "red"), ("1", "Up", "green"))), 6, 6)
     layout.add(table(
         "vLLM metrics present",
@@ -266,8 +317,8 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "off (KV residency needs --kv-cache-metrics): its panels show nothing, never a "
         "reassuring 0 (VllmCacheEngineMetricAbsent for the signals the alerts need).",
         "none",
-        [target(f"min by (target, signal) (vllm_cache_engine_metric_present{vllm_targets})",
-                instant=True)],
+        [target(f"min by (target, signal) "
+                f"({families.ENGINE_METRIC_PRESENT.series}{vllm_targets})", instant=True)],
         renames={"target": "vLLM", "signal": "Signal", "Value": "Present"},
         mappings=value_mapping(("0", "ABSENT", "red"), ("1", "present", "green"))), 6, 6)
     layout.add(timeseries(
@@ -275,36 +326,26 @@ def build(config: MonitoringConfig) -> g.Dashboard:
         "Failed reads of each vLLM /metrics per second, by reason (connect, timeout, "
         "http_status, parse, ...); 0 when none.",
         "suffix: errors/s",
-        [target(f"sum by (target, reason) (rate(vllm_cache_engine_scrape_errors_total{vllm_targets}"
-                f"[{RATE}]))\nor\nsum by (target) (vllm_cache_engine_up{vllm_targets}) * 0",
+        [target(f"sum by (target, reason) (rate({families.ENGINE_SCRAPE_ERRORS.total}"
+                f"{vllm_targets}[{RATE}]))\nor\n"
+                f"sum by (target) ({families.ENGINE_UP.series}{vllm_targets}) * 0",
                 "{{target}} {{reason}}")]), 6, 6)
     layout.add(timeseries(
         "Usage events",
         "Per-request usage records accepted per second by each reader, those rejected (by "
         "reason; 0 when none), and those counted under the caller cap's overflow bucket.",
         "suffix: events/s",
-        [target(f"sum by (reader) (rate(vllm_cache_usage_events_total{jobs}[{RATE}]))",
-                "{{reader}} accepted"),
-         target(f"sum by (reader, reason) (rate(vllm_cache_usage_events_rejected_total{jobs}"
-                f"[{RATE}]))\nor\nsum by (reader) (rate(vllm_cache_usage_events_total{jobs}"
-                f"[{RATE}])) * 0", "{{reader}} rejected {{reason}}"),
-         target(f"sum(rate(vllm_cache_callers_overflowed_total{jobs}[{RATE}]))",
+        [target(f"sum by (reader) (rate({events}{jobs}[{RATE}]))", "{{reader}} accepted"),
+         target(f"sum by (reader, reason) (rate({families.USAGE_EVENTS_REJECTED.total}{jobs}"
+                f"[{RATE}]))\nor\nsum by (reader) (rate({events}{jobs}[{RATE}])) * 0",
+                "{{reader}} rejected {{reason}}"),
+         target(f"sum(rate({families.CALLERS_OVERFLOWED.total}{jobs}[{RATE}]))",
                 "over the caller cap")]), 6, 6)
 
-    return dashboard(
-        config, TITLE, config.overview_uid,
-        "Prefix-cache hit ratio per engine and per caller, warm vs cold time to first token, "
-        "KV occupancy in tokens and preemptions, from vllm-cache-exporter.",
-        variables(config), layout)
 
-
-def _median(histogram: str, engines: str) -> str:
-    return (f"histogram_quantile(0.5, sum by (target, model_name, le) "
-            f"(rate({histogram}_bucket{engines}[{RATE}])))")
-
-
-def _residency_row(layout: Layout, engines: str) -> None:
+def _residency_row(layout: Layout, queries: _Queries) -> None:
     """What vLLM's sampled evictions say (vLLM started with --kv-cache-metrics)."""
+    names, engines = queries.names, queries.engines
     layout.row("KV residency (vLLM with --kv-cache-metrics)")
     layout.add(timeseries(
         "KV blocks: lifetime, idle before eviction, reuse gap",
@@ -315,7 +356,7 @@ def _residency_row(layout: Layout, engines: str) -> None:
         "no evicted block had been hit since it was computed. Empty when vLLM runs without "
         "--kv-cache-metrics (see \"vLLM metrics present\") or evicts nothing.",
         "s",
-        [target(_median(f"vllm_cache_engine_kv_block_{histogram}_seconds", engines),
+        [target(f"{names.target_kv_block_median[histogram]}{engines}",
                 f"{{{{target}}}} {{{{model_name}}}} {label}")
          for histogram, label in (("lifetime", "lifetime"),
                                   ("idle_before_evict", "idle before eviction"),
@@ -327,63 +368,53 @@ def _residency_row(layout: Layout, engines: str) -> None:
         "comes back to them, the KV pool is too small for the conversations it holds. It "
         "trails the hit ratio by minutes, so the collapse alert stays on the ratio.",
         "percentunit",
-        [target("sum by (target, model_name) (rate("
-                f"vllm_cache_engine_kv_block_idle_before_evict_seconds_sum{engines}[{RATE}]))"
-                "\n/\n(sum by (target, model_name) (rate("
-                f"vllm_cache_engine_kv_block_lifetime_seconds_sum{engines}[{RATE}])) > 0)",
-                "{{target}} {{model_name}}")],
+        [target(f"{names.target_kv_block_idle_share}{engines}", "{{target}} {{model_name}}")],
         min_value=0, max_value=1), 6, 8)
+    by_target = "sum by (target, model_name) (rate("
     layout.add(timeseries(
         "Sampled evictions and reuses",
         "Sampled blocks evicted per second, and hits on them per second (reuse gaps seen at "
         "their eviction, 3 at most per block). Multiply by 1 / --kv-cache-metrics-sample "
         "(default 100) for the whole pool.",
         "suffix: /s",
-        [target("sum by (target, model_name) (rate("
-                f"vllm_cache_engine_kv_block_idle_before_evict_seconds_count{engines}[{RATE}]))",
-                "{{target}} {{model_name}} evicted"),
-         target("sum by (target, model_name) (rate("
-                f"vllm_cache_engine_kv_block_reuse_gap_seconds_count{engines}[{RATE}]))",
-                "{{target}} {{model_name}} reuse gaps")]), 6, 8)
+        [target(f"{by_target}{families.ENGINE_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS.count}"
+                f"{engines}[{RATE}]))", "{{target}} {{model_name}} evicted"),
+         target(f"{by_target}{families.ENGINE_KV_BLOCK_REUSE_GAP_SECONDS.count}"
+                f"{engines}[{RATE}]))", "{{target}} {{model_name}} reuse gaps")]), 6, 8)
 
 
-def _sources_row(layout: Layout, engines: str) -> None:
+def _sources_row(layout: Layout, queries: _Queries) -> None:
     """Where prompt tokens came from: computed, vLLM's own cache, or a KV connector."""
+    names, engines = queries.names, queries.engines
     layout.row("Where prompt tokens come from")
-    by_source = "sum by (target, model_name, source) (rate({name}{engines}[{rate}]))"
     layout.add(timeseries(
         "Prompt tokens by source",
         "Prompt tokens per second by where their KV came from: local_compute (prefilled), "
         "local_cache_hit (vLLM's prefix cache) or external_kv_transfer (loaded through a KV "
         "connector: LMCache, CPU offloading, a prefill server). vLLM 0.16 and later.",
         TOKENS_PER_SECOND,
-        [target(by_source.format(name="vllm_cache_engine_prompt_tokens_by_source_total",
-                                 engines=engines, rate=RATE),
+        [target(f"{names.target_source_prompt}{engines}",
                 "{{target}} {{model_name}} {{source}}")],
         stacked=True), 8, 8)
-    cached = by_source.format(name="vllm_cache_engine_prompt_tokens_cached_by_source_total",
-                              engines=engines, rate=RATE)
     layout.add(timeseries(
         "Cached tokens by tier",
         "Share of the cached prompt tokens each cache tier supplied: device (GPU memory), "
         "host (offloaded to CPU memory), disk, p2p (another vLLM), external_unspecified. "
         "vLLM 0.32 and later.",
         "percentunit",
-        [target(f"{cached}\n/ on (target, model_name) group_left ()\n"
-                f"(sum by (target, model_name) ({cached}) > 0)",
+        [target(f"{names.target_source_cached_share}{engines}",
                 "{{target}} {{model_name}} {{source}}")],
         stacked=True, min_value=0, max_value=1), 8, 8)
+    by_target = "sum by (target, model_name) (rate("
     layout.add(timeseries(
         "External KV cache (connector)",
         "Prompt tokens per second vLLM looked up in a KV connector's cache after its own, and "
         "those the connector supplied. 0 without a connector.",
         TOKENS_PER_SECOND,
-        [target("sum by (target, model_name) (rate("
-                f"vllm_cache_engine_external_prefix_cache_queries_tokens_total{engines}"
-                f"[{RATE}]))", "{{target}} {{model_name}} looked up"),
-         target("sum by (target, model_name) (rate("
-                f"vllm_cache_engine_external_prefix_cache_hits_tokens_total{engines}[{RATE}]))",
-                "{{target}} {{model_name}} found")]), 8, 8)
+        [target(f"{by_target}{families.ENGINE_EXTERNAL_PREFIX_CACHE_QUERIES_TOKENS.total}"
+                f"{engines}[{RATE}]))", "{{target}} {{model_name}} looked up"),
+         target(f"{by_target}{families.ENGINE_EXTERNAL_PREFIX_CACHE_HITS_TOKENS.total}"
+                f"{engines}[{RATE}]))", "{{target}} {{model_name}} found")]), 8, 8)
 
 
 def _phases_row(layout: Layout, engines: str) -> None:
@@ -397,25 +428,26 @@ def _phases_row(layout: Layout, engines: str) -> None:
         "buckets start at 0.3 s.",
         "s",
         [target(f"histogram_quantile({quantile}, sum by (le) (rate("
-                f"vllm_cache_engine_request_{phase}_time_seconds_bucket{engines}[{RATE}])))",
-                f"{label} {phase}")
-         for phase in ("queue", "prefill", "decode")
-         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 12, 8)
+                f"{family.bucket}{engines}[{RATE}])))", f"{label} {phase}")
+         for phase, family in (("queue", families.ENGINE_REQUEST_QUEUE_TIME_SECONDS),
+                               ("prefill", families.ENGINE_REQUEST_PREFILL_TIME_SECONDS),
+                               ("decode", families.ENGINE_REQUEST_DECODE_TIME_SECONDS))
+         for label, quantile in QUANTILES]), 12, 8)
     layout.add(timeseries(
         "Inter-token latency",
         "Median and 95th percentile of the time between output tokens.",
         "s",
         [target(f"histogram_quantile({quantile}, sum by (le) (rate("
-                f"vllm_cache_engine_inter_token_latency_seconds_bucket{engines}[{RATE}])))",
+                f"{families.ENGINE_INTER_TOKEN_LATENCY_SECONDS.bucket}{engines}[{RATE}])))",
                 label)
-         for label, quantile in (("p50", 0.5), ("p95", 0.95))]), 6, 8)
+         for label, quantile in QUANTILES]), 6, 8)
     layout.add(timeseries(
         "Waiting requests by reason",
         "Requests waiting in vLLM: for capacity (KV or batch room) or deferred (LoRA budget, "
         "a pending KV transfer). vLLM 0.20 and later.",
         "short",
         [target("sum by (target, model_name, reason) "
-                f"(vllm_cache_engine_requests_waiting_by_reason{engines})",
+                f"({families.ENGINE_REQUESTS_WAITING_BY_REASON.series}{engines})",
                 "{{target}} {{model_name}} {{reason}}")],
         stacked=True), 6, 8)
 
@@ -425,14 +457,14 @@ def _unit_override(field: str, unit: str) -> dict[str, object]:
             "properties": [{"id": "unit", "value": unit}]}
 
 
-def _engine_first_median(filters: Filters) -> str:
+def _engine_first_median(queries: _Queries) -> str:
     """Median TTFT of a caller's classified turns for a one-row-per-caller table: vLLM's own
     where it measured turns in the window (``>= 0`` drops the NaN of a window without
     any), else the proxy's. Never both summed into one distribution."""
     def median(source: str) -> str:
-        return (f"histogram_quantile(0.5, sum by (caller, model, le) (rate("
-                f"vllm_cache_ttft_seconds_bucket{filters.caller(CLASSIFIED, source)}"
-                f"[{RATE}])))")
+        return (f"histogram_quantile(0.5, sum by (caller, model, le) ("
+                f"{queries.names.caller_state_ttft_bucket}"
+                f"{queries.filters.caller(CLASSIFIED, source)}))")
 
     engine, proxy = median('source="engine"'), median('source!="engine"')
     return f"({engine} >= 0)\nor\n{proxy}"

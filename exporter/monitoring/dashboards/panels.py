@@ -17,7 +17,8 @@ from grafanalib import core as g
 
 from exporter.monitoring.config import MonitoringConfig
 from exporter.monitoring.dashboards.grafana import SCHEMA_VERSION
-from exporter.monitoring.promql import PromQL
+from exporter.monitoring.promql import PromQL, hit_ratio, warm_share
+from exporter.monitoring.rules import Names
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
@@ -33,6 +34,7 @@ TARGET = 'target=~"$target"'
 MODEL_NAME = 'model_name=~"$model"'
 MODEL = 'model=~"$model"'
 CALLER = 'caller=~"$caller"'
+WARM = 'state="warm"'
 
 
 class Filters:
@@ -155,18 +157,41 @@ def stat(title: str, description: str, unit: str, targets: list[g.Target],
                                                                "steps": steps}}}})
 
 
-HIT_RATIO_THRESHOLDS = [("red", None), ("orange", 0.3), ("green", 0.6)]
+def bands(fair: float, good: float) -> list[tuple[str, float | None]]:
+    """Red below ``fair``, orange from it, green from ``good`` (the config's colour bands)."""
+    return [("red", None), ("orange", fair), ("green", good)]
 
 
-def caller_hit_ratio_stat(title: str, description: str, callers: str) -> g.Stat:
-    """The callers' hit ratio now, from the usage each response reports: one definition for
-    every dashboard that shows it (``callers``: the label selector)."""
+def hit_ratio_thresholds(config: MonitoringConfig) -> list[tuple[str, float | None]]:
+    return bands(config.hit_ratio_fair, config.hit_ratio_good)
+
+
+def warm_share_thresholds(config: MonitoringConfig) -> list[tuple[str, float | None]]:
+    return bands(config.warm_share_fair, config.warm_share_good)
+
+
+def caller_hit_ratio_stat(config: MonitoringConfig, title: str, description: str) -> g.Stat:
+    """The selected callers' hit ratio now, from the usage each response reports, over the
+    recorded per-caller rates: one definition for every dashboard that shows it."""
+    names = Names(config)
+    callers = Filters(config).caller()
     return stat(
         title, description + " (only responses that report cached tokens count).",
         "percentunit",
-        [target(f"sum(rate(vllm_cache_cached_tokens_total{callers}[{RATE}]))\n/\n"
-                f"(sum(rate(vllm_cache_prompt_tokens_total{callers}[{RATE}])) > 0)")],
-        thresholds=HIT_RATIO_THRESHOLDS)
+        [target(hit_ratio(f"sum({names.caller_cached[names.short]}{callers})",
+                          f"sum({names.caller_prompt[names.short]}{callers})"))],
+        thresholds=hit_ratio_thresholds(config))
+
+
+def warm_share_stat(config: MonitoringConfig, title: str, description: str) -> g.Stat:
+    """The selected callers' share of warm turns now, over the recorded per-state rates."""
+    filters = Filters(config)
+    requests = Names(config).caller_state_requests
+    classified, warm = filters.caller(PromQL.states_matcher()), filters.caller(WARM)
+    return stat(
+        title, description, "percentunit",
+        [target(warm_share(f"sum({requests}{warm})", f"sum({requests}{classified})"))],
+        thresholds=warm_share_thresholds(config))
 
 
 def table(title: str, description: str, unit: str, targets: list[g.Target],
