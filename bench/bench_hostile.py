@@ -116,18 +116,35 @@ from harness import (
 
 GRANULE = 2048
 # A one-event ingest probe with no cached count: it never feeds the granularity learner.
-PROBE_EVENT = json.dumps({"caller": "caller-000", "model": "model-00", "prompt_tokens": 20_000,
-                          "ttft_seconds": 1.5, "queue_seconds": 0.1}).encode()
-TCP_STATES = {1: "established", 7: "closed", 8: "closed by exporter (FIN)",
-              4: "fin_wait1", 5: "fin_wait2", 6: "time_wait", 9: "last_ack", 11: "closing"}
+PROBE_EVENT = json.dumps(
+    {
+        "caller": "caller-000",
+        "model": "model-00",
+        "prompt_tokens": 20_000,
+        "ttft_seconds": 1.5,
+        "queue_seconds": 0.1,
+    }
+).encode()
+TCP_STATES = {
+    1: "established",
+    7: "closed",
+    8: "closed by exporter (FIN)",
+    4: "fin_wait1",
+    5: "fin_wait2",
+    6: "time_wait",
+    9: "last_ack",
+    11: "closing",
+}
 
 
-TAP_CALL = json.dumps({"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": 5}).encode()
+TAP_CALL = json.dumps(
+    {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+).encode()
 HEALTHY_WITHIN = 0.1  # seconds: a liveness probe's answer is usable when this fast
 
 
 # ---- one case's run ------------------------------------------------------------------
+
 
 @dataclass
 class CaseRun:
@@ -150,31 +167,65 @@ class CaseRun:
     files_dir: Path | None = None  # the followed files' folder (f5, f6, f6s)
 
     @classmethod
-    def create(cls, args: argparse.Namespace, exporter: ExporterProcess,
-               sockets: list[socket.socket], case: Case | None = None,
-               tap_port: int | None = None) -> CaseRun:
+    def create(
+        cls,
+        args: argparse.Namespace,
+        exporter: ExporterProcess,
+        sockets: list[socket.socket],
+        case: Case | None = None,
+        tap_port: int | None = None,
+    ) -> CaseRun:
         url = exporter.base_url
-        run = cls(args, exporter, sockets,
-                  Prober("metrics", "GET", url + "/metrics", PROMETHEUS_HEADERS,
-                         args.probe_interval, args.probe_timeout),
-                  Prober("ingest", "POST", url + "/v1/usage",
-                         {"Content-Type": "application/x-ndjson"}, args.probe_interval,
-                         args.probe_timeout, body=PROBE_EVENT))
+        run = cls(
+            args,
+            exporter,
+            sockets,
+            Prober(
+                "metrics",
+                "GET",
+                url + "/metrics",
+                PROMETHEUS_HEADERS,
+                args.probe_interval,
+                args.probe_timeout,
+            ),
+            Prober(
+                "ingest",
+                "POST",
+                url + "/v1/usage",
+                {"Content-Type": "application/x-ndjson"},
+                args.probe_interval,
+                args.probe_timeout,
+                body=PROBE_EVENT,
+            ),
+        )
         if case is not None and case.healthy:
-            run.healthy_probe = Prober("healthy", "GET", url + "/-/healthy", {},
-                                       args.healthy_interval, args.probe_timeout)
+            run.healthy_probe = Prober(
+                "healthy", "GET", url + "/-/healthy", {}, args.healthy_interval, args.probe_timeout
+            )
         if tap_port is not None:
             run.tap_port = tap_port
-            run.tap_probe = Prober("tap", "POST",
-                                   f"http://127.0.0.1:{tap_port}/v1/chat/completions",
-                                   {"Content-Type": "application/json", "X-Caller": "probe"},
-                                   args.probe_interval, args.probe_timeout, body=TAP_CALL)
+            run.tap_probe = Prober(
+                "tap",
+                "POST",
+                f"http://127.0.0.1:{tap_port}/v1/chat/completions",
+                {"Content-Type": "application/json", "X-Caller": "probe"},
+                args.probe_interval,
+                args.probe_timeout,
+                body=TAP_CALL,
+            )
         return run
 
     def probers(self) -> list[Prober]:
-        return [prober for prober in (self.metrics_probe, self.ingest_probe,
-                                      self.healthy_probe, self.tap_probe)
-                if prober is not None]
+        return [
+            prober
+            for prober in (
+                self.metrics_probe,
+                self.ingest_probe,
+                self.healthy_probe,
+                self.tap_probe,
+            )
+            if prober is not None
+        ]
 
     def mark(self, name: str) -> None:
         self.marks[name] = time.monotonic()
@@ -214,8 +265,9 @@ async def run_case(case: Case, run: CaseRun) -> None:
 async def final_scrape(run: CaseRun) -> str | None:
     try:
         async with aiohttp.ClientSession() as session:
-            _, status, wire, headers = await fetch(session, run.exporter.base_url + "/metrics",
-                                                   TEXT_HEADERS, run.args.probe_timeout)
+            _, status, wire, headers = await fetch(
+                session, run.exporter.base_url + "/metrics", TEXT_HEADERS, run.args.probe_timeout
+            )
         return decoded(wire, headers).decode() if status == 200 else None
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
         return None
@@ -223,8 +275,10 @@ async def final_scrape(run: CaseRun) -> str | None:
 
 # ---- raw sockets ---------------------------------------------------------------------
 
-async def connect(run: CaseRun, timeout: float = 2.0,
-                  receive_buffer: int | None = None) -> socket.socket | None:
+
+async def connect(
+    run: CaseRun, timeout: float = 2.0, receive_buffer: int | None = None
+) -> socket.socket | None:
     """A non-blocking TCP connection to the exporter, registered for cleanup; None if the
     handshake did not complete within ``timeout`` (the listen backlog is full)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -233,16 +287,16 @@ async def connect(run: CaseRun, timeout: float = 2.0,
     if receive_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     try:
-        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(
-            sock, ("127.0.0.1", run.exporter.port)), timeout)
+        await asyncio.wait_for(
+            asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", run.exporter.port)), timeout
+        )
     except (asyncio.TimeoutError, OSError):
         sock.close()
         return None
     return sock
 
 
-async def connect_many(run: CaseRun, count: int, concurrency: int = 100
-                       ) -> list[socket.socket]:
+async def connect_many(run: CaseRun, count: int, concurrency: int = 100) -> list[socket.socket]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one() -> socket.socket | None:
@@ -306,9 +360,11 @@ async def post_body(run: CaseRun, body: bytes) -> dict[str, Any]:
     sock = await connect(run, timeout=10)
     if sock is None:
         return {"error": "connect timeout", "seconds": time.monotonic() - started}
-    head = (f"POST /v1/usage HTTP/1.1\r\nHost: 127.0.0.1:{run.exporter.port}\r\n"
-            f"Content-Type: application/x-ndjson\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n").encode()
+    head = (
+        f"POST /v1/usage HTTP/1.1\r\nHost: 127.0.0.1:{run.exporter.port}\r\n"
+        f"Content-Type: application/x-ndjson\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    ).encode()
     loop = asyncio.get_running_loop()
     outcome: dict[str, Any] = {}
     try:
@@ -319,8 +375,10 @@ async def post_body(run: CaseRun, body: bytes) -> dict[str, Any]:
     try:
         status, reply = await asyncio.wait_for(read_response(sock), run.args.attack_timeout)
     except asyncio.TimeoutError:
-        outcome.update(error=f"no answer within {run.args.attack_timeout:.0f} s",
-                       seconds=round(time.monotonic() - started, 2))
+        outcome.update(
+            error=f"no answer within {run.args.attack_timeout:.0f} s",
+            seconds=round(time.monotonic() - started, 2),
+        )
         return outcome
     except OSError as err:
         outcome.update(error=type(err).__name__, seconds=round(time.monotonic() - started, 2))
@@ -330,14 +388,18 @@ async def post_body(run: CaseRun, body: bytes) -> dict[str, Any]:
     outcome.update(status=status, seconds=round(time.monotonic() - started, 2))
     try:
         parsed = json.loads(reply)
-        outcome.update(accepted=parsed.get("accepted"), rejected=parsed.get("rejected"),
-                       reason=parsed.get("error"))
+        outcome.update(
+            accepted=parsed.get("accepted"),
+            rejected=parsed.get("rejected"),
+            reason=parsed.get("error"),
+        )
     except ValueError:
         outcome["reply_bytes"] = len(reply)
     return outcome
 
 
 # ---- inputs --------------------------------------------------------------------------
+
 
 def junk_lines_body(size: int) -> bytes:
     """``1\\n`` repeated: every line is valid JSON and a rejected event (not an object)."""
@@ -358,13 +420,21 @@ def valid_ndjson_body(size: int, seed: int) -> tuple[bytes, int]:
             prompt = prompts[caller] = rng.randrange(3_000, 20_000)
         cached = max(0, (prompt - 2_500) // GRANULE * GRANULE) if rng.random() < 0.8 else 0
         now += 0.01
-        line = json.dumps({
-            "caller": caller, "model": "qwen3.8-27b", "prompt_tokens": prompt,
-            "cached_tokens": cached, "completion_tokens": rng.randrange(50, 800),
-            "ttft_seconds": round(rng.uniform(0.5, 90.0), 3),
-            "queue_seconds": round(rng.uniform(0.0, 2.0), 3),
-            "session": f"{caller}-s{rng.randrange(4)}", "time": round(now, 3), "status": 200,
-        }, separators=(",", ":")).encode()
+        line = json.dumps(
+            {
+                "caller": caller,
+                "model": "qwen3.8-27b",
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+                "completion_tokens": rng.randrange(50, 800),
+                "ttft_seconds": round(rng.uniform(0.5, 90.0), 3),
+                "queue_seconds": round(rng.uniform(0.0, 2.0), 3),
+                "session": f"{caller}-s{rng.randrange(4)}",
+                "time": round(now, 3),
+                "status": 200,
+            },
+            separators=(",", ":"),
+        ).encode()
         if total + len(line) + 1 > size:
             return b"\n".join(lines) + b"\n", len(lines)
         lines.append(line)
@@ -392,11 +462,21 @@ def every_state_events(callers: int, models: int, seed: int) -> list[list[bytes]
     turns = []
     for _state, fields, (low, high) in STATE_TURNS:
         rng.shuffle(pairs)
-        turns.append([json.dumps({"caller": caller, "model": model, **fields,
-                                  "ttft_seconds": round(rng.uniform(low, high), 3),
-                                  "queue_seconds": round(rng.uniform(0.0, 2.0), 3)},
-                                 separators=(",", ":")).encode()
-                      for caller, model in pairs])
+        turns.append(
+            [
+                json.dumps(
+                    {
+                        "caller": caller,
+                        "model": model,
+                        **fields,
+                        "ttft_seconds": round(rng.uniform(low, high), 3),
+                        "queue_seconds": round(rng.uniform(0.0, 2.0), 3),
+                    },
+                    separators=(",", ":"),
+                ).encode()
+                for caller, model in pairs
+            ]
+        )
     return turns
 
 
@@ -408,10 +488,11 @@ async def load_every_state(run: CaseRun, batch: int = 1000) -> dict[str, int]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         for lines in turns:
             for start in range(0, len(lines), batch):
-                body = b"\n".join(lines[start:start + batch])
-                totals["sent"] += len(lines[start:start + batch])
-                async with session.post(url, data=body, headers={
-                        "Content-Type": "application/x-ndjson"}) as response:
+                body = b"\n".join(lines[start : start + batch])
+                totals["sent"] += len(lines[start : start + batch])
+                async with session.post(
+                    url, data=body, headers={"Content-Type": "application/x-ndjson"}
+                ) as response:
                     if response.status not in (200, 422):
                         totals["failed_posts"] += 1
                         continue
@@ -433,6 +514,7 @@ def pairs_in_every_state(text: str) -> tuple[int, int]:
 
 
 # ---- the attacks ---------------------------------------------------------------------
+
 
 async def big_bodies(run: CaseRun, body: bytes, events_per_body: int) -> None:
     run.found["body_mb"] = round(len(body) / MiB, 1)
@@ -462,13 +544,15 @@ async def attack_series(run: CaseRun) -> None:
             renders = []
             for _ in range(run.args.renders):
                 seconds, status, wire, response_headers = await fetch(
-                    session, run.exporter.base_url + "/metrics", headers,
-                    run.args.probe_timeout)
+                    session, run.exporter.base_url + "/metrics", headers, run.args.probe_timeout
+                )
                 renders.append(round(seconds, 3))
             body = decoded(wire, response_headers).decode()
             run.found[fmt] = {
                 "content_type": response_headers.get("content-type"),
-                "status": status, "seconds": renders, "wire_mb": round(len(wire) / MiB, 1),
+                "status": status,
+                "seconds": renders,
+                "wire_mb": round(len(wire) / MiB, 1),
                 "body_mb": round(len(body) / MiB, 1),
                 "samples": len([line for line in sample_lines(body) if line != "# EOF"]),
             }
@@ -485,8 +569,7 @@ async def attack_slow_readers(run: CaseRun) -> None:
     await run.metrics_probe.next_probe()  # the baseline includes one scrape of the series
     await run.metrics_probe.next_probe()
     run.mark("attack_start")
-    request = (f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{run.exporter.port}\r\n"
-               "\r\n").encode()
+    request = (f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{run.exporter.port}\r\n\r\n").encode()
     readers = []
     for _ in range(run.args.readers):
         sock = await connect(run, timeout=10, receive_buffer=run.args.receive_buffer)
@@ -495,8 +578,9 @@ async def attack_slow_readers(run: CaseRun) -> None:
             readers.append(sock)
     run.found["readers"] = len(readers)
     await asyncio.sleep(run.args.hold)
-    run.found["readers_answered_by_end_of_hold"] = sum(1 for sock in readers
-                                                       if queued_bytes(sock) > 0)
+    run.found["readers_answered_by_end_of_hold"] = sum(
+        1 for sock in readers if queued_bytes(sock) > 0
+    )
     run.found["reader_sockets_at_end_of_hold"] = state_counts(readers)
     for sock in readers:
         sock.close()
@@ -520,8 +604,7 @@ async def attack_slowloris(run: CaseRun) -> None:
     run.mark("attack_start")
     slow = await connect_many(run, run.args.connections)
     run.found["connected"] = len(slow)
-    request_line = (f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{run.exporter.port}\r\n"
-                    ).encode()
+    request_line = (f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{run.exporter.port}\r\n").encode()
     failed_sends = 0
     for sock in slow:
         try:
@@ -550,6 +633,7 @@ async def attack_slowloris(run: CaseRun) -> None:
 
 # ---- issue 29: slow bodies and descriptors -------------------------------------------
 
+
 def _chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
@@ -559,8 +643,10 @@ async def trickle_bodies(run: CaseRun, port: int, path: str, count: int) -> None
     ``--trickle-interval`` for ``--hold`` seconds, each opened again as soon as the exporter
     closes it; what each connection got (an answer's status, or closed) and how long it
     lasted."""
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
-            "application/json\r\nTransfer-Encoding: chunked\r\n\r\n").encode() + _chunk(b"{")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+        "application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode() + _chunk(b"{")
     loop = asyncio.get_running_loop()
     ends = time.monotonic() + run.args.hold
     outcomes: dict[str, int] = {}
@@ -587,12 +673,16 @@ async def trickle_bodies(run: CaseRun, port: int, path: str, count: int) -> None
                 while (left := ends - time.monotonic()) > 0:
                     try:
                         answer = await asyncio.wait_for(
-                            loop.sock_recv(sock, 4096), min(left, run.args.trickle_interval))
+                            loop.sock_recv(sock, 4096), min(left, run.args.trickle_interval)
+                        )
                     except asyncio.TimeoutError:
                         await loop.sock_sendall(sock, _chunk(b" "))  # JSON whitespace
                         continue
-                    outcome = (answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/")
-                               else "closed")
+                    outcome = (
+                        answer.split(b" ", 2)[1].decode()
+                        if answer.startswith(b"HTTP/")
+                        else "closed"
+                    )
                     lifetimes.append(time.monotonic() - started)
                     break
             except OSError:
@@ -612,9 +702,11 @@ async def trickle_bodies(run: CaseRun, port: int, path: str, count: int) -> None
     run.found["trickler_outcomes"] = outcomes
     if lifetimes:
         ordered = sorted(lifetimes)
-        run.found["trickler_lifetime_s"] = {"min": round(ordered[0], 1),
-                                            "median": round(ordered[len(ordered) // 2], 1),
-                                            "max": round(ordered[-1], 1)}
+        run.found["trickler_lifetime_s"] = {
+            "min": round(ordered[0], 1),
+            "median": round(ordered[len(ordered) // 2], 1),
+            "max": round(ordered[-1], 1),
+        }
 
 
 async def attack_slow_ingest(run: CaseRun) -> None:
@@ -631,8 +723,9 @@ async def attack_streams(run: CaseRun) -> None:
     ``--stream-seconds``; their outcomes, and the exporter's descriptors meanwhile."""
     assert run.tap_port is not None
     url = f"http://127.0.0.1:{run.tap_port}/v1/chat/completions"
-    body = json.dumps({"model": "tiny-llama", "stream": True, "messages": [
-        {"role": "user", "content": "hi"}]}).encode()
+    body = json.dumps(
+        {"model": "tiny-llama", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
     outcomes: dict[str, int] = {}
     fds: list[int] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -640,9 +733,11 @@ async def attack_streams(run: CaseRun) -> None:
 
     async def one(session: aiohttp.ClientSession, index: int) -> None:
         try:
-            async with session.post(url, data=body, headers={
-                    "Content-Type": "application/json", "X-Caller": f"agent-{index % 20}"}
-                                    ) as response:
+            async with session.post(
+                url,
+                data=body,
+                headers={"Content-Type": "application/json", "X-Caller": f"agent-{index % 20}"},
+            ) as response:
                 await response.read()
                 outcome = str(response.status)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
@@ -691,29 +786,52 @@ class StubUpstream(threading.Thread):
 
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
-        usage = {"prompt_tokens": 4096, "completion_tokens": 5,
-                 "prompt_tokens_details": {"cached_tokens": 2048}}
+        usage = {
+            "prompt_tokens": 4096,
+            "completion_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 2048},
+        }
 
         async def chat(request: web.Request) -> web.StreamResponse:
             asked = await request.json()
             if not asked.get("stream"):
-                return web.json_response({"id": "x", "object": "chat.completion",
-                                          "model": "tiny-llama", "usage": usage,
-                                          "choices": [{"index": 0, "finish_reason": "stop",
-                                                       "message": {"role": "assistant",
-                                                                   "content": "hello"}}]})
+                return web.json_response(
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "model": "tiny-llama",
+                        "usage": usage,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "message": {"role": "assistant", "content": "hello"},
+                            }
+                        ],
+                    }
+                )
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            chunk = {"id": "x", "object": "chat.completion.chunk", "model": "tiny-llama",
-                     "choices": [{"index": 0, "delta": {"content": "a"}}]}
+            chunk = {
+                "id": "x",
+                "object": "chat.completion.chunk",
+                "model": "tiny-llama",
+                "choices": [{"index": 0, "delta": {"content": "a"}}],
+            }
             try:
                 for _ in range(max(1, int(self.stream_seconds))):
                     await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                     await asyncio.sleep(1.0)
-                last = {"id": "x", "object": "chat.completion.chunk", "model": "tiny-llama",
-                        "choices": [], "usage": usage}
-                await response.write(b"data: " + json.dumps(last).encode() + b"\n\n"
-                                     b"data: [DONE]\n\n")
+                last = {
+                    "id": "x",
+                    "object": "chat.completion.chunk",
+                    "model": "tiny-llama",
+                    "choices": [],
+                    "usage": usage,
+                }
+                await response.write(
+                    b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n"
+                )
                 await response.write_eof()
             except ConnectionError:
                 pass
@@ -736,15 +854,31 @@ class StubUpstream(threading.Thread):
 
 # ---- followed files (issue 29, fails 5 and 6) ---------------------------------------
 
+
 def followed_flags(folder: Path, from_start: bool = False) -> list[str]:
-    return ["--usage.file", str(folder / "*.jsonl"), "--usage.file.poll-interval", "1",
-            *(["--usage.file.from-start"] if from_start else [])]
+    return [
+        "--usage.file",
+        str(folder / "*.jsonl"),
+        "--usage.file.poll-interval",
+        "1",
+        *(["--usage.file.from-start"] if from_start else []),
+    ]
 
 
 def usage_line(caller: str, seq: int) -> bytes:
-    return json.dumps({"caller": caller, "model": "model-00", "prompt_tokens": 4096,
-                       "cached_tokens": 2048, "ttft_seconds": 0.5,
-                       "session": f"s-{seq % 500}"}).encode() + b"\n"
+    return (
+        json.dumps(
+            {
+                "caller": caller,
+                "model": "model-00",
+                "prompt_tokens": 4096,
+                "cached_tokens": 2048,
+                "ttft_seconds": 0.5,
+                "session": f"s-{seq % 500}",
+            }
+        ).encode()
+        + b"\n"
+    )
 
 
 def prepare_idle_files(folder: Path, args: argparse.Namespace) -> list[str]:
@@ -764,8 +898,10 @@ def burst_file(path: Path, index: int, size: int) -> int:
 
 def prepare_from_start(folder: Path, args: argparse.Namespace) -> list[str]:
     folder.mkdir()
-    lines = sum(burst_file(folder / f"rotated-{index:02d}.jsonl", index, args.burst_mib * MiB)
-                for index in range(args.burst_files))
+    lines = sum(
+        burst_file(folder / f"rotated-{index:02d}.jsonl", index, args.burst_mib * MiB)
+        for index in range(args.burst_files)
+    )
     args.expected_file_events = lines
     return followed_flags(folder, from_start=True)
 
@@ -777,8 +913,9 @@ def prepare_empty(folder: Path, args: argparse.Namespace) -> list[str]:
 
 async def file_events(run: CaseRun) -> float:
     async with aiohttp.ClientSession() as session:
-        _, status, wire, headers = await fetch(session, run.exporter.base_url + "/metrics",
-                                               TEXT_HEADERS, run.args.probe_timeout)
+        _, status, wire, headers = await fetch(
+            session, run.exporter.base_url + "/metrics", TEXT_HEADERS, run.args.probe_timeout
+        )
     if status != 200:
         return -1.0
     text = decoded(wire, headers).decode()
@@ -818,8 +955,9 @@ async def attack_idle_files(run: CaseRun) -> None:
     if cpu_before is not None and cpu_idle is not None:
         run.found["idle_cpu_share"] = round((cpu_idle - cpu_before) / run.args.hold, 3)
     run.found["idle_fds_max"] = max(fds) if fds else None
-    woken = random.Random(run.args.seed).sample(range(run.args.idle_files),
-                                                min(run.args.woken_files, run.args.idle_files))
+    woken = random.Random(run.args.seed).sample(
+        range(run.args.idle_files), min(run.args.woken_files, run.args.idle_files)
+    )
     base = await file_events(run)
     for wave in range(2):
         for index in woken:
@@ -835,8 +973,10 @@ async def attack_burst(run: CaseRun) -> None:
     assert run.files_dir is not None
     staging = run.files_dir.parent / "staging"
     staging.mkdir()
-    lines = sum(burst_file(staging / f"new-{index:02d}.jsonl", index, run.args.burst_mib * MiB)
-                for index in range(run.args.burst_files))
+    lines = sum(
+        burst_file(staging / f"new-{index:02d}.jsonl", index, run.args.burst_mib * MiB)
+        for index in range(run.args.burst_files)
+    )
     run.mark("attack_start")
     for path in sorted(staging.iterdir()):
         path.rename(run.files_dir / path.name)  # all there at once, each whole
@@ -850,40 +990,95 @@ async def attack_from_start(run: CaseRun) -> None:
     run.mark("attack_end")
 
 
-CASES = {case.key: case for case in (
-    Case("3a", "{bodies} concurrent {body_mib} MiB bodies of '1\\n'", attack_junk_lines),
-    Case("3b", "{bodies} concurrent {body_mib} MiB bodies of valid NDJSON",
-         attack_valid_ndjson),
-    Case("4", "{callers} callers x {models} models x every state", attack_series),
-    Case("5", "{readers} clients that GET /metrics and never read (case 4's series)",
-         attack_slow_readers),
-    Case("6a", "{connections:,} idle connections, exporter under ulimit -n 1024", attack_idle,
-         nofile=1024),
-    Case("6b", "{connections:,} slowloris connections, exporter under ulimit -n 1024",
-         attack_slowloris, nofile=1024),
-    Case("n1", "{trickle_bodies} connections trickling POST /v1/usage bodies, a byte every "
-         "{trickle_interval:g} s", attack_slow_ingest, healthy=True),
-    Case("n2", "{trickle_tap} connections trickling tap request bodies, a byte every "
-         "{trickle_interval:g} s", attack_slow_tap, tap=True, healthy=True),
-    Case("n4", "{streams} streaming tap calls held {stream_seconds:g} s, exporter under "
-         "ulimit -n 1024", attack_streams, nofile=1024, tap=True, healthy=True),
-    Case("f5", "{idle_files:,} followed files, idle {hold:g} s then {woken_files} written "
-         "twice, exporter under ulimit -n 4096", attack_idle_files, nofile=4096,
-         healthy=True, prepare=prepare_idle_files),
-    Case("f6", "{burst_files} new files of {burst_mib} MiB appearing at once", attack_burst,
-         healthy=True, prepare=prepare_empty),
-    Case("f6s", "{burst_files} files of {burst_mib} MiB replayed with "
-         "--usage.file.from-start", attack_from_start, healthy=True,
-         prepare=prepare_from_start),
-)}
-GROUPS = {"3": ["3a", "3b"], "6": ["6a", "6b"], "net": ["n1", "n2", "n4"],
-          "files": ["f5", "f6", "f6s"], "all": list(CASES)}
+CASES = {
+    case.key: case
+    for case in (
+        Case("3a", "{bodies} concurrent {body_mib} MiB bodies of '1\\n'", attack_junk_lines),
+        Case(
+            "3b", "{bodies} concurrent {body_mib} MiB bodies of valid NDJSON", attack_valid_ndjson
+        ),
+        Case("4", "{callers} callers x {models} models x every state", attack_series),
+        Case(
+            "5",
+            "{readers} clients that GET /metrics and never read (case 4's series)",
+            attack_slow_readers,
+        ),
+        Case(
+            "6a",
+            "{connections:,} idle connections, exporter under ulimit -n 1024",
+            attack_idle,
+            nofile=1024,
+        ),
+        Case(
+            "6b",
+            "{connections:,} slowloris connections, exporter under ulimit -n 1024",
+            attack_slowloris,
+            nofile=1024,
+        ),
+        Case(
+            "n1",
+            "{trickle_bodies} connections trickling POST /v1/usage bodies, a byte every "
+            "{trickle_interval:g} s",
+            attack_slow_ingest,
+            healthy=True,
+        ),
+        Case(
+            "n2",
+            "{trickle_tap} connections trickling tap request bodies, a byte every "
+            "{trickle_interval:g} s",
+            attack_slow_tap,
+            tap=True,
+            healthy=True,
+        ),
+        Case(
+            "n4",
+            "{streams} streaming tap calls held {stream_seconds:g} s, exporter under "
+            "ulimit -n 1024",
+            attack_streams,
+            nofile=1024,
+            tap=True,
+            healthy=True,
+        ),
+        Case(
+            "f5",
+            "{idle_files:,} followed files, idle {hold:g} s then {woken_files} written "
+            "twice, exporter under ulimit -n 4096",
+            attack_idle_files,
+            nofile=4096,
+            healthy=True,
+            prepare=prepare_idle_files,
+        ),
+        Case(
+            "f6",
+            "{burst_files} new files of {burst_mib} MiB appearing at once",
+            attack_burst,
+            healthy=True,
+            prepare=prepare_empty,
+        ),
+        Case(
+            "f6s",
+            "{burst_files} files of {burst_mib} MiB replayed with --usage.file.from-start",
+            attack_from_start,
+            healthy=True,
+            prepare=prepare_from_start,
+        ),
+    )
+}
+GROUPS = {
+    "3": ["3a", "3b"],
+    "6": ["6a", "6b"],
+    "net": ["n1", "n2", "n4"],
+    "files": ["f5", "f6", "f6s"],
+    "all": list(CASES),
+}
 
 
 # ---- measuring one case in a fresh exporter ------------------------------------------
 
-def measure(case: Case, args: argparse.Namespace,
-            inherited_limits: dict[int, tuple[int, int]]) -> dict[str, Any]:
+
+def measure(
+    case: Case, args: argparse.Namespace, inherited_limits: dict[int, tuple[int, int]]
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"bench-hostile-{case.key}-") as workdir:
         upstream: StubUpstream | None = None
         tap_port: int | None = None
@@ -893,21 +1088,32 @@ def measure(case: Case, args: argparse.Namespace,
             upstream.start()
             upstream.ready.wait(30)
             tap_port = free_port()
-            extra += ["--tap.listen-address", f"127.0.0.1:{tap_port}",
-                      "--tap.upstream", upstream.url]
+            extra += [
+                "--tap.listen-address",
+                f"127.0.0.1:{tap_port}",
+                "--tap.upstream",
+                upstream.url,
+            ]
         files_dir = Path(workdir) / "usage" if case.prepare else None
         if case.prepare is not None and files_dir is not None:
             extra += case.prepare(files_dir, args)
-        exporter = ExporterProcess(Path(workdir), extra, nofile=case.nofile,
-                                   inherited_limits=inherited_limits,
-                                   **({"root": args.exporter_root} if args.exporter_root
-                                      else {}))
+        exporter = ExporterProcess(
+            Path(workdir),
+            extra,
+            nofile=case.nofile,
+            inherited_limits=inherited_limits,
+            **({"root": args.exporter_root} if args.exporter_root else {}),
+        )
         sockets: list[socket.socket] = []
         sampler: MemorySampler | None = None
         try:
             exporter.start()
-            sampler = MemorySampler(exporter, 0.05, args.rss_guard_mb * MiB,
-                                    deadline=time.monotonic() + args.case_timeout + 30)
+            sampler = MemorySampler(
+                exporter,
+                0.05,
+                args.rss_guard_mb * MiB,
+                deadline=time.monotonic() + args.case_timeout + 30,
+            )
             sampler.start()
             run = CaseRun.create(args, exporter, sockets, case, tap_port)
             run.files_dir = files_dir
@@ -937,8 +1143,9 @@ def measure(case: Case, args: argparse.Namespace,
                 upstream.stop()
 
 
-def report_case(case: Case, run: CaseRun, sampler: MemorySampler, alive: bool,
-                failure: str | None) -> dict[str, Any]:
+def report_case(
+    case: Case, run: CaseRun, sampler: MemorySampler, alive: bool, failure: str | None
+) -> dict[str, Any]:
     marks = run.marks
     start = marks.get("start", 0.0)
     attack_start = marks.get("attack_start", start)
@@ -962,34 +1169,43 @@ def report_case(case: Case, run: CaseRun, sampler: MemorySampler, alive: bool,
     cpu_last = run.cpu_marks.get("end")
     counts = run.exporter.log_counts()
     return {
-        "case": case.key, "title": case.title.format(**vars(run.args)),
+        "case": case.key,
+        "title": case.title.format(**vars(run.args)),
         "command": " ".join(shlex.quote(part) for part in run.exporter.command),
         "ulimit_n": case.nofile,
         "survived": alive and sampler.killed_for is None,
-        "exit_code": run.exporter.exit_code, "killed_for": sampler.killed_for,
+        "exit_code": run.exporter.exit_code,
+        "killed_for": sampler.killed_for,
         "failure": failure,
-        "rss_before_attack_mb": _mb(before), "rss_peak_attack_mb": _mb(peak),
+        "rss_before_attack_mb": _mb(before),
+        "rss_peak_attack_mb": _mb(peak),
         "rss_peak_sampled_mb": _mb(sampler.peak_between(attack_start, end)),
-        "vmhwm_mb": _mb(last.hwm if last else None), "rss_after_mb": _mb(after),
+        "vmhwm_mb": _mb(last.hwm if last else None),
+        "rss_after_mb": _mb(after),
         "released_fraction": released,
         "attack_seconds": round(attack_seconds, 1),
-        "exporter_cpu_seconds_in_attack": (round(cpu_end - cpu_start, 1)
-                                           if cpu_start is not None and cpu_end is not None
-                                           else None),
+        "exporter_cpu_seconds_in_attack": (
+            round(cpu_end - cpu_start, 1) if cpu_start is not None and cpu_end is not None else None
+        ),
         # Work the exporter still does after the attackers left (abandoned bodies, say).
-        "exporter_cpu_share_after": (round((cpu_last - cpu_end) / max(end - attack_end, 1e-9), 2)
-                                     if cpu_end is not None and cpu_last is not None
-                                     else None),
+        "exporter_cpu_share_after": (
+            round((cpu_last - cpu_end) / max(end - attack_end, 1e-9), 2)
+            if cpu_end is not None and cpu_last is not None
+            else None
+        ),
         "metrics_during": summarize(run.metrics_probe.probes, attack_start, attack_end),
         "metrics_after": summarize(run.metrics_probe.probes, attack_end, end),
         "ingest_during": summarize(run.ingest_probe.probes, attack_start, attack_end),
         "ingest_after": summarize(run.ingest_probe.probes, attack_end, end),
-        "healthy_during": (summarize(run.healthy_probe.probes, attack_start, attack_end,
-                                     slow=HEALTHY_WITHIN) if run.healthy_probe else None),
-        "tap_during": (summarize(run.tap_probe.probes, attack_start, attack_end)
-                       if run.tap_probe else None),
-        "tap_after": (summarize(run.tap_probe.probes, attack_end, end)
-                      if run.tap_probe else None),
+        "healthy_during": (
+            summarize(run.healthy_probe.probes, attack_start, attack_end, slow=HEALTHY_WITHIN)
+            if run.healthy_probe
+            else None
+        ),
+        "tap_during": (
+            summarize(run.tap_probe.probes, attack_start, attack_end) if run.tap_probe else None
+        ),
+        "tap_after": (summarize(run.tap_probe.probes, attack_end, end) if run.tap_probe else None),
         "log_bytes": run.exporter.log_bytes(),
         "log_bytes_in_attack": run.log_marks.get("attack_end", log_start) - log_start,
         **counts,
@@ -1006,9 +1222,12 @@ def _mb(value: int | None) -> float | None:
 
 # ---- output --------------------------------------------------------------------------
 
+
 def latency_cell(summary: dict[str, Any]) -> str:
-    return (f"{seconds_text(summary['p50_s'])} / {seconds_text(summary['max_s'])} / "
-            f"{summary['ok']} of {summary['probes']} / {summary['longest_gap_s']:.0f} s")
+    return (
+        f"{seconds_text(summary['p50_s'])} / {seconds_text(summary['max_s'])} / "
+        f"{summary['ok']} of {summary['probes']} / {summary['longest_gap_s']:.0f} s"
+    )
 
 
 def notes(result: dict[str, Any]) -> str:
@@ -1020,29 +1239,36 @@ def notes(result: dict[str, Any]) -> str:
         slowest = max((r.get("seconds") or 0) for r in replies)
         accepted = sum(r.get("accepted") or 0 for r in replies)
         rejected = sum(r.get("rejected") or 0 for r in replies)
-        parts.append(f"replies {statuses} in {slowest:.1f} s; {accepted:,} accepted, "
-                     f"{rejected:,} rejected")
+        parts.append(
+            f"replies {statuses} in {slowest:.1f} s; {accepted:,} accepted, {rejected:,} rejected"
+        )
     if "text" in found:
         text, om = found["text"], found["prometheus_accept"]
-        parts.append(f"{text['samples']:,} samples, text {text['body_mb']} MB in "
-                     f"{min(text['seconds']):.2f} s; Prometheus Accept "
-                     f"({om['content_type'].split(';')[0]}) {om['body_mb']} MB in "
-                     f"{min(om['seconds']):.1f} s; all 6 states: {found['pairs_in_all_states']}")
+        parts.append(
+            f"{text['samples']:,} samples, text {text['body_mb']} MB in "
+            f"{min(text['seconds']):.2f} s; Prometheus Accept "
+            f"({om['content_type'].split(';')[0]}) {om['body_mb']} MB in "
+            f"{min(om['seconds']):.1f} s; all 6 states: {found['pairs_in_all_states']}"
+        )
     if "readers" in found:
-        parts.append(f"{found['readers']} readers, "
-                     f"{found['readers_answered_by_end_of_hold']} of them answered in the hold; "
-                     "sockets after hold: "
-                     f"{found['reader_sockets_at_end_of_hold']}")
+        parts.append(
+            f"{found['readers']} readers, "
+            f"{found['readers_answered_by_end_of_hold']} of them answered in the hold; "
+            "sockets after hold: "
+            f"{found['reader_sockets_at_end_of_hold']}"
+        )
     if "connected" in found:
-        parts.append(f"{found['connected']:,} connected; exporter fds "
-                     f"{found['exporter_fds_after_connecting']}; sockets after hold: "
-                     f"{found['attack_sockets_at_end_of_hold']}")
+        parts.append(
+            f"{found['connected']:,} connected; exporter fds "
+            f"{found['exporter_fds_after_connecting']}; sockets after hold: "
+            f"{found['attack_sockets_at_end_of_hold']}"
+        )
     if (result["exporter_cpu_share_after"] or 0) > 0.2:
-        parts.append(f"still busy after the attack: {result['exporter_cpu_share_after']:.0%} "
-                     "of a CPU")
+        parts.append(
+            f"still busy after the attack: {result['exporter_cpu_share_after']:.0%} of a CPU"
+        )
     if result["tracebacks"] or result["error_lines"]:
-        parts.append(f"{result['tracebacks']:,} tracebacks, {result['error_lines']:,} ERROR "
-                     "lines")
+        parts.append(f"{result['tracebacks']:,} tracebacks, {result['error_lines']:,} ERROR lines")
     if result["killed_for"]:
         parts.append(f"KILLED: {result['killed_for']}")
     if result["failure"]:
@@ -1054,69 +1280,87 @@ def network_notes(result: dict[str, Any]) -> str:
     found = result["found"]
     parts = []
     if "trickler_outcomes" in found:
-        parts.append(f"{found['trickling_connections']} tricklers, {found['connections_opened']} "
-                     f"connections opened: {found['trickler_outcomes']}; lifetime "
-                     f"{found.get('trickler_lifetime_s')}")
+        parts.append(
+            f"{found['trickling_connections']} tricklers, {found['connections_opened']} "
+            f"connections opened: {found['trickler_outcomes']}; lifetime "
+            f"{found.get('trickler_lifetime_s')}"
+        )
     if "read_seconds" in found:
         parts.append(f"read in {found['read_seconds']} s ({found['read_counted']} counted)")
     if "idle_cpu_share" in found:
-        parts.append(f"idle: {found['idle_cpu_share']:.1%} of a core, {found['idle_fds_max']} "
-                     f"fds; woken twice in {found.get('wave1_seconds')} s, "
-                     f"{found.get('wave2_seconds')} s ({found.get('wave1_counted')}, "
-                     f"{found.get('wave2_counted')}); fds at most {found['fds_max']}")
+        parts.append(
+            f"idle: {found['idle_cpu_share']:.1%} of a core, {found['idle_fds_max']} "
+            f"fds; woken twice in {found.get('wave1_seconds')} s, "
+            f"{found.get('wave2_seconds')} s ({found.get('wave1_counted')}, "
+            f"{found.get('wave2_counted')}); fds at most {found['fds_max']}"
+        )
     if "stream_outcomes" in found:
-        parts.append(f"{found['streams']} streams: {found['stream_outcomes']}; exporter fds at "
-                     f"most {found['exporter_fds_max']}")
+        parts.append(
+            f"{found['streams']} streams: {found['stream_outcomes']}; exporter fds at "
+            f"most {found['exporter_fds_max']}"
+        )
     if result["tracebacks"] or result["error_lines"]:
-        parts.append(f"{result['tracebacks']:,} tracebacks, {result['error_lines']:,} ERROR "
-                     "lines")
+        parts.append(f"{result['tracebacks']:,} tracebacks, {result['error_lines']:,} ERROR lines")
     return "; ".join(parts)
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print("| case | survived | RSS at attack | peak RSS | RSS after | released | "
-          "/metrics in attack: p50 / max / ok / longest gap | /metrics after | "
-          "ingest in attack: p50 / max / ok / longest gap | ingest after | log written | "
-          "notes |")
+    print(
+        "| case | survived | RSS at attack | peak RSS | RSS after | released | "
+        "/metrics in attack: p50 / max / ok / longest gap | /metrics after | "
+        "ingest in attack: p50 / max / ok / longest gap | ingest after | log written | "
+        "notes |"
+    )
     print("|---|---|---:|---:|---:|---:|---|---|---|---|---:|---|")
     for result in results:
-        released = ("-" if result["released_fraction"] is None
-                    else f"{result['released_fraction']:.0%}")
-        print(f"| {result['case']} {result['title']} | "
-              f"{'yes' if result['survived'] else 'NO'} | "
-              f"{_cell_mb(result['rss_before_attack_mb'])} | "
-              f"{_cell_mb(result['rss_peak_attack_mb'])} | "
-              f"{_cell_mb(result['rss_after_mb'])} | {released} | "
-              f"{latency_cell(result['metrics_during'])} | "
-              f"{latency_cell(result['metrics_after'])} | "
-              f"{latency_cell(result['ingest_during'])} | "
-              f"{latency_cell(result['ingest_after'])} | "
-              f"{result['log_bytes_in_attack'] / MiB:,.1f} MB | {notes(result)} |")
+        released = (
+            "-" if result["released_fraction"] is None else f"{result['released_fraction']:.0%}"
+        )
+        print(
+            f"| {result['case']} {result['title']} | "
+            f"{'yes' if result['survived'] else 'NO'} | "
+            f"{_cell_mb(result['rss_before_attack_mb'])} | "
+            f"{_cell_mb(result['rss_peak_attack_mb'])} | "
+            f"{_cell_mb(result['rss_after_mb'])} | {released} | "
+            f"{latency_cell(result['metrics_during'])} | "
+            f"{latency_cell(result['metrics_after'])} | "
+            f"{latency_cell(result['ingest_during'])} | "
+            f"{latency_cell(result['ingest_after'])} | "
+            f"{result['log_bytes_in_attack'] / MiB:,.1f} MB | {notes(result)} |"
+        )
     network = [result for result in results if result["healthy_during"] is not None]
     if network:
-        print("\n| case | /-/healthy in attack: p50 / max / within 100 ms | "
-              "tap probe in attack: p50 / max / ok / longest gap | tap probe after | "
-              "/metrics in attack: p50 / max | peak RSS | attack |")
+        print(
+            "\n| case | /-/healthy in attack: p50 / max / within 100 ms | "
+            "tap probe in attack: p50 / max / ok / longest gap | tap probe after | "
+            "/metrics in attack: p50 / max | peak RSS | attack |"
+        )
         print("|---|---|---|---|---|---:|---|")
         for result in network:
             healthy = result["healthy_during"]
             tap = result["tap_during"]
-            print(f"| {result['case']} | {seconds_text(healthy['p50_s'])} / "
-                  f"{seconds_text(healthy['max_s'])} / {healthy['ok']} of "
-                  f"{healthy['probes']} | {latency_cell(tap) if tap else '-'} | "
-                  f"{latency_cell(result['tap_after']) if tap else '-'} | "
-                  f"{seconds_text(result['metrics_during']['p50_s'])} / "
-                  f"{seconds_text(result['metrics_during']['max_s'])} | "
-                  f"{_cell_mb(result['rss_peak_attack_mb'])} | {network_notes(result)} |")
+            print(
+                f"| {result['case']} | {seconds_text(healthy['p50_s'])} / "
+                f"{seconds_text(healthy['max_s'])} / {healthy['ok']} of "
+                f"{healthy['probes']} | {latency_cell(tap) if tap else '-'} | "
+                f"{latency_cell(result['tap_after']) if tap else '-'} | "
+                f"{seconds_text(result['metrics_during']['p50_s'])} / "
+                f"{seconds_text(result['metrics_during']['max_s'])} | "
+                f"{_cell_mb(result['rss_peak_attack_mb'])} | {network_notes(result)} |"
+            )
     for result in results:
-        print(f"\n{result['case']}: {result['command']}"
-              + (f"  (ulimit -n {result['ulimit_n']})" if result["ulimit_n"] else ""))
-        print(f"  marks (s): {result['marks_s']}; attack {result['attack_seconds']} s, "
-              "exporter CPU in it "
-              f"{result['exporter_cpu_seconds_in_attack']} s; VmHWM "
-              f"{_cell_mb(result['vmhwm_mb'])}; probe errors in attack: "
-              f"/metrics {result['metrics_during']['errors'] or 'none'}, ingest "
-              f"{result['ingest_during']['errors'] or 'none'}")
+        print(
+            f"\n{result['case']}: {result['command']}"
+            + (f"  (ulimit -n {result['ulimit_n']})" if result["ulimit_n"] else "")
+        )
+        print(
+            f"  marks (s): {result['marks_s']}; attack {result['attack_seconds']} s, "
+            "exporter CPU in it "
+            f"{result['exporter_cpu_seconds_in_attack']} s; VmHWM "
+            f"{_cell_mb(result['vmhwm_mb'])}; probe errors in attack: "
+            f"/metrics {result['metrics_during']['errors'] or 'none'}, ingest "
+            f"{result['ingest_during']['errors'] or 'none'}"
+        )
         for key, value in result["found"].items():
             if key not in ("replies",):
                 print(f"  {key}: {value}")
@@ -1136,11 +1380,13 @@ def _cell_mb(value: float | None) -> str:
 
 # ---- limits and arguments ------------------------------------------------------------
 
+
 def guard_bench(max_mb: int, files_needed: int) -> dict[int, tuple[int, int]]:
     """Cap this process's address space and raise its open-file limit; return the limits
     it had, for the exporter to get back."""
-    original = {limit: resource.getrlimit(limit)
-                for limit in (resource.RLIMIT_AS, resource.RLIMIT_NOFILE)}
+    original = {
+        limit: resource.getrlimit(limit) for limit in (resource.RLIMIT_AS, resource.RLIMIT_NOFILE)
+    }
     soft_as, hard_as = original[resource.RLIMIT_AS]
     cap = max_mb * MiB
     if hard_as == resource.RLIM_INFINITY or cap < hard_as:
@@ -1153,78 +1399,132 @@ def guard_bench(max_mb: int, files_needed: int) -> dict[int, tuple[int, int]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--case", default="all",
-                        help="3, 4, 5, 6, net, files, all, or one variant: "
-                        + ", ".join(CASES))
-    parser.add_argument("--exporter-args", default="", type=shlex.split,
-                        help="extra flags for the exporter, one string: "
-                             "--exporter-args='--callers.max 500'")
-    parser.add_argument("--exporter-root", type=Path, default=None,
-                        help="run the exporter of another checkout (e.g. a clone of main, "
-                             "for before/after figures)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    parser.add_argument(
+        "--case",
+        default="all",
+        help="3, 4, 5, 6, net, files, all, or one variant: " + ", ".join(CASES),
+    )
+    parser.add_argument(
+        "--exporter-args",
+        default="",
+        type=shlex.split,
+        help="extra flags for the exporter, one string: --exporter-args='--callers.max 500'",
+    )
+    parser.add_argument(
+        "--exporter-root",
+        type=Path,
+        default=None,
+        help="run the exporter of another checkout (e.g. a clone of main, "
+        "for before/after figures)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--save", type=Path, default=None,
-                        help="also write the JSON to this file")
+    parser.add_argument("--save", type=Path, default=None, help="also write the JSON to this file")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds before the attack")
-    parser.add_argument("--settle", type=float, default=20.0,
-                        help="seconds measured after the attackers left")
-    parser.add_argument("--hold", type=float, default=40.0,
-                        help="seconds the connections of cases 5 and 6 are held")
+    parser.add_argument(
+        "--settle", type=float, default=20.0, help="seconds measured after the attackers left"
+    )
+    parser.add_argument(
+        "--hold", type=float, default=40.0, help="seconds the connections of cases 5 and 6 are held"
+    )
     parser.add_argument("--probe-interval", type=float, default=0.5)
     parser.add_argument("--probe-timeout", type=float, default=60.0)
     parser.add_argument("--bodies", type=int, default=4, help="case 3: concurrent bodies")
     parser.add_argument("--body-mib", type=int, default=16, help="case 3: MiB per body")
-    parser.add_argument("--attack-timeout", type=float, default=120.0,
-                        help="case 3: seconds to wait for each body's answer")
+    parser.add_argument(
+        "--attack-timeout",
+        type=float,
+        default=120.0,
+        help="case 3: seconds to wait for each body's answer",
+    )
     parser.add_argument("--callers", type=int, default=101, help="cases 4 and 5")
     parser.add_argument("--models", type=int, default=33, help="cases 4 and 5")
-    parser.add_argument("--renders", type=int, default=3,
-                        help="case 4: timed renders per format")
+    parser.add_argument("--renders", type=int, default=3, help="case 4: timed renders per format")
     parser.add_argument("--readers", type=int, default=30, help="case 5: non-reading clients")
-    parser.add_argument("--receive-buffer", type=int, default=1024,
-                        help="case 5: SO_RCVBUF of each reader (the kernel's minimum applies)")
+    parser.add_argument(
+        "--receive-buffer",
+        type=int,
+        default=1024,
+        help="case 5: SO_RCVBUF of each reader (the kernel's minimum applies)",
+    )
     parser.add_argument("--connections", type=int, default=1100, help="case 6")
     parser.add_argument("--slowloris-interval", type=float, default=5.0, help="case 6b")
-    parser.add_argument("--trickle-bodies", type=int, default=4,
-                        help="case n1: connections trickling /v1/usage bodies")
-    parser.add_argument("--trickle-tap", type=int, default=580,
-                        help="case n2: connections trickling tap request bodies")
-    parser.add_argument("--trickle-interval", type=float, default=2.0,
-                        help="cases n1, n2: seconds between two bytes")
-    parser.add_argument("--trickle-reconnect", action=argparse.BooleanOptionalAction,
-                        default=True, help="cases n1, n2: open a connection again as soon "
-                        "as the exporter closes it (a persistent attacker)")
-    parser.add_argument("--streams", type=int, default=700,
-                        help="case n4: streaming tap calls at once")
-    parser.add_argument("--stream-seconds", type=float, default=40.0,
-                        help="case n4: seconds the stand-in holds each stream")
-    parser.add_argument("--idle-files", type=int, default=10_000,
-                        help="case f5: files there at start")
-    parser.add_argument("--woken-files", type=int, default=500,
-                        help="case f5: files written to after the idle hold")
+    parser.add_argument(
+        "--trickle-bodies",
+        type=int,
+        default=4,
+        help="case n1: connections trickling /v1/usage bodies",
+    )
+    parser.add_argument(
+        "--trickle-tap",
+        type=int,
+        default=580,
+        help="case n2: connections trickling tap request bodies",
+    )
+    parser.add_argument(
+        "--trickle-interval",
+        type=float,
+        default=2.0,
+        help="cases n1, n2: seconds between two bytes",
+    )
+    parser.add_argument(
+        "--trickle-reconnect",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cases n1, n2: open a connection again as soon "
+        "as the exporter closes it (a persistent attacker)",
+    )
+    parser.add_argument(
+        "--streams", type=int, default=700, help="case n4: streaming tap calls at once"
+    )
+    parser.add_argument(
+        "--stream-seconds",
+        type=float,
+        default=40.0,
+        help="case n4: seconds the stand-in holds each stream",
+    )
+    parser.add_argument(
+        "--idle-files", type=int, default=10_000, help="case f5: files there at start"
+    )
+    parser.add_argument(
+        "--woken-files", type=int, default=500, help="case f5: files written to after the idle hold"
+    )
     parser.add_argument("--burst-files", type=int, default=40, help="cases f6, f6s")
-    parser.add_argument("--burst-mib", type=int, default=8,
-                        help="cases f6, f6s: MiB per file")
-    parser.add_argument("--healthy-interval", type=float, default=0.1,
-                        help="network cases: seconds between /-/healthy probes")
-    parser.add_argument("--rss-guard-mb", type=int, default=4096,
-                        help="kill the exporter above this RSS")
-    parser.add_argument("--case-timeout", type=float, default=420.0,
-                        help="seconds one case may take")
-    parser.add_argument("--bench-max-mb", type=int, default=3072,
-                        help="address-space cap of this bench process")
-    parser.add_argument("--keep-logs", type=Path, default=None,
-                        help="copy each case's exporter log into this folder")
+    parser.add_argument("--burst-mib", type=int, default=8, help="cases f6, f6s: MiB per file")
+    parser.add_argument(
+        "--healthy-interval",
+        type=float,
+        default=0.1,
+        help="network cases: seconds between /-/healthy probes",
+    )
+    parser.add_argument(
+        "--rss-guard-mb", type=int, default=4096, help="kill the exporter above this RSS"
+    )
+    parser.add_argument(
+        "--case-timeout", type=float, default=420.0, help="seconds one case may take"
+    )
+    parser.add_argument(
+        "--bench-max-mb", type=int, default=3072, help="address-space cap of this bench process"
+    )
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        help="copy each case's exporter log into this folder",
+    )
     args = parser.parse_args(argv)
     keys = GROUPS.get(args.case, [args.case])
     unknown = [key for key in keys if key not in CASES]
     if unknown:
-        parser.error(f"unknown case {args.case!r}; choose from 3, 4, 5, 6, net, files, all, "
-                     + ", ".join(CASES))
+        parser.error(
+            f"unknown case {args.case!r}; choose from 3, 4, 5, 6, net, files, all, "
+            + ", ".join(CASES)
+        )
     args.keys = keys
     return args
 
@@ -1232,23 +1532,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up on kill, too
-    inherited = guard_bench(args.bench_max_mb, max(args.connections, args.trickle_tap,
-                                                   2 * args.streams, 4096) + 512)
+    inherited = guard_bench(
+        args.bench_max_mb, max(args.connections, args.trickle_tap, 2 * args.streams, 4096) + 512
+    )
     results = []
     for key in args.keys:
         if not args.json:
-            print(f"case {key}: {CASES[key].title.format(**vars(args))} ...",
-                  file=sys.stderr, flush=True)
+            print(
+                f"case {key}: {CASES[key].title.format(**vars(args))} ...",
+                file=sys.stderr,
+                flush=True,
+            )
         results.append(measure(CASES[key], args, inherited))
-    header = {"machine": machine(), "commit": commit(),
-              "date": time.strftime("%Y-%m-%d"), "exporter_args": args.exporter_args}
+    header = {
+        "machine": machine(),
+        "commit": commit(),
+        "date": time.strftime("%Y-%m-%d"),
+        "exporter_args": args.exporter_args,
+    }
     if args.save:
         args.save.write_text(json.dumps({**header, "cases": results}, indent=1) + "\n")
     if args.json:
         print(json.dumps({**header, "cases": results}, indent=1))
     else:
-        print(f"{header['date']}, commit {header['commit']}, {header['machine']}; "
-              f"exporter args: {args.exporter_args or 'none'}\n")
+        print(
+            f"{header['date']}, commit {header['commit']}, {header['machine']}; "
+            f"exporter args: {args.exporter_args or 'none'}\n"
+        )
         print_table(results)
     return 0 if all(result["survived"] for result in results) else 1
 

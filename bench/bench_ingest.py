@@ -59,14 +59,23 @@ def make_bodies(batches: int, batch_size: int, callers: int, seed: int) -> list[
             else:
                 cached = 0
             now += 0.01
-            lines.append(json.dumps({
-                "caller": caller, "model": "qwen3.8-27b", "prompt_tokens": prompt,
-                "cached_tokens": max(0, cached), "completion_tokens": rng.randrange(50, 800),
-                "ttft_seconds": round(rng.uniform(0.5, 90.0), 3),
-                "queue_seconds": round(rng.uniform(0.0, 2.0), 3),
-                "session": f"{caller}-s{rng.randrange(4)}", "time": round(now, 3),
-                "status": 200,
-            }, separators=(",", ":")))
+            lines.append(
+                json.dumps(
+                    {
+                        "caller": caller,
+                        "model": "qwen3.8-27b",
+                        "prompt_tokens": prompt,
+                        "cached_tokens": max(0, cached),
+                        "completion_tokens": rng.randrange(50, 800),
+                        "ttft_seconds": round(rng.uniform(0.5, 90.0), 3),
+                        "queue_seconds": round(rng.uniform(0.0, 2.0), 3),
+                        "session": f"{caller}-s{rng.randrange(4)}",
+                        "time": round(now, 3),
+                        "status": 200,
+                    },
+                    separators=(",", ":"),
+                )
+            )
         bodies.append("\n".join(lines).encode())
     return bodies
 
@@ -97,8 +106,9 @@ def events_counted(text: str) -> float:
     return total
 
 
-async def one_run(bodies: list[bytes],
-                  targets: list[tuple[list[str], Path | None]]) -> tuple[float, list[float]]:
+async def one_run(
+    bodies: list[bytes], targets: list[tuple[list[str], Path | None]]
+) -> tuple[float, list[float]]:
     """(floor CPU seconds, each target exporter's CPU seconds) for every body once.
 
     Each body is decoded by the floor loop, then POSTed to each exporter in turn, before the
@@ -109,8 +119,11 @@ async def one_run(bodies: list[bytes],
     try:
         for exporter_args, root in targets:
             workdir = Path(tempfile.mkdtemp(prefix="bench-ingest-"))
-            exporter = (ExporterProcess(workdir, exporter_args) if root is None
-                        else ExporterProcess(workdir, exporter_args, root=root))
+            exporter = (
+                ExporterProcess(workdir, exporter_args)
+                if root is None
+                else ExporterProcess(workdir, exporter_args, root=root)
+            )
             exporters.append(exporter)
             exporter.start()
         connector = aiohttp.TCPConnector(limit=len(exporters))
@@ -122,14 +135,18 @@ async def one_run(bodies: list[bytes],
                 spent, count = bare_body(body)
                 floor += spent
                 for index, exporter in enumerate(exporters):
-                    async with session.post(exporter.base_url + "/v1/usage", data=body,
-                                            headers={"Content-Type": "application/x-ndjson"}
-                                            ) as response:
+                    async with session.post(
+                        exporter.base_url + "/v1/usage",
+                        data=body,
+                        headers={"Content-Type": "application/x-ndjson"},
+                    ) as response:
                         reply = await response.json()
                         accepted[index] += reply["accepted"]
                     assert reply["accepted"] == count, (reply, count)
-            spent_by = [exporter_cpu(exporter) - start
-                        for exporter, start in zip(exporters, before, strict=True)]
+            spent_by = [
+                exporter_cpu(exporter) - start
+                for exporter, start in zip(exporters, before, strict=True)
+            ]
             for exporter, events in zip(exporters, accepted, strict=True):
                 async with session.get(exporter.base_url + "/metrics") as response:
                     counted = events_counted(await response.text())
@@ -144,10 +161,18 @@ def runs_text(rates: list[float]) -> str:
     return ", ".join(f"{rate:,.0f}" for rate in rates)
 
 
-IN_PROCESS_STAGES = ("split", "ingest without recording", "record", "whole", "floor",
-                     "whole, 1 line in 10 rejected", "whole, every line rejected",
-                     "file follower, replay", "whole, every line with an id",
-                     "whole, every line a copy (id)")
+IN_PROCESS_STAGES = (
+    "split",
+    "ingest without recording",
+    "record",
+    "whole",
+    "floor",
+    "whole, 1 line in 10 rejected",
+    "whole, every line rejected",
+    "file follower, replay",
+    "whole, every line with an id",
+    "whole, every line a copy (id)",
+)
 # What the rejected lines of the last two stages hold: an event the check refuses (a negative
 # prompt), which costs a decode, a check and a rejection with its reason.
 REJECTED_LINE = b'{"caller":"agent-0","model":"qwen3.8-27b","prompt_tokens":-1}'
@@ -172,7 +197,7 @@ def with_rejections(bodies: list[bytes], every: int) -> list[bytes]:
     out = []
     for body in bodies:
         lines = body.split(b"\n")
-        lines[every - 1::every] = [REJECTED_LINE] * len(lines[every - 1::every])
+        lines[every - 1 :: every] = [REJECTED_LINE] * len(lines[every - 1 :: every])
         out.append(b"\n".join(lines))
     return out
 
@@ -235,7 +260,7 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
         start = time.perf_counter()
         for body_rows in rows:
             for at in range(0, len(body_rows), EVENTS_PER_SLICE):
-                record_events(body_rows[at:at + EVENTS_PER_SLICE], HTTP_READER)
+                record_events(body_rows[at : at + EVENTS_PER_SLICE], HTTP_READER)
         return time.perf_counter() - start
 
     def floor() -> float:
@@ -249,8 +274,9 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
     usage_file.write_bytes(b"".join(body + b"\n" for body in bodies))
 
     def replay() -> float:
-        follow_config = Config(callers_max=100, usage_file=(str(usage_file),),
-                               usage_file_from_start=True)
+        follow_config = Config(
+            callers_max=100, usage_file=(str(usage_file),), usage_file_from_start=True
+        )
         state = signals_state(follow_config)
         follower = file_follower(follow_config, state.usage)
         try:
@@ -266,24 +292,47 @@ def in_process(bodies: list[bytes], repeats: int) -> dict[str, float]:
 
     some_rejected, all_rejected = with_rejections(bodies, 10), with_rejections(bodies, 1)
     identified = with_ids(bodies)
-    stages = (split, lambda: ingest(False), record, lambda: ingest(True), floor,
-              lambda: ingest(True, some_rejected), lambda: ingest(True, all_rejected), replay,
-              lambda: ingest(True, identified), lambda: ingest(True, identified, twice=True))
+    stages = (
+        split,
+        lambda: ingest(False),
+        record,
+        lambda: ingest(True),
+        floor,
+        lambda: ingest(True, some_rejected),
+        lambda: ingest(True, all_rejected),
+        replay,
+        lambda: ingest(True, identified),
+        lambda: ingest(True, identified, twice=True),
+    )
     best = [min(stage() for _ in range(repeats)) for stage in stages]
     shutil.rmtree(workdir)
-    return {name: spent / events * 1e6
-            for name, spent in zip(IN_PROCESS_STAGES, best, strict=True)}
+    return {name: spent / events * 1e6 for name, spent in zip(IN_PROCESS_STAGES, best, strict=True)}
 
 
-def in_process_of(root: Path, batches: int, batch_size: int, callers: int,
-                  repeats: int) -> dict[str, float]:
+def in_process_of(
+    root: Path, batches: int, batch_size: int, callers: int, repeats: int
+) -> dict[str, float]:
     """``in_process`` run in a child process on the exporter of checkout ``root``."""
     output = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--in-process-here",
-         "--batches", str(batches), "--batch-size", str(batch_size), "--callers", str(callers),
-         "--repeats", str(repeats)],
-        cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, check=True,
-        capture_output=True, text=True).stdout
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--in-process-here",
+            "--batches",
+            str(batches),
+            "--batch-size",
+            str(batch_size),
+            "--callers",
+            str(callers),
+            "--repeats",
+            str(repeats),
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return {name: float(value) for name, value in json.loads(output).items()}
 
 
@@ -296,16 +345,21 @@ def report_in_process(args: argparse.Namespace) -> int:
     for _ in range(args.rounds):
         for root, found in zip(roots, runs, strict=True):
             found.append(in_process_of(root, 10, args.batch_size, args.callers, args.repeats))
-    print(f"machine: {machine()}; exporter at {commit()}; in-process, µs per event, best of "
-          f"{args.repeats} on 10 bodies of {args.batch_size:,}, the median of {args.rounds} "
-          f"such runs (checkouts in turn); floor / whole: the median of each run's own ratio")
+    print(
+        f"machine: {machine()}; exporter at {commit()}; in-process, µs per event, best of "
+        f"{args.repeats} on 10 bodies of {args.batch_size:,}, the median of {args.rounds} "
+        f"such runs (checkouts in turn); floor / whole: the median of each run's own ratio"
+    )
     for root, found in zip(roots, runs, strict=True):
-        medians = {name: statistics.median(run[name] for run in found)
-                   for name in IN_PROCESS_STAGES}
+        medians = {
+            name: statistics.median(run[name] for run in found) for name in IN_PROCESS_STAGES
+        }
         ratio = statistics.median(run["floor"] / run["whole"] for run in found)
-        print(f"{root}:\n    " + "\n    ".join(f"{name:30s} {value:.2f}"
-                                                for name, value in medians.items())
-              + f"\n    {'floor / whole':30s} {ratio:.2f}")
+        print(
+            f"{root}:\n    "
+            + "\n    ".join(f"{name:30s} {value:.2f}" for name, value in medians.items())
+            + f"\n    {'floor / whole':30s} {ratio:.2f}"
+        )
     return 0
 
 
@@ -315,33 +369,54 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--callers", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--before", type=Path, default=None,
-                        help="also measure the exporter in this checkout (e.g. the main "
-                             "branch), between the others")
-    parser.add_argument("--exporter-args", default="",
-                        help="more flags for the exporter, e.g. '--callers.max 1000'")
-    parser.add_argument("--also-args", default=None,
-                        help="also measure this checkout's exporter with these flags instead "
-                             "(e.g. '--no-web.uvloop'), between the others")
-    parser.add_argument("--in-process", action="store_true",
-                        help="instead: each stage of the ingest in-process, µs per event, "
-                             "this checkout and --before's")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="--in-process: runs of each checkout, in turn (this machine's "
-                             "speed drifts over tens of seconds: more rounds, steadier medians)")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="also measure the exporter in this checkout (e.g. the main "
+        "branch), between the others",
+    )
+    parser.add_argument(
+        "--exporter-args", default="", help="more flags for the exporter, e.g. '--callers.max 1000'"
+    )
+    parser.add_argument(
+        "--also-args",
+        default=None,
+        help="also measure this checkout's exporter with these flags instead "
+        "(e.g. '--no-web.uvloop'), between the others",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="instead: each stage of the ingest in-process, µs per event, "
+        "this checkout and --before's",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="--in-process: runs of each checkout, in turn (this machine's "
+        "speed drifts over tens of seconds: more rounds, steadier medians)",
+    )
     parser.add_argument("--in-process-here", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.in_process_here:
-        stages = in_process(make_bodies(args.batches, args.batch_size, args.callers, seed=3),
-                            args.repeats)
+        stages = in_process(
+            make_bodies(args.batches, args.batch_size, args.callers, seed=3), args.repeats
+        )
         print(json.dumps(stages))
         return 0
     if args.in_process:
         return report_in_process(args)
     bodies = make_bodies(args.batches, args.batch_size, args.callers, seed=3)
     events = args.batches * args.batch_size
-    exporter_args = ["--callers.max", str(max(100, args.callers)), "--log.level", "warning",
-                     *args.exporter_args.split()]
+    exporter_args = [
+        "--callers.max",
+        str(max(100, args.callers)),
+        "--log.level",
+        "warning",
+        *args.exporter_args.split(),
+    ]
     targets: list[tuple[list[str], Path | None]] = [(exporter_args, None)]
     if args.before is not None:
         targets.append((exporter_args, args.before))
@@ -358,25 +433,37 @@ def main() -> int:
     medians = [statistics.median(target_rates) for target_rates in rates]
     app_median = medians[0]
     ratio = app_median / bare_median
-    print(f"machine: {machine()}; exporter at {commit()}; load average "
-          f"{', '.join(f'{load:.2f}' for load in os.getloadavg())} at the end")
-    print(f"events per run: {events:,} in {args.batches} NDJSON batches of {args.batch_size:,}"
-          f" ({sum(map(len, bodies)) / events:.0f} bytes/event), {args.repeats} runs; each "
-          f"body through the floor and every exporter in turn")
-    print(f"POST /v1/usage, per exporter CPU-second (HTTP + decode + validate + classify + "
-          f"count): median {app_median:,.0f} events  (runs: {runs_text(rates[0])})")
-    print(f"bare json.loads + counter, per CPU-second:                             "
-          f"median {bare_median:,.0f} events  (runs: {runs_text(bare_rates)})")
+    print(
+        f"machine: {machine()}; exporter at {commit()}; load average "
+        f"{', '.join(f'{load:.2f}' for load in os.getloadavg())} at the end"
+    )
+    print(
+        f"events per run: {events:,} in {args.batches} NDJSON batches of {args.batch_size:,}"
+        f" ({sum(map(len, bodies)) / events:.0f} bytes/event), {args.repeats} runs; each "
+        f"body through the floor and every exporter in turn"
+    )
+    print(
+        f"POST /v1/usage, per exporter CPU-second (HTTP + decode + validate + classify + "
+        f"count): median {app_median:,.0f} events  (runs: {runs_text(rates[0])})"
+    )
+    print(
+        f"bare json.loads + counter, per CPU-second:                             "
+        f"median {bare_median:,.0f} events  (runs: {runs_text(bare_rates)})"
+    )
     labels = [f"the exporter in {args.before}, same bodies:"] if args.before else []
     if args.also_args is not None:
         labels.append(f"this exporter with {args.also_args!r}:")
     for label, median, target_rates in zip(labels, medians[1:], rates[1:], strict=True):
-        print(f"{label:71s}median {median:,.0f} events  (runs: {runs_text(target_rates)}); "
-              f"ratio to bare {median / bare_median:.2f}, this one / it "
-              f"{app_median / median:.2f}")
+        print(
+            f"{label:71s}median {median:,.0f} events  (runs: {runs_text(target_rates)}); "
+            f"ratio to bare {median / bare_median:.2f}, this one / it "
+            f"{app_median / median:.2f}"
+        )
     met = app_median >= GOAL_EVENTS and ratio >= GOAL_RATIO
-    print(f"ratio exporter / bare: {ratio:.2f}  (goal: >= {GOAL_EVENTS:,} events per CPU-second"
-          f" and ratio >= {GOAL_RATIO}: {'met' if met else 'MISSED'})")
+    print(
+        f"ratio exporter / bare: {ratio:.2f}  (goal: >= {GOAL_EVENTS:,} events per CPU-second"
+        f" and ratio >= {GOAL_RATIO}: {'met' if met else 'MISSED'})"
+    )
     return 0 if met else 1
 
 

@@ -89,7 +89,7 @@ def child(step: str, events: int) -> None:
     elif step == "record":
         for body_rows in rows:
             for at in range(0, len(body_rows), EVENTS_PER_SLICE):
-                record_events(body_rows[at:at + EVENTS_PER_SLICE], HTTP_READER)
+                record_events(body_rows[at : at + EVENTS_PER_SLICE], HTTP_READER)
     elif step == "stream, 2 chunks":
         read_streams(two_chunks)
     elif step == "stream, per event":
@@ -100,11 +100,22 @@ def child(step: str, events: int) -> None:
 def count(root: Path, step: str, events: int) -> int:
     """Instructions of a child process running ``step`` (or none) on ``root``'s exporter."""
     done = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
-         sys.executable, str(Path(__file__).resolve()), "--child", step,
-         "--events", str(events)],
-        cwd=root, env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": "0"},
-        capture_output=True, text=True)
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            step,
+            "--events",
+            str(events),
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{root} {step}: exit {done.returncode}\n{done.stderr[-3000:]}")
     found = re.search(r"Collected : (\d+)", done.stderr)
@@ -115,10 +126,18 @@ def count(root: Path, step: str, events: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", type=Path, default=None,
-                        help="another checkout whose exporter to count on the same inputs")
-    parser.add_argument("--events", type=int, default=5000,
-                        help="usage events per ingest step (a multiple of 1,000)")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="another checkout whose exporter to count on the same inputs",
+    )
+    parser.add_argument(
+        "--events",
+        type=int,
+        default=5000,
+        help="usage events per ingest step (a multiple of 1,000)",
+    )
     parser.add_argument("--child", choices=("none", *STEPS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -130,18 +149,22 @@ def main() -> int:
     roots = [ROOT] + ([args.before.resolve()] if args.before else [])
     jobs = [(root, step) for root in roots for step in ("none", *STEPS)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        counts = dict(zip(jobs, pool.map(lambda job: count(*job, args.events), jobs),
-                          strict=True))
+        counts = dict(zip(jobs, pool.map(lambda job: count(*job, args.events), jobs), strict=True))
     per: dict[Path, dict[str, float]] = {}
     for root in roots:
         base = counts[(root, "none")]
-        per[root] = {step: (counts[(root, step)] - base)
-                     / (STREAMS if step.startswith("stream") else args.events)
-                     for step in STEPS}
-    valgrind = subprocess.run(["valgrind", "--version"], capture_output=True,
-                              text=True).stdout.strip()
-    print(f"instructions per event (per stream for the stream reader), {valgrind}, Python "
-          f"{sys.version.split()[0]}, {args.events:,} events, {STREAMS:,} streams")
+        per[root] = {
+            step: (counts[(root, step)] - base)
+            / (STREAMS if step.startswith("stream") else args.events)
+            for step in STEPS
+        }
+    valgrind = subprocess.run(
+        ["valgrind", "--version"], capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        f"instructions per event (per stream for the stream reader), {valgrind}, Python "
+        f"{sys.version.split()[0]}, {args.events:,} events, {STREAMS:,} streams"
+    )
     header = f"{'step':20}" + "".join(f"{str(root):>22}" for root in roots)
     print(header + (f"{'this / before':>15}" if len(roots) > 1 else ""))
     for step in STEPS:
@@ -150,8 +173,10 @@ def main() -> int:
             line += f"{per[ROOT][step] / per[roots[1]][step]:15.3f}"
         print(line)
     for root in roots:
-        print(f"floor / ingest in instructions, {root}: "
-              f"{per[root]['floor'] / per[root]['ingest']:.2f}")
+        print(
+            f"floor / ingest in instructions, {root}: "
+            f"{per[root]['floor'] / per[root]['ingest']:.2f}"
+        )
     return 0
 
 

@@ -56,9 +56,11 @@ def measure(chars: int, key: bytes, repeat: int) -> None:
     cut = median_us(lambda: fingerprint(prompt_text, key, CAP), repeat)
     compare = median_us(lambda: tracker.observe("pair", prompt, 1.0), repeat)
     total = find + cut + compare
-    print(f"{len(body) // 1000:>6}KB {len(prompt.digests):>6} {scan:>14.1f}us "
-          f"{find:>6.1f}us {cut:>10.1f}us {compare:>9.1f}us {total:>8.1f}us "
-          f"{total / scan:>6.2f}")
+    print(
+        f"{len(body) // 1000:>6}KB {len(prompt.digests):>6} {scan:>14.1f}us "
+        f"{find:>6.1f}us {cut:>10.1f}us {compare:>9.1f}us {total:>8.1f}us "
+        f"{total / scan:>6.2f}"
+    )
 
 
 def main() -> int:
@@ -66,8 +68,10 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2000)
     args = parser.parse_args()
     key = new_key()
-    print(f"{'prompt':>8} {'blocks':>6} {'scan (baseline)':>16} {'prompt':>8} "
-          f"{'fingerprint':>12} {'compare x8':>11} {'diagnosis':>10} {'ratio':>6}")
+    print(
+        f"{'prompt':>8} {'blocks':>6} {'scan (baseline)':>16} {'prompt':>8} "
+        f"{'fingerprint':>12} {'compare x8':>11} {'diagnosis':>10} {'ratio':>6}"
+    )
     for chars in (4_000, 400_000):
         measure(chars, key, args.repeat)
     return 0

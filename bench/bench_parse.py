@@ -49,16 +49,20 @@ def main() -> None:
     args = parser.parse_args()
     real = (FIXTURES / "vllm-0.32.0-cpu" / "metrics_after.prom").read_text()
     residency = (FIXTURES / "vllm-0.33.0-kv-cache-metrics.prom").read_text()
-    bodies = {"vLLM 0.32.0 scrape (1 engine)": real,
-              "8 engines (data parallel)": many_engines(real, 8),
-              "vLLM 0.33 with --kv-cache-metrics": residency}
+    bodies = {
+        "vLLM 0.32.0 scrape (1 engine)": real,
+        "8 engines (data parallel)": many_engines(real, 8),
+        "vLLM 0.33 with --kv-cache-metrics": residency,
+    }
     print(f"{'body':32} {'samples':>8} {'ours ms':>9} {'client_python ms':>17} {'ratio':>6}")
     for name, body in bodies.items():
         samples = sum(1 for line in body.splitlines() if line and not line.startswith("#"))
         ours = timed(parse, body, args.rounds)
         theirs = timed(client_python, body, args.rounds)
-        print(f"{name:32} {samples:>8} {ours * 1e3:>9.2f} {theirs * 1e3:>17.2f} "
-              f"{theirs / ours:>5.1f}x")
+        print(
+            f"{name:32} {samples:>8} {ours * 1e3:>9.2f} {theirs * 1e3:>17.2f} "
+            f"{theirs / ours:>5.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,8 @@ from exporter.wiring import signals_state  # noqa: E402
 # The process_* series read a recorded /proc, as in the tests: the real one changes between
 # two renders of the same registry (the renders allocate), and every body is compared.
 metrics.ProcessCollector = functools.partial(  # type: ignore[misc]
-    ProcessCollector, proc=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures"
-                               / "proc"))
+    ProcessCollector, proc=str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "proc")
+)
 
 MODEL = "qwen3.8-27b"
 # (prompt, cached, ttft): one warm, one partial and one cold turn per caller at G = 2048.
@@ -71,28 +71,44 @@ TURNS = ((91_070, 86_016, 6.1), (60_000, 30_720, 25.0), (40_000, 0, 74.0))
 
 
 def exporter_state(callers: int, models: int = 1) -> SignalsState:
-    state = signals_state(Config(signals_granularity=2048, callers_max=callers,
-                                 callers_max_series=callers * models * SERIES_PER_PAIR),
-                         clock=lambda: 1_800_000_000.0)
+    state = signals_state(
+        Config(
+            signals_granularity=2048,
+            callers_max=callers,
+            callers_max_series=callers * models * SERIES_PER_PAIR,
+        ),
+        clock=lambda: 1_800_000_000.0,
+    )
     assert state.usage is not None
     names = [MODEL] + [f"{MODEL}-{index}" for index in range(1, models)]
     for index in range(callers):
         for model in names:
             for prompt, cached, ttft in TURNS:
-                state.usage.record(UsageEvent(f"agent-{index}", model, prompt, cached,
-                                              ttft_seconds=ttft, queue_seconds=0.5), "http")
+                state.usage.record(
+                    UsageEvent(
+                        f"agent-{index}",
+                        model,
+                        prompt,
+                        cached,
+                        ttft_seconds=ttft,
+                        queue_seconds=0.5,
+                    ),
+                    "http",
+                )
     return state
 
 
-def timed(encoder: Callable[[CollectorRegistry], bytes],
-          registry: CollectorRegistry) -> tuple[float, bytes]:
+def timed(
+    encoder: Callable[[CollectorRegistry], bytes], registry: CollectorRegistry
+) -> tuple[float, bytes]:
     start = time.thread_time()
     body = encoder(registry)
     return time.thread_time() - start, body
 
 
-def sliced(loop: asyncio.AbstractEventLoop, registry: CollectorRegistry,
-           fmt: Format) -> tuple[float, int, float, bytes]:
+def sliced(
+    loop: asyncio.AbstractEventLoop, registry: CollectorRegistry, fmt: Format
+) -> tuple[float, int, float, bytes]:
     """``render_pieces`` on an event loop: total seconds, slices, longest slice, body."""
     slices: list[float] = []
 
@@ -119,8 +135,7 @@ def median_of(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def measure(callers: int, models: int, repeats: int,
-            levels: list[int]) -> dict[str, float | int]:
+def measure(callers: int, models: int, repeats: int, levels: list[int]) -> dict[str, float | int]:
     """Median seconds per encoder, rounds interleaved; every body checked equal."""
     state = exporter_state(callers, models)
     registry = build_registry(state)
@@ -128,8 +143,10 @@ def measure(callers: int, models: int, repeats: int,
     openmetrics = openmetrics_latest(registry)
     if generate_text(registry) != text or generate_openmetrics(registry) != openmetrics:
         raise SystemExit(f"our encoders differ from client_python's at {callers} callers")
-    times: dict[str, list[float]] = {key: [] for key in (
-        "text", "text_cold", "latest", "om", "om_latest", "sliced", "longest_slice")}
+    times: dict[str, list[float]] = {
+        key: []
+        for key in ("text", "text_cold", "latest", "om", "om_latest", "sliced", "longest_slice")
+    }
     slice_counts: list[int] = []
     loop = asyncio.new_event_loop()
     for _ in range(repeats):
@@ -180,32 +197,42 @@ def main() -> int:
     args = parser.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
-    results = {callers: measure(callers, args.models, args.repeats, args.levels)
-               for callers in args.callers}
+    results = {
+        callers: measure(callers, args.models, args.repeats, args.levels)
+        for callers in args.callers
+    }
 
     print("Encoders (ms, medians; speed-up = client_python / ours on the same registry)")
-    print(f"{'callers':>8} {'samples':>8} {'text bytes':>11} {'ours':>7} {'cold':>7} "
-          f"{'client_python':>14} {'speed-up':>9} | {'OM bytes':>10} {'ours':>7} "
-          f"{'client_python':>14} {'speed-up':>9}")
+    print(
+        f"{'callers':>8} {'samples':>8} {'text bytes':>11} {'ours':>7} {'cold':>7} "
+        f"{'client_python':>14} {'speed-up':>9} | {'OM bytes':>10} {'ours':>7} "
+        f"{'client_python':>14} {'speed-up':>9}"
+    )
     for callers, m in results.items():
-        print(f"{callers:>8} {m['samples']:>8,} {m['bytes']:>11,} {m['text'] * 1e3:>7.1f} "
-              f"{m['text_cold'] * 1e3:>7.1f} {m['latest'] * 1e3:>14.1f} "
-              f"{m['latest'] / m['text']:>8.1f}x | {m['om_bytes']:>10,} {m['om'] * 1e3:>7.1f} "
-              f"{m['om_latest'] * 1e3:>14.1f} {m['om_latest'] / m['om']:>8.1f}x")
+        print(
+            f"{callers:>8} {m['samples']:>8,} {m['bytes']:>11,} {m['text'] * 1e3:>7.1f} "
+            f"{m['text_cold'] * 1e3:>7.1f} {m['latest'] * 1e3:>14.1f} "
+            f"{m['latest'] / m['text']:>8.1f}x | {m['om_bytes']:>10,} {m['om'] * 1e3:>7.1f} "
+            f"{m['om_latest'] * 1e3:>14.1f} {m['om_latest'] / m['om']:>8.1f}x"
+        )
 
     print("\nSliced render on an event loop, text (ms, medians; sliced includes the final join)")
     print(f"{'callers':>8} {'one-shot':>9} {'sliced':>8} {'slices':>7} {'longest slice':>14}")
     for callers, m in results.items():
-        print(f"{callers:>8} {m['text'] * 1e3:>9.1f} {m['sliced'] * 1e3:>8.1f} "
-              f"{m['slices']:>7} {m['longest_slice'] * 1e3:>14.2f}")
+        print(
+            f"{callers:>8} {m['text'] * 1e3:>9.1f} {m['sliced'] * 1e3:>8.1f} "
+            f"{m['slices']:>7} {m['longest_slice'] * 1e3:>14.2f}"
+        )
 
     print(f"\ngzip of the text body (CPU ms, medians; /metrics uses level {GZIP_LEVEL})")
     print(f"{'callers':>8} {'level':>6} {'bytes':>10} {'ratio':>7} {'CPU ms':>8}")
     for callers, m in results.items():
         for level in args.levels:
             size = int(m[f"gzip{level}_bytes"])
-            print(f"{callers:>8} {level:>6} {size:>10,} {m['bytes'] / size:>6.1f}x "
-                  f"{m[f'gzip{level}'] * 1e3:>8.1f}")
+            print(
+                f"{callers:>8} {level:>6} {size:>10,} {m['bytes'] / size:>6.1f}x "
+                f"{m[f'gzip{level}'] * 1e3:>8.1f}"
+            )
     return 0
 
 

@@ -40,8 +40,9 @@ async def over_http(name: str, speed: float) -> tuple[float, float, int]:
     client = HttpClient(f"http://127.0.0.1:{port}")
     wall, cpu = time.perf_counter(), time.process_time()
     try:
-        stats = await Driver(scenario, client, ListReporter(clock.now), clock,
-                             sim.config.served_model_name).run()
+        stats = await Driver(
+            scenario, client, ListReporter(clock.now), clock, sim.config.served_model_name
+        ).run()
     finally:
         await client.close()
         await site.cleanup()
@@ -53,8 +54,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--speed", type=float, default=100.0)
     args = parser.parse_args()
-    print(f"| scenario | requests | scenario time | virtual: CPU | x real time | "
-          f"HTTP x{args.speed:g}: wall | HTTP: CPU | virtual vs HTTP wall |")
+    print(
+        f"| scenario | requests | scenario time | virtual: CPU | x real time | "
+        f"HTTP x{args.speed:g}: wall | HTTP: CPU | virtual vs HTTP wall |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in scenarios.available():
         runs = [virtual(name) for _ in range(args.rounds)]
@@ -63,9 +66,11 @@ def main() -> None:
         http = [asyncio.run(over_http(name, args.speed)) for _ in range(args.rounds)]
         http_wall = statistics.median(run[0] for run in http)
         http_cpu = statistics.median(run[1] for run in http)
-        print(f"| {name} | {requests} | {seconds:,.0f} s | {cpu:.2f} s | "
-              f"{seconds / cpu:,.0f}x | {http_wall:.1f} s | {http_cpu:.1f} s | "
-              f"{http_wall / cpu:.0f}x |")
+        print(
+            f"| {name} | {requests} | {seconds:,.0f} s | {cpu:.2f} s | "
+            f"{seconds / cpu:,.0f}x | {http_wall:.1f} s | {http_cpu:.1f} s | "
+            f"{http_wall / cpu:.0f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ RESTART_ABOVE = 150_000  # a conversation this long is compacted and starts over
 
 # ---- the traffic ---------------------------------------------------------------------
 
+
 @dataclass
 class Conversation:
     caller: str
@@ -81,8 +82,10 @@ class Traffic:
 
     def __init__(self, callers: int, sessions: int, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.conversations = [Conversation(f"agent-{index % callers:03d}",
-                                           f"conv-{index:05d}") for index in range(sessions)]
+        self.conversations = [
+            Conversation(f"agent-{index % callers:03d}", f"conv-{index:05d}")
+            for index in range(sessions)
+        ]
 
     def event(self, now: float) -> dict[str, Any]:
         rng = self.rng
@@ -105,10 +108,15 @@ class Traffic:
         new_tokens = prompt - cached
         queue = round(rng.uniform(0.0, 5.0), 3) if rng.random() < 0.1 else 0.0
         event: dict[str, Any] = {
-            "caller": conversation.caller, "model": MODEL, "prompt_tokens": prompt,
-            "cached_tokens": cached, "completion_tokens": rng.randrange(50, 1_500),
+            "caller": conversation.caller,
+            "model": MODEL,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "completion_tokens": rng.randrange(50, 1_500),
             "ttft_seconds": round(queue + 0.2 + new_tokens / 3_000, 3),
-            "queue_seconds": queue, "session": conversation.session, "time": round(now, 3),
+            "queue_seconds": queue,
+            "session": conversation.session,
+            "time": round(now, 3),
             "status": 200,
         }
         if rng.random() < 0.005:
@@ -116,11 +124,13 @@ class Traffic:
         return event
 
     def batch(self, size: int, now: float) -> bytes:
-        return "\n".join(json.dumps(self.event(now), separators=(",", ":"))
-                         for _ in range(size)).encode()
+        return "\n".join(
+            json.dumps(self.event(now), separators=(",", ":")) for _ in range(size)
+        ).encode()
 
 
 # ---- the run -------------------------------------------------------------------------
+
 
 @dataclass
 class Timed:
@@ -181,8 +191,9 @@ async def scrape(run: SoakRun, ends: float) -> None:
             await asyncio.sleep(max(0.0, tick - time.monotonic()))
             started = time.monotonic()
             try:
-                seconds, status, _, _ = await fetch(session, url, PROMETHEUS_HEADERS,
-                                                    PROMETHEUS_SCRAPE_TIMEOUT)
+                seconds, status, _, _ = await fetch(
+                    session, url, PROMETHEUS_HEADERS, PROMETHEUS_SCRAPE_TIMEOUT
+                )
                 run.scrapes.append(Timed(started, seconds, status == 200))
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 run.scrapes.append(Timed(started, time.monotonic() - started, False))
@@ -199,12 +210,14 @@ async def soak(run: SoakRun) -> None:
     await asyncio.gather(send(run, ends), scrape(run, ends))
     run.marks["end"] = time.monotonic()
     async with aiohttp.ClientSession() as session:
-        _, status, wire, headers = await fetch(session, run.exporter.base_url + "/metrics",
-                                               TEXT_HEADERS, 60)
+        _, status, wire, headers = await fetch(
+            session, run.exporter.base_url + "/metrics", TEXT_HEADERS, 60
+        )
     run.final_metrics = decoded(wire, headers).decode() if status == 200 else None
 
 
 # ---- the report ----------------------------------------------------------------------
+
 
 def slope_mb_per_minute(points: list[tuple[float, int]]) -> float | None:
     """Least-squares slope of (seconds, bytes) in MB per minute."""
@@ -223,17 +236,22 @@ def slope_mb_per_minute(points: list[tuple[float, int]]) -> float | None:
 def latency(samples: list[Timed], start: float) -> dict[str, Any]:
     window = [sample for sample in samples if sample.at >= start]
     seconds = [sample.seconds for sample in window]
-    return {"count": len(window), "failed": sum(1 for sample in window if not sample.ok),
-            "p50_ms": _ms(quantile(seconds, 0.5)), "p99_ms": _ms(quantile(seconds, 0.99)),
-            "max_ms": _ms(max(seconds) if seconds else None)}
+    return {
+        "count": len(window),
+        "failed": sum(1 for sample in window if not sample.ok),
+        "p50_ms": _ms(quantile(seconds, 0.5)),
+        "p99_ms": _ms(quantile(seconds, 0.99)),
+        "max_ms": _ms(max(seconds) if seconds else None),
+    }
 
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 1)
 
 
-def report(run: SoakRun, sampler: MemorySampler, alive: bool,
-           cpu: tuple[float | None, float | None]) -> dict[str, Any]:
+def report(
+    run: SoakRun, sampler: MemorySampler, alive: bool, cpu: tuple[float | None, float | None]
+) -> dict[str, Any]:
     measured, end = run.marks["measured"], run.marks.get("end", time.monotonic())
     after_warmup = [(s.at - measured, s.rss) for s in sampler.samples if s.at >= measured]
     rss_start = sampler.rss_at(measured)
@@ -247,30 +265,47 @@ def report(run: SoakRun, sampler: MemorySampler, alive: bool,
     rejected = sum_samples(text, "vllm_cache_usage_events_rejected_total", 'reader="http"')
     cpu_start, cpu_end = cpu
     return {
-        "minutes": run.args.minutes, "warmup_s": run.args.warmup, "rate": run.args.rate,
-        "callers": run.args.callers, "sessions": run.args.sessions,
+        "minutes": run.args.minutes,
+        "warmup_s": run.args.warmup,
+        "rate": run.args.rate,
+        "callers": run.args.callers,
+        "sessions": run.args.sessions,
         "command": " ".join(shlex.quote(part) for part in run.exporter.command),
-        "survived": alive and sampler.killed_for is None, "killed_for": sampler.killed_for,
-        "rss_start_mb": _mb(rss_start), "rss_per_minute_mb": minutes,
+        "survived": alive and sampler.killed_for is None,
+        "killed_for": sampler.killed_for,
+        "rss_start_mb": _mb(rss_start),
+        "rss_per_minute_mb": minutes,
         "rss_end_mb": _mb(rss_end),
         "rss_max_after_warmup_mb": _mb(max((v for _, v in after_warmup), default=None)),
-        "rss_growth_mb": (_mb(rss_end - rss_start)
-                          if rss_start is not None and rss_end is not None else None),
+        "rss_growth_mb": (
+            _mb(rss_end - rss_start) if rss_start is not None and rss_end is not None else None
+        ),
         "rss_slope_mb_per_min": _round(slope_mb_per_minute(after_warmup), 2),
         "vmhwm_mb": _mb(sampler.latest().hwm if sampler.latest() else None),
-        "events_sent": run.events_sent, "events_unanswered": run.events_unanswered,
-        "replies_accepted": run.replies_accepted, "replies_rejected": run.replies_rejected,
-        "events_counted": counted, "events_rejected_counted": rejected,
-        "counts_equal": (counted is not None and run.events_unanswered == 0
-                         and counted + rejected == run.events_sent),
+        "events_sent": run.events_sent,
+        "events_unanswered": run.events_unanswered,
+        "replies_accepted": run.replies_accepted,
+        "replies_rejected": run.replies_rejected,
+        "events_counted": counted,
+        "events_rejected_counted": rejected,
+        "counts_equal": (
+            counted is not None
+            and run.events_unanswered == 0
+            and counted + rejected == run.events_sent
+        ),
         "ingest_requests_rejected": sum_samples(
-            text, "vllm_cache_usage_ingest_requests_rejected_total"),
+            text, "vllm_cache_usage_ingest_requests_rejected_total"
+        ),
         "achieved_rate": round(run.events_sent / max(end - run.marks["start"], 1e-9)),
         "sender_max_lag_s": round(run.max_lag, 3),
         "ingest_post": latency(run.posts, measured),
-        "scrape": latency(run.scrapes, measured), "scrape_ticks_skipped": run.skipped_ticks,
-        "exporter_cpu_share": (round((cpu_end - cpu_start) / (end - measured), 2)
-                               if cpu_start is not None and cpu_end is not None else None),
+        "scrape": latency(run.scrapes, measured),
+        "scrape_ticks_skipped": run.skipped_ticks,
+        "exporter_cpu_share": (
+            round((cpu_end - cpu_start) / (end - measured), 2)
+            if cpu_start is not None and cpu_end is not None
+            else None
+        ),
         "log_bytes": run.exporter.log_bytes(),
         "rss_timeline_mb": sampler.timeline(run.marks["start"], step=5.0),
     }
@@ -285,47 +320,68 @@ def _round(value: float | None, digits: int) -> float | None:
 
 
 def print_report(result: dict[str, Any]) -> None:
-    print(f"soak: {result['minutes']} min after a {result['warmup_s']:.0f} s warm-up, "
-          f"{result['rate']:,} events/s target ({result['achieved_rate']:,} achieved, "
-          f"sender max lag {result['sender_max_lag_s']} s), {result['callers']} callers, "
-          f"{result['sessions']:,} sessions")
-    print(f"exporter: {result['command']}; survived: {result['survived']}"
-          + (f" ({result['killed_for']})" if result["killed_for"] else "")
-          + f"; CPU share {result['exporter_cpu_share']}; log {result['log_bytes']:,} bytes")
-    print(f"RSS MB: start {result['rss_start_mb']}, per minute {result['rss_per_minute_mb']}, "
-          f"end {result['rss_end_mb']}; growth {result['rss_growth_mb']}, slope "
-          f"{result['rss_slope_mb_per_min']} MB/min, max {result['rss_max_after_warmup_mb']}, "
-          f"VmHWM {result['vmhwm_mb']}")
-    print(f"events: sent {result['events_sent']:,} (unanswered "
-          f"{result['events_unanswered']:,}); counted {result['events_counted']} + rejected "
-          f"{result['events_rejected_counted']}; replies {result['replies_accepted']:,} "
-          f"accepted + {result['replies_rejected']:,} rejected; whole requests refused "
-          f"{result['ingest_requests_rejected']}; equal: {result['counts_equal']}")
+    print(
+        f"soak: {result['minutes']} min after a {result['warmup_s']:.0f} s warm-up, "
+        f"{result['rate']:,} events/s target ({result['achieved_rate']:,} achieved, "
+        f"sender max lag {result['sender_max_lag_s']} s), {result['callers']} callers, "
+        f"{result['sessions']:,} sessions"
+    )
+    print(
+        f"exporter: {result['command']}; survived: {result['survived']}"
+        + (f" ({result['killed_for']})" if result["killed_for"] else "")
+        + f"; CPU share {result['exporter_cpu_share']}; log {result['log_bytes']:,} bytes"
+    )
+    print(
+        f"RSS MB: start {result['rss_start_mb']}, per minute {result['rss_per_minute_mb']}, "
+        f"end {result['rss_end_mb']}; growth {result['rss_growth_mb']}, slope "
+        f"{result['rss_slope_mb_per_min']} MB/min, max {result['rss_max_after_warmup_mb']}, "
+        f"VmHWM {result['vmhwm_mb']}"
+    )
+    print(
+        f"events: sent {result['events_sent']:,} (unanswered "
+        f"{result['events_unanswered']:,}); counted {result['events_counted']} + rejected "
+        f"{result['events_rejected_counted']}; replies {result['replies_accepted']:,} "
+        f"accepted + {result['replies_rejected']:,} rejected; whole requests refused "
+        f"{result['ingest_requests_rejected']}; equal: {result['counts_equal']}"
+    )
     for name in ("ingest_post", "scrape"):
         figures = result[name]
-        print(f"{name}: {figures['count']:,}, failed {figures['failed']}, p50 "
-              f"{figures['p50_ms']} ms, p99 {figures['p99_ms']} ms, max {figures['max_ms']} ms")
+        print(
+            f"{name}: {figures['count']:,}, failed {figures['failed']}, p50 "
+            f"{figures['p50_ms']} ms, p99 {figures['p99_ms']} ms, max {figures['max_ms']} ms"
+        )
     print(f"scrape ticks skipped (a scrape overran its second): {result['scrape_ticks_skipped']}")
 
 
 # ---- main ----------------------------------------------------------------------------
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=30.0, help="seconds before the start")
     parser.add_argument("--rate", type=int, default=2000, help="events per second")
-    parser.add_argument("--batch-interval", type=float, default=0.1,
-                        help="seconds between NDJSON batches")
+    parser.add_argument(
+        "--batch-interval", type=float, default=0.1, help="seconds between NDJSON batches"
+    )
     parser.add_argument("--callers", type=int, default=500)
     parser.add_argument("--sessions", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=11)
-    parser.add_argument("--exporter-args", default="", type=shlex.split,
-                        help="extra flags for the exporter, one string")
-    parser.add_argument("--max-growth-mb", type=float, default=20.0,
-                        help="RSS growth after the warm-up that fails the run")
-    parser.add_argument("--rss-guard-mb", type=int, default=4096,
-                        help="kill the exporter above this RSS")
+    parser.add_argument(
+        "--exporter-args",
+        default="",
+        type=shlex.split,
+        help="extra flags for the exporter, one string",
+    )
+    parser.add_argument(
+        "--max-growth-mb",
+        type=float,
+        default=20.0,
+        help="RSS growth after the warm-up that fails the run",
+    )
+    parser.add_argument(
+        "--rss-guard-mb", type=int, default=4096, help="kill the exporter above this RSS"
+    )
     parser.add_argument("--json", action="store_true")
     return parser.parse_args(argv)
 
@@ -348,14 +404,14 @@ def main(argv: list[str] | None = None) -> int:
                 async def note_cpu() -> None:
                     await asyncio.sleep(args.warmup)
                     cpu_start.append(cpu_seconds(exporter.pid))
+
                 await asyncio.gather(soak(run), note_cpu())
 
             asyncio.run(main_task())
             cpu_end = cpu_seconds(exporter.pid)
             alive = exporter.alive()
             sampler.stop()
-            result = report(run, sampler, alive, (cpu_start[0] if cpu_start else None,
-                                                  cpu_end))
+            result = report(run, sampler, alive, (cpu_start[0] if cpu_start else None, cpu_end))
         finally:
             if sampler is not None:
                 sampler.stop()
@@ -366,8 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{result['date']}, commit {result['commit']}, {result['machine']}")
         print_report(result)
-    healthy = (result["survived"] and result["counts_equal"]
-               and (result["rss_growth_mb"] or 0) <= args.max_growth_mb)
+    healthy = (
+        result["survived"]
+        and result["counts_equal"]
+        and (result["rss_growth_mb"] or 0) <= args.max_growth_mb
+    )
     return 0 if healthy else 1
 
 

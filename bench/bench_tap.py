@@ -44,12 +44,16 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # ---- the mock vLLM (runs in its own process: python bench_tap.py --serve-upstream PORT) ---
 
+
 def serve_upstream(port: int) -> None:
     from aiohttp import web
 
     whole = (FIXTURES / "02_chat_warm.json").read_bytes()
-    events = [part + b"\n\n" for part in
-              (FIXTURES / "03_chat_stream_warm.sse.txt").read_bytes().split(b"\n\n") if part]
+    events = [
+        part + b"\n\n"
+        for part in (FIXTURES / "03_chat_stream_warm.sse.txt").read_bytes().split(b"\n\n")
+        if part
+    ]
     usage_events = [e for e in events if b'"choices":[],"usage"' in e]
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -72,9 +76,22 @@ def serve_upstream(port: int) -> None:
 
 # ---- the floor: a bare aiohttp pass-through (python bench_tap.py --serve-passthrough ...) --
 
-PASSTHROUGH_DROP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+PASSTHROUGH_DROP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
 
 
 def serve_passthrough(upstream_port: int, port: int, loop: str) -> None:
@@ -91,17 +108,18 @@ def serve_passthrough(upstream_port: int, port: int, loop: str) -> None:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() not in PASSTHROUGH_DROP}
-        async with sessions[0].request(request.method, target + request.raw_path, data=body,
-                                       headers=headers, allow_redirects=False,
-                                       skip_auto_headers=("User-Agent", "Accept",
-                                                          "Accept-Encoding")) as upstream:
-            out = {k: v for k, v in upstream.headers.items()
-                   if k.lower() not in PASSTHROUGH_DROP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in PASSTHROUGH_DROP}
+        async with sessions[0].request(
+            request.method,
+            target + request.raw_path,
+            data=body,
+            headers=headers,
+            allow_redirects=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+        ) as upstream:
+            out = {k: v for k, v in upstream.headers.items() if k.lower() not in PASSTHROUGH_DROP}
             if upstream.content_type != "text/event-stream":
-                return web.Response(status=upstream.status, body=await upstream.read(),
-                                    headers=out)
+                return web.Response(status=upstream.status, body=await upstream.read(), headers=out)
             response = web.StreamResponse(status=upstream.status, headers=out)
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
@@ -128,6 +146,7 @@ def serve_passthrough(upstream_port: int, port: int, loop: str) -> None:
 
 # ---- a minimal HTTP/1.1 keep-alive client ----------------------------------------------
 
+
 class Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
@@ -135,7 +154,7 @@ class Connection:
 
     @classmethod
     async def open(cls, port: int) -> Connection:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2 ** 22)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**22)
         sock = writer.get_extra_info("socket")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(reader, writer)
@@ -148,8 +167,11 @@ class Connection:
         status = int(head.split(b" ", 2)[1])
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {head!r}")
-        headers = {line.split(b":", 1)[0].strip().lower(): line.split(b":", 1)[1].strip()
-                   for line in head.split(b"\r\n")[1:] if b":" in line}
+        headers = {
+            line.split(b":", 1)[0].strip().lower(): line.split(b":", 1)[1].strip()
+            for line in head.split(b"\r\n")[1:]
+            if b":" in line
+        }
         first = None
         if b"content-length" in headers:
             body = await self.reader.readexactly(int(headers[b"content-length"]))
@@ -173,19 +195,26 @@ class Connection:
 
 def http_request(path: str, payload: dict, port: int) -> bytes:
     body = json.dumps(payload).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-            "Content-Type: application/json\r\nAuthorization: Bearer sk-bench-key\r\n"
-            f"X-Caller: bench\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        "Content-Type: application/json\r\nAuthorization: Bearer sk-bench-key\r\n"
+        f"X-Caller: bench\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
 
 def chat_payload(stream: bool, prompt_chars: int) -> dict:
     # Prose: words and sentence ends (which is where the tap's prompt-order fingerprint cuts
     # its blocks, so a 400 KB prompt costs it close to its most blocks).
-    words = ("kalo miren tasvu pedor. silny quabex torela fingru. "
-             * (prompt_chars // 50 + 1))
-    return {"model": "tiny-llama", "max_tokens": 8, "stream": stream,
-            "messages": [{"role": "system", "content": words[:prompt_chars]},
-                         {"role": "user", "content": "next step please"}]}
+    words = "kalo miren tasvu pedor. silny quabex torela fingru. " * (prompt_chars // 50 + 1)
+    return {
+        "model": "tiny-llama",
+        "max_tokens": 8,
+        "stream": stream,
+        "messages": [
+            {"role": "system", "content": words[:prompt_chars]},
+            {"role": "user", "content": "next step please"},
+        ],
+    }
 
 
 @dataclass
@@ -201,8 +230,9 @@ class Phase:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_phase(port: int, raw: bytes, requests: int, concurrency: int,
-                    check: bytes | None = None) -> Phase:
+async def run_phase(
+    port: int, raw: bytes, requests: int, concurrency: int, check: bytes | None = None
+) -> Phase:
     connections = [await Connection.open(port) for _ in range(concurrency)]
     phase = Phase("")
     per_worker = requests // concurrency
@@ -224,6 +254,7 @@ async def run_phase(port: int, raw: bytes, requests: int, concurrency: int,
 
 
 # ---- processes ------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -304,81 +335,160 @@ def stop_processes(stack: list[subprocess.Popen]) -> None:
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def start_processes(tmp: Path, stack: list[subprocess.Popen], loop: str,
-                    before: Path | None = None, also_asyncio: bool = False,
-                    order_off: bool = False) -> dict[str, Target]:
+def start_processes(
+    tmp: Path,
+    stack: list[subprocess.Popen],
+    loop: str,
+    before: Path | None = None,
+    also_asyncio: bool = False,
+    order_off: bool = False,
+) -> dict[str, Target]:
     upstream_port, nginx_port, bare_port, tap_port, web_port = (free_port() for _ in range(5))
-    upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream",
-                                 str(upstream_port)], start_new_session=True)
+    upstream = subprocess.Popen(
+        [sys.executable, __file__, "--serve-upstream", str(upstream_port)], start_new_session=True
+    )
     stack.append(upstream)
     wait_port(upstream_port, upstream, "mock upstream")
 
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     conf = tmp / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(user="user root;\n" if os.geteuid() == 0 else "",
-                                      tmp=tmp, upstream=upstream_port, port=nginx_port))
-    nginx_process = subprocess.Popen([nginx, "-c", str(conf), "-p", str(tmp)],
-                                     start_new_session=True)
+    conf.write_text(
+        NGINX_CONF.format(
+            user="user root;\n" if os.geteuid() == 0 else "",
+            tmp=tmp,
+            upstream=upstream_port,
+            port=nginx_port,
+        )
+    )
+    nginx_process = subprocess.Popen(
+        [nginx, "-c", str(conf), "-p", str(tmp)], start_new_session=True
+    )
     stack.append(nginx_process)
     wait_port(nginx_port, nginx_process, "nginx")
 
-    bare = subprocess.Popen([sys.executable, __file__, "--serve-passthrough",
-                             str(upstream_port), str(bare_port), loop],
-                            cwd=ROOT, start_new_session=True)
+    bare = subprocess.Popen(
+        [sys.executable, __file__, "--serve-passthrough", str(upstream_port), str(bare_port), loop],
+        cwd=ROOT,
+        start_new_session=True,
+    )
     stack.append(bare)
     wait_port(bare_port, bare, "bare aiohttp pass-through")
 
     tap = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "run", "--web.listen-address",
-         f"127.0.0.1:{web_port}", "--tap.listen-address", f"127.0.0.1:{tap_port}",
-         "--tap.upstream", f"http://127.0.0.1:{upstream_port}", "--log.level", "warning"],
-        cwd=ROOT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "exporter",
+            "run",
+            "--web.listen-address",
+            f"127.0.0.1:{web_port}",
+            "--tap.listen-address",
+            f"127.0.0.1:{tap_port}",
+            "--tap.upstream",
+            f"http://127.0.0.1:{upstream_port}",
+            "--log.level",
+            "warning",
+        ],
+        cwd=ROOT,
+        start_new_session=True,
+    )
     stack.append(tap)
     wait_port(tap_port, tap, "exporter with the tap")
     targets: dict[str, Target] = {}
     if order_off:  # the same tap without the prompt-order diagnosis
         off_port, off_web = free_port(), free_port()
         off = subprocess.Popen(
-            [sys.executable, "-m", "exporter", "run", "--web.listen-address",
-             f"127.0.0.1:{off_web}", "--tap.listen-address", f"127.0.0.1:{off_port}",
-             "--tap.upstream", f"http://127.0.0.1:{upstream_port}", "--log.level", "warning",
-             "--tap.prompt-order-bytes", "0"],
-            cwd=ROOT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "exporter",
+                "run",
+                "--web.listen-address",
+                f"127.0.0.1:{off_web}",
+                "--tap.listen-address",
+                f"127.0.0.1:{off_port}",
+                "--tap.upstream",
+                f"http://127.0.0.1:{upstream_port}",
+                "--log.level",
+                "warning",
+                "--tap.prompt-order-bytes",
+                "0",
+            ],
+            cwd=ROOT,
+            start_new_session=True,
+        )
         stack.append(off)
         wait_port(off_port, off, "exporter with the tap, prompt order off")
         targets["order-off"] = Target("order-off", off_port, [off.pid])
     if before is not None:  # the same exporter command, from another checkout
         before_port, before_web = free_port(), free_port()
         earlier = subprocess.Popen(
-            [sys.executable, "-m", "exporter", "run", "--web.listen-address",
-             f"127.0.0.1:{before_web}", "--tap.listen-address", f"127.0.0.1:{before_port}",
-             "--tap.upstream", f"http://127.0.0.1:{upstream_port}", "--log.level", "warning"],
-            cwd=before, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "exporter",
+                "run",
+                "--web.listen-address",
+                f"127.0.0.1:{before_web}",
+                "--tap.listen-address",
+                f"127.0.0.1:{before_port}",
+                "--tap.upstream",
+                f"http://127.0.0.1:{upstream_port}",
+                "--log.level",
+                "warning",
+            ],
+            cwd=before,
+            start_new_session=True,
+        )
         stack.append(earlier)
         wait_port(before_port, earlier, f"exporter from {before}")
         targets["before"] = Target("before", before_port, [earlier.pid])
     if also_asyncio:  # the same tap and pass-through on asyncio's own loop
         aio_port, aio_web, aio_bare_port = free_port(), free_port(), free_port()
         tap_aio = subprocess.Popen(
-            [sys.executable, "-m", "exporter", "run", "--web.listen-address",
-             f"127.0.0.1:{aio_web}", "--tap.listen-address", f"127.0.0.1:{aio_port}",
-             "--tap.upstream", f"http://127.0.0.1:{upstream_port}", "--log.level", "warning",
-             "--no-web.uvloop"], cwd=ROOT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "exporter",
+                "run",
+                "--web.listen-address",
+                f"127.0.0.1:{aio_web}",
+                "--tap.listen-address",
+                f"127.0.0.1:{aio_port}",
+                "--tap.upstream",
+                f"http://127.0.0.1:{upstream_port}",
+                "--log.level",
+                "warning",
+                "--no-web.uvloop",
+            ],
+            cwd=ROOT,
+            start_new_session=True,
+        )
         stack.append(tap_aio)
         wait_port(aio_port, tap_aio, "exporter with the tap, on asyncio's loop")
-        bare_aio = subprocess.Popen([sys.executable, __file__, "--serve-passthrough",
-                                     str(upstream_port), str(aio_bare_port), "asyncio"],
-                                    cwd=ROOT, start_new_session=True)
+        bare_aio = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--serve-passthrough",
+                str(upstream_port),
+                str(aio_bare_port),
+                "asyncio",
+            ],
+            cwd=ROOT,
+            start_new_session=True,
+        )
         stack.append(bare_aio)
         wait_port(aio_bare_port, bare_aio, "bare aiohttp pass-through on asyncio")
         targets["tap-aio"] = Target("tap-aio", aio_port, [tap_aio.pid])
         targets["bare-aio"] = Target("bare-aio", aio_bare_port, [bare_aio.pid])
-    return targets | {"direct": Target("direct", upstream_port, []),
-            "nginx": Target("nginx", nginx_port, children(nginx_process.pid)
-                            + [nginx_process.pid]),
-            "bare": Target("bare", bare_port, [bare.pid]),
-            "tap": Target("tap", tap_port, [tap.pid]),
-            "_web": Target("exporter web", web_port, [])}
+    return targets | {
+        "direct": Target("direct", upstream_port, []),
+        "nginx": Target("nginx", nginx_port, children(nginx_process.pid) + [nginx_process.pid]),
+        "bare": Target("bare", bare_port, [bare.pid]),
+        "tap": Target("tap", tap_port, [tap.pid]),
+        "_web": Target("exporter web", web_port, []),
+    }
 
 
 def tap_events(web_port: int) -> float:
@@ -405,9 +515,12 @@ PHASES = (
 )
 
 
-async def measure(targets: dict[str, Target], rounds: int, requests: int,
-                  phases: tuple[tuple[str, bool, int, int, float], ...] = PHASES
-                  ) -> dict[tuple[str, str], list[Phase]]:
+async def measure(
+    targets: dict[str, Target],
+    rounds: int,
+    requests: int,
+    phases: tuple[tuple[str, bool, int, int, float], ...] = PHASES,
+) -> dict[tuple[str, str], list[Phase]]:
     results: dict[tuple[str, str], list[Phase]] = {}
     usage_marker = b'"choices":[],"usage"'
     for _ in range(rounds):
@@ -437,8 +550,10 @@ def report(results: dict[tuple[str, str], list[Phase]]) -> dict[str, dict[str, f
     Added latency is the target's p50 minus the direct p50 of the same round, so the ratio
     of medians compares what each proxy adds, not the mock's own time.
     """
-    print(f"{'phase':18} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
-          f"{'first p50':>10} {'req/s':>8} {'CPU ms/req':>11}")
+    print(
+        f"{'phase':18} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} "
+        f"{'first p50':>10} {'req/s':>8} {'CPU ms/req':>11}"
+    )
     figures: dict[str, dict[str, float]] = {}
     for phase_name in dict.fromkeys(name for name, _target in results):
         direct = [p.p(p.total, 0.5) for p in results[(phase_name, "direct")]]
@@ -450,79 +565,110 @@ def report(results: dict[tuple[str, str], list[Phase]]) -> dict[str, dict[str, f
             p99 = med([p.p(p.total, 0.99) for p in runs])
             first = med([p.p(p.first, 0.5) for p in runs])
             rate = med([len(p.total) / p.wall for p in runs])
-            added[target] = med([p.p(p.total, 0.5) - base
-                                 for p, base in zip(runs, direct, strict=True)])
+            added[target] = med(
+                [p.p(p.total, 0.5) - base for p, base in zip(runs, direct, strict=True)]
+            )
             cpu_text = f"{'-':>11}"
             if runs[0].cpu is not None:
                 cpu[target] = med([(p.cpu or 0.0) / len(p.total) for p in runs])
                 cpu_text = f"{cpu[target] * 1e3:11.3f}"
             added_text = f"{added[target] * 1e3:+10.3f}" if target != "direct" else f"{'':>10}"
-            print(f"{phase_name:18} {target:8} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {added_text} "
-                  f"{first * 1e3:10.3f} {rate:8.0f} {cpu_text}")
+            print(
+                f"{phase_name:18} {target:8} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {added_text} "
+                f"{first * 1e3:10.3f} {rate:8.0f} {cpu_text}"
+            )
         figures[phase_name] = {
-            "tap_added_ms": added["tap"] * 1e3, "bare_added_ms": added["bare"] * 1e3,
+            "tap_added_ms": added["tap"] * 1e3,
+            "bare_added_ms": added["bare"] * 1e3,
             "added_ratio": added["tap"] / added["bare"] if added["bare"] > 0 else float("inf"),
-            "tap_cpu_ms": cpu["tap"] * 1e3, "bare_cpu_ms": cpu["bare"] * 1e3,
+            "tap_cpu_ms": cpu["tap"] * 1e3,
+            "bare_cpu_ms": cpu["bare"] * 1e3,
             "cpu_ratio": cpu["tap"] / cpu["bare"] if cpu["bare"] > 0 else float("inf"),
         }
         if "tap-aio" in added:
             figures[phase_name] |= {
                 "aio_tap_added_ms": added["tap-aio"] * 1e3,
                 "aio_bare_added_ms": added["bare-aio"] * 1e3,
-                "aio_tap_cpu_ms": cpu["tap-aio"] * 1e3, "aio_bare_cpu_ms": cpu["bare-aio"] * 1e3}
+                "aio_tap_cpu_ms": cpu["tap-aio"] * 1e3,
+                "aio_bare_cpu_ms": cpu["bare-aio"] * 1e3,
+            }
         if "order-off" in added:
             figures[phase_name] |= {
-                "off_added_ms": added["order-off"] * 1e3, "off_cpu_ms": cpu["order-off"] * 1e3}
+                "off_added_ms": added["order-off"] * 1e3,
+                "off_cpu_ms": cpu["order-off"] * 1e3,
+            }
         if "before" in added:
             figures[phase_name] |= {
-                "before_added_ms": added["before"] * 1e3, "before_cpu_ms": cpu["before"] * 1e3,
+                "before_added_ms": added["before"] * 1e3,
+                "before_cpu_ms": cpu["before"] * 1e3,
                 "before_added_ratio": added["before"] / added["bare"]
-                if added["bare"] > 0 else float("inf"),
-                "before_cpu_ratio": cpu["before"] / cpu["bare"] if cpu["bare"] > 0
-                else float("inf")}
+                if added["bare"] > 0
+                else float("inf"),
+                "before_cpu_ratio": cpu["before"] / cpu["bare"]
+                if cpu["bare"] > 0
+                else float("inf"),
+            }
     return figures
 
 
 # The issue's goals: (phase, figure, at most), for the one-client phases.
 GOALS = (
-    ("whole c=1", "added_ratio", 1.3), ("whole c=1", "tap_added_ms", 0.5),
-    ("whole c=1", "cpu_ratio", 1.5), ("whole c=1", "tap_cpu_ms", 0.4),
+    ("whole c=1", "added_ratio", 1.3),
+    ("whole c=1", "tap_added_ms", 0.5),
+    ("whole c=1", "cpu_ratio", 1.5),
+    ("whole c=1", "tap_cpu_ms", 0.4),
     ("long prompt c=1", "tap_added_ms", 1.2),
 )
 
 
 def report_goals(figures: dict[str, dict[str, float]]) -> bool:
     print("\nthe tap against the bare aiohttp pass-through (medians over rounds):")
-    print(f"{'phase':18} {'added: tap':>11} {'bare':>8} {'ratio':>6} {'CPU: tap':>10} "
-          f"{'bare':>8} {'ratio':>6}")
+    print(
+        f"{'phase':18} {'added: tap':>11} {'bare':>8} {'ratio':>6} {'CPU: tap':>10} "
+        f"{'bare':>8} {'ratio':>6}"
+    )
     for phase_name, f in figures.items():
-        print(f"{phase_name:18} {f['tap_added_ms']:+10.3f}ms {f['bare_added_ms']:+7.3f}ms "
-              f"{f['added_ratio']:6.2f} {f['tap_cpu_ms']:8.3f}ms {f['bare_cpu_ms']:6.3f}ms "
-              f"{f['cpu_ratio']:6.2f}")
+        print(
+            f"{phase_name:18} {f['tap_added_ms']:+10.3f}ms {f['bare_added_ms']:+7.3f}ms "
+            f"{f['added_ratio']:6.2f} {f['tap_cpu_ms']:8.3f}ms {f['bare_cpu_ms']:6.3f}ms "
+            f"{f['cpu_ratio']:6.2f}"
+        )
     if any("before_added_ms" in f for f in figures.values()):
         print("\nthe tap of --before against the same bare pass-through:")
         for phase_name, f in figures.items():
-            print(f"{phase_name:18} {f['before_added_ms']:+10.3f}ms {f['bare_added_ms']:+7.3f}ms "
-                  f"{f['before_added_ratio']:6.2f} {f['before_cpu_ms']:8.3f}ms "
-                  f"{f['bare_cpu_ms']:6.3f}ms {f['before_cpu_ratio']:6.2f}")
+            print(
+                f"{phase_name:18} {f['before_added_ms']:+10.3f}ms {f['bare_added_ms']:+7.3f}ms "
+                f"{f['before_added_ratio']:6.2f} {f['before_cpu_ms']:8.3f}ms "
+                f"{f['bare_cpu_ms']:6.3f}ms {f['before_cpu_ratio']:6.2f}"
+            )
     if any("aio_tap_cpu_ms" in f for f in figures.values()):
         print("\nthe same on asyncio's own loop (--no-web.uvloop), and what uvloop saves:")
-        print(f"{'phase':18} {'added: tap':>11} {'bare':>8} {'CPU: tap':>10} {'bare':>8} "
-              f"{'CPU tap uvloop/asyncio':>23} {'bare':>6}")
+        print(
+            f"{'phase':18} {'added: tap':>11} {'bare':>8} {'CPU: tap':>10} {'bare':>8} "
+            f"{'CPU tap uvloop/asyncio':>23} {'bare':>6}"
+        )
         for phase_name, f in figures.items():
-            print(f"{phase_name:18} {f['aio_tap_added_ms']:+10.3f}ms "
-                  f"{f['aio_bare_added_ms']:+7.3f}ms {f['aio_tap_cpu_ms']:8.3f}ms "
-                  f"{f['aio_bare_cpu_ms']:6.3f}ms {f['tap_cpu_ms'] / f['aio_tap_cpu_ms']:23.2f} "
-                  f"{f['bare_cpu_ms'] / f['aio_bare_cpu_ms']:6.2f}")
+            print(
+                f"{phase_name:18} {f['aio_tap_added_ms']:+10.3f}ms "
+                f"{f['aio_bare_added_ms']:+7.3f}ms {f['aio_tap_cpu_ms']:8.3f}ms "
+                f"{f['aio_bare_cpu_ms']:6.3f}ms {f['tap_cpu_ms'] / f['aio_tap_cpu_ms']:23.2f} "
+                f"{f['bare_cpu_ms'] / f['aio_bare_cpu_ms']:6.2f}"
+            )
     if any("off_cpu_ms" in f for f in figures.values()):
-        print("\nthe tap with the prompt-order diagnosis against the same tap without it "
-              "(--tap.prompt-order-bytes 0):")
-        print(f"{'phase':18} {'CPU: with':>10} {'without':>8} {'ratio':>6} {'added: with':>12} "
-              f"{'without':>8}")
+        print(
+            "\nthe tap with the prompt-order diagnosis against the same tap without it "
+            "(--tap.prompt-order-bytes 0):"
+        )
+        print(
+            f"{'phase':18} {'CPU: with':>10} {'without':>8} {'ratio':>6} {'added: with':>12} "
+            f"{'without':>8}"
+        )
         for phase_name, f in figures.items():
-            print(f"{phase_name:18} {f['tap_cpu_ms']:8.3f}ms {f['off_cpu_ms']:6.3f}ms "
-                  f"{f['tap_cpu_ms'] / f['off_cpu_ms']:6.2f} {f['tap_added_ms']:+10.3f}ms "
-                  f"{f['off_added_ms']:+7.3f}ms")
+            print(
+                f"{phase_name:18} {f['tap_cpu_ms']:8.3f}ms {f['off_cpu_ms']:6.3f}ms "
+                f"{f['tap_cpu_ms'] / f['off_cpu_ms']:6.2f} {f['tap_added_ms']:+10.3f}ms "
+                f"{f['off_added_ms']:+7.3f}ms"
+            )
     met = True
     for phase_name, key, limit in GOALS:
         if phase_name not in figures:
@@ -540,8 +686,10 @@ def machine() -> str:
         if line.startswith("model name"):
             model = line.split(":", 1)[1].strip()
             break
-    return (f"{os.cpu_count()} CPUs ({model}), Python {sys.version.split()[0]}, "
-            f"{subprocess.run(['nginx', '-v'], capture_output=True, text=True).stderr.strip()}")
+    return (
+        f"{os.cpu_count()} CPUs ({model}), Python {sys.version.split()[0]}, "
+        f"{subprocess.run(['nginx', '-v'], capture_output=True, text=True).stderr.strip()}"
+    )
 
 
 def default_loop() -> str:
@@ -558,19 +706,37 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--quick", action="store_true", help="1 round of 200 requests")
-    parser.add_argument("--phase", action="append", choices=[name for name, *_ in PHASES],
-                        help="only these phases (default: all)")
-    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default=default_loop(),
-                        help="the bare pass-through's event loop (default: the exporter's)")
-    parser.add_argument("--before", type=Path, default=None,
-                        help="also measure the tap of the exporter in this checkout (e.g. "
-                             "the main branch), as target 'before'")
-    parser.add_argument("--also-asyncio", action="store_true",
-                        help="also measure the tap with --no-web.uvloop and the bare "
-                             "pass-through on asyncio's loop, between the others")
-    parser.add_argument("--order-off", action="store_true",
-                        help="also measure the same tap with the prompt-order diagnosis off "
-                             "(--tap.prompt-order-bytes 0), as target 'order-off'")
+    parser.add_argument(
+        "--phase",
+        action="append",
+        choices=[name for name, *_ in PHASES],
+        help="only these phases (default: all)",
+    )
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "uvloop"),
+        default=default_loop(),
+        help="the bare pass-through's event loop (default: the exporter's)",
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="also measure the tap of the exporter in this checkout (e.g. "
+        "the main branch), as target 'before'",
+    )
+    parser.add_argument(
+        "--also-asyncio",
+        action="store_true",
+        help="also measure the tap with --no-web.uvloop and the bare "
+        "pass-through on asyncio's loop, between the others",
+    )
+    parser.add_argument(
+        "--order-off",
+        action="store_true",
+        help="also measure the same tap with the prompt-order diagnosis off "
+        "(--tap.prompt-order-bytes 0), as target 'order-off'",
+    )
     parser.add_argument("--serve-upstream", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--serve-passthrough", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -588,8 +754,9 @@ def main() -> int:
         tmp = Path(tmp_name)
         os.chmod(tmp, 0o755)
         try:
-            targets = start_processes(tmp, stack, args.loop, args.before, args.also_asyncio,
-                                      args.order_off)
+            targets = start_processes(
+                tmp, stack, args.loop, args.before, args.also_asyncio, args.order_off
+            )
             if args.before is not None:
                 targets_measured.append("before")
             if args.also_asyncio:
@@ -603,8 +770,10 @@ def main() -> int:
         finally:
             stop_processes(stack)
     print(f"machine: {machine()}")
-    print(f"rounds: {args.rounds}, medians over rounds; the tap recorded {recorded:.0f} "
-          "events (every request it proxied, warm-ups included)")
+    print(
+        f"rounds: {args.rounds}, medians over rounds; the tap recorded {recorded:.0f} "
+        "events (every request it proxied, warm-ups included)"
+    )
     print(f"event loop of the bare pass-through: {args.loop}")
     figures = report(results)
     return 0 if report_goals(figures) else 1

@@ -40,30 +40,60 @@ import bench_tap  # noqa: E402
 from harness import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = (("whole answer", False, 4_000), ("stream", True, 4_000),
-          ("400 KB prompt", False, 400_000))
+PHASES = (
+    ("whole answer", False, 4_000),
+    ("stream", True, 4_000),
+    ("400 KB prompt", False, 400_000),
+)
 WARM_UP = 100
 
 
-def count(name: str, command: list[str], cwd: Path, port: int, stream: bool, chars: int,
-          requests: int, workdir: Path) -> float:
+def count(
+    name: str,
+    command: list[str],
+    cwd: Path,
+    port: int,
+    stream: bool,
+    chars: int,
+    requests: int,
+    workdir: Path,
+) -> float:
     """Instructions per request of ``command`` (a server on ``port``) under callgrind."""
     out = workdir / f"callgrind.{name.replace(' ', '_')}.{chars}.{int(stream)}"
     process = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-         *command], cwd=cwd, start_new_session=True, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONHASHSEED": "0"})
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={out}",
+            *command,
+        ],
+        cwd=cwd,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
     try:
         bench_tap.wait_port(port, process, name, deadline=300)
-        raw = bench_tap.http_request("/v1/chat/completions",
-                                     bench_tap.chat_payload(stream, chars), port)
+        raw = bench_tap.http_request(
+            "/v1/chat/completions", bench_tap.chat_payload(stream, chars), port
+        )
         asyncio.run(bench_tap.run_phase(port, raw, WARM_UP, 1))
         control = ["callgrind_control"]
-        subprocess.run([*control, "-i", "on", str(process.pid)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [*control, "-i", "on", str(process.pid)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         asyncio.run(bench_tap.run_phase(port, raw, requests, 1))
-        subprocess.run([*control, "-d", str(process.pid)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [*control, "-d", str(process.pid)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     finally:
         bench_tap.stop_processes([process])
     dump = Path(f"{out}.1")  # the explicit dump (the file without a suffix is the exit's)
@@ -89,29 +119,57 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             upstream = bench_tap.free_port()
-            stack.append(subprocess.Popen([sys.executable, bench_tap.__file__,
-                                           "--serve-upstream", str(upstream)],
-                                          start_new_session=True))
+            stack.append(
+                subprocess.Popen(
+                    [sys.executable, bench_tap.__file__, "--serve-upstream", str(upstream)],
+                    start_new_session=True,
+                )
+            )
             bench_tap.wait_port(upstream, stack[-1], "mock upstream")
             for phase, stream, chars in PHASES:
                 port = bench_tap.free_port()
                 results[(phase, "bare")] = count(
-                    "bare", [sys.executable, bench_tap.__file__, "--serve-passthrough",
-                             str(upstream), str(port), bench_tap.default_loop()], ROOT, port,
-                    stream, chars, args.requests, Path(tmp))
+                    "bare",
+                    [
+                        sys.executable,
+                        bench_tap.__file__,
+                        "--serve-passthrough",
+                        str(upstream),
+                        str(port),
+                        bench_tap.default_loop(),
+                    ],
+                    ROOT,
+                    port,
+                    stream,
+                    chars,
+                    args.requests,
+                    Path(tmp),
+                )
                 for name, checkout in targets:
                     port, web = bench_tap.free_port(), bench_tap.free_port()
-                    command = [sys.executable, "-m", "exporter", "run",
-                               "--web.listen-address", f"127.0.0.1:{web}",
-                               "--tap.listen-address", f"127.0.0.1:{port}",
-                               "--tap.upstream", f"http://127.0.0.1:{upstream}",
-                               "--log.level", "error"]
-                    results[(phase, name)] = count(name, command, checkout, port, stream,
-                                                   chars, args.requests, Path(tmp))
+                    command = [
+                        sys.executable,
+                        "-m",
+                        "exporter",
+                        "run",
+                        "--web.listen-address",
+                        f"127.0.0.1:{web}",
+                        "--tap.listen-address",
+                        f"127.0.0.1:{port}",
+                        "--tap.upstream",
+                        f"http://127.0.0.1:{upstream}",
+                        "--log.level",
+                        "error",
+                    ]
+                    results[(phase, name)] = count(
+                        name, command, checkout, port, stream, chars, args.requests, Path(tmp)
+                    )
         finally:
             bench_tap.stop_processes(stack)
-    print(f"machine: {machine()}; {args.requests} requests per target and phase, one at a "
-          "time; user-space instructions per request (callgrind)")
+    print(
+        f"machine: {machine()}; {args.requests} requests per target and phase, one at a "
+        "time; user-space instructions per request (callgrind)"
+    )
     header = f"{'phase':15} {'bare':>11} {'tap':>11} {'tap/bare':>9}"
     if args.before:
         header += f" {'before':>11} {'before/bare':>12} {'tap/before':>11}"

@@ -42,8 +42,13 @@ import bench_tap  # noqa: E402
 from harness import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-LEVELS = ("as deployed", "- prompt order", "- recording", "- reading the answer",
-          "- reading the request")
+LEVELS = (
+    "as deployed",
+    "- prompt order",
+    "- recording",
+    "- reading the answer",
+    "- reading the request",
+)
 PHASES = (("whole c=1", False), ("stream c=1", True))
 
 
@@ -58,6 +63,7 @@ def serve_tap(level: int, flags: list[str]) -> None:
         proxy.Tap.record = lambda self, exchange: None  # type: ignore
 
     if level >= 3:
+
         def feed(self: openai.StreamReader, chunk: bytes, now: float) -> bytes:
             return chunk
 
@@ -80,14 +86,16 @@ def serve_tap(level: int, flags: list[str]) -> None:
     runpy.run_module("exporter", run_name="__main__")
 
 
-async def measure(targets: dict[str, tuple[int, int]], rounds: int,
-                  requests: int) -> dict[tuple[str, str], list[float]]:
+async def measure(
+    targets: dict[str, tuple[int, int]], rounds: int, requests: int
+) -> dict[tuple[str, str], list[float]]:
     found: dict[tuple[str, str], list[float]] = {}
     for _ in range(rounds):
         for phase, stream in PHASES:
             for name, (port, pid) in targets.items():
-                raw = bench_tap.http_request("/v1/chat/completions",
-                                             bench_tap.chat_payload(stream, 200), port)
+                raw = bench_tap.http_request(
+                    "/v1/chat/completions", bench_tap.chat_payload(stream, 200), port
+                )
                 await bench_tap.run_phase(port, raw, requests // 10, 1)
                 before = bench_tap.cpu_seconds([pid])
                 await bench_tap.run_phase(port, raw, requests, 1)
@@ -109,30 +117,59 @@ def main() -> int:
     targets: dict[str, tuple[int, int]] = {}
     try:
         upstream = bench_tap.free_port()
-        stack.append(subprocess.Popen([sys.executable, bench_tap.__file__, "--serve-upstream",
-                                       str(upstream)], start_new_session=True))
+        stack.append(
+            subprocess.Popen(
+                [sys.executable, bench_tap.__file__, "--serve-upstream", str(upstream)],
+                start_new_session=True,
+            )
+        )
         bench_tap.wait_port(upstream, stack[-1], "mock upstream")
         bare = bench_tap.free_port()
-        stack.append(subprocess.Popen(
-            [sys.executable, bench_tap.__file__, "--serve-passthrough", str(upstream),
-             str(bare), bench_tap.default_loop()], cwd=ROOT, start_new_session=True))
+        stack.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    bench_tap.__file__,
+                    "--serve-passthrough",
+                    str(upstream),
+                    str(bare),
+                    bench_tap.default_loop(),
+                ],
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        )
         bench_tap.wait_port(bare, stack[-1], "bare pass-through")
         targets["bare"] = (bare, stack[-1].pid)
         for level in range(len(LEVELS)):
             port, web = bench_tap.free_port(), bench_tap.free_port()
-            flags = ["--web.listen-address", f"127.0.0.1:{web}", "--tap.listen-address",
-                     f"127.0.0.1:{port}", "--tap.upstream", f"http://127.0.0.1:{upstream}",
-                     "--log.level", "error"]
-            stack.append(subprocess.Popen(
-                [sys.executable, __file__, "--serve-tap", str(level), *flags], cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True))
+            flags = [
+                "--web.listen-address",
+                f"127.0.0.1:{web}",
+                "--tap.listen-address",
+                f"127.0.0.1:{port}",
+                "--tap.upstream",
+                f"http://127.0.0.1:{upstream}",
+                "--log.level",
+                "error",
+            ]
+            stack.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--serve-tap", str(level), *flags],
+                    cwd=ROOT,
+                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    start_new_session=True,
+                )
+            )
             bench_tap.wait_port(port, stack[-1], f"tap {LEVELS[level]}")
             targets[f"tap {level}"] = (port, stack[-1].pid)
         found = asyncio.run(measure(targets, args.rounds, args.requests))
     finally:
         bench_tap.stop_processes(stack)
-    print(f"machine: {machine()}; {args.rounds} rounds of {args.requests} requests, "
-          "CPU ms per request, medians over rounds")
+    print(
+        f"machine: {machine()}; {args.rounds} rounds of {args.requests} requests, "
+        "CPU ms per request, medians over rounds"
+    )
     for phase, _stream in PHASES:
         bare_cpu = statistics.median(found[(phase, "bare")])
         print(f"{phase}: bare pass-through {bare_cpu:.3f}")

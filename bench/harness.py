@@ -36,9 +36,11 @@ MiB = 1024 * 1024
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # What Prometheus 2.x sends on every scrape: OpenMetrics preferred, gzip accepted.
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,"
-                     "application/openmetrics-text;version=0.0.1;q=0.75,"
-                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,"
+    "application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 PROMETHEUS_HEADERS = {"Accept": PROMETHEUS_ACCEPT, "Accept-Encoding": "gzip"}
 TEXT_HEADERS = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"}
 # Prometheus' default scrape_timeout: a scrape slower than this is a failed scrape.
@@ -46,6 +48,7 @@ PROMETHEUS_SCRAPE_TIMEOUT = 10.0
 
 
 # ---- the exporter as a child process ---------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -92,10 +95,14 @@ class ExporterProcess:
     (``ulimit -n``), and the limits this bench lowered for itself are given back.
     """
 
-    def __init__(self, workdir: Path, extra_args: Sequence[str] = (),
-                 nofile: int | None = None,
-                 inherited_limits: dict[int, tuple[int, int]] | None = None,
-                 root: Path = ROOT) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        extra_args: Sequence[str] = (),
+        nofile: int | None = None,
+        inherited_limits: dict[int, tuple[int, int]] | None = None,
+        root: Path = ROOT,
+    ) -> None:
         self.root = root  # the checkout whose exporter runs
         self.port = free_port()
         self.log_path = workdir / "exporter.log"
@@ -116,14 +123,26 @@ class ExporterProcess:
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "exporter", "run", "--web.listen-address",
-                f"127.0.0.1:{self.port}", *self.extra_args]
+        return [
+            sys.executable,
+            "-m",
+            "exporter",
+            "run",
+            "--web.listen-address",
+            f"127.0.0.1:{self.port}",
+            *self.extra_args,
+        ]
 
     def start(self, ready_within: float = 60.0) -> None:
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(self.command, cwd=self.root, stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                self.command,
+                cwd=self.root,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         for limit, values in self.inherited_limits.items():
             resource.prlimit(self.pid, limit, values)
         if self.nofile is not None:
@@ -135,8 +154,10 @@ class ExporterProcess:
         assert self.process is not None
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the exporter exited with {self.process.returncode} at "
-                                   f"start; see {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"the exporter exited with {self.process.returncode} at "
+                    f"start; see {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.base_url + "/-/healthy", timeout=1):
                     return
@@ -220,8 +241,13 @@ class MemorySampler(threading.Thread):
     the exporter is killed and the reason kept.
     """
 
-    def __init__(self, exporter: ExporterProcess, interval: float, guard_bytes: int,
-                 deadline: float | None = None) -> None:
+    def __init__(
+        self,
+        exporter: ExporterProcess,
+        interval: float,
+        guard_bytes: int,
+        deadline: float | None = None,
+    ) -> None:
         super().__init__(name="memory-sampler", daemon=True)
         self.exporter = exporter
         self.interval = interval
@@ -240,8 +266,10 @@ class MemorySampler(threading.Thread):
                 return
             self.samples.append(MemorySample(now, *memory))
             if memory[0] > self.guard_bytes:
-                self.killed_for = (f"RSS {memory[0] / MiB:,.0f} MB passed the guard "
-                                   f"({self.guard_bytes / MiB:,.0f} MB)")
+                self.killed_for = (
+                    f"RSS {memory[0] / MiB:,.0f} MB passed the guard "
+                    f"({self.guard_bytes / MiB:,.0f} MB)"
+                )
                 self.exporter.kill()
                 return
             if self.deadline is not None and now > self.deadline:
@@ -279,6 +307,7 @@ class MemorySampler(threading.Thread):
 
 
 # ---- probes --------------------------------------------------------------------------
+
 
 @dataclass
 class Probe:
@@ -336,11 +365,13 @@ class Prober:
 
     async def _one(self, session: aiohttp.ClientSession, started: float) -> Probe:
         try:
-            async with session.request(self.method, self.url, headers=self.headers,
-                                       data=self.body) as response:
+            async with session.request(
+                self.method, self.url, headers=self.headers, data=self.body
+            ) as response:
                 payload = await response.read()
-                return Probe(started, time.monotonic() - started, response.status,
-                             None, len(payload))
+                return Probe(
+                    started, time.monotonic() - started, response.status, None, len(payload)
+                )
         except asyncio.TimeoutError:
             return Probe(started, time.monotonic() - started, None, "timeout")
         except (aiohttp.ClientError, OSError) as err:
@@ -358,8 +389,9 @@ def quantile(values: Sequence[float], fraction: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
 
 
-def summarize(probes: Sequence[Probe], start: float, end: float,
-              slow: float = PROMETHEUS_SCRAPE_TIMEOUT) -> dict[str, Any]:
+def summarize(
+    probes: Sequence[Probe], start: float, end: float, slow: float = PROMETHEUS_SCRAPE_TIMEOUT
+) -> dict[str, Any]:
     """Probes started in [start, end): how many, how many answered 200 within ``slow``
     seconds (a usable answer), the longest time without one, and the latency of those that
     got any answer."""
@@ -371,8 +403,9 @@ def summarize(probes: Sequence[Probe], start: float, end: float,
             errors[probe.error or "?"] = errors.get(probe.error or "?", 0) + 1
         elif probe.status != 200:
             errors[f"HTTP {probe.status}"] = errors.get(f"HTTP {probe.status}", 0) + 1
-    usable = sorted(min(p.started + p.seconds, end) for p in window
-                    if p.status == 200 and p.seconds <= slow)
+    usable = sorted(
+        min(p.started + p.seconds, end) for p in window if p.status == 200 and p.seconds <= slow
+    )
     edges = [start, *usable, end]
     return {
         "probes": len(window),
@@ -390,15 +423,22 @@ def summarize(probes: Sequence[Probe], start: float, end: float,
 
 # ---- reading /metrics ----------------------------------------------------------------
 
-async def fetch(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
-                timeout: float) -> tuple[float, int, bytes, dict[str, str]]:
+
+async def fetch(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str], timeout: float
+) -> tuple[float, int, bytes, dict[str, str]]:
     """(seconds, status, body as sent on the wire, headers); gzip is not undone here."""
     started = time.monotonic()
-    async with session.get(url, headers=headers, auto_decompress=False,
-                           timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+    async with session.get(
+        url, headers=headers, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=timeout)
+    ) as response:
         wire = await response.read()
-        return (time.monotonic() - started, response.status, wire,
-                {key.lower(): value for key, value in response.headers.items()})
+        return (
+            time.monotonic() - started,
+            response.status,
+            wire,
+            {key.lower(): value for key, value in response.headers.items()},
+        )
 
 
 def decoded(wire: bytes, headers: dict[str, str]) -> bytes:
@@ -430,18 +470,28 @@ def sum_samples(text: str, name: str, label_filter: str = "") -> float:
 # Families per caller or per vLLM target: everything else in vllm_cache_* is about the
 # exporter itself (ingest, rejections, the caller cap, and whatever the exporter adds for
 # its connections and bodies later), and is what the benches report.
-_NOT_SELF = ("vllm_cache_requests_", "vllm_cache_prompt_tokens_", "vllm_cache_cached_tokens_",
-             "vllm_cache_unreported_prompt_tokens_", "vllm_cache_ttft_seconds",
-             "vllm_cache_queue_wait_seconds", "vllm_cache_granularity_tokens",
-             "vllm_cache_engine_", "vllm_cache_exporter_build_info")
+_NOT_SELF = (
+    "vllm_cache_requests_",
+    "vllm_cache_prompt_tokens_",
+    "vllm_cache_cached_tokens_",
+    "vllm_cache_unreported_prompt_tokens_",
+    "vllm_cache_ttft_seconds",
+    "vllm_cache_queue_wait_seconds",
+    "vllm_cache_granularity_tokens",
+    "vllm_cache_engine_",
+    "vllm_cache_exporter_build_info",
+)
 
 
 def self_metrics(text: str, limit: int = 60) -> list[str]:
     """The exporter's own samples (not per caller, per target or build info), non-zero
     first; ``process_*`` and ``python_gc_*`` if a process collector is registered."""
-    picked = [line for line in sample_lines(text)
-              if (line.startswith("vllm_cache_") and not line.startswith(_NOT_SELF))
-              or line.startswith("process_")]
+    picked = [
+        line
+        for line in sample_lines(text)
+        if (line.startswith("vllm_cache_") and not line.startswith(_NOT_SELF))
+        or line.startswith("process_")
+    ]
     picked.sort(key=lambda line: line.rsplit(" ", 1)[1] in ("0", "0.0"))
     return picked[:limit]
 
@@ -457,10 +507,20 @@ def machine() -> str:
 
 def commit() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "exporter"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "exporter"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + (" (exporter/ modified)" if dirty else "")

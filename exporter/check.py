@@ -39,14 +39,18 @@ from exporter.values import EngineSnapshot, EngineValues, HistogramValue
 
 # Signals whose absence breaks the cache signals (a problem), and those that only exist in
 # newer vLLM releases or with a flag (a note).
-REQUIRED = (names.PREFIX_CACHE_QUERIES, names.PREFIX_CACHE_HITS, names.PREEMPTIONS,
-            names.KV_USAGE, names.CACHE_CONFIG)
+REQUIRED = (
+    names.PREFIX_CACHE_QUERIES,
+    names.PREFIX_CACHE_HITS,
+    names.PREEMPTIONS,
+    names.KV_USAGE,
+    names.CACHE_CONFIG,
+)
 WHY_ABSENT = {
     names.PROMPT_TOKENS_CACHED.name: "vLLM before 0.16 has no vllm:prompt_tokens_cached_total",
-    names.PROMPT_TOKENS_BY_SOURCE.name: "vLLM before 0.16 does not split prompt tokens by "
-                                        "source",
+    names.PROMPT_TOKENS_BY_SOURCE.name: "vLLM before 0.16 does not split prompt tokens by source",
     names.PROMPT_TOKENS_CACHED_BY_SOURCE.name: "vLLM before 0.32 does not split cached tokens "
-                                               "by tier",
+    "by tier",
     names.REQUESTS_WAITING_BY_REASON.name: "vLLM before 0.20 does not say why requests wait",
     names.EXTERNAL_PREFIX_CACHE_QUERIES.name: "vLLM before 0.11.1 has no KV-connector counters",
     names.EXTERNAL_PREFIX_CACHE_HITS.name: "vLLM before 0.11.1 has no KV-connector counters",
@@ -57,7 +61,8 @@ RESIDENCY_OFF = (
     "--kv-cache-metrics-sample, default 0.01 of the blocks) to see evictions: how long KV "
     "blocks live, how long they sit idle before they are evicted, and how soon they are "
     "reused. Blocks evicted sooner than their conversations come back is the collapse seen "
-    "from inside.")
+    "from inside."
+)
 
 
 @dataclass
@@ -96,8 +101,11 @@ class ExporterView:
     order: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
 
     def smallest_pool(self, target: str, engine: str) -> float | None:
-        found = [pool for (where, _model, rank), pool in self.smallest_pools.items()
-                 if where == target and rank == engine]
+        found = [
+            pool
+            for (where, _model, rank), pool in self.smallest_pools.items()
+            if where == target and rank == engine
+        ]
         return min(found) if found else None
 
 
@@ -135,10 +143,11 @@ def read_exporter(text: str) -> ExporterView:
         elif name == "vllm_cache_prompt_tokens_total":
             view.reported[pair[0]] = view.reported.get(pair[0], 0.0) + value
         elif name.startswith(ORDER_PREFIX) and name.endswith("_total"):
-            view.order.setdefault(pair, {})[name[len(ORDER_PREFIX):-6]] = value
+            view.order.setdefault(pair, {})[name[len(ORDER_PREFIX) : -6]] = value
         elif name == "vllm_cache_ttft_seconds_bucket":
             buckets = view.ttft.setdefault(pair[0], {}).setdefault(
-                (labels.get("state", ""), labels.get("source", "")), {})
+                (labels.get("state", ""), labels.get("source", "")), {}
+            )
             bound = float(labels["le"])
             buckets[bound] = buckets.get(bound, 0.0) + value
         elif name == "vllm_cache_ttft_seconds_count":
@@ -149,14 +158,21 @@ def read_exporter(text: str) -> ExporterView:
 
 def main(args: argparse.Namespace) -> int:
     if not args.vllm_url:
-        print("vllm-cache-exporter check: --vllm.url is required (the vLLM server to read, "
-              "e.g. --vllm.url http://127.0.0.1:8000)", file=sys.stderr)
+        print(
+            "vllm-cache-exporter check: --vllm.url is required (the vLLM server to read, "
+            "e.g. --vllm.url http://127.0.0.1:8000)",
+            file=sys.stderr,
+        )
         return 2
-    reports = asyncio.run(check_all([metrics_url(url) for url in args.vllm_url],
-                                    args.vllm_timeout, args.vllm_max_body_bytes,
-                                    args.signals_admission_headroom,
-                                    metrics_url(args.exporter_url) if args.exporter_url
-                                    else ""))
+    reports = asyncio.run(
+        check_all(
+            [metrics_url(url) for url in args.vllm_url],
+            args.vllm_timeout,
+            args.vllm_max_body_bytes,
+            args.signals_admission_headroom,
+            metrics_url(args.exporter_url) if args.exporter_url else "",
+        )
+    )
     for report in reports:
         print("\n".join(render(report)))
     if not args.exporter_url:
@@ -165,8 +181,9 @@ def main(args: argparse.Namespace) -> int:
     return 1 if any(report.problems for report in reports) else 0
 
 
-async def check_all(urls: list[str], timeout: float, max_bytes: int,
-                    headroom: int = 0, exporter_url: str = "") -> list[Report]:
+async def check_all(
+    urls: list[str], timeout: float, max_bytes: int, headroom: int = 0, exporter_url: str = ""
+) -> list[Report]:
     async with aiohttp.ClientSession() as session:
         view: ExporterView | None = None
         exporter_report: Report | None = None
@@ -177,9 +194,13 @@ async def check_all(urls: list[str], timeout: float, max_bytes: int,
                 view = read_exporter(body.decode("utf-8"))
             except (FetchError, UnicodeDecodeError, ValueError) as err:
                 exporter_report.problems.append(
-                    f"cannot read the exporter's /metrics: {redact_text(str(err))}")
-        reports = list(await asyncio.gather(*(
-            check_one(session, url, timeout, max_bytes, headroom, view) for url in urls)))
+                    f"cannot read the exporter's /metrics: {redact_text(str(err))}"
+                )
+        reports = list(
+            await asyncio.gather(
+                *(check_one(session, url, timeout, max_bytes, headroom, view) for url in urls)
+            )
+        )
     if exporter_report is not None:
         if view is not None:
             describe_exporter(view, exporter_report, headroom)
@@ -187,9 +208,14 @@ async def check_all(urls: list[str], timeout: float, max_bytes: int,
     return reports
 
 
-async def check_one(session: aiohttp.ClientSession, url: str, timeout: float,
-                    max_bytes: int, headroom: int = 0,
-                    view: ExporterView | None = None) -> Report:
+async def check_one(
+    session: aiohttp.ClientSession,
+    url: str,
+    timeout: float,
+    max_bytes: int,
+    headroom: int = 0,
+    view: ExporterView | None = None,
+) -> Report:
     report = Report(redact_url(url))
     try:
         body = await fetch_body(session, url, timeout, max_bytes=max_bytes)
@@ -197,8 +223,9 @@ async def check_one(session: aiohttp.ClientSession, url: str, timeout: float,
     except FetchError as err:
         message = redact_text(str(err))
         hint = advice.url_hint(redact_url(url), message)
-        report.problems.append(f"cannot read vLLM's /metrics ({err.reason}): {message}"
-                               + (f". {hint}" if hint else ""))
+        report.problems.append(
+            f"cannot read vLLM's /metrics ({err.reason}): {message}" + (f". {hint}" if hint else "")
+        )
         return report
     describe(snapshot, report, headroom, view)
     return report
@@ -212,8 +239,7 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
     _describe_order(view, report)
     _describe_reporting(view, report)
     _describe_ttft(view, report)
-    if not (view.demand or view.model_demand or view.used or view.reported
-            or view.unreported):
+    if not (view.demand or view.model_demand or view.used or view.reported or view.unreported):
         report.lines.append("no conversations seen yet (send usage to it first).")
 
 
@@ -225,27 +251,39 @@ def _describe_fit(view: ExporterView, report: Report, headroom: int) -> None:
         target, model_name = where
         if not pool:
             continue
-        fit = advice.Fit(int(view.active.get(where, 0)), int(view.demand[where]), int(pool),
-                         headroom)
+        fit = advice.Fit(
+            int(view.active.get(where, 0)), int(view.demand[where]), int(pool), headroom
+        )
         sentence = f"{target} ({model_name}): {advice.fit_sentence(fit, view.idle_seconds)}"
         (report.problems if fit.overflows else report.lines).append(sentence)
     for model in sorted(view.model_demand):
         if not any(model == name for _target, name in view.demand):
-            report.lines.append(advice.unattributed_sentence(
-                model, view.model_active.get(model, 0), view.model_demand[model]))
+            report.lines.append(
+                advice.unattributed_sentence(
+                    model, view.model_active.get(model, 0), view.model_demand[model]
+                )
+            )
 
 
 def _describe_completions(view: ExporterView, report: Report) -> None:
     """Declared vs used completion tokens, per caller and model, from exact sums and counts
     (/metrics has no largest value: the charge is bounded by the buckets alone)."""
     for pair in sorted(view.used):
-        figures = advice.completions(pair[0], pair[1], view.used[pair],
-                                     view.used_sum.get(pair, 0.0), view.declared.get(pair, 0.0))
+        figures = advice.completions(
+            pair[0],
+            pair[1],
+            view.used[pair],
+            view.used_sum.get(pair, 0.0),
+            view.declared.get(pair, 0.0),
+        )
         if figures is None:
             continue
         sentence = advice.completion_sentence(figures)
-        (report.notes if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING
-         else report.lines).append(sentence)
+        (
+            report.notes
+            if figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING
+            else report.lines
+        ).append(sentence)
 
 
 def _describe_order(view: ExporterView, report: Report) -> None:
@@ -255,9 +293,13 @@ def _describe_order(view: ExporterView, report: Report) -> None:
         if flagged <= 0:
             continue
         order = advice.PromptOrder(
-            pair[0], pair[1], int(counts.get("compared", 0.0)), int(flagged),
+            pair[0],
+            pair[1],
+            int(counts.get("compared", 0.0)),
+            int(flagged),
             counts.get("shared_bytes", 0.0) / flagged,
-            counts.get("first_difference_bytes", 0.0) / flagged)
+            counts.get("first_difference_bytes", 0.0) / flagged,
+        )
         if order.worth_saying:
             report.notes.append(advice.prompt_order_sentence(order))
 
@@ -268,11 +310,14 @@ def _describe_reporting(view: ExporterView, report: Report) -> None:
     if unreported:
         report.problems.append(advice.not_reported_sentence(unreported))
     elif any(tokens > 0 for tokens in view.reported.values()):
-        report.lines.append("every caller's usage reports cached_tokens "
-                            "(--enable-prompt-tokens-details is on).")
+        report.lines.append(
+            "every caller's usage reports cached_tokens (--enable-prompt-tokens-details is on)."
+        )
     if view.timed_by.get("engine", 0) > 0:
-        report.lines.append("vLLM times the turns itself (--enable-per-request-metrics is on): "
-                            "TTFT and queue wait are the engine's own.")
+        report.lines.append(
+            "vLLM times the turns itself (--enable-per-request-metrics is on): "
+            "TTFT and queue wait are the engine's own."
+        )
     elif view.timed_by.get("proxy", 0) > 0:
         report.notes.append(advice.per_request_metrics_off_sentence())
 
@@ -281,15 +326,16 @@ def _describe_ttft(view: ExporterView, report: Report) -> None:
     """Each caller's median TTFT of warm and cold turns since the exporter started: vLLM's
     own where it timed any, else the proxy's, saying which (the status page's figures)."""
     for caller in sorted(view.ttft):
-        found = timing.medians({key: sorted(buckets.items())
-                                for key, buckets in view.ttft[caller].items()})
+        found = timing.medians(
+            {key: sorted(buckets.items()) for key, buckets in view.ttft[caller].items()}
+        )
         if found.source is not None:
-            report.lines.append(advice.ttft_sentence(caller, found.source, found.warm,
-                                                     found.cold))
+            report.lines.append(advice.ttft_sentence(caller, found.source, found.warm, found.cold))
 
 
-def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,
-             view: ExporterView | None = None) -> None:
+def describe(
+    snapshot: EngineSnapshot, report: Report, headroom: int = 0, view: ExporterView | None = None
+) -> None:
     """Fill ``report`` from one parsed scrape. Pure, so it is tested without a network."""
     engines = sorted(snapshot.engines.values(), key=lambda v: (v.model_name, v.engine))
     report.lines.append(f"read {snapshot.lines} samples, {len(engines)} engine(s)")
@@ -306,14 +352,18 @@ def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,
             report.lines.append(
                 f"{label}: prefix caching {'on' if caching else 'OFF'}, block "
                 f"{config.block_size or '?'} tokens, KV pool "
-                f"{f'{pool:,}' if pool else '?'} tokens{in_use}")
+                f"{f'{pool:,}' if pool else '?'} tokens{in_use}"
+            )
             if pool:
-                report.lines.append("  " + _pool_sentence(pool, report.target, values.engine,
-                                                          headroom, view))
+                report.lines.append(
+                    "  " + _pool_sentence(pool, report.target, values.engine, headroom, view)
+                )
             granule = kvpool.granule(config)
             if kvpool.is_hybrid(config) and granule:
-                report.lines.append("  " + advice.hybrid_granule_sentence(
-                    granule, config.fields.get("mamba_block_size")))
+                report.lines.append(
+                    "  "
+                    + advice.hybrid_granule_sentence(granule, config.fields.get("mamba_block_size"))
+                )
                 report.notes.append(advice.hybrid_cpu_batching_sentence(label, granule))
             if caching is False:
                 report.problems.append(advice.prefix_caching_off_sentence(label))
@@ -322,13 +372,15 @@ def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,
         if queries:
             report.lines.append(
                 f"  prefix cache since vLLM started: {hits or 0:,.0f} of {queries:,.0f} "
-                f"looked-up tokens were hits ({(hits or 0) / queries:.1%})")
+                f"looked-up tokens were hits ({(hits or 0) / queries:.1%})"
+            )
         elif queries == 0:
             report.lines.append("  prefix cache since vLLM started: no prompts looked up yet")
         preemptions = values.values.get(names.PREEMPTIONS.name)
         if preemptions:
-            report.notes.append(advice.preemptions_sentence(label, preemptions,
-                                                            "since vLLM started"))
+            report.notes.append(
+                advice.preemptions_sentence(label, preemptions, "since vLLM started")
+            )
         describe_residency(values, label, report)
     if not any(snapshot.present.get(signal.name) for signal in RESIDENCY):
         report.notes.append(RESIDENCY_OFF)
@@ -342,20 +394,26 @@ def describe(snapshot: EngineSnapshot, report: Report, headroom: int = 0,
             reason = WHY_ABSENT.get(signal.name, "not exposed by this vLLM version")
             report.notes.append(f"no {signal.name} metric ({known}): {reason}.")
     if snapshot.invalid_samples:
-        report.problems.append(f"{snapshot.invalid_samples} sample(s) had impossible values "
-                               "(NaN, negative, usage above 1) and were ignored.")
+        report.problems.append(
+            f"{snapshot.invalid_samples} sample(s) had impossible values "
+            "(NaN, negative, usage above 1) and were ignored."
+        )
 
 
-def _pool_sentence(pool: int, target: str, engine: str, headroom: int,
-                   view: ExporterView | None) -> str:
+def _pool_sentence(
+    pool: int, target: str, engine: str, headroom: int, view: ExporterView | None
+) -> str:
     """The pool, the smallest one known (the exporter's memory across boots, when it has
     read this vLLM), and the admission budget under it."""
     smallest, source = pool, "in this one read"
     known = view.smallest_pool(target, engine) if view is not None else None
     if known is not None:
         smallest, source = min(pool, int(known)), "by the exporter since it started"
-    return advice.pool_sentence(pool, smallest, source, headroom,
-                                admission_budget(smallest, headroom))
+    return advice.pool_sentence(
+        pool, smallest, source, headroom, admission_budget(smallest, headroom)
+    )
+
+
 def describe_residency(values: EngineValues, label: str, report: Report) -> None:
     """What the sampled evictions since vLLM started say: medians, and whether blocks are
     evicted before their conversations come back."""
@@ -368,8 +426,10 @@ def describe_residency(values: EngineValues, label: str, report: Report) -> None
     lifetime = values.histograms.get(names.KV_BLOCK_LIFETIME.name)
     gap = values.histograms.get(names.KV_BLOCK_REUSE_GAP.name)
     idle_median = median(idle)
-    parts = [f"{idle.count:,.0f} sampled block(s) evicted since vLLM started, median idle "
-             f"before eviction {seconds(idle_median)}"]
+    parts = [
+        f"{idle.count:,.0f} sampled block(s) evicted since vLLM started, median idle "
+        f"before eviction {seconds(idle_median)}"
+    ]
     if lifetime is not None and lifetime.count:
         parts.append(f"median lifetime {seconds(median(lifetime))}")
     gap_median = median(gap) if gap is not None and gap.count else None
@@ -381,13 +441,15 @@ def describe_residency(values: EngineValues, label: str, report: Report) -> None
             f"{label}: KV blocks are evicted after {seconds(idle_median)} idle (median), "
             f"sooner than blocks are reused ({seconds(gap_median)} apart): conversations "
             "come back to find their prefix gone. The KV pool is too small for this "
-            "traffic's concurrency and think time.")
+            "traffic's concurrency and think time."
+        )
 
 
 def median(histogram: HistogramValue) -> float:
     """The median as Prometheus' histogram_quantile estimates it."""
-    return advice.histogram_quantile(0.5, list(zip(histogram.bounds, histogram.cumulative,
-                                                   strict=True)))
+    return advice.histogram_quantile(
+        0.5, list(zip(histogram.bounds, histogram.cumulative, strict=True))
+    )
 
 
 def seconds(value: float) -> str:

@@ -55,19 +55,26 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if "unrecognized arguments:" in message:
-            known = [option for action in self._actions for option in action.option_strings
-                     if option.startswith("--")]
+            known = [
+                option
+                for action in self._actions
+                for option in action.option_strings
+                if option.startswith("--")
+            ]
             hints = []
             for word in message.split("unrecognized arguments:", 1)[1].split():
                 flag = word.split("=", 1)[0]
                 if not flag.startswith("-"):
                     continue
-                close = difflib.get_close_matches(flag.replace("_", "-"), known, n=1,
-                                                  cutoff=0.6)
+                close = difflib.get_close_matches(flag.replace("_", "-"), known, n=1, cutoff=0.6)
                 if not close:  # --vllm-url for --vllm.url: compare without punctuation
                     bare = {option.replace(".", "-"): option for option in known}
-                    close = [bare[found] for found in difflib.get_close_matches(
-                        flag.replace(".", "-").replace("_", "-"), list(bare), n=1, cutoff=0.8)]
+                    close = [
+                        bare[found]
+                        for found in difflib.get_close_matches(
+                            flag.replace(".", "-").replace("_", "-"), list(bare), n=1, cutoff=0.8
+                        )
+                    ]
                 if close:
                     hints.append(f"{flag}: did you mean {close[0]}?")
             if hints:
@@ -77,23 +84,28 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> _Parser:
     parser = _Parser(
-        prog=PROG, formatter_class=_Formatter,
+        prog=PROG,
+        formatter_class=_Formatter,
         description="Prometheus sidecar for vLLM: prefix-cache hit ratio per caller, warm vs "
-                    "cold TTFT, preemptions, KV occupancy in tokens.",
-        epilog="Without a command, 'run' is assumed. '%(prog)s COMMAND --help' for details.")
+        "cold TTFT, preemptions, KV occupancy in tokens.",
+        epilog="Without a command, 'run' is assumed. '%(prog)s COMMAND --help' for details.",
+    )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND",
-                                     parser_class=_Parser)
-    run = commands.add_parser(RUN, help="Run the exporter (default).",
-                              formatter_class=_Formatter,
-                              description="Run the exporter. Every flag can also be set with "
-                                          "the environment variable shown, or in "
-                                          "--config.file.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    run = commands.add_parser(
+        RUN,
+        help="Run the exporter (default).",
+        formatter_class=_Formatter,
+        description="Run the exporter. Every flag can also be set with "
+        "the environment variable shown, or in "
+        "--config.file.",
+    )
     add_flags(run, RUN)
     parser.command_parsers = {RUN: run}
     for name, (_module, help_text) in SUBCOMMANDS.items():
-        sub = commands.add_parser(name, help=help_text, description=help_text,
-                                  formatter_class=_Formatter)
+        sub = commands.add_parser(
+            name, help=help_text, description=help_text, formatter_class=_Formatter
+        )
         add_flags(sub, name)
         parser.command_parsers[name] = sub
     return parser
@@ -105,8 +117,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = build_parser()
     args, unknown = parser.parse_known_args(_with_default_command(list(argv)))
     if unknown:
-        parser.command_parsers[args.command].error(
-            f"unrecognized arguments: {' '.join(unknown)}")
+        parser.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
 
 
@@ -118,8 +129,10 @@ def _with_default_command(argv: list[str]) -> list[str]:
     if not argv[0].startswith("-"):
         close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        print(f"{PROG}: unknown command '{argv[0]}' (commands: {', '.join(COMMANDS)}){hint}",
-              file=sys.stderr)
+        print(
+            f"{PROG}: unknown command '{argv[0]}' (commands: {', '.join(COMMANDS)}){hint}",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     return [RUN, *argv]
 
@@ -158,8 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(config: Config) -> int:
     from exporter.runtime import event_loop_name, run_to_completion, serve
 
-    logging.getLogger("exporter.runtime").info(
-        "event loop: %s", event_loop_name(config.web_uvloop))
+    logging.getLogger("exporter.runtime").info("event loop: %s", event_loop_name(config.web_uvloop))
     try:
         run_to_completion(serve(config), config.web_uvloop)
     except KeyboardInterrupt:
@@ -167,7 +179,6 @@ def run(config: Config) -> int:
     except ConfigError as err:  # a web config file that broke after build_config read it
         return config_error(err)
     except OSError as err:
-        print(f"{PROG}: {err.strerror or err}" if err.errno else f"{PROG}: {err}",
-              file=sys.stderr)
+        print(f"{PROG}: {err.strerror or err}" if err.errno else f"{PROG}: {err}", file=sys.stderr)
         return 1
     return 0

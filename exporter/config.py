@@ -55,7 +55,13 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 RUN, CHECK, DEMO, SIMULATE, DRIVE, GENERATE = (
-    "run", "check", "demo", "simulate", "drive", "generate")
+    "run",
+    "check",
+    "demo",
+    "simulate",
+    "drive",
+    "generate",
+)
 COMMANDS = (RUN, CHECK, DEMO, SIMULATE, DRIVE, GENERATE)
 
 
@@ -144,8 +150,9 @@ def _to_token_mapping(raw: Any) -> tuple[tuple[str, int], ...]:
             try:
                 count = _to_int(tokens)
             except ValueError:
-                raise ValueError(f"{name}: expected a whole number of tokens, got "
-                                 f"{tokens!r}") from None
+                raise ValueError(
+                    f"{name}: expected a whole number of tokens, got {tokens!r}"
+                ) from None
             if count < 0:
                 raise ValueError(f"{name}: must not be negative, got {count}")
             pairs[name] = count
@@ -272,288 +279,849 @@ ANY_COMMAND = frozenset(COMMANDS)
 SCENARIO_COMMANDS = frozenset({DEMO, SIMULATE, DRIVE})
 
 
-def _sim_flag(name: str, help_text: str, parse: Callable[[Any], Any], metavar: str | None,
-              kind: str = "value") -> Flag:
+def _sim_flag(
+    name: str, help_text: str, parse: Callable[[Any], Any], metavar: str | None, kind: str = "value"
+) -> Flag:
     """A setting of the simulated vLLM, named after vLLM's own flag where it has one."""
     # Positivity where it matters is the engine's own check (EngineConfig), with its words.
     check = _non_negative if parse in (_optional_int, _optional_float) else None
-    return Flag(f"sim.{name}", "Simulated engine", help_text, parse, None, kind=kind,
-                metavar=metavar, check=check, commands=frozenset({SIMULATE}))
+    return Flag(
+        f"sim.{name}",
+        "Simulated engine",
+        help_text,
+        parse,
+        None,
+        kind=kind,
+        metavar=metavar,
+        check=check,
+        commands=frozenset({SIMULATE}),
+    )
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag("check-config", "General", "Validate the configuration, print it (secrets redacted) and "
-         "exit: 0 if valid, 2 if not.", _to_bool, False, kind="bool", action=True),
-    Flag("config.file", "General", "YAML file with any of these settings (keys are the flag "
-         "names without dashes, flat or nested).", _to_str, "", metavar="FILE"),
-    Flag("log.level", "General", "Log level.", _to_str, "info", metavar="LEVEL",
-         check=_one_of(LOG_LEVELS), commands=frozenset({RUN, SIMULATE, DRIVE, DEMO}),
-         command_defaults={DEMO: "warning"}),
-    Flag("log.format", "General", "Log line format: logfmt (key=value fields, as Prometheus "
-         "writes them) or json (one object a line). Fields: time, level, source, msg, and err "
-         "for a traceback.", _to_str, "logfmt", metavar="FORMAT", check=_one_of(logs.FORMATS),
-         commands=frozenset({RUN, SIMULATE, DRIVE, DEMO})),
+    Flag(
+        "check-config",
+        "General",
+        "Validate the configuration, print it (secrets redacted) and exit: 0 if valid, 2 if not.",
+        _to_bool,
+        False,
+        kind="bool",
+        action=True,
+    ),
+    Flag(
+        "config.file",
+        "General",
+        "YAML file with any of these settings (keys are the flag "
+        "names without dashes, flat or nested).",
+        _to_str,
+        "",
+        metavar="FILE",
+    ),
+    Flag(
+        "log.level",
+        "General",
+        "Log level.",
+        _to_str,
+        "info",
+        metavar="LEVEL",
+        check=_one_of(LOG_LEVELS),
+        commands=frozenset({RUN, SIMULATE, DRIVE, DEMO}),
+        command_defaults={DEMO: "warning"},
+    ),
+    Flag(
+        "log.format",
+        "General",
+        "Log line format: logfmt (key=value fields, as Prometheus "
+        "writes them) or json (one object a line). Fields: time, level, source, msg, and err "
+        "for a traceback.",
+        _to_str,
+        "logfmt",
+        metavar="FORMAT",
+        check=_one_of(logs.FORMATS),
+        commands=frozenset({RUN, SIMULATE, DRIVE, DEMO}),
+    ),
     # --- web -----------------------------------------------------------------------------
-    Flag("web.listen-address", "Web", "Address to serve /metrics, /v1/usage and the status "
-         f"page on (HOST:PORT; use 0.0.0.0:{DEFAULT_PORT} in a container). The demo's "
-         "exporter picks a free port unless told one (point a Prometheus at it with this).",
-         _to_str, DEFAULT_LISTEN, metavar="HOST:PORT", check=host_port,
-         commands=frozenset({RUN, DEMO}), command_defaults={DEMO: "127.0.0.1:0"}),
-    Flag("web.max-connections", "Web", "Most client connections served at once; one more is "
-         "answered 503 and closed. Idle connections close after 30 s.", _to_int, 512,
-         metavar="N", check=_positive),
-    Flag("web.uvloop", "Web", "Run the web server, the tap and the readers on uvloop's event "
-         "loop (libuv) rather than asyncio's own: less CPU per request (--no-web.uvloop turns "
-         "it off). Without uvloop installed, asyncio's is used.", _to_bool, True, kind="bool"),
-    Flag("web.config.file", "Web", "exporter-toolkit web config file: TLS, client "
-         "certificates, basic auth and response headers for this listener (see Security). "
-         "Re-read when it or a file it names changes, and on SIGHUP.", _to_str, "",
-         metavar="FILE"),
+    Flag(
+        "web.listen-address",
+        "Web",
+        "Address to serve /metrics, /v1/usage and the status "
+        f"page on (HOST:PORT; use 0.0.0.0:{DEFAULT_PORT} in a container). The demo's "
+        "exporter picks a free port unless told one (point a Prometheus at it with this).",
+        _to_str,
+        DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        check=host_port,
+        commands=frozenset({RUN, DEMO}),
+        command_defaults={DEMO: "127.0.0.1:0"},
+    ),
+    Flag(
+        "web.max-connections",
+        "Web",
+        "Most client connections served at once; one more is "
+        "answered 503 and closed. Idle connections close after 30 s.",
+        _to_int,
+        512,
+        metavar="N",
+        check=_positive,
+    ),
+    Flag(
+        "web.uvloop",
+        "Web",
+        "Run the web server, the tap and the readers on uvloop's event "
+        "loop (libuv) rather than asyncio's own: less CPU per request (--no-web.uvloop turns "
+        "it off). Without uvloop installed, asyncio's is used.",
+        _to_bool,
+        True,
+        kind="bool",
+    ),
+    Flag(
+        "web.config.file",
+        "Web",
+        "exporter-toolkit web config file: TLS, client "
+        "certificates, basic auth and response headers for this listener (see Security). "
+        "Re-read when it or a file it names changes, and on SIGHUP.",
+        _to_str,
+        "",
+        metavar="FILE",
+    ),
     # --- vLLM engines ---------------------------------------------------------------------
-    Flag("vllm.url", "vLLM engine", "vLLM server to read /metrics from (repeatable, one per "
-         "server; /metrics is appended when the URL has no path; one server given twice is "
-         "an error).", _to_list, (), kind="list",
-         metavar="URL", check=_each(http_url), commands=frozenset({RUN, CHECK})),
-    Flag("vllm.timeout", "vLLM engine", "Seconds to wait for one vLLM /metrics read; also "
-         "bounded by Prometheus' X-Prometheus-Scrape-Timeout-Seconds.", _to_float, 5.0,
-         metavar="SECONDS", check=_positive, commands=frozenset({RUN, CHECK})),
-    Flag("vllm.max-body-bytes", "vLLM engine", "Largest vLLM /metrics body accepted.",
-         _to_int, 32 * MiB, metavar="BYTES", check=_positive, commands=frozenset({RUN, CHECK})),
+    Flag(
+        "vllm.url",
+        "vLLM engine",
+        "vLLM server to read /metrics from (repeatable, one per "
+        "server; /metrics is appended when the URL has no path; one server given twice is "
+        "an error).",
+        _to_list,
+        (),
+        kind="list",
+        metavar="URL",
+        check=_each(http_url),
+        commands=frozenset({RUN, CHECK}),
+    ),
+    Flag(
+        "vllm.timeout",
+        "vLLM engine",
+        "Seconds to wait for one vLLM /metrics read; also "
+        "bounded by Prometheus' X-Prometheus-Scrape-Timeout-Seconds.",
+        _to_float,
+        5.0,
+        metavar="SECONDS",
+        check=_positive,
+        commands=frozenset({RUN, CHECK}),
+    ),
+    Flag(
+        "vllm.max-body-bytes",
+        "vLLM engine",
+        "Largest vLLM /metrics body accepted.",
+        _to_int,
+        32 * MiB,
+        metavar="BYTES",
+        check=_positive,
+        commands=frozenset({RUN, CHECK}),
+    ),
     # --- usage (per-request records from the proxy) ---------------------------------------
-    Flag("usage.ingest.format", "Usage readers", "Default format of POST /v1/usage bodies "
-         "(override per request with ?format=).", _to_str, "native", metavar="FORMAT",
-         check=_one_of(USAGE_FORMATS)),
-    Flag("usage.ingest.token-file", "Usage readers", "File holding the bearer token POST "
-         "/v1/usage requires (or set VLLM_CACHE_EXPORTER_USAGE_INGEST_TOKEN).", _to_str, "",
-         metavar="FILE"),
-    Flag("usage.ingest.token", "Usage readers", "Bearer token POST /v1/usage requires (and "
-         "drive sends). Prefer the environment variable or the token file.", _to_str, "",
-         metavar="TOKEN", secret=True, commands=frozenset({RUN, DRIVE})),
-    Flag("usage.ingest.max-body-bytes", "Usage readers", "Largest POST /v1/usage body (413 "
-         "above it).", _to_int, 16 * MiB, metavar="BYTES", check=_positive),
-    Flag("usage.ingest.max-concurrent-bodies", "Usage readers", "Most POST /v1/usage bodies "
-         "of the largest size read at once: the bodies being read or processed share this "
-         "times the body limit, taken as their bytes arrive (a body trickling in holds only "
-         "what it sent); one that finds no room waits up to 5 s, then gets 503 with "
-         "Retry-After.", _to_int, 4, metavar="N", check=_positive),
-    Flag("usage.dedup.max-ids", "Usage readers", "Most event ids (the events' \"id\", per "
-         "caller) remembered to count a retried event once: each for at least "
-         "--usage.dedup.window unless half this many newer ones came after it "
-         "(vllm_cache_usage_ids_forgotten_early_total counts those); about 90 bytes each. "
-         "POST /v1/usage's Idempotency-Key keeps a tenth as many batches.", _to_int, 100_000,
-         metavar="N", check=_positive),
-    Flag("usage.dedup.window", "Usage readers", "Seconds an event id or an Idempotency-Key "
-         "is remembered at least (at most twice that): a copy within it is counted once, as "
-         "\"duplicate\".", _to_float, 600.0, metavar="SECONDS", check=_positive),
-    Flag("usage.new-series-hold", "Usage readers", "Seconds a new per-caller series is exposed "
-         "at zero before its counts show, so that every Prometheus scraping it sees it start "
-         "at zero and rate() counts its first requests; at least your longest scrape interval "
-         "(0: counts show at once, and Prometheus misses each series' first increase).",
-         _to_float, 60.0, metavar="SECONDS", check=_non_negative),
-    Flag("usage.file", "Usage readers", "JSONL file(s) to follow (repeatable, globs allowed).",
-         _to_list, (), kind="list", metavar="GLOB"),
-    Flag("usage.file.format", "Usage readers", "Format of the followed files.", _to_str,
-         "native", metavar="FORMAT", check=_one_of(USAGE_FORMATS)),
-    Flag("usage.file.from-start", "Usage readers", "Replay followed files from their start "
-         "instead of their end.", _to_bool, False, kind="bool"),
-    Flag("usage.file.poll-interval", "Usage readers", "Seconds between checks of followed "
-         "files.", _to_float, 1.0, metavar="SECONDS", check=_positive),
-    Flag("usage.file.max-open", "Usage readers", "Most followed files held open at once "
-         "(never more than the followed files' share of the descriptors); past it the least "
-         "recently written is closed, and reopened when it changes, read from where it was "
-         "left.", _to_int, 256, metavar="N", check=_positive),
-    Flag("usage.mapping.file", "Usage readers", "YAML mapping of UsageEvent fields to dotted "
-         "paths, for the 'mapping' format.", _to_str, "", metavar="FILE"),
-    Flag("usage.litellm.caller-fields", "Usage readers", "Order in which LiteLLM payload fields "
-         "name the caller.", _to_list,
-         ("metadata.user_api_key_alias", "metadata.user_api_key_team_alias", "end_user"),
-         kind="list", metavar="PATH"),
+    Flag(
+        "usage.ingest.format",
+        "Usage readers",
+        "Default format of POST /v1/usage bodies (override per request with ?format=).",
+        _to_str,
+        "native",
+        metavar="FORMAT",
+        check=_one_of(USAGE_FORMATS),
+    ),
+    Flag(
+        "usage.ingest.token-file",
+        "Usage readers",
+        "File holding the bearer token POST "
+        "/v1/usage requires (or set VLLM_CACHE_EXPORTER_USAGE_INGEST_TOKEN).",
+        _to_str,
+        "",
+        metavar="FILE",
+    ),
+    Flag(
+        "usage.ingest.token",
+        "Usage readers",
+        "Bearer token POST /v1/usage requires (and "
+        "drive sends). Prefer the environment variable or the token file.",
+        _to_str,
+        "",
+        metavar="TOKEN",
+        secret=True,
+        commands=frozenset({RUN, DRIVE}),
+    ),
+    Flag(
+        "usage.ingest.max-body-bytes",
+        "Usage readers",
+        "Largest POST /v1/usage body (413 above it).",
+        _to_int,
+        16 * MiB,
+        metavar="BYTES",
+        check=_positive,
+    ),
+    Flag(
+        "usage.ingest.max-concurrent-bodies",
+        "Usage readers",
+        "Most POST /v1/usage bodies "
+        "of the largest size read at once: the bodies being read or processed share this "
+        "times the body limit, taken as their bytes arrive (a body trickling in holds only "
+        "what it sent); one that finds no room waits up to 5 s, then gets 503 with "
+        "Retry-After.",
+        _to_int,
+        4,
+        metavar="N",
+        check=_positive,
+    ),
+    Flag(
+        "usage.dedup.max-ids",
+        "Usage readers",
+        'Most event ids (the events\' "id", per '
+        "caller) remembered to count a retried event once: each for at least "
+        "--usage.dedup.window unless half this many newer ones came after it "
+        "(vllm_cache_usage_ids_forgotten_early_total counts those); about 90 bytes each. "
+        "POST /v1/usage's Idempotency-Key keeps a tenth as many batches.",
+        _to_int,
+        100_000,
+        metavar="N",
+        check=_positive,
+    ),
+    Flag(
+        "usage.dedup.window",
+        "Usage readers",
+        "Seconds an event id or an Idempotency-Key "
+        "is remembered at least (at most twice that): a copy within it is counted once, as "
+        '"duplicate".',
+        _to_float,
+        600.0,
+        metavar="SECONDS",
+        check=_positive,
+    ),
+    Flag(
+        "usage.new-series-hold",
+        "Usage readers",
+        "Seconds a new per-caller series is exposed "
+        "at zero before its counts show, so that every Prometheus scraping it sees it start "
+        "at zero and rate() counts its first requests; at least your longest scrape interval "
+        "(0: counts show at once, and Prometheus misses each series' first increase).",
+        _to_float,
+        60.0,
+        metavar="SECONDS",
+        check=_non_negative,
+    ),
+    Flag(
+        "usage.file",
+        "Usage readers",
+        "JSONL file(s) to follow (repeatable, globs allowed).",
+        _to_list,
+        (),
+        kind="list",
+        metavar="GLOB",
+    ),
+    Flag(
+        "usage.file.format",
+        "Usage readers",
+        "Format of the followed files.",
+        _to_str,
+        "native",
+        metavar="FORMAT",
+        check=_one_of(USAGE_FORMATS),
+    ),
+    Flag(
+        "usage.file.from-start",
+        "Usage readers",
+        "Replay followed files from their start instead of their end.",
+        _to_bool,
+        False,
+        kind="bool",
+    ),
+    Flag(
+        "usage.file.poll-interval",
+        "Usage readers",
+        "Seconds between checks of followed files.",
+        _to_float,
+        1.0,
+        metavar="SECONDS",
+        check=_positive,
+    ),
+    Flag(
+        "usage.file.max-open",
+        "Usage readers",
+        "Most followed files held open at once "
+        "(never more than the followed files' share of the descriptors); past it the least "
+        "recently written is closed, and reopened when it changes, read from where it was "
+        "left.",
+        _to_int,
+        256,
+        metavar="N",
+        check=_positive,
+    ),
+    Flag(
+        "usage.mapping.file",
+        "Usage readers",
+        "YAML mapping of UsageEvent fields to dotted paths, for the 'mapping' format.",
+        _to_str,
+        "",
+        metavar="FILE",
+    ),
+    Flag(
+        "usage.litellm.caller-fields",
+        "Usage readers",
+        "Order in which LiteLLM payload fields name the caller.",
+        _to_list,
+        ("metadata.user_api_key_alias", "metadata.user_api_key_team_alias", "end_user"),
+        kind="list",
+        metavar="PATH",
+    ),
     # --- callers --------------------------------------------------------------------------
-    Flag("callers.max", "Callers", "Most distinct caller label values; later callers are "
-         "counted as __other__.", _to_int, 100, metavar="N", check=_positive),
-    Flag("callers.max-series", "Callers", "Most per-caller series exposed: each (caller, model) "
-         "pair is admitted only while its worst case (every state, every histogram) fits; "
-         "later pairs are counted under caller __other__ (see docs/metrics.md).", _to_int,
-         40_000, metavar="N", check=_positive),
-    Flag("callers.name-pattern", "Callers", "Caller names that may be labels as they are "
-         "(a regular expression matched against the whole name); any other name, and any "
-         "name that looks like a secret, is shown as key-<12 hex of its SHA-256>.", _to_str,
-         DEFAULT_NAME_PATTERN, metavar="REGEX", check=_regex),
-    Flag("callers.model-pattern", "Callers", "The same for model names.", _to_str,
-         DEFAULT_MODEL_PATTERN, metavar="REGEX", check=_regex),
-    Flag("callers.keep-emails", "Callers", "Show e-mail addresses as caller names instead of "
-         "their hash (personal data in your metrics).", _to_bool, False, kind="bool"),
-    Flag("callers.allow", "Callers", "Callers that always get their own label, even past the "
-         "cap (repeatable).", _to_list, (), kind="list", metavar="NAME"),
-    Flag("callers.alias", "Callers", "Rename callers, NAME=ALIAS (repeatable; YAML: a "
-         "mapping).", _to_mapping, (), kind="list", metavar="NAME=ALIAS"),
+    Flag(
+        "callers.max",
+        "Callers",
+        "Most distinct caller label values; later callers are counted as __other__.",
+        _to_int,
+        100,
+        metavar="N",
+        check=_positive,
+    ),
+    Flag(
+        "callers.max-series",
+        "Callers",
+        "Most per-caller series exposed: each (caller, model) "
+        "pair is admitted only while its worst case (every state, every histogram) fits; "
+        "later pairs are counted under caller __other__ (see docs/metrics.md).",
+        _to_int,
+        40_000,
+        metavar="N",
+        check=_positive,
+    ),
+    Flag(
+        "callers.name-pattern",
+        "Callers",
+        "Caller names that may be labels as they are "
+        "(a regular expression matched against the whole name); any other name, and any "
+        "name that looks like a secret, is shown as key-<12 hex of its SHA-256>.",
+        _to_str,
+        DEFAULT_NAME_PATTERN,
+        metavar="REGEX",
+        check=_regex,
+    ),
+    Flag(
+        "callers.model-pattern",
+        "Callers",
+        "The same for model names.",
+        _to_str,
+        DEFAULT_MODEL_PATTERN,
+        metavar="REGEX",
+        check=_regex,
+    ),
+    Flag(
+        "callers.keep-emails",
+        "Callers",
+        "Show e-mail addresses as caller names instead of "
+        "their hash (personal data in your metrics).",
+        _to_bool,
+        False,
+        kind="bool",
+    ),
+    Flag(
+        "callers.allow",
+        "Callers",
+        "Callers that always get their own label, even past the cap (repeatable).",
+        _to_list,
+        (),
+        kind="list",
+        metavar="NAME",
+    ),
+    Flag(
+        "callers.alias",
+        "Callers",
+        "Rename callers, NAME=ALIAS (repeatable; YAML: a mapping).",
+        _to_mapping,
+        (),
+        kind="list",
+        metavar="NAME=ALIAS",
+    ),
     # --- classification -------------------------------------------------------------------
-    Flag("signals.granularity", "Classification", "Cache granularity in tokens (0: learn it "
-         "from cached counts, else use vLLM's block size).", _to_int, 0, metavar="TOKENS",
-         check=_non_negative),
-    Flag("signals.warm-tail-granules", "Classification", "How many granules below the most a "
-         "prompt can reuse still count as a full (warm) hit: a warm turn re-reads its new "
-         "tokens plus the tail chunk.", _to_float, 2.0, metavar="N", check=_non_negative),
-    Flag("signals.missing-cached-as-zero", "Classification", "Once a caller's events have "
-         "carried cached_tokens, treat an event without it as 0 cached (vLLM < 0.24 omitted "
-         "zeros).", _to_bool, True, kind="bool"),
+    Flag(
+        "signals.granularity",
+        "Classification",
+        "Cache granularity in tokens (0: learn it from cached counts, else use vLLM's block size).",
+        _to_int,
+        0,
+        metavar="TOKENS",
+        check=_non_negative,
+    ),
+    Flag(
+        "signals.warm-tail-granules",
+        "Classification",
+        "How many granules below the most a "
+        "prompt can reuse still count as a full (warm) hit: a warm turn re-reads its new "
+        "tokens plus the tail chunk.",
+        _to_float,
+        2.0,
+        metavar="N",
+        check=_non_negative,
+    ),
+    Flag(
+        "signals.missing-cached-as-zero",
+        "Classification",
+        "Once a caller's events have "
+        "carried cached_tokens, treat an event without it as 0 cached (vLLM < 0.24 omitted "
+        "zeros).",
+        _to_bool,
+        True,
+        kind="bool",
+    ),
     # --- foresight: live conversations against the pool, the admission budget -----------
-    Flag("signals.conversation-idle", "Foresight", "Seconds after its last turn that a "
-         "conversation still counts as active, i.e. still wants its prefix cached.", _to_float,
-         DEFAULT_IDLE_SECONDS, metavar="SECONDS", check=_positive),
-    Flag("signals.conversations-max", "Foresight", "Most conversations tracked: each one's "
-         "latest context (foresight) and previous turn (classification). The least recently "
-         "seen is forgotten first; vllm_cache_conversations_dropped_total counts active ones "
-         "forgotten.", _to_int, DEFAULT_MAX_CONVERSATIONS, metavar="N", check=_positive),
-    Flag("signals.state-tokens", "Foresight", "Override: KV-pool tokens one copy of a "
-         "hybrid model's per-sequence recurrent state takes, MODEL=TOKENS (repeatable; the "
-         "model as usage names it). Without it the state comes from the vLLM serving the "
-         "model (vllm:cache_config_info). Each active conversation is charged one copy (the "
-         "checkpoint its next turn resumes from), the turn being computed one more.",
-         _to_token_mapping, (), kind="list", metavar="MODEL=TOKENS"),
-    Flag("signals.admission-headroom", "Foresight", "Tokens the admission budget stays under "
-         "the smallest KV pool seen (a few thousand: the conversations' next turns).", _to_int,
-         DEFAULT_HEADROOM_TOKENS, metavar="TOKENS", check=_non_negative,
-         commands=frozenset({RUN, CHECK})),
-    Flag("signals.prompt-order-window", "Foresight", "Seconds within which a caller's "
-         "requests to one model are compared for prompt order (tap only): sharing most of "
-         "their text but not its beginning means something variable sits at the top of the "
-         "prompt.", _to_float, DEFAULT_ORDER_WINDOW_SECONDS, metavar="SECONDS",
-         check=_positive),
-    Flag("exporter.url", "Foresight", "A running exporter to read as well (its /metrics): the "
-         "live conversations' fit in the pool, the smallest pool it saw, and declared vs used "
-         "completion tokens per caller.", _to_str, "", metavar="URL", check=_optional_url,
-         commands=frozenset({CHECK})),
+    Flag(
+        "signals.conversation-idle",
+        "Foresight",
+        "Seconds after its last turn that a "
+        "conversation still counts as active, i.e. still wants its prefix cached.",
+        _to_float,
+        DEFAULT_IDLE_SECONDS,
+        metavar="SECONDS",
+        check=_positive,
+    ),
+    Flag(
+        "signals.conversations-max",
+        "Foresight",
+        "Most conversations tracked: each one's "
+        "latest context (foresight) and previous turn (classification). The least recently "
+        "seen is forgotten first; vllm_cache_conversations_dropped_total counts active ones "
+        "forgotten.",
+        _to_int,
+        DEFAULT_MAX_CONVERSATIONS,
+        metavar="N",
+        check=_positive,
+    ),
+    Flag(
+        "signals.state-tokens",
+        "Foresight",
+        "Override: KV-pool tokens one copy of a "
+        "hybrid model's per-sequence recurrent state takes, MODEL=TOKENS (repeatable; the "
+        "model as usage names it). Without it the state comes from the vLLM serving the "
+        "model (vllm:cache_config_info). Each active conversation is charged one copy (the "
+        "checkpoint its next turn resumes from), the turn being computed one more.",
+        _to_token_mapping,
+        (),
+        kind="list",
+        metavar="MODEL=TOKENS",
+    ),
+    Flag(
+        "signals.admission-headroom",
+        "Foresight",
+        "Tokens the admission budget stays under "
+        "the smallest KV pool seen (a few thousand: the conversations' next turns).",
+        _to_int,
+        DEFAULT_HEADROOM_TOKENS,
+        metavar="TOKENS",
+        check=_non_negative,
+        commands=frozenset({RUN, CHECK}),
+    ),
+    Flag(
+        "signals.prompt-order-window",
+        "Foresight",
+        "Seconds within which a caller's "
+        "requests to one model are compared for prompt order (tap only): sharing most of "
+        "their text but not its beginning means something variable sits at the top of the "
+        "prompt.",
+        _to_float,
+        DEFAULT_ORDER_WINDOW_SECONDS,
+        metavar="SECONDS",
+        check=_positive,
+    ),
+    Flag(
+        "exporter.url",
+        "Foresight",
+        "A running exporter to read as well (its /metrics): the "
+        "live conversations' fit in the pool, the smallest pool it saw, and declared vs used "
+        "completion tokens per caller.",
+        _to_str,
+        "",
+        metavar="URL",
+        check=_optional_url,
+        commands=frozenset({CHECK}),
+    ),
     # --- tap ------------------------------------------------------------------------------
-    Flag("tap.listen-address", "Tap proxy", "Run the transparent vLLM proxy on HOST:PORT "
-         "(off when empty).", _to_str, "", metavar="HOST:PORT", check=_optional_host_port),
-    Flag("tap.upstream", "Tap proxy", "vLLM base URL the tap forwards to.", _to_str, "",
-         metavar="URL", check=_optional_url),
-    Flag("tap.web-config.file", "Tap proxy", "Web config file for the tap's listener (same "
-         "format: TLS, client certificates, headers; not basic_auth_users, as the tap's "
-         "clients send their API key in the Authorization header).", _to_str, "",
-         metavar="FILE"),
-    Flag("tap.max-connections", "Tap proxy", "Most client connections the tap serves at once "
-         "(each also holds one to vLLM); one more is answered 503 and closed.", _to_int, 512,
-         metavar="N", check=_positive),
-    Flag("tap.caller-header", "Tap proxy", "Request header naming the caller.", _to_str,
-         "X-Caller", metavar="HEADER"),
-    Flag("tap.session-header", "Tap proxy", "Request header naming the conversation, so each "
-         "turn is judged against the previous turn of the same conversation (empty: off).",
-         _to_str, "X-Session-Id", metavar="HEADER"),
-    Flag("tap.key-alias", "Tap proxy", "Name callers by API key, KEY_SHA256_PREFIX=ALIAS "
-         "(repeatable).", _to_mapping, (), kind="list", metavar="HASH=ALIAS"),
-    Flag("tap.timeout", "Tap proxy", "Seconds to wait for upstream (whole request).",
-         _to_float, 600.0, metavar="SECONDS", check=_positive),
-    Flag("tap.max-request-bytes", "Tap proxy", "Largest request body forwarded.", _to_int,
-         64 * MiB, metavar="BYTES", check=_positive),
-    Flag("tap.max-response-bytes", "Tap proxy", "Largest non-streamed response body.",
-         _to_int, 256 * MiB, metavar="BYTES", check=_positive),
-    Flag("tap.prompt-order-bytes", "Tap proxy", "Bytes at the start of each prompt "
-         "fingerprinted (keyed digests, never the text) for the prompt-order diagnosis "
-         "(0: off).", _to_int, 32 * KiB, metavar="BYTES", check=_non_negative),
+    Flag(
+        "tap.listen-address",
+        "Tap proxy",
+        "Run the transparent vLLM proxy on HOST:PORT (off when empty).",
+        _to_str,
+        "",
+        metavar="HOST:PORT",
+        check=_optional_host_port,
+    ),
+    Flag(
+        "tap.upstream",
+        "Tap proxy",
+        "vLLM base URL the tap forwards to.",
+        _to_str,
+        "",
+        metavar="URL",
+        check=_optional_url,
+    ),
+    Flag(
+        "tap.web-config.file",
+        "Tap proxy",
+        "Web config file for the tap's listener (same "
+        "format: TLS, client certificates, headers; not basic_auth_users, as the tap's "
+        "clients send their API key in the Authorization header).",
+        _to_str,
+        "",
+        metavar="FILE",
+    ),
+    Flag(
+        "tap.max-connections",
+        "Tap proxy",
+        "Most client connections the tap serves at once "
+        "(each also holds one to vLLM); one more is answered 503 and closed.",
+        _to_int,
+        512,
+        metavar="N",
+        check=_positive,
+    ),
+    Flag(
+        "tap.caller-header",
+        "Tap proxy",
+        "Request header naming the caller.",
+        _to_str,
+        "X-Caller",
+        metavar="HEADER",
+    ),
+    Flag(
+        "tap.session-header",
+        "Tap proxy",
+        "Request header naming the conversation, so each "
+        "turn is judged against the previous turn of the same conversation (empty: off).",
+        _to_str,
+        "X-Session-Id",
+        metavar="HEADER",
+    ),
+    Flag(
+        "tap.key-alias",
+        "Tap proxy",
+        "Name callers by API key, KEY_SHA256_PREFIX=ALIAS (repeatable).",
+        _to_mapping,
+        (),
+        kind="list",
+        metavar="HASH=ALIAS",
+    ),
+    Flag(
+        "tap.timeout",
+        "Tap proxy",
+        "Seconds to wait for upstream (whole request).",
+        _to_float,
+        600.0,
+        metavar="SECONDS",
+        check=_positive,
+    ),
+    Flag(
+        "tap.max-request-bytes",
+        "Tap proxy",
+        "Largest request body forwarded.",
+        _to_int,
+        64 * MiB,
+        metavar="BYTES",
+        check=_positive,
+    ),
+    Flag(
+        "tap.max-response-bytes",
+        "Tap proxy",
+        "Largest non-streamed response body.",
+        _to_int,
+        256 * MiB,
+        metavar="BYTES",
+        check=_positive,
+    ),
+    Flag(
+        "tap.prompt-order-bytes",
+        "Tap proxy",
+        "Bytes at the start of each prompt "
+        "fingerprinted (keyed digests, never the text) for the prompt-order diagnosis "
+        "(0: off).",
+        _to_int,
+        32 * KiB,
+        metavar="BYTES",
+        check=_non_negative,
+    ),
     # --- scenarios: demo, simulate, drive -------------------------------------------------
-    Flag("scenario", "Scenario", "Field-report scenario to play: a shipped one ("
-         + ", ".join(available_scenarios()) + ") or a YAML file. For simulate: take the "
-         "engine settings from it.", _to_str, DEFAULT_SCENARIO, metavar="NAME",
-         commands=SCENARIO_COMMANDS,
-         # The demo tells a story, so it plays the one with a collapse in it; drive's
-         # default is a workload for any server, which should stay warm where it fits.
-         command_defaults={SIMULATE: "", DEMO: DEMO_SCENARIO}),
-    Flag("speed", "Scenario", "Play X times faster than real time (demo: the scenario's own "
-         "demo speed).", _optional_float, 1.0, metavar="X", check=_positive,
-         commands=SCENARIO_COMMANDS, command_defaults={DEMO: None}),
-    Flag("duration", "Scenario", "Stop by itself after this many seconds (0: demo runs until "
-         "Ctrl-C, drive until the scenario ends).", _to_float, 0.0, metavar="SECONDS",
-         check=_non_negative, commands=frozenset({DEMO, DRIVE})),
-    Flag("refresh", "Scenario", "Seconds between updates of the table (the story's lines come "
-         "as they happen; default: 2 in a terminal, 10 otherwise).", _optional_float, None,
-         metavar="SECONDS", check=_positive,
-         commands=frozenset({DEMO})),
-    Flag("loop", "Scenario", "Start the scenario again, with new conversations, when it ends.",
-         _to_bool, False, kind="bool", commands=frozenset({DRIVE})),
-    Flag("seed", "Scenario", "Seed for the conversation texts (default: from the clock, so a "
-         "restarted driver does not find its old texts cached).", _optional_int, None,
-         metavar="N", commands=frozenset({DRIVE})),
+    Flag(
+        "scenario",
+        "Scenario",
+        "Field-report scenario to play: a shipped one ("
+        + ", ".join(available_scenarios())
+        + ") or a YAML file. For simulate: take the "
+        "engine settings from it.",
+        _to_str,
+        DEFAULT_SCENARIO,
+        metavar="NAME",
+        commands=SCENARIO_COMMANDS,
+        # The demo tells a story, so it plays the one with a collapse in it; drive's
+        # default is a workload for any server, which should stay warm where it fits.
+        command_defaults={SIMULATE: "", DEMO: DEMO_SCENARIO},
+    ),
+    Flag(
+        "speed",
+        "Scenario",
+        "Play X times faster than real time (demo: the scenario's own demo speed).",
+        _optional_float,
+        1.0,
+        metavar="X",
+        check=_positive,
+        commands=SCENARIO_COMMANDS,
+        command_defaults={DEMO: None},
+    ),
+    Flag(
+        "duration",
+        "Scenario",
+        "Stop by itself after this many seconds (0: demo runs until "
+        "Ctrl-C, drive until the scenario ends).",
+        _to_float,
+        0.0,
+        metavar="SECONDS",
+        check=_non_negative,
+        commands=frozenset({DEMO, DRIVE}),
+    ),
+    Flag(
+        "refresh",
+        "Scenario",
+        "Seconds between updates of the table (the story's lines come "
+        "as they happen; default: 2 in a terminal, 10 otherwise).",
+        _optional_float,
+        None,
+        metavar="SECONDS",
+        check=_positive,
+        commands=frozenset({DEMO}),
+    ),
+    Flag(
+        "loop",
+        "Scenario",
+        "Start the scenario again, with new conversations, when it ends.",
+        _to_bool,
+        False,
+        kind="bool",
+        commands=frozenset({DRIVE}),
+    ),
+    Flag(
+        "seed",
+        "Scenario",
+        "Seed for the conversation texts (default: from the clock, so a "
+        "restarted driver does not find its old texts cached).",
+        _optional_int,
+        None,
+        metavar="N",
+        commands=frozenset({DRIVE}),
+    ),
     # --- drive ----------------------------------------------------------------------------
-    Flag("drive.base-url", "Driver", "OpenAI-compatible server to drive: the simulator or a "
-         "real vLLM.", _to_str, "http://127.0.0.1:8000", metavar="URL", check=http_url,
-         commands=frozenset({DRIVE})),
-    Flag("drive.model", "Driver", "Model to ask for (default: the first one /v1/models lists).",
-         _to_str, "", metavar="NAME", commands=frozenset({DRIVE})),
-    Flag("drive.exporter-url", "Driver", "Exporter to report usage to (POST URL/v1/usage); "
-         "without it the usage events are printed to stdout as JSON lines.", _to_str, "",
-         metavar="URL", check=_optional_url, commands=frozenset({DRIVE})),
-    Flag("drive.progress-interval", "Driver", "Seconds between two progress lines at info "
-         "level: requests sent, reported (and delivered to the exporter), failed, and the "
-         "scenario time (0: none).", _to_float, 10.0, metavar="SECONDS", check=_non_negative,
-         commands=frozenset({DRIVE})),
+    Flag(
+        "drive.base-url",
+        "Driver",
+        "OpenAI-compatible server to drive: the simulator or a real vLLM.",
+        _to_str,
+        "http://127.0.0.1:8000",
+        metavar="URL",
+        check=http_url,
+        commands=frozenset({DRIVE}),
+    ),
+    Flag(
+        "drive.model",
+        "Driver",
+        "Model to ask for (default: the first one /v1/models lists).",
+        _to_str,
+        "",
+        metavar="NAME",
+        commands=frozenset({DRIVE}),
+    ),
+    Flag(
+        "drive.exporter-url",
+        "Driver",
+        "Exporter to report usage to (POST URL/v1/usage); "
+        "without it the usage events are printed to stdout as JSON lines.",
+        _to_str,
+        "",
+        metavar="URL",
+        check=_optional_url,
+        commands=frozenset({DRIVE}),
+    ),
+    Flag(
+        "drive.progress-interval",
+        "Driver",
+        "Seconds between two progress lines at info "
+        "level: requests sent, reported (and delivered to the exporter), failed, and the "
+        "scenario time (0: none).",
+        _to_float,
+        10.0,
+        metavar="SECONDS",
+        check=_non_negative,
+        commands=frozenset({DRIVE}),
+    ),
     # --- simulate -------------------------------------------------------------------------
-    Flag("sim.listen-address", "Simulated engine", "Where to serve the OpenAI API and /metrics "
-         "(port 0 picks a free one).", _to_str, "127.0.0.1:8000", metavar="HOST:PORT",
-         check=host_port, commands=frozenset({SIMULATE, DEMO}),
-         command_defaults={DEMO: "127.0.0.1:0"}),
+    Flag(
+        "sim.listen-address",
+        "Simulated engine",
+        "Where to serve the OpenAI API and /metrics (port 0 picks a free one).",
+        _to_str,
+        "127.0.0.1:8000",
+        metavar="HOST:PORT",
+        check=host_port,
+        commands=frozenset({SIMULATE, DEMO}),
+        command_defaults={DEMO: "127.0.0.1:0"},
+    ),
     _sim_flag("served-model-name", "Model name the API serves.", _optional_str, "NAME"),
-    _sim_flag("kv-pool-tokens", "Tokens the KV-cache pool holds (vLLM's \"GPU KV cache size: "
-              "N tokens\").", _optional_int, "N"),
+    _sim_flag(
+        "kv-pool-tokens",
+        'Tokens the KV-cache pool holds (vLLM\'s "GPU KV cache size: N tokens").',
+        _optional_int,
+        "N",
+    ),
     _sim_flag("block-size", "KV-cache block size in tokens.", _optional_int, "N"),
-    _sim_flag("granularity", "Tokens per reusable granule, a multiple of the block size "
-              "(default: the block size; on a hybrid model in align mode, the mamba block).",
-              _optional_int, "N"),
-    _sim_flag("max-model-len", "Longest prompt + completion accepted (default: the pool, at "
-              "most 131072).", _optional_int, "N"),
+    _sim_flag(
+        "granularity",
+        "Tokens per reusable granule, a multiple of the block size "
+        "(default: the block size; on a hybrid model in align mode, the mamba block).",
+        _optional_int,
+        "N",
+    ),
+    _sim_flag(
+        "max-model-len",
+        "Longest prompt + completion accepted (default: the pool, at most 131072).",
+        _optional_int,
+        "N",
+    ),
     _sim_flag("max-num-seqs", "Most requests running at once.", _optional_int, "N"),
-    _sim_flag("prefill-rate", "Prompt tokens read per second (one prompt at a time).",
-              _optional_float, "X"),
-    _sim_flag("decode-rate", "Tokens per second one stream decodes alone.", _optional_float,
-              "X"),
-    _sim_flag("decode-slowdown", "Each extra decoding stream slows every stream by this "
-              "fraction.", _optional_float, "X"),
-    _sim_flag("prefill-interference", "Each decoding stream slows prompt reading by this "
-              "factor.", _optional_float, "X"),
-    _sim_flag("state-tokens", "Tokens one recurrent-state copy of a hybrid model takes, in "
-              "whole blocks, one per state group (a running request holds its live state and "
-              "the checkpoint it will leave; a resumable prefix holds one). vLLM reserves the "
-              "copies of each full-length request in the pool it prints, so the pool has that "
-              "many more blocks.", _optional_int, "N"),
-    _sim_flag("hybrid", "Simulate a hybrid (Mamba / linear-attention) model: prefix caching "
-              "off by default, reuse only where a state checkpoint was saved.",
-              _to_bool, None, kind="bool"),
-    _sim_flag("enable-prefix-caching", "Prefix caching (default: on, off with --sim.hybrid as "
-              "in vLLM before 0.26).", _to_bool, None, kind="bool"),
-    _sim_flag("enable-prompt-tokens-details", "Report prompt_tokens_details.cached_tokens in "
-              "usage (default: off, as in vLLM).", _to_bool, None, kind="bool"),
-    _sim_flag("enable-per-request-metrics", "Add vLLM's per-request metrics object (TTFT, "
-              "queue time, ...) to every response and to a stream's usage chunk (default: "
-              "off, as in vLLM).", _to_bool, None, kind="bool"),
-    _sim_flag("kv-cache-metrics", "Follow a sample of the KV blocks from allocation to "
-              "eviction and serve vLLM's KV-residency histograms (vllm:kv_block_*_seconds), as "
-              "vLLM's --kv-cache-metrics (default: off, as in vLLM).", _to_bool, None,
-              kind="bool"),
-    _sim_flag("kv-cache-metrics-sample", "Share of the KV blocks followed with "
-              "--sim.kv-cache-metrics, above 0 and at most 1 (default: 0.01, as in vLLM).",
-              _optional_float, "X"),
+    _sim_flag(
+        "prefill-rate",
+        "Prompt tokens read per second (one prompt at a time).",
+        _optional_float,
+        "X",
+    ),
+    _sim_flag("decode-rate", "Tokens per second one stream decodes alone.", _optional_float, "X"),
+    _sim_flag(
+        "decode-slowdown",
+        "Each extra decoding stream slows every stream by this fraction.",
+        _optional_float,
+        "X",
+    ),
+    _sim_flag(
+        "prefill-interference",
+        "Each decoding stream slows prompt reading by this factor.",
+        _optional_float,
+        "X",
+    ),
+    _sim_flag(
+        "state-tokens",
+        "Tokens one recurrent-state copy of a hybrid model takes, in "
+        "whole blocks, one per state group (a running request holds its live state and "
+        "the checkpoint it will leave; a resumable prefix holds one). vLLM reserves the "
+        "copies of each full-length request in the pool it prints, so the pool has that "
+        "many more blocks.",
+        _optional_int,
+        "N",
+    ),
+    _sim_flag(
+        "hybrid",
+        "Simulate a hybrid (Mamba / linear-attention) model: prefix caching "
+        "off by default, reuse only where a state checkpoint was saved.",
+        _to_bool,
+        None,
+        kind="bool",
+    ),
+    _sim_flag(
+        "enable-prefix-caching",
+        "Prefix caching (default: on, off with --sim.hybrid as in vLLM before 0.26).",
+        _to_bool,
+        None,
+        kind="bool",
+    ),
+    _sim_flag(
+        "enable-prompt-tokens-details",
+        "Report prompt_tokens_details.cached_tokens in usage (default: off, as in vLLM).",
+        _to_bool,
+        None,
+        kind="bool",
+    ),
+    _sim_flag(
+        "enable-per-request-metrics",
+        "Add vLLM's per-request metrics object (TTFT, "
+        "queue time, ...) to every response and to a stream's usage chunk (default: "
+        "off, as in vLLM).",
+        _to_bool,
+        None,
+        kind="bool",
+    ),
+    _sim_flag(
+        "kv-cache-metrics",
+        "Follow a sample of the KV blocks from allocation to "
+        "eviction and serve vLLM's KV-residency histograms (vllm:kv_block_*_seconds), as "
+        "vLLM's --kv-cache-metrics (default: off, as in vLLM).",
+        _to_bool,
+        None,
+        kind="bool",
+    ),
+    _sim_flag(
+        "kv-cache-metrics-sample",
+        "Share of the KV blocks followed with "
+        "--sim.kv-cache-metrics, above 0 and at most 1 (default: 0.01, as in vLLM).",
+        _optional_float,
+        "X",
+    ),
     # --- generate -------------------------------------------------------------------------
-    Flag("monitoring.config-file", "Monitoring", "YAML file overriding knobs of "
-         "exporter/monitoring/config.py (selector, windows, thresholds, for: durations, "
-         "severities, uids, URLs). Give `run` the same file, so that the status page calls "
-         "a collapse what the generated alerts call one.", _to_str, "", metavar="FILE",
-         commands=frozenset({GENERATE, RUN})),
-    Flag("output-dir", "Generate", "Directory that holds alerts/ and dashboards/.", _to_str,
-         ".", metavar="DIR", commands=frozenset({GENERATE})),
-    Flag("check", "Generate", "Write nothing; exit 1 and show a diff if the files on disk "
-         "differ from what the generators produce.", _to_bool, False, kind="bool",
-         commands=frozenset({GENERATE})),
-    Flag("format", "Generate", "prometheus: rule files + dashboards; prometheus-operator: one "
-         "PrometheusRule manifest.", _to_str, "prometheus", metavar="FORMAT",
-         check=_one_of(("prometheus", "prometheus-operator")), commands=frozenset({GENERATE})),
-    Flag("output", "Generate", "With --format prometheus-operator: write the manifest here "
-         "instead of stdout.", _to_str, "", metavar="FILE", commands=frozenset({GENERATE})),
+    Flag(
+        "monitoring.config-file",
+        "Monitoring",
+        "YAML file overriding knobs of "
+        "exporter/monitoring/config.py (selector, windows, thresholds, for: durations, "
+        "severities, uids, URLs). Give `run` the same file, so that the status page calls "
+        "a collapse what the generated alerts call one.",
+        _to_str,
+        "",
+        metavar="FILE",
+        commands=frozenset({GENERATE, RUN}),
+    ),
+    Flag(
+        "output-dir",
+        "Generate",
+        "Directory that holds alerts/ and dashboards/.",
+        _to_str,
+        ".",
+        metavar="DIR",
+        commands=frozenset({GENERATE}),
+    ),
+    Flag(
+        "check",
+        "Generate",
+        "Write nothing; exit 1 and show a diff if the files on disk "
+        "differ from what the generators produce.",
+        _to_bool,
+        False,
+        kind="bool",
+        commands=frozenset({GENERATE}),
+    ),
+    Flag(
+        "format",
+        "Generate",
+        "prometheus: rule files + dashboards; prometheus-operator: one PrometheusRule manifest.",
+        _to_str,
+        "prometheus",
+        metavar="FORMAT",
+        check=_one_of(("prometheus", "prometheus-operator")),
+        commands=frozenset({GENERATE}),
+    ),
+    Flag(
+        "output",
+        "Generate",
+        "With --format prometheus-operator: write the manifest here instead of stdout.",
+        _to_str,
+        "",
+        metavar="FILE",
+        commands=frozenset({GENERATE}),
+    ),
 )
 
 # Flags holding URLs, shown with their credentials redacted.
-URL_FLAGS = frozenset({"vllm.url", "tap.upstream", "drive.base-url", "drive.exporter-url",
-                       "exporter.url"})
+URL_FLAGS = frozenset(
+    {"vllm.url", "tap.upstream", "drive.base-url", "drive.exporter-url", "exporter.url"}
+)
 # The run command's settings (the fields of Config).
 FLAGS_BY_DEST = {flag.dest: flag for flag in FLAGS if RUN in flag.commands and not flag.action}
 
@@ -643,8 +1211,11 @@ class Config:
             if flag.secret and value:
                 value = "<redacted>"
             elif flag.name in URL_FLAGS:
-                value = (tuple(redact_url(url) for url in value) if isinstance(value, tuple)
-                         else redact_url(value))
+                value = (
+                    tuple(redact_url(url) for url in value)
+                    if isinstance(value, tuple)
+                    else redact_url(value)
+                )
             out[flag.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -677,8 +1248,7 @@ def _same_endpoint(url: str) -> tuple[str, str, int | None, str, str]:
     of the path aside."""
     parts = urlsplit(metrics_url(url))
     port = parts.port or DEFAULT_PORTS.get(parts.scheme)
-    return (parts.scheme, parts.hostname or "", port, parts.path.rstrip("/") or "/",
-            parts.query)
+    return (parts.scheme, parts.hostname or "", port, parts.path.rstrip("/") or "/", parts.query)
 
 
 def _is_loopback(host: str) -> bool:
@@ -699,8 +1269,10 @@ def duplicate_targets(urls: Sequence[str]) -> str | None:
     for url in urls:
         key = _same_endpoint(url)
         if key in seen:
-            return (f"{redact_url(url)} is the same vLLM endpoint as {redact_url(seen[key])} "
-                    f"(both read as {redact_url(metrics_url(url))}); give each vLLM once")
+            return (
+                f"{redact_url(url)} is the same vLLM endpoint as {redact_url(seen[key])} "
+                f"(both read as {redact_url(metrics_url(url))}); give each vLLM once"
+            )
         seen[key] = url
     return None
 
@@ -717,9 +1289,11 @@ def loopback_aliases(urls: Sequence[str]) -> list[str]:
             continue
         rest = (scheme, port, path, query)
         if rest in by_rest:
-            warnings.append(f"--vllm.url {redact_url(url)} and {redact_url(by_rest[rest])} "
-                            "both name this machine: if they are one vLLM, its counters are "
-                            "counted twice; give it once")
+            warnings.append(
+                f"--vllm.url {redact_url(url)} and {redact_url(by_rest[rest])} "
+                "both name this machine: if they are one vLLM, its counters are "
+                "counted twice; give it once"
+            )
         else:
             by_rest[rest] = url
     return warnings
@@ -772,16 +1346,35 @@ def add_flags(parser: argparse.ArgumentParser, command: str = RUN) -> None:
         default_text = "" if default in (None, "", ()) else f" (default: {_show(default)})"
         help_text = f"{flag.help}{default_text} [env {flag.env}]"
         if flag.kind == "bool":
-            section.add_argument(flag.option, dest=flag.dest, action="store_const", const=True,
-                                 default=None, help=help_text)
-            section.add_argument("--no-" + flag.name, dest=flag.dest, action="store_const",
-                                 const=False, default=None, help=argparse.SUPPRESS)
+            section.add_argument(
+                flag.option,
+                dest=flag.dest,
+                action="store_const",
+                const=True,
+                default=None,
+                help=help_text,
+            )
+            section.add_argument(
+                "--no-" + flag.name,
+                dest=flag.dest,
+                action="store_const",
+                const=False,
+                default=None,
+                help=argparse.SUPPRESS,
+            )
         elif flag.kind == "list":
-            section.add_argument(flag.option, dest=flag.dest, action="append", default=None,
-                                 metavar=flag.metavar, help=help_text)
+            section.add_argument(
+                flag.option,
+                dest=flag.dest,
+                action="append",
+                default=None,
+                metavar=flag.metavar,
+                help=help_text,
+            )
         else:
-            section.add_argument(flag.option, dest=flag.dest, default=None,
-                                 metavar=flag.metavar, help=help_text)
+            section.add_argument(
+                flag.option, dest=flag.dest, default=None, metavar=flag.metavar, help=help_text
+            )
 
 
 def _show(value: Any) -> str:
@@ -807,9 +1400,12 @@ def _parse(flag: Flag, source: str, value: Any) -> Any:
     return parsed
 
 
-def resolve(command: str, args: argparse.Namespace,
-            environ: Mapping[str, str] | None = None,
-            file_values: Mapping[str, tuple[str, Any]] | None = None) -> dict[str, Any]:
+def resolve(
+    command: str,
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    file_values: Mapping[str, tuple[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Every flag of ``command``: defaults < file < environment < flags, parsed and checked."""
     environ = os.environ if environ is None else environ
     raw: dict[str, tuple[str, Any]] = dict(file_values or {})
@@ -828,14 +1424,16 @@ def resolve(command: str, args: argparse.Namespace,
     return values
 
 
-def settings(command: str, args: argparse.Namespace,
-             environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+def settings(
+    command: str, args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
     """A subcommand's validated settings, as attributes named after the flags' dests."""
     return argparse.Namespace(**resolve(command, args, environ))
 
 
-def action_requested(command: str, name: str, args: argparse.Namespace,
-                     environ: Mapping[str, str] | None = None) -> bool:
+def action_requested(
+    command: str, name: str, args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> bool:
     """Whether an action flag (``--check-config``) was given, on the command line or in its
     environment variable."""
     environ = os.environ if environ is None else environ
@@ -850,7 +1448,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     """The ``run`` command's Config: defaults < YAML < environment < flags, all checked."""
     environ = os.environ if environ is None else environ
     config_file = getattr(args, "config_file", None) or environ.get(
-        FLAGS_BY_DEST["config_file"].env, "")
+        FLAGS_BY_DEST["config_file"].env, ""
+    )
     file_values: dict[str, tuple[str, Any]] = {}
     if config_file:
         for dest, value in load_yaml(config_file).items():
@@ -871,12 +1470,14 @@ def _cross_checks(config: Config) -> Config:
             with open(config.usage_ingest_token_file, encoding="utf-8") as handle:
                 token = handle.read().strip()
         except OSError as err:
-            raise ConfigError("--usage.ingest.token-file",
-                              f"cannot read {config.usage_ingest_token_file}: {err.strerror}"
-                              ) from None
+            raise ConfigError(
+                "--usage.ingest.token-file",
+                f"cannot read {config.usage_ingest_token_file}: {err.strerror}",
+            ) from None
         if not token:
-            raise ConfigError("--usage.ingest.token-file",
-                              f"{config.usage_ingest_token_file} is empty")
+            raise ConfigError(
+                "--usage.ingest.token-file", f"{config.usage_ingest_token_file} is empty"
+            )
         config = dataclasses.replace(config, usage_ingest_token=token)
     if config.usage_file_format == "mapping" or config.usage_ingest_format == "mapping":
         if not config.usage_mapping_file:
@@ -900,9 +1501,10 @@ def _check_web_configs(config: Config) -> None:
     does, so that a bad one is a configuration error and --check-config catches it."""
     if config.tap_web_config_file and not config.tap_listen_address:
         raise ConfigError("--tap.web-config.file", "needs --tap.listen-address")
-    for option, path, basic_auth in (("--web.config.file", config.web_config_file, True),
-                                     ("--tap.web-config.file", config.tap_web_config_file,
-                                      False)):
+    for option, path, basic_auth in (
+        ("--web.config.file", config.web_config_file, True),
+        ("--tap.web-config.file", config.tap_web_config_file, False),
+    ):
         if not path:
             continue
         try:
@@ -923,6 +1525,7 @@ def flags_markdown(command: str = RUN) -> str:
         default = _show(default_value) if default_value not in (None, "", ()) else ""
         option = flag.option + ("" if flag.kind == "bool" else f" {flag.metavar or 'VALUE'}")
         meaning = flag.help.replace("|", "\\|")
-        lines.append(f"| `{option}` | `{flag.env}` | {f'`{default}`' if default else ''} "
-                     f"| {meaning} |")
+        lines.append(
+            f"| `{option}` | `{flag.env}` | {f'`{default}`' if default else ''} | {meaning} |"
+        )
     return "\n".join(lines) + "\n"

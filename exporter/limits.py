@@ -49,8 +49,10 @@ RESERVED_FDS = 64
 LOG_WINDOW_SECONDS = 60.0
 LOG_BURST = 5
 LOG_KEYS_MAX = 1024
-REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\n"
-           b"Content-Type: text/plain\r\nContent-Length: 24\r\n\r\ntoo many connections now\n")
+REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\n"
+    b"Content-Type: text/plain\r\nContent-Length: 24\r\n\r\ntoo many connections now\n"
+)
 
 
 def raise_fd_limit() -> int:
@@ -88,15 +90,16 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     unmapped on their own as before. Left alone where the environment already tunes malloc,
     and where the C library is not glibc.
     """
-    if any(name in (os.environ if environ is None else environ)
-           for name in _MALLOC_ENVIRONMENT):
+    if any(name in (os.environ if environ is None else environ) for name in _MALLOC_ENVIRONMENT):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-                and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
 
 
 # Connections open beyond the cap while the oldest ones finish their requests.
@@ -120,8 +123,10 @@ class DescriptorPlan:
     def reserved(self) -> dict[str, int]:
         """Descriptors set aside for each use: every listener, ``files``, and ``process``
         (what is left: vLLM reads, listening sockets, logs, the interpreter)."""
-        shares = {name: (cap + self.slacks[name]) * self.per_connection[name]
-                  for name, cap in self.caps.items()}
+        shares = {
+            name: (cap + self.slacks[name]) * self.per_connection[name]
+            for name, cap in self.caps.items()
+        }
         shares["files"] = self.files
         shares["process"] = max(0, self.limit - sum(shares.values()))
         return shares
@@ -130,8 +135,9 @@ class DescriptorPlan:
         return any(self.caps[name] < wanted for name, wanted in requested.items())
 
 
-def plan_descriptors(fd_limit: int, listeners: Mapping[str, tuple[int, int]],
-                     follow_files: bool = False) -> DescriptorPlan:
+def plan_descriptors(
+    fd_limit: int, listeners: Mapping[str, tuple[int, int]], follow_files: bool = False
+) -> DescriptorPlan:
     """Share ``fd_limit`` descriptors out: ``listeners`` maps a name to (connections asked
     for, descriptors per connection).
 
@@ -154,8 +160,9 @@ def plan_descriptors(fd_limit: int, listeners: Mapping[str, tuple[int, int]],
         connections = int(wanted[name] * scale) // cost  # cap and slack together
         slacks[name] = min(HARD_SLACK, connections // 8)
         caps[name] = max(1, min(asked, connections - slacks[name]))
-    return DescriptorPlan(fd_limit, caps, slacks,
-                          {name: cost for name, (_asked, cost) in listeners.items()}, files)
+    return DescriptorPlan(
+        fd_limit, caps, slacks, {name: cost for name, (_asked, cost) in listeners.items()}, files
+    )
 
 
 def connection_cap(requested: int, fd_limit: int) -> int:
@@ -252,10 +259,13 @@ class ListenerStats:
         return HARD_SLACK if self._slack is None else self._slack
 
 
-def limit_connections(server: web.Server, stats: ListenerStats,
-                      busy: dict[object, web.BaseRequest] | None = None,
-                      last_done: dict[object, float] | None = None,
-                      idle_seconds: float | None = None) -> None:
+def limit_connections(
+    server: web.Server,
+    stats: ListenerStats,
+    busy: dict[object, web.BaseRequest] | None = None,
+    last_done: dict[object, float] | None = None,
+    idle_seconds: float | None = None,
+) -> None:
     """Make aiohttp's connection manager refuse connections beyond ``stats.cap``.
 
     It wraps the two public callbacks every connection goes through, so it holds whatever
@@ -276,8 +286,9 @@ def limit_connections(server: web.Server, stats: ListenerStats,
             return
         quiet = loop.time() - last_done.get(handler, 0.0)
         if handler in busy or quiet < idle:
-            timers[handler] = loop.call_later(idle if handler in busy else idle - quiet,
-                                              expire, handler)
+            timers[handler] = loop.call_later(
+                idle if handler in busy else idle - quiet, expire, handler
+            )
             return
         stats.idle_closed += 1
         closing.add(handler)
@@ -370,8 +381,12 @@ class RateLimitedLogs(logging.Filter):
     million times is one key. The clock is injected for tests.
     """
 
-    def __init__(self, window: float = LOG_WINDOW_SECONDS, burst: int = LOG_BURST,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        window: float = LOG_WINDOW_SECONDS,
+        burst: int = LOG_BURST,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__()
         self.window = window
         self.burst = burst
@@ -402,8 +417,12 @@ class RateLimitedLogs(logging.Filter):
     @staticmethod
     def _summarize(record: logging.LogRecord, count: int) -> None:
         logging.getLogger(record.name).log(
-            record.levelno, "%d more message(s) like %r were not logged in the last window",
-            count, str(record.msg)[:120], extra={"rate_limited_summary": True})
+            record.levelno,
+            "%d more message(s) like %r were not logged in the last window",
+            count,
+            str(record.msg)[:120],
+            extra={"rate_limited_summary": True},
+        )
 
 
 def install_log_limits(filter_: RateLimitedLogs) -> None:
@@ -437,9 +456,13 @@ class LimitsCollector:
     ``_log_messages_suppressed_total`` and, given the plan, the descriptor budget
     (``_fds_reserved``, ``_fds_refused_total``)."""
 
-    def __init__(self, listeners: list[ListenerStats], logs: RateLimitedLogs | None,
-                 plan: DescriptorPlan | None = None,
-                 files: FileDescriptors | None = None) -> None:
+    def __init__(
+        self,
+        listeners: list[ListenerStats],
+        logs: RateLimitedLogs | None,
+        plan: DescriptorPlan | None = None,
+        files: FileDescriptors | None = None,
+    ) -> None:
         self.listeners = listeners
         self.logs = logs
         self.plan = plan
@@ -474,6 +497,8 @@ class LimitsCollector:
             suppressed = families.counter(
                 families.EXPORTER_LOG_MESSAGES_SUPPRESSED,
                 families.EXPORTER_LOG_MESSAGES_SUPPRESSED.help.format(
-                    burst=LOG_BURST, window=LOG_WINDOW_SECONDS))
+                    burst=LOG_BURST, window=LOG_WINDOW_SECONDS
+                ),
+            )
             suppressed.add_metric([], float(self.logs.suppressed_total))
             yield suppressed

@@ -18,20 +18,29 @@ from typing import Any
 FORMATS = ("logfmt", "json")
 # What every LogRecord has; any other attribute came from ``extra=`` and is a field.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
-    "message", "asctime", "taskName"}
+    "message",
+    "asctime",
+    "taskName",
+}
 # A logfmt value that needs no quotes: no space, quote, equals sign or control character.
 _BARE = re.compile(r"[^\s\"=\\\x00-\x1f\x7f]+")
 
 
 def _time(record: logging.LogRecord) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + \
-        f".{int(record.msecs):03d}Z"
+    return (
+        time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        + f".{int(record.msecs):03d}Z"
+    )
 
 
 def fields(record: logging.LogRecord, formatter: logging.Formatter) -> list[tuple[str, Any]]:
     """A record's fields, in the order they are written."""
-    out: list[tuple[str, Any]] = [("time", _time(record)), ("level", record.levelname.lower()),
-                                  ("source", record.name), ("msg", record.getMessage())]
+    out: list[tuple[str, Any]] = [
+        ("time", _time(record)),
+        ("level", record.levelname.lower()),
+        ("source", record.name),
+        ("msg", record.getMessage()),
+    ]
     out.extend((key, value) for key, value in vars(record).items() if key not in _STANDARD)
     if record.exc_info and not record.exc_text:
         record.exc_text = formatter.formatException(record.exc_info)
@@ -62,8 +71,7 @@ def formatter(name: str) -> logging.Formatter:
     return JsonFormatter() if name == "json" else LogfmtFormatter()
 
 
-def setup(level: str, log_format: str = "logfmt",
-          filters: tuple[logging.Filter, ...] = ()) -> None:
+def setup(level: str, log_format: str = "logfmt", filters: tuple[logging.Filter, ...] = ()) -> None:
     """Log to standard error at ``level`` in ``log_format``, through ``filters`` (the
     exporter's redaction). aiohttp's access log stays quiet: the exporter counts requests
     itself, and an access line would name every scraper and sender."""

@@ -21,8 +21,10 @@ from exporter.signals.status import CallerView, EngineView, Item, RowView, Statu
 
 REFRESH_SECONDS = 10
 # No fetch of any kind: styles inline, images only as inline SVG (or data: URIs).
-CONTENT_SECURITY_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
-                           "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 SPARK_WIDTH = 240
 SPARK_HEIGHT = 28
 
@@ -72,8 +74,9 @@ def escape(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def render(status: Status, version: str, links: Sequence[str] = ("/metrics", "/-/healthy",
-                                                                   "/-/ready")) -> str:
+def render(
+    status: Status, version: str, links: Sequence[str] = ("/metrics", "/-/healthy", "/-/ready")
+) -> str:
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -93,23 +96,30 @@ def render(status: Status, version: str, links: Sequence[str] = ("/metrics", "/-
         *_items(status.problems, status.now),
     ]
     if not status.problems:
-        parts.append('<p class="item ok" id="no-problem">Nothing wrong that the exporter can '
-                     "see.</p>")
+        parts.append(
+            '<p class="item ok" id="no-problem">Nothing wrong that the exporter can see.</p>'
+        )
     parts.append("</section>")
     if status.advice:
-        parts += ['<section id="advice"><h2>Advice</h2>', *_items(status.advice, status.now),
-                  "</section>"]
+        parts += [
+            '<section id="advice"><h2>Advice</h2>',
+            *_items(status.advice, status.now),
+            "</section>",
+        ]
     parts += ['<section id="engines"><h2>vLLM engines</h2>']
     parts += [_engine(view) for view in status.engines] or [
-        "<p>No vLLM configured (--vllm.url).</p>"]
+        "<p>No vLLM configured (--vllm.url).</p>"
+    ]
     parts += ["</section>", '<section id="callers"><h2>Callers</h2>']
     if status.callers:
         parts.append('<div class="cards">')
         parts += [_caller(view, status) for view in status.callers]
         parts.append("</div>")
     else:
-        parts.append("<p>No usage received yet: send it to POST /v1/usage, follow a file "
-                     "(--usage.file) or put the tap in front of vLLM.</p>")
+        parts.append(
+            "<p>No usage received yet: send it to POST /v1/usage, follow a file "
+            "(--usage.file) or put the tap in front of vLLM.</p>"
+        )
     parts += [
         "</section></main><footer>",
         f"<p>The history behind the sparklines is one sample every {SLOT_SECONDS:g} s for the "
@@ -138,61 +148,92 @@ def _items(items: Iterable[Item], now: float) -> list[str]:
         callers = ",".join(item.callers)
         since = ""
         if item.since is not None:
-            since = (f'<span class="since">since {escape(_clock(item.since))} UTC '
-                     f"({escape(advice.duration(now - item.since))} ago)</span>")
-        out.append(f'<p class="item {escape(item.severity)}" data-kind="{escape(item.kind)}" '
-                   f'data-callers="{escape(callers)}">{escape(item.sentence)}{since}</p>')
+            since = (
+                f'<span class="since">since {escape(_clock(item.since))} UTC '
+                f"({escape(advice.duration(now - item.since))} ago)</span>"
+            )
+        out.append(
+            f'<p class="item {escape(item.severity)}" data-kind="{escape(item.kind)}" '
+            f'data-callers="{escape(callers)}">{escape(item.sentence)}{since}</p>'
+        )
     return out
 
 
 def _engine(view: EngineView) -> str:
-    parts = [f'<div class="card" data-target="{escape(view.target)}">',
-             f"<h3>{escape(view.target)}</h3>",
-             f"<p>{escape(view.state)}" + (f": {escape(view.error)}" if view.error else "")
-             + "</p>"]
+    parts = [
+        f'<div class="card" data-target="{escape(view.target)}">',
+        f"<h3>{escape(view.target)}</h3>",
+        f"<p>{escape(view.state)}" + (f": {escape(view.error)}" if view.error else "") + "</p>",
+    ]
     for row in view.rows:
         parts.append(_row(row))
     for fit in view.fits:
         share = min(1.0, fit.fit.ratio) if fit.fit.pool_tokens else 0.0
         over = " over" if fit.fit.overflows else ""
-        parts += [f"<p><strong>Conversations ({escape(fit.model_name)})</strong>: "
-                  f"{fit.fit.conversations} active need "
-                  f"{escape(advice.tokens(fit.fit.demand_tokens))} of "
-                  f"{escape(advice.tokens(fit.fit.pool_tokens))} tokens</p>",
-                  f'<div class="bar{over}" title="{escape(fit.sentence)}"><span style="width:'
-                  f'{share * 100:.1f}%"></span></div>']
+        parts += [
+            f"<p><strong>Conversations ({escape(fit.model_name)})</strong>: "
+            f"{fit.fit.conversations} active need "
+            f"{escape(advice.tokens(fit.fit.demand_tokens))} of "
+            f"{escape(advice.tokens(fit.fit.pool_tokens))} tokens</p>",
+            f'<div class="bar{over}" title="{escape(fit.sentence)}"><span style="width:'
+            f'{share * 100:.1f}%"></span></div>',
+        ]
     if view.state == "up":
-        parts += ["<dl>",
-                  _pair("hit ratio now", _pct(view.ratio_window)),
-                  _pair("last hour", _pct(view.ratio_hour)),
-                  _pair("preemptions", f"{advice.tokens(view.preemptions)} "
-                        f"({advice.tokens(view.preemptions_window)} lately)"),
-                  "</dl>", _sparkline(view.sparkline, "engine hit ratio, last hour")]
+        parts += [
+            "<dl>",
+            _pair("hit ratio now", _pct(view.ratio_window)),
+            _pair("last hour", _pct(view.ratio_hour)),
+            _pair(
+                "preemptions",
+                f"{advice.tokens(view.preemptions)} "
+                f"({advice.tokens(view.preemptions_window)} lately)",
+            ),
+            "</dl>",
+            _sparkline(view.sparkline, "engine hit ratio, last hour"),
+        ]
     parts.append("</div>")
     return "\n".join(parts)
 
 
 def _row(row: RowView) -> str:
-    caching = {True: '<span class="warm">on</span>', False: '<span class="cold">OFF</span>',
-               None: "unknown"}[row.prefix_caching]
+    caching = {
+        True: '<span class="warm">on</span>',
+        False: '<span class="cold">OFF</span>',
+        None: "unknown",
+    }[row.prefix_caching]
     used = ""
     if row.kv_used_tokens is not None and row.pool_tokens:
-        used = (f"{advice.tokens(row.kv_used_tokens)} of {advice.tokens(row.pool_tokens)} "
-                f"tokens ({_pct(row.kv_ratio)})")
-    lines = ["<dl>",
-             _pair("model", f"{escape(row.model_name or '-')} (engine {escape(row.engine or '-')})",
-                   raw=True),
-             _pair("prefix caching", caching, raw=True),
-             _pair("KV pool", f"{advice.tokens(row.pool_tokens)} tokens, block "
-                   f"{row.block_size or '?'}" if row.pool_tokens else "-"),
-             _pair("KV in use", used or "-"),
-             _pair("admission budget", f"{advice.tokens(row.budget_tokens)} tokens"
-                   if row.budget_tokens is not None else "-"),
-             _pair("running / waiting", f"{_num(row.running)} / {_num(row.waiting)}"),
-             "</dl>"]
+        used = (
+            f"{advice.tokens(row.kv_used_tokens)} of {advice.tokens(row.pool_tokens)} "
+            f"tokens ({_pct(row.kv_ratio)})"
+        )
+    lines = [
+        "<dl>",
+        _pair(
+            "model",
+            f"{escape(row.model_name or '-')} (engine {escape(row.engine or '-')})",
+            raw=True,
+        ),
+        _pair("prefix caching", caching, raw=True),
+        _pair(
+            "KV pool",
+            f"{advice.tokens(row.pool_tokens)} tokens, block {row.block_size or '?'}"
+            if row.pool_tokens
+            else "-",
+        ),
+        _pair("KV in use", used or "-"),
+        _pair(
+            "admission budget",
+            f"{advice.tokens(row.budget_tokens)} tokens" if row.budget_tokens is not None else "-",
+        ),
+        _pair("running / waiting", f"{_num(row.running)} / {_num(row.waiting)}"),
+        "</dl>",
+    ]
     if row.kv_ratio is not None:
-        lines.append(f'<div class="bar"><span style="width:{min(1.0, row.kv_ratio) * 100:.1f}%">'
-                     "</span></div>")
+        lines.append(
+            f'<div class="bar"><span style="width:{min(1.0, row.kv_ratio) * 100:.1f}%">'
+            "</span></div>"
+        )
     if row.pool_sentence:
         lines.append(f'<p class="meta">{escape(row.pool_sentence)}</p>')
     return "\n".join(lines)
@@ -206,26 +247,44 @@ def _caller(view: CallerView, status: Status) -> str:
         f"<h3>{escape(view.caller)}</h3>",
         f'<p class="meta">{escape(", ".join(view.models))} · first seen '
         f"{escape(advice.duration(status.now - view.first_seen))} ago</p>",
-        _sparkline(view.sparkline, f"hit ratio of {view.caller} over "
-                   f"{advice.duration(status.window_seconds)} windows, last hour"),
+        _sparkline(
+            view.sparkline,
+            f"hit ratio of {view.caller} over "
+            f"{advice.duration(status.window_seconds)} windows, last hour",
+        ),
         "<dl>",
         _pair("hit ratio now", _pct(view.ratio_window), "ratio-window"),
         _pair("last hour", _pct(view.ratio_hour), "ratio-hour"),
-        _pair("warm / partial / cold", f'<span class="warm" data-field="warm">'
-              f'{view.requests["warm"]:,}</span> / <span data-field="partial">'
-              f'{view.requests["partial"]:,}</span> / <span class="cold" data-field="cold">'
-              f'{view.requests["cold"]:,}</span>', raw=True),
-        _pair("other", f'<span data-field="other">{other:,}</span> (short '
-              f'{view.requests["short"]:,}, unknown {view.requests["unknown"]:,}, error '
-              f'{view.requests["error"]:,})', raw=True),
+        _pair(
+            "warm / partial / cold",
+            f'<span class="warm" data-field="warm">'
+            f'{view.requests["warm"]:,}</span> / <span data-field="partial">'
+            f'{view.requests["partial"]:,}</span> / <span class="cold" data-field="cold">'
+            f"{view.requests['cold']:,}</span>",
+            raw=True,
+        ),
+        _pair(
+            "other",
+            f'<span data-field="other">{other:,}</span> (short '
+            f"{view.requests['short']:,}, unknown {view.requests['unknown']:,}, error "
+            f"{view.requests['error']:,})",
+            raw=True,
+        ),
         _pair("cached_tokens reported", _reporting(view)),
         _pair("prompt tokens", f"{view.prompt_tokens:,}", "prompt-tokens"),
         _pair("cached tokens", f"{view.cached_tokens:,}", "cached-tokens"),
-        _pair("TTFT warm / cold", f"{_secs(view.ttft_warm_p50)} / {_secs(view.ttft_cold_p50)}"
-              f" (median since start; {advice.ttft_source_label(view.ttft_source)})", "ttft"),
-        _pair(f"TTFT, last {advice.duration(status.window_seconds)}",
-              f"{_secs(view.ttft_window_mean)} (mean of warm and cold turns; "
-              f"{advice.ttft_source_label(view.ttft_window_source)})", "ttft-window"),
+        _pair(
+            "TTFT warm / cold",
+            f"{_secs(view.ttft_warm_p50)} / {_secs(view.ttft_cold_p50)}"
+            f" (median since start; {advice.ttft_source_label(view.ttft_source)})",
+            "ttft",
+        ),
+        _pair(
+            f"TTFT, last {advice.duration(status.window_seconds)}",
+            f"{_secs(view.ttft_window_mean)} (mean of warm and cold turns; "
+            f"{advice.ttft_source_label(view.ttft_window_source)})",
+            "ttft-window",
+        ),
         "</dl></div>",
     ]
     return "\n".join(lines)
@@ -258,21 +317,24 @@ def _sparkline(points: Sequence[float | None], label: str) -> str:
             if runs[-1]:
                 runs.append([])
             continue
-        runs[-1].append((index * step, (1.0 - max(0.0, min(1.0, point))) * (SPARK_HEIGHT - 2)
-                         + 1))
+        runs[-1].append((index * step, (1.0 - max(0.0, min(1.0, point))) * (SPARK_HEIGHT - 2) + 1))
     shapes = []
     for run in runs:
         if len(run) > 1:
-            shapes.append('<polyline points="' + " ".join(f"{x:.1f},{y:.1f}" for x, y in run)
-                          + '"/>')
+            shapes.append(
+                '<polyline points="' + " ".join(f"{x:.1f},{y:.1f}" for x, y in run) + '"/>'
+            )
         elif run:
             shapes.append(f'<circle cx="{run[0][0]:.1f}" cy="{run[0][1]:.1f}" r="1.5"/>')
-    return (f'<svg class="spark" viewBox="0 0 {SPARK_WIDTH} {SPARK_HEIGHT}" '
-            f'role="img" aria-label="{escape(label)}">'
-            f"<title>{escape(label)}</title>"
-            f'<line x1="0" y1="{SPARK_HEIGHT - 1}" x2="{SPARK_WIDTH}" y2="{SPARK_HEIGHT - 1}"/>'
-            + "".join(shapes) + "</svg>"
-            '<p class="meta spark-caption">hit ratio, the last hour (now on the right)</p>')
+    return (
+        f'<svg class="spark" viewBox="0 0 {SPARK_WIDTH} {SPARK_HEIGHT}" '
+        f'role="img" aria-label="{escape(label)}">'
+        f"<title>{escape(label)}</title>"
+        f'<line x1="0" y1="{SPARK_HEIGHT - 1}" x2="{SPARK_WIDTH}" y2="{SPARK_HEIGHT - 1}"/>'
+        + "".join(shapes)
+        + "</svg>"
+        '<p class="meta spark-caption">hit ratio, the last hour (now on the right)</p>'
+    )
 
 
 def _pct(value: float | None) -> str:

@@ -30,11 +30,29 @@ def key_label(secret: str) -> str:
 
 
 # Query parameters whose value is a credential, by name (compared in lower case).
-SECRET_PARAMETERS = frozenset({
-    "api_key", "apikey", "api-key", "key", "token", "access_token", "auth", "authorization",
-    "password", "passwd", "pwd", "secret", "client_secret", "signature", "sig",
-    "x-amz-signature", "x-amz-credential", "x-amz-security-token", "session_token",
-})
+SECRET_PARAMETERS = frozenset(
+    {
+        "api_key",
+        "apikey",
+        "api-key",
+        "key",
+        "token",
+        "access_token",
+        "auth",
+        "authorization",
+        "password",
+        "passwd",
+        "pwd",
+        "secret",
+        "client_secret",
+        "signature",
+        "sig",
+        "x-amz-signature",
+        "x-amz-credential",
+        "x-amz-security-token",
+        "session_token",
+    }
+)
 REDACTED = "redacted"
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#@\s]+)@")
 _QUERY_PARAM = re.compile(r"(?P<lead>[?&])(?P<name>[^=&#\s]+)=(?P<value>[^&#\s]*)")

@@ -65,8 +65,9 @@ def run_to_completion(main: Coroutine[Any, Any, None], use_uvloop: bool) -> None
         uvloop.run(main)
 
 
-async def serve(config: Config, stop: asyncio.Event | None = None,
-                started: asyncio.Event | None = None) -> None:
+async def serve(
+    config: Config, stop: asyncio.Event | None = None, started: asyncio.Event | None = None
+) -> None:
     """Serve until ``stop`` is set or SIGINT/SIGTERM arrives."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -80,43 +81,61 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
     plan = descriptor_plan(config, raise_fd_limit())
     keep_freed_memory()
     web_stats = ListenerStats("web", plan.caps["web"], plan.slacks["web"])
-    tap_stats = ListenerStats("tap", plan.caps.get("tap", config.tap_max_connections),
-                              plan.slacks.get("tap"))
+    tap_stats = ListenerStats(
+        "tap", plan.caps.get("tap", config.tap_max_connections), plan.slacks.get("tap")
+    )
     files = FileDescriptors(plan.files)
     state = wiring.signals_state(config)
     app = create_app(config, state)
-    app[REGISTRY_KEY].register(LimitsCollector(
-        [web_stats, tap_stats] if config.tap_listen_address else [web_stats], logs, plan,
-        files))
+    app[REGISTRY_KEY].register(
+        LimitsCollector(
+            [web_stats, tap_stats] if config.tap_listen_address else [web_stats], logs, plan, files
+        )
+    )
     listeners = open_web_listeners(config)
     web_listener = listeners.get("web")
     if web_listener is not None:
         secure_app(app, web_listener, config)
     if listeners:
-        app[REGISTRY_KEY].register(WebConfigCollector(
-            lambda: [listener.status() for listener in listeners.values()]))
+        app[REGISTRY_KEY].register(
+            WebConfigCollector(lambda: [listener.status() for listener in listeners.values()])
+        )
     install_sighup(listeners.values())
-    runner = LimitedRunner(app, web_stats, access_log=None, handle_signals=False,
-                           shutdown_timeout=5.0)
+    runner = LimitedRunner(
+        app, web_stats, access_log=None, handle_signals=False, shutdown_timeout=5.0
+    )
     await runner.setup()
     host, port = config.listen_host_port
-    site = web.TCPSite(runner, host, port, reuse_address=True,
-                       ssl_context=web_listener.ssl_context if web_listener else None)
+    site = web.TCPSite(
+        runner,
+        host,
+        port,
+        reuse_address=True,
+        ssl_context=web_listener.ssl_context if web_listener else None,
+    )
     try:
         await site.start()
     except OSError as err:
         await runner.cleanup()
         raise listen_error(err, config.web_listen_address, "--web.listen-address") from None
     if not config.engine_targets:
-        log.warning("no --vllm.url: reading no vLLM, so only the per-caller usage signals are "
-                    "served (give --vllm.url http://HOST:8000 for the engine's)")
+        log.warning(
+            "no --vllm.url: reading no vLLM, so only the per-caller usage signals are "
+            "served (give --vllm.url http://HOST:8000 for the engine's)"
+        )
     for warning in loopback_aliases(config.vllm_url):
         log.warning("%s", warning)
-    background = start_background(config, state, listeners.get("tap"), tap_stats, files,
-                                  register=app[REGISTRY_KEY].register)
+    background = start_background(
+        config, state, listeners.get("tap"), tap_stats, files, register=app[REGISTRY_KEY].register
+    )
     scheme = "https" if web_listener and web_listener.ssl_context else "http"
-    log.info("listening on %s://%s:%d/metrics, reading %d vLLM target(s)", scheme, host, port,
-             len(config.engine_targets))
+    log.info(
+        "listening on %s://%s:%d/metrics, reading %d vLLM target(s)",
+        scheme,
+        host,
+        port,
+        len(config.engine_targets),
+    )
     if started is not None:
         started.set()
     stopping = asyncio.ensure_future(stop.wait())
@@ -124,8 +143,11 @@ async def serve(config: Config, stop: asyncio.Event | None = None,
         # A background reader that dies (the tap cannot bind its port, say) ends the process
         # with its error instead of leaving a half-working exporter behind.
         await asyncio.wait([stopping, *background], return_when=asyncio.FIRST_COMPLETED)
-        failed = [task for task in background
-                  if task.done() and not task.cancelled() and task.exception() is not None]
+        failed = [
+            task
+            for task in background
+            if task.done() and not task.cancelled() and task.exception() is not None
+        ]
         if failed:
             raise failed[0].exception()  # type: ignore[misc]
     finally:
@@ -144,23 +166,30 @@ def descriptor_plan(config: Config, fd_limit: int) -> DescriptorPlan:
     if config.tap_listen_address:
         asked["tap"] = config.tap_max_connections
         costs["tap"] = TAP_DESCRIPTORS_PER_CONNECTION
-    plan = plan_descriptors(fd_limit, {name: (asked[name], costs[name]) for name in asked},
-                            follow_files=bool(config.usage_file))
+    plan = plan_descriptors(
+        fd_limit,
+        {name: (asked[name], costs[name]) for name in asked},
+        follow_files=bool(config.usage_file),
+    )
     if plan.lowered(asked):
-        log.warning("the file-descriptor limit (%d, the hard limit) is below what the "
-                    "connection caps need: serving at most %s (a tap connection also holds "
-                    "one to vLLM)%s; raise the hard limit (ulimit -n, LimitNOFILE) for more",
-                    fd_limit, ", ".join(f"{plan.caps[name]} {name} connections"
-                                        for name in plan.caps),
-                    f", {plan.files} followed files" if plan.files else "")
+        log.warning(
+            "the file-descriptor limit (%d, the hard limit) is below what the "
+            "connection caps need: serving at most %s (a tap connection also holds "
+            "one to vLLM)%s; raise the hard limit (ulimit -n, LimitNOFILE) for more",
+            fd_limit,
+            ", ".join(f"{plan.caps[name]} {name} connections" for name in plan.caps),
+            f", {plan.files} followed files" if plan.files else "",
+        )
     return plan
 
 
 def open_web_listeners(config: Config) -> dict[str, WebListener]:
     """The web configs of the exporter's listener ("web") and the tap's ("tap"), where set.
     build_config has loaded them once already; a file broken since is a ConfigError."""
-    files = {"web": (config.web_config_file, "--web.config.file", True),
-             "tap": (config.tap_web_config_file, "--tap.web-config.file", False)}
+    files = {
+        "web": (config.web_config_file, "--web.config.file", True),
+        "tap": (config.tap_web_config_file, "--tap.web-config.file", False),
+    }
     listeners = {}
     for name, (path, option, basic_auth) in files.items():
         if not path:
@@ -176,16 +205,21 @@ def secure_app(app: web.Application, listener: WebListener, config: Config) -> N
     """TLS-side checks, basic auth and headers on the exporter's app. The health probes
     stay open (a kubelet probe cannot hold a password); /v1/usage keeps its own bearer
     token when one is set, since one Authorization header cannot carry both."""
-    listener.install(app, open_paths=("/-/healthy", "/-/ready"),
-                     bearer_paths=("/v1/usage",) if config.usage_ingest_token else ())
+    listener.install(
+        app,
+        open_paths=("/-/healthy", "/-/ready"),
+        bearer_paths=("/v1/usage",) if config.usage_ingest_token else (),
+    )
 
 
-def start_background(config: Config, state: SignalsState,
-                     tap_listener: WebListener | None = None,
-                     tap_stats: ListenerStats | None = None,
-                     files: FileDescriptors | None = None,
-                     register: Callable[[Any], object] | None = None,
-                     ) -> list[asyncio.Task[None]]:
+def start_background(
+    config: Config,
+    state: SignalsState,
+    tap_listener: WebListener | None = None,
+    tap_stats: ListenerStats | None = None,
+    files: FileDescriptors | None = None,
+    register: Callable[[Any], object] | None = None,
+) -> list[asyncio.Task[None]]:
     """Long-running readers (file follower, tap proxy) that are not request handlers. The
     tap's sockets to vLLM are held to its connections (cap and slack), ``files`` is the
     followed files' share of the descriptors; ``register`` puts the follower's collector on
@@ -199,22 +233,26 @@ def start_background(config: Config, state: SignalsState,
     if config.tap_listen_address:
         tap_stats = tap_stats or ListenerStats("tap", config.tap_max_connections)
         serving = run_tap(
-            wiring.tap_settings(config), wiring.tap_record(state.usage),
+            wiring.tap_settings(config),
+            wiring.tap_record(state.usage),
             wiring.tap_reject(state.usage),
             record_prompt=wiring.tap_record_prompt(state.usage),
             secure=tap_listener.install if tap_listener is not None else None,
             ssl_context=tap_listener.ssl_context if tap_listener is not None else None,
             runner=functools.partial(LimitedRunner, stats=tap_stats),
-            upstream_connections=tap_stats.cap + tap_stats.slack)
-        tasks.append(asyncio.ensure_future(naming_the_flag(
-            config.tap_listen_address, "--tap.listen-address", serving)))
+            upstream_connections=tap_stats.cap + tap_stats.slack,
+        )
+        tasks.append(
+            asyncio.ensure_future(
+                naming_the_flag(config.tap_listen_address, "--tap.listen-address", serving)
+            )
+        )
     return tasks
 
 
 def listen_error(err: OSError, address: str, flag: str) -> OSError:
     """The OS error, naming the address and the flag that chose it."""
-    return OSError(err.errno, f"cannot listen on {address} ({flag}): "
-                              f"{err.strerror or err}")
+    return OSError(err.errno, f"cannot listen on {address} ({flag}): {err.strerror or err}")
 
 
 async def naming_the_flag(address: str, flag: str, serving: Awaitable[None]) -> None:

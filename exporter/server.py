@@ -47,16 +47,20 @@ SEND_CHUNK_BYTES = 64 * 1024
 SEND_TIMEOUT_SECONDS = 30.0
 
 
-def create_app(config: Config, state: SignalsState | None = None,
-               session_factory: Callable[[], aiohttp.ClientSession] | None = None,
-               initial_refresh: bool = True) -> web.Application:
+def create_app(
+    config: Config,
+    state: SignalsState | None = None,
+    session_factory: Callable[[], aiohttp.ClientSession] | None = None,
+    initial_refresh: bool = True,
+) -> web.Application:
     state = state or wiring.signals_state(config)
     poller = wiring.engine_poller(config, state, session_factory or _default_session)
     ingest = wiring.usage_ingest(config, state.usage)
     # Request bodies reach /v1/usage as sent; it decodes them itself, bounded
     # (exporter.usage.body).
-    app = web.Application(client_max_size=config.usage_ingest_max_body_bytes,
-                          handler_args=BODY_HANDLER_ARGS)
+    app = web.Application(
+        client_max_size=config.usage_ingest_max_body_bytes, handler_args=BODY_HANDLER_ARGS
+    )
     app[STATE_KEY] = state
     app[POLLER_KEY] = poller
     app[REGISTRY_KEY] = build_registry(state)
@@ -97,10 +101,12 @@ def collapse_rule(monitoring: MonitoringConfig | None = None) -> status.Collapse
     """What the page and the demo call a collapse: the generated alerts' own thresholds."""
     config = monitoring or MonitoringConfig()
     return status.CollapseRule(
-        window_seconds=config.short_seconds, drop_factor=config.collapse_drop_factor,
+        window_seconds=config.short_seconds,
+        drop_factor=config.collapse_drop_factor,
         min_baseline=config.collapse_min_baseline,
         caller_min_tokens_per_second=config.collapse_caller_min_tokens_per_second,
-        engine_min_tokens_per_second=config.collapse_engine_min_tokens_per_second)
+        engine_min_tokens_per_second=config.collapse_engine_min_tokens_per_second,
+    )
 
 
 def current_status(app: web.Application) -> status.Status:
@@ -121,8 +127,7 @@ def _default_session() -> aiohttp.ClientSession:
 
 async def metrics(request: web.Request) -> web.StreamResponse:
     poller = request.app[POLLER_KEY]
-    timeout = poller.effective_timeout(
-        request.headers.get("X-Prometheus-Scrape-Timeout-Seconds"))
+    timeout = poller.effective_timeout(request.headers.get("X-Prometheus-Scrape-Timeout-Seconds"))
     fmt = choose_format(request.headers.get("Accept", ""))
     gzip = gzip_accepted(request.headers.get("Accept-Encoding", ""))
     # Reads vLLM, then renders (both shared with scrapes that arrive together).
@@ -133,8 +138,7 @@ async def metrics(request: web.Request) -> web.StreamResponse:
     return await send(request, body, headers)
 
 
-async def send(request: web.Request, body: bytes,
-               headers: dict[str, str]) -> web.StreamResponse:
+async def send(request: web.Request, body: bytes, headers: dict[str, str]) -> web.StreamResponse:
     """Write ``body`` chunk by chunk, bounded in buffered bytes and in time. A HEAD request
     gets the headers a GET would (its Content-Length too) and no body: aiohttp leaves a
     streamed body to the handler, and bytes after a HEAD answer would be read as the next
@@ -148,7 +152,7 @@ async def send(request: web.Request, body: bytes,
 
     async def write_all() -> None:
         for start in range(0, len(view), SEND_CHUNK_BYTES):
-            await response.write(view[start:start + SEND_CHUNK_BYTES])
+            await response.write(view[start : start + SEND_CHUNK_BYTES])
         await response.write_eof()
 
     try:
@@ -171,8 +175,9 @@ async def ready(request: web.Request) -> web.Response:
     if engine.ready:
         return web.Response(text="vllm-cache-exporter is ready.\n")
     waiting = [state.shown for state in engine.targets.values() if not state.attempted]
-    return web.Response(status=503, text="waiting for a first read of: " + ", ".join(waiting)
-                        + "\n")
+    return web.Response(
+        status=503, text="waiting for a first read of: " + ", ".join(waiting) + "\n"
+    )
 
 
 async def landing(request: web.Request) -> web.Response:
@@ -181,6 +186,12 @@ async def landing(request: web.Request) -> web.Response:
     app = request.app
     await app[BODIES_KEY].engine_read(app[POLLER_KEY].timeout)
     body = page.render(current_status(app), __version__)
-    return web.Response(text=body, content_type="text/html", headers={
-        "Content-Security-Policy": page.CONTENT_SECURITY_POLICY,
-        "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
+    return web.Response(
+        text=body,
+        content_type="text/html",
+        headers={
+            "Content-Security-Policy": page.CONTENT_SECURITY_POLICY,
+            "Cache-Control": "no-store",
+            "X-Content-Type-Options": "nosniff",
+        },
+    )

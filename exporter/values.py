@@ -48,24 +48,53 @@ INTER_TOKEN_LATENCY = "inter_token_latency"
 
 # Every engine signal, in exposition order.
 ENGINE_SIGNALS = (
-    PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, PROMPT_TOKENS, PROMPT_TOKENS_CACHED,
-    KV_CACHE_USAGE, REQUESTS_RUNNING, REQUESTS_WAITING, CACHE_CONFIG_INFO,
-    EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS, PROMPT_TOKENS_BY_SOURCE,
-    PROMPT_TOKENS_CACHED_BY_SOURCE, REQUESTS_WAITING_BY_REASON,
-    KV_BLOCK_LIFETIME, KV_BLOCK_IDLE_BEFORE_EVICT, KV_BLOCK_REUSE_GAP,
-    REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, INTER_TOKEN_LATENCY,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+    PREEMPTIONS,
+    PROMPT_TOKENS,
+    PROMPT_TOKENS_CACHED,
+    KV_CACHE_USAGE,
+    REQUESTS_RUNNING,
+    REQUESTS_WAITING,
+    CACHE_CONFIG_INFO,
+    EXTERNAL_PREFIX_CACHE_QUERIES,
+    EXTERNAL_PREFIX_CACHE_HITS,
+    PROMPT_TOKENS_BY_SOURCE,
+    PROMPT_TOKENS_CACHED_BY_SOURCE,
+    REQUESTS_WAITING_BY_REASON,
+    KV_BLOCK_LIFETIME,
+    KV_BLOCK_IDLE_BEFORE_EVICT,
+    KV_BLOCK_REUSE_GAP,
+    REQUEST_QUEUE_TIME,
+    REQUEST_PREFILL_TIME,
+    REQUEST_DECODE_TIME,
+    INTER_TOKEN_LATENCY,
 )
 # Engine signals that are counters in vLLM (carried across vLLM restarts by the signals),
 # split ones included (each label value is carried on its own).
 COUNTER_SIGNALS = frozenset(
-    {PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, PROMPT_TOKENS, PROMPT_TOKENS_CACHED,
-     EXTERNAL_PREFIX_CACHE_QUERIES, EXTERNAL_PREFIX_CACHE_HITS, PROMPT_TOKENS_BY_SOURCE,
-     PROMPT_TOKENS_CACHED_BY_SOURCE})
+    {
+        PREFIX_CACHE_QUERIES,
+        PREFIX_CACHE_HITS,
+        PREEMPTIONS,
+        PROMPT_TOKENS,
+        PROMPT_TOKENS_CACHED,
+        EXTERNAL_PREFIX_CACHE_QUERIES,
+        EXTERNAL_PREFIX_CACHE_HITS,
+        PROMPT_TOKENS_BY_SOURCE,
+        PROMPT_TOKENS_CACHED_BY_SOURCE,
+    }
+)
 # Engine signals that are histograms in vLLM: their buckets, sum and count are counters too,
 # carried across restarts together.
 HISTOGRAM_SIGNALS = (
-    KV_BLOCK_LIFETIME, KV_BLOCK_IDLE_BEFORE_EVICT, KV_BLOCK_REUSE_GAP,
-    REQUEST_QUEUE_TIME, REQUEST_PREFILL_TIME, REQUEST_DECODE_TIME, INTER_TOKEN_LATENCY,
+    KV_BLOCK_LIFETIME,
+    KV_BLOCK_IDLE_BEFORE_EVICT,
+    KV_BLOCK_REUSE_GAP,
+    REQUEST_QUEUE_TIME,
+    REQUEST_PREFILL_TIME,
+    REQUEST_DECODE_TIME,
+    INTER_TOKEN_LATENCY,
 )
 
 
@@ -82,21 +111,37 @@ class Split:
 OTHER_LABEL_VALUE = "other"
 SPLITS = {
     PROMPT_TOKENS_BY_SOURCE: Split(
-        "source", ("local_compute", "local_cache_hit", "external_kv_transfer")),
+        "source", ("local_compute", "local_cache_hit", "external_kv_transfer")
+    ),
     PROMPT_TOKENS_CACHED_BY_SOURCE: Split(
-        "source", ("device", "host", "p2p", "disk", "external_unspecified")),
+        "source", ("device", "host", "p2p", "disk", "external_unspecified")
+    ),
     REQUESTS_WAITING_BY_REASON: Split("reason", ("capacity", "deferred")),
 }
 
 # Why a read of a vLLM's /metrics failed: the ``reason`` of its error counter, every one of
 # which exists at 0 from the start so that the first failure shows in increase().
-SCRAPE_ERROR_REASONS = ("connect", "timeout", "http_status", "truncated", "body_too_large",
-                        "parse", "http_error", "internal")
+SCRAPE_ERROR_REASONS = (
+    "connect",
+    "timeout",
+    "http_status",
+    "truncated",
+    "body_too_large",
+    "parse",
+    "http_error",
+    "internal",
+)
 
 # The labels of vllm:cache_config_info the exporter reads (the full set changes per release).
 CACHE_CONFIG_KEYS = (
-    "block_size", "num_gpu_blocks", "kv_cache_size_tokens", "enable_prefix_caching",
-    "prefix_match_unit", "mamba_block_size", "mamba_cache_mode", "cache_dtype",
+    "block_size",
+    "num_gpu_blocks",
+    "kv_cache_size_tokens",
+    "enable_prefix_caching",
+    "prefix_match_unit",
+    "mamba_block_size",
+    "mamba_cache_mode",
+    "cache_dtype",
 )
 
 
@@ -203,6 +248,7 @@ class EngineSnapshot:
 
 
 # ---- per-request usage ------------------------------------------------------------------
+
 
 @dataclass(frozen=True, eq=False, slots=True)
 class PromptPrint:
@@ -341,8 +387,15 @@ class RecentKeys:
     The time is the caller's (``now``), so tests and the exporter's clock drive it.
     """
 
-    __slots__ = ("generation_keys", "seconds", "current", "previous", "started",
-                 "previous_started", "forgotten_early")
+    __slots__ = (
+        "generation_keys",
+        "seconds",
+        "current",
+        "previous",
+        "started",
+        "previous_started",
+        "forgotten_early",
+    )
 
     def __init__(self, max_keys: int, seconds: float) -> None:
         self.generation_keys = max(1, max_keys // 2)

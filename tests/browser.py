@@ -25,10 +25,20 @@ from typing import Any
 import aiohttp
 import pytest
 
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-default-apps", "--disable-extensions", "--mute-audio",
-         "--remote-debugging-port=0")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-default-apps",
+    "--disable-extensions",
+    "--mute-audio",
+    "--remote-debugging-port=0",
+)
 LISTENING = re.compile(r"DevTools listening on (ws://\S+)")
 
 
@@ -99,11 +109,21 @@ class Page:
 
     async def screenshot(self, path: Path, width: int) -> None:
         """The whole page at ``width`` CSS pixels, as a PNG."""
-        await self.send("Emulation.setDeviceMetricsOverride", width=width, height=800,
-                        deviceScaleFactor=1, mobile=False)
+        await self.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=800,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
         height = await self.evaluate("document.documentElement.scrollHeight")
-        await self.send("Emulation.setDeviceMetricsOverride", width=width, height=int(height),
-                        deviceScaleFactor=1, mobile=False)
+        await self.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=int(height),
+            deviceScaleFactor=1,
+            mobile=False,
+        )
         shot = await self.send("Page.captureScreenshot", format="png")
         path.write_bytes(base64.b64decode(shot["data"]))
 
@@ -113,8 +133,13 @@ async def chromium(profile: Path) -> AsyncIterator[Page]:
     """A headless chromium with one blank tab, stopped (and its profile left in ``profile``,
     a tmp path) on the way out."""
     process = await asyncio.create_subprocess_exec(
-        chromium_path(), *FLAGS, f"--user-data-dir={profile}", "about:blank",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+        chromium_path(),
+        *FLAGS,
+        f"--user-data-dir={profile}",
+        "about:blank",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     reader: asyncio.Task[None] | None = None
     try:
         assert process.stderr is not None
@@ -124,8 +149,9 @@ async def chromium(profile: Path) -> AsyncIterator[Page]:
             async with session.get(f"http://{port}/json/list") as response:
                 targets = await response.json()
             tab = next(target for target in targets if target["type"] == "page")
-            async with session.ws_connect(tab["webSocketDebuggerUrl"],
-                                          max_msg_size=64 * 1024 * 1024) as socket:
+            async with session.ws_connect(
+                tab["webSocketDebuggerUrl"], max_msg_size=64 * 1024 * 1024
+            ) as socket:
                 page = Page(socket)
                 reader = asyncio.ensure_future(page.read())
                 for domain in ("Page", "Network", "Runtime", "Log"):

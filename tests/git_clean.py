@@ -22,8 +22,13 @@ def untracked() -> frozenset[str] | None:
     """Untracked, unignored paths, or None outside a git checkout."""
     if not (REPO / ".git").exists():
         return None
-    result = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "-z"],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if result.returncode != 0:
         return None
     return frozenset(entry[3:] for entry in result.stdout.split("\0") if entry.startswith("?? "))
@@ -44,8 +49,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not left:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    message = ("the test run left untracked files in the checkout (tests must write into "
-               "their tmp_path; tools' logs belong in .gitignore): " + ", ".join(left))
+    message = (
+        "the test run left untracked files in the checkout (tests must write into "
+        "their tmp_path; tools' logs belong in .gitignore): " + ", ".join(left)
+    )
     if reporter is not None:
         reporter.write_line(message, red=True, bold=True)
     if session.exitstatus == pytest.ExitCode.OK:

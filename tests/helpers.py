@@ -30,8 +30,9 @@ class FakeVllm:
         self.requests += 1
         if self.hang:
             await self.release.wait()
-        return web.Response(status=self.status, text=self.body,
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(
+            status=self.status, text=self.body, content_type="text/plain", charset="utf-8"
+        )
 
 
 async def scrape(client: TestClient, headers: dict[str, str] | None = None) -> str:

@@ -29,15 +29,14 @@ def _run(command: list[str], log: Path, what: str, timeout: float) -> None:
         out.write(f"\n$ {' '.join(command)}\n")
         out.flush()
         try:
-            result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
-                                    timeout=timeout)
+            result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise BootstrapError(f"{what} did not finish in {timeout:.0f} s; see {log}") \
-                from None
+            raise BootstrapError(f"{what} did not finish in {timeout:.0f} s; see {log}") from None
     if result.returncode != 0:
         tail = "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-40:])
-        raise BootstrapError(f"{what} failed (exit {result.returncode}); last lines of {log}:"
-                             f"\n{tail}")
+        raise BootstrapError(
+            f"{what} failed (exit {result.returncode}); last lines of {log}:\n{tail}"
+        )
 
 
 @dataclass(frozen=True)
@@ -78,19 +77,23 @@ class PinnedVenv:
         python = self.python(venv)
         if not python.exists():
             return False
-        result = subprocess.run([str(python), "-c", self.check], capture_output=True,
-                                text=True, timeout=120)
+        result = subprocess.run(
+            [str(python), "-c", self.check], capture_output=True, text=True, timeout=120
+        )
         return result.returncode == 0
 
-    def ensure(self, venv: Path | None = None, announce: Callable[[str], None] = print,
-               hint: str = "") -> Path:
+    def ensure(
+        self, venv: Path | None = None, announce: Callable[[str], None] = print, hint: str = ""
+    ) -> Path:
         """The venv, ready: installed first (and said so) when it is not."""
         venv = venv or self.venv_dir()
         if self.is_ready(venv):
             return venv
         log = self.install_log(venv)
-        announce(f"installing {self.requirement} into {venv} (about {self.size}, "
-                 f"{self.seconds} s, once); log: {log}{hint}")
+        announce(
+            f"installing {self.requirement} into {venv} (about {self.size}, "
+            f"{self.seconds} s, once); log: {log}{hint}"
+        )
         try:
             venv.parent.mkdir(parents=True, exist_ok=True)
             log.write_text(f"bootstrapping {venv} for {self.requirement}\n", encoding="utf-8")
@@ -98,17 +101,25 @@ class PinnedVenv:
             raise BootstrapError(f"cannot write {log}: {err.strerror}") from None
         python = self.python(venv)
         if not python.exists():
-            _run([sys.executable, "-m", "venv", str(venv)], log, "creating the venv",
-                 self.timeout)
-        _run([str(python), "-m", "pip", "install", "--disable-pip-version-check",
-              *self.requirements], log, f"pip install {self.requirement}", self.timeout)
+            _run([sys.executable, "-m", "venv", str(venv)], log, "creating the venv", self.timeout)
+        _run(
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                *self.requirements,
+            ],
+            log,
+            f"pip install {self.requirement}",
+            self.timeout,
+        )
         for arguments, what in self.then:
             _run([str(python), "-m", "pip", *arguments], log, what, self.timeout)
         if not self.is_ready(venv):
-            check = subprocess.run([str(python), "-c", self.check], capture_output=True,
-                                   text=True)
-            raise BootstrapError(f"{venv} is still not usable after installing:\n"
-                                 f"{check.stderr}")
+            check = subprocess.run([str(python), "-c", self.check], capture_output=True, text=True)
+            raise BootstrapError(f"{venv} is still not usable after installing:\n{check.stderr}")
         return venv
 
     def main(self, argv: Sequence[str] = ()) -> int:

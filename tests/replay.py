@@ -42,8 +42,9 @@ class Replay:
                 self.state.usage.record(validate({**payload, "time": BASE + when}), "http")
             else:
                 self.state.usage.catch_up(self.clock[0])  # as the server does before a read
-                self.state.engine.record_success(self.target, parse(str(payload)), 0.0,
-                                                 self.clock[0])
+                self.state.engine.record_success(
+                    self.target, parse(str(payload)), 0.0, self.clock[0]
+                )
                 self.on_scrape(str(payload))
             self.done += 1
         self.clock[0] = BASE + seconds
@@ -51,28 +52,35 @@ class Replay:
 
     def status(self, seconds: float) -> status.Status:
         self.until(seconds)
-        return status.build(self.state.engine, self.state.usage, self.clock[0],
-                            collapse_rule())
+        return status.build(self.state.engine, self.state.usage, self.clock[0], collapse_rule())
 
     @property
     def end(self) -> float:
         return self.steps[-1][0]
 
     def events(self) -> list[tuple[float, dict]]:
-        return [(when, payload) for when, kind, payload in self.steps
-                if kind == EVENT and isinstance(payload, dict)]
+        return [
+            (when, payload)
+            for when, kind, payload in self.steps
+            if kind == EVENT and isinstance(payload, dict)
+        ]
 
 
-def replay(name: str, target: str = "http://vllm:8000/metrics",
-           config: Config | None = None) -> Replay:
+def replay(
+    name: str, target: str = "http://vllm:8000/metrics", config: Config | None = None
+) -> Replay:
     """The scenario ``name``, ready to replay into a fresh state for ``config`` (default: one
     vLLM at ``target``, nothing else: run's defaults, as compose.yaml starts it)."""
     scenario = scenarios.load(name)
     scrapes: list[tuple[float, str, object]] = []
-    run = play(scenario, sampler=lambda when, sim: scrapes.append(
-        (when, SCRAPE, sim.render_metrics().decode())))
-    steps = sorted([*scrapes, *((when, EVENT, event) for when, event in run.events)],
-                   key=lambda step: (step[0], step[1] == EVENT))
+    run = play(
+        scenario,
+        sampler=lambda when, sim: scrapes.append((when, SCRAPE, sim.render_metrics().decode())),
+    )
+    steps = sorted(
+        [*scrapes, *((when, EVENT, event) for when, event in run.events)],
+        key=lambda step: (step[0], step[1] == EVENT),
+    )
     config = config or Config(vllm_url=(target,))
     clock = [BASE]
     state = wiring.signals_state(config, clock=lambda: clock[0])

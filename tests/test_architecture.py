@@ -18,8 +18,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "exporter"
 
-TOP = frozenset({"cli", "config", "wiring", "runtime", "server", "page", "check", "demo",
-                 "__main__"})
+TOP = frozenset(
+    {"cli", "config", "wiring", "runtime", "server", "page", "check", "demo", "__main__"}
+)
 # part of the package -> the parts it may import (besides itself). "" is exporter/__init__.py.
 ALLOWED: dict[str, frozenset[str]] = {
     "": frozenset(),
@@ -50,21 +51,23 @@ def imports_of(path: Path) -> set[str]:
     ``module:name`` for ``from module import name`` (a module or a name in it)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     found: set[str] = set()
-    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(
-        ".")[0]
+    package = (
+        module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    )
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
             found.update(f"{module}:{alias.name}" for alias in node.names)
-    return {name for name in found if name.split(":")[0] == "exporter"
-            or name.startswith("exporter.")}
+    return {
+        name for name in found if name.split(":")[0] == "exporter" or name.startswith("exporter.")
+    }
 
 
 def graph() -> dict[str, set[str]]:
@@ -101,7 +104,7 @@ def test_no_import_cycles():
         stack.append(node)
         for target in sorted(edges[node]):
             if state.get(target) == 1:
-                cycles.append(stack[stack.index(target):] + [target])
+                cycles.append(stack[stack.index(target) :] + [target])
             elif target not in state:
                 visit(target)
         stack.pop()
@@ -127,10 +130,13 @@ def test_imports_follow_the_documented_direction():
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("source, target", [
-    ("exporter/signals/usage.py", "exporter.config"),
-    ("exporter/usage/ingest.py", "exporter.server"),
-])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ("exporter/signals/usage.py", "exporter.config"),
+        ("exporter/usage/ingest.py", "exporter.server"),
+    ],
+)
 def test_the_rule_catches_a_wrong_import(tmp_path, monkeypatch, source, target):
     """The checker itself can fail: plant a forbidden import in a copy of the package."""
     import shutil
@@ -138,8 +144,9 @@ def test_the_rule_catches_a_wrong_import(tmp_path, monkeypatch, source, target):
     copy = tmp_path / "exporter"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     planted = copy / source.removeprefix("exporter/")
-    planted.write_text(planted.read_text(encoding="utf-8") + f"\nimport {target}\n",
-                       encoding="utf-8")
+    planted.write_text(
+        planted.read_text(encoding="utf-8") + f"\nimport {target}\n", encoding="utf-8"
+    )
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", copy)
     with pytest.raises(AssertionError, match=f"imports {target}"):
         test_imports_follow_the_documented_direction()

@@ -29,8 +29,12 @@ VENVS = [vllm_bootstrap.VLLM, litellm_bootstrap.LITELLM, clients_bootstrap.CLIEN
 
 @pytest.mark.parametrize("ensure, requirement, size", CASES, ids=IDS)
 def test_an_install_announces_itself_before_it_starts(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        ensure: Callable[..., Path], requirement: str, size: str) -> None:
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ensure: Callable[..., Path],
+    requirement: str,
+    size: str,
+) -> None:
     steps: list[list[str]] = []
     heard: list[str] = []
 
@@ -52,8 +56,12 @@ def test_an_install_announces_itself_before_it_starts(
 
 @pytest.mark.parametrize("ensure, requirement, size", CASES, ids=IDS)
 def test_a_ready_venv_is_used_without_a_word(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        ensure: Callable[..., Path], requirement: str, size: str) -> None:
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ensure: Callable[..., Path],
+    requirement: str,
+    size: str,
+) -> None:
     monkeypatch.setattr(PinnedVenv, "is_ready", lambda self, venv: True)
     heard: list[str] = []
     ensure(tmp_path / ".venv-x", announce=heard.append)
@@ -66,6 +74,7 @@ def test_the_default_install_logs_are_ignored_by_git() -> None:
     for pinned in VENVS:
         venv = REPO / pinned.default_name
         log = pinned.install_log(venv)
-        result = subprocess.run(["git", "check-ignore", "-q", str(log.relative_to(REPO))],
-                                cwd=REPO, capture_output=True)
+        result = subprocess.run(
+            ["git", "check-ignore", "-q", str(log.relative_to(REPO))], cwd=REPO, capture_output=True
+        )
         assert result.returncode == 0, f"{log.name} is not git-ignored"

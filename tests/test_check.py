@@ -27,15 +27,17 @@ def report_for(text: str) -> Report:
 def test_healthy_real_vllm_has_no_problem():
     report = report_for(REAL)
     assert report.problems == []
-    assert any("prefix caching on, block 32 tokens, KV pool 1,048,576 tokens" in line
-               for line in report.lines)
-    assert any("6,784 of 9,914 looked-up tokens were hits (68.4%)" in line
-               for line in report.lines)
+    assert any(
+        "prefix caching on, block 32 tokens, KV pool 1,048,576 tokens" in line
+        for line in report.lines
+    )
+    assert any("6,784 of 9,914 looked-up tokens were hits (68.4%)" in line for line in report.lines)
 
 
 def test_prefix_caching_off_is_a_problem():
-    report = report_for(REAL.replace('enable_prefix_caching="True"',
-                                     'enable_prefix_caching="False"'))
+    report = report_for(
+        REAL.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
+    )
     assert len(report.problems) == 1
     assert "--enable-prefix-caching" in report.problems[0]
 
@@ -55,8 +57,10 @@ def test_a_metric_under_no_known_name_is_a_problem_not_a_zero():
 
 
 def test_preemptions_are_noted():
-    text = REAL.replace('vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 0.0',
-                        'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 12.0')
+    text = REAL.replace(
+        'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 0.0',
+        'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 12.0',
+    )
     report = report_for(text)
     assert report.problems == []
     assert any("preempted 12 time(s) since vLLM started" in note for note in report.notes)
@@ -65,8 +69,16 @@ def test_preemptions_are_noted():
 async def run_check(*urls: str) -> tuple[int, str, str]:
     args = [arg for url in urls for arg in ("--vllm.url", url)]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "exporter", "check", "--vllm.timeout", "5", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "exporter",
+        "check",
+        "--vllm.timeout",
+        "5",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode is not None
     return process.returncode, out.decode(), err.decode()
@@ -78,8 +90,10 @@ async def test_command_exit_codes(fake_vllm, unused_tcp_port):
     assert out.splitlines()[0] == fake_vllm.url and "  OK" in out.splitlines()
     # What /metrics cannot tell is named, never guessed: both per-request flags, once each.
     notes = [line for line in out.splitlines() if line.startswith("note: ")]
-    assert ["--enable-prompt-tokens-details" in notes[0],
-            "--enable-per-request-metrics" in notes[1]] == [True, True], notes
+    assert [
+        "--enable-prompt-tokens-details" in notes[0],
+        "--enable-per-request-metrics" in notes[1],
+    ] == [True, True], notes
     assert out.count("--enable-per-request-metrics") == 1
 
     fake_vllm.body = REAL.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"')
@@ -108,8 +122,9 @@ def exporter_after(boots: list[str], events: list[dict], now: float) -> str:
     from exporter.usage.event import validate
     from exporter.wiring import signals_state
 
-    state = signals_state(Config(vllm_url=(SIM_TARGET,), usage_new_series_hold=0),
-                          clock=lambda: now)
+    state = signals_state(
+        Config(vllm_url=(SIM_TARGET,), usage_new_series_hold=0), clock=lambda: now
+    )
     for text in boots:
         state.engine.record_success(SIM_TARGET, parse(text), 0.0, now)
     for event in events:
@@ -147,8 +162,10 @@ def test_the_exporter_remembers_the_smallest_pool_across_restarts():
     report = Report(SIM_TARGET)
     describe(parse(runs[-1].metrics_text), report, headroom=4096, view=view)
     pool_line = next(line for line in report.lines if "Admission budget" in line)
-    assert ("KV pool 203,372 tokens, the smallest seen by the exporter since it started is "
-            "193,732, and budgets go by the smallest") in pool_line
+    assert (
+        "KV pool 203,372 tokens, the smallest seen by the exporter since it started is "
+        "193,732, and budgets go by the smallest"
+    ) in pool_line
     assert "Admission budget: 189,636 tokens" in pool_line
 
 
@@ -161,14 +178,15 @@ def test_live_fit_in_words_and_a_pool_that_does_not_hold_them_is_a_problem():
     run = play(scenarios.load("two-agents-collapse"))
     now = 1_700_000_000.0
     b_first = next(i for i, (_, event) in enumerate(run.events) if event["caller"] == "agent-b")
-    events = [{**event, "time": now} for _, event in run.events[:b_first + 1]]
+    events = [{**event, "time": now} for _, event in run.events[: b_first + 1]]
     view = read_exporter(exporter_after([run.metrics_text], events, now))
     report = Report("exporter")
     describe_exporter(view, report, headroom=4096)
     assert report.problems, report.lines
     sentence = report.problems[0]
-    assert sentence.startswith(f"{SIM_TARGET} (qwen3.8-27b): 2 conversation(s) active "
-                               "(a turn within 10 min) need ")
+    assert sentence.startswith(
+        f"{SIM_TARGET} (qwen3.8-27b): 2 conversation(s) active (a turn within 10 min) need "
+    )
     share = re.search(r"tokens of KV cache: ([0-9.]+)% of the 160,779-token pool", sentence)
     assert share and float(share[1]) > 100, sentence
     assert "They do not all fit" in sentence
@@ -177,8 +195,9 @@ def test_live_fit_in_words_and_a_pool_that_does_not_hold_them_is_a_problem():
     report = Report("exporter")
     describe_exporter(alone, report, headroom=4096)
     assert report.problems == []
-    assert any("1 conversation(s) active" in line and "cannot be evicted" in line
-               for line in report.lines)
+    assert any(
+        "1 conversation(s) active" in line and "cannot be evicted" in line for line in report.lines
+    )
 
 
 def test_declared_vs_used_completions_and_the_advice():
@@ -190,8 +209,7 @@ def test_declared_vs_used_completions_and_the_advice():
     assert {event["max_tokens"] for _, event in run.events} == {65_536}
     assert {event["completion_tokens"] for _, event in run.events} == {769, 800}
     text = exporter_after([run.metrics_text], [event for _, event in run.events], now=1.0)
-    assert value(text, "vllm_cache_completion_declared_tokens_total", caller="coder") == \
-        10 * 65_536
+    assert value(text, "vllm_cache_completion_declared_tokens_total", caller="coder") == 10 * 65_536
     assert value(text, "vllm_cache_completion_used_tokens_count", caller="coder") == 10
     report = Report("exporter")
     describe_exporter(read_exporter(text), report, headroom=4096)
@@ -199,18 +217,28 @@ def test_declared_vs_used_completions_and_the_advice():
     used = [event["completion_tokens"] for _, event in run.events if event["caller"] == "coder"]
     mean = sum(used) / len(used)
     # the exact mean (the histogram's sum over its count), not a reading of the buckets
-    assert coder.startswith(f"coder on qwen3.8-27b: 10 request(s) declared max_tokens 65,536 "
-                            f"on average and used {mean:,.0f} on average: an overstatement "
-                            f"of {65_536 / mean:.0f}x."), coder
+    assert coder.startswith(
+        f"coder on qwen3.8-27b: 10 request(s) declared max_tokens 65,536 "
+        f"on average and used {mean:,.0f} on average: an overstatement "
+        f"of {65_536 / mean:.0f}x."
+    ), coder
     # every request used 769 or 800: 99% stayed within the (768, 1024] bucket's bound
     assert "charge prompt + min(max_tokens, 1,024) instead" in coder
     assert any(note.startswith("reviewer on qwen3.8-27b") for note in report.notes)
 
 
 def completion_events(used: int, declared: int, count: int = 10) -> list[dict]:
-    return [{"caller": "coder", "model": "tiny-llama", "prompt_tokens": 4000,
-             "cached_tokens": 0, "completion_tokens": used, "max_tokens": declared}
-            for _ in range(count)]
+    return [
+        {
+            "caller": "coder",
+            "model": "tiny-llama",
+            "prompt_tokens": 4000,
+            "cached_tokens": 0,
+            "completion_tokens": used,
+            "max_tokens": declared,
+        }
+        for _ in range(count)
+    ]
 
 
 @pytest.mark.parametrize(("used", "declared"), [(300, 4096), (300, 300), (8, 8), (5, 8)])
@@ -221,10 +249,12 @@ def test_declared_vs_used_never_reports_more_than_was_used_or_declared(used, dec
     text = exporter_after([REAL], completion_events(used, declared), now=1.0)
     report = Report("exporter")
     describe_exporter(read_exporter(text), report, headroom=0)
-    sentence = next(line for line in report.notes + report.lines
-                    if line.startswith("coder on tiny-llama"))
-    assert f"declared max_tokens {declared:,} on average and used {used:,} on average" in \
-        sentence, sentence
+    sentence = next(
+        line for line in report.notes + report.lines if line.startswith("coder on tiny-llama")
+    )
+    assert (
+        f"declared max_tokens {declared:,} on average and used {used:,} on average" in sentence
+    ), sentence
     charge = re.search(r"min\(max_tokens, ([\d,]+)\)", sentence)
     if declared / used >= advice.OVERSTATEMENT_WORTH_SAYING:
         assert charge is not None and used <= int(charge[1].replace(",", "")) <= declared
@@ -251,7 +281,8 @@ async def test_command_with_an_exporter(fake_vllm, aiohttp_server):
     runs = play_boots(scenarios.load("pool-restarts"))
     fake_vllm.body = runs[-1].metrics_text
     exported = exporter_after([run.metrics_text for run in runs], [], now=1.0).replace(
-        SIM_TARGET, fake_vllm.url)
+        SIM_TARGET, fake_vllm.url
+    )
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(text=exported, content_type="text/plain")
@@ -260,9 +291,17 @@ async def test_command_with_an_exporter(fake_vllm, aiohttp_server):
     app.router.add_get("/metrics", metrics)
     exporter = await aiohttp_server(app)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "exporter", "check", "--vllm.url", fake_vllm.url,
-        "--exporter.url", str(exporter.make_url("/")), stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "exporter",
+        "check",
+        "--vllm.url",
+        fake_vllm.url,
+        "--exporter.url",
+        str(exporter.make_url("/")),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(process.communicate(), timeout=60)
     text = out.decode()
     assert process.returncode == 0, text + err.decode()
@@ -270,6 +309,8 @@ async def test_command_with_an_exporter(fake_vllm, aiohttp_server):
     assert "Admission budget: 189,636 tokens" in text
     assert f"exporter {exporter.make_url('/metrics')}" in text
     assert "no conversations seen yet" in text
+
+
 def test_residency_metrics_off_is_said_in_words():
     report = report_for(REAL)
     assert report.problems == []
@@ -293,13 +334,12 @@ def test_residency_evicted_before_reuse_is_named():
 
 def test_residency_on_without_evictions_yet():
     text = fixture_text("vllm-0.33.0-kv-cache-metrics.prom")
-    empty = re.sub(r"^(vllm:kv_block_\w+_(?:bucket|count|sum)\{[^}]*\}) \S+$", r"\1 0.0", text,
-                   flags=re.M)
+    empty = re.sub(
+        r"^(vllm:kv_block_\w+_(?:bucket|count|sum)\{[^}]*\}) \S+$", r"\1 0.0", text, flags=re.M
+    )
     report = report_for(empty)
     assert any("KV residency: no sampled block evicted" in line for line in report.lines)
     assert not any("KV residency metrics are off" in note for note in report.notes)
-
-
 
 
 # ---- the messages that name their fix --------------------------------------------------------
@@ -313,14 +353,17 @@ async def test_an_openai_base_url_gets_told_to_drop_v1(fake_vllm):
         code, out, _ = await run_check(given)
         assert code == 1, out
         assert "HTTP 404" in out
-        assert f"vLLM serves /metrics at its root, not under /v1: use --vllm.url {root} " \
+        assert (
+            f"vLLM serves /metrics at its root, not under /v1: use --vllm.url {root} "
             "(without /v1)." in out
+        )
     code, out, _ = await run_check(f"{root}/v2")  # another wrong path: no /v1 advice
     assert code == 1 and "HTTP 404" in out and "without /v1" not in out
 
 
 async def test_the_prompt_tokens_details_hint_only_when_it_is_known_to_be_off(
-        fake_vllm, aiohttp_server):
+    fake_vllm, aiohttp_server
+):
     """From /metrics alone check cannot tell whether vLLM reports cached tokens per request:
     it says so once, whatever the number of vLLMs. With --exporter.url it can: callers whose
     usage came without cached_tokens are a problem naming them and the flag; when every
@@ -333,8 +376,13 @@ async def test_the_prompt_tokens_details_hint_only_when_it_is_known_to_be_off(
     assert "does not show in /metrics: add --exporter.url" in out
 
     def event(caller: str, cached: int | None) -> dict:
-        return {"caller": caller, "model": "tiny-llama", "prompt_tokens": 4000,
-                "cached_tokens": cached, "completion_tokens": 10}
+        return {
+            "caller": caller,
+            "model": "tiny-llama",
+            "prompt_tokens": 4000,
+            "cached_tokens": cached,
+            "completion_tokens": 10,
+        }
 
     exposition = {"text": ""}
 
@@ -347,18 +395,28 @@ async def test_the_prompt_tokens_details_hint_only_when_it_is_known_to_be_off(
 
     async def check_with_exporter() -> tuple[int, str]:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "exporter", "check", "--vllm.url", fake_vllm.url,
-            "--exporter.url", str(exporter.make_url("/")), stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "exporter",
+            "check",
+            "--vllm.url",
+            fake_vllm.url,
+            "--exporter.url",
+            str(exporter.make_url("/")),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         out, _err = await asyncio.wait_for(process.communicate(), timeout=60)
         return process.returncode or 0, out.decode()
 
-    exposition["text"] = exporter_after([REAL], [event("coder", 2048), event("writer", None),
-                                                 event("tester", None)], now=1.0)
+    exposition["text"] = exporter_after(
+        [REAL], [event("coder", 2048), event("writer", None), event("tester", None)], now=1.0
+    )
     code, out = await check_with_exporter()
     assert code == 1, out
-    assert ("PROBLEM: cached_tokens not reported: start vLLM with "
-            "--enable-prompt-tokens-details") in out
+    assert (
+        "PROBLEM: cached_tokens not reported: start vLLM with --enable-prompt-tokens-details"
+    ) in out
     assert "requests for tester and writer show as unknown" in out
 
     exposition["text"] = exporter_after([REAL], [event("coder", 2048)], now=1.0)
@@ -379,10 +437,13 @@ async def test_the_readme_example_is_what_check_prints(fake_vllm):
     assert out.replace(fake_vllm.url, "http://127.0.0.1:8000/metrics") == shown
 
 
-@pytest.mark.parametrize(("name", "granule", "default_too_big"), [
-    ("granite-2048", 2048, False), ("nemotron-h-384", 384, True)])
+@pytest.mark.parametrize(
+    ("name", "granule", "default_too_big"),
+    [("granite-2048", 2048, False), ("nemotron-h-384", 384, True)],
+)
 def test_a_hybrid_engine_is_told_its_granule_and_the_cpu_batching_limit(
-        name: str, granule: int, default_too_big: bool) -> None:
+    name: str, granule: int, default_too_big: bool
+) -> None:
     """Real vLLM 0.32 (CPU) captures of two hybrid models: check names the granule
     (block_size, not the stale mamba_block_size of 16), and the CPU Mamba2 kernel's limit on
     batching, which the 384-token granule's engine only meets when started with
@@ -390,8 +451,9 @@ def test_a_hybrid_engine_is_told_its_granule_and_the_cpu_batching_limit(
     report = Report("http://vllm:8000/metrics")
     describe(parse(fixture_text(f"vllm-0.32.0-cpu-hybrid/{name}.prom")), report, 4096)
     (line,) = [line for line in report.lines if "hybrid model" in line]
-    assert f"cached in whole {granule:,}-token granules: a warm turn re-reads its last " \
-        "granule" in line
+    assert (
+        f"cached in whole {granule:,}-token granules: a warm turn re-reads its last granule" in line
+    )
     assert "mamba_block_size label, 16, is stale" in line
     (note,) = [note for note in report.notes if "--max-num-batched-tokens" in note]
     assert f"keep --max-num-batched-tokens at {granule:,} or below" in note
@@ -402,5 +464,6 @@ def test_a_hybrid_engine_is_told_its_granule_and_the_cpu_batching_limit(
 def test_a_dense_engine_gets_no_hybrid_advice() -> None:
     report = Report("http://vllm:8000/metrics")
     describe(parse(fixture_text("vllm-0.32.0-cpu/metrics_after.prom")), report, 4096)
-    assert not any("hybrid" in line or "max-num-batched" in line
-                   for line in report.lines + report.notes)
+    assert not any(
+        "hybrid" in line or "max-num-batched" in line for line in report.lines + report.notes
+    )

@@ -47,13 +47,16 @@ def test_one_table_for_every_command():
         assert flag.name == flag.name.lower() and " " not in flag.name
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["simulate", "--speed", "-1"], "--speed: must be greater than 0"),
-    (["drive", "--drive.base-url", "ftp://x"], "--drive.base-url: expected an http(s) URL"),
-    (["demo", "--refresh", "0"], "--refresh: must be greater than 0"),
-    (["check", "--vllm.timeout", "soon"], "--vllm.timeout: expected a number"),
-    (["generate", "--format", "helm"], "--format: must be one of"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["simulate", "--speed", "-1"], "--speed: must be greater than 0"),
+        (["drive", "--drive.base-url", "ftp://x"], "--drive.base-url: expected an http(s) URL"),
+        (["demo", "--refresh", "0"], "--refresh: must be greater than 0"),
+        (["check", "--vllm.timeout", "soon"], "--vllm.timeout: expected a number"),
+        (["generate", "--format", "helm"], "--format: must be one of"),
+    ],
+)
 def test_subcommand_settings_are_validated_by_the_same_table(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -71,12 +74,15 @@ def test_subcommands_read_their_environment_variables(monkeypatch):
     assert resolved.scenario == "two-agents-fit" and resolved.drive_exporter_url == ""
 
 
-@pytest.mark.parametrize("argv, hint", [
-    (["--vllm-url", "http://x"], "--vllm-url: did you mean --vllm.url?"),
-    (["--vllm.ulr", "http://x"], "--vllm.ulr: did you mean --vllm.url?"),
-    (["demo", "--senario", "x"], "--senario: did you mean --scenario?"),
-    (["chek"], "unknown command 'chek'"),
-])
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--vllm-url", "http://x"], "--vllm-url: did you mean --vllm.url?"),
+        (["--vllm.ulr", "http://x"], "--vllm.ulr: did you mean --vllm.url?"),
+        (["demo", "--senario", "x"], "--senario: did you mean --scenario?"),
+        (["chek"], "unknown command 'chek'"),
+    ],
+)
 def test_mistyped_flags_and_commands_get_a_suggestion(argv, hint, capsys):
     with pytest.raises(SystemExit) as exited:
         main(argv)
@@ -103,21 +109,26 @@ def test_precedence_flag_over_env_over_file(tmp_path):
 
 def test_repeatable_urls_and_comma_env():
     assert config_from(["--vllm.url", "http://a:1", "--vllm.url", "http://b:2/m"]).vllm_url == (
-        "http://a:1", "http://b:2/m")
+        "http://a:1",
+        "http://b:2/m",
+    )
     env = {"VLLM_CACHE_EXPORTER_VLLM_URL": "http://a:1, http://b:2"}
     assert config_from([], env).engine_targets == ("http://a:1/metrics", "http://b:2/metrics")
 
 
-@pytest.mark.parametrize("argv, env, field", [
-    (["--vllm.timeout", "abc"], {}, "--vllm.timeout"),
-    (["--vllm.timeout", "-1"], {}, "--vllm.timeout"),
-    (["--vllm.url", "ftp://x"], {}, "--vllm.url"),
-    (["--web.listen-address", "nope"], {}, "--web.listen-address"),
-    ([], {"VLLM_CACHE_EXPORTER_CALLERS_MAX": "many"}, "VLLM_CACHE_EXPORTER_CALLERS_MAX"),
-    (["--log.level", "loud"], {}, "--log.level"),
-    (["--tap.listen-address", "127.0.0.1:9"], {}, "--tap.upstream"),
-    (["--usage.ingest.token-file", "/nonexistent/token"], {}, "--usage.ingest.token-file"),
-])
+@pytest.mark.parametrize(
+    "argv, env, field",
+    [
+        (["--vllm.timeout", "abc"], {}, "--vllm.timeout"),
+        (["--vllm.timeout", "-1"], {}, "--vllm.timeout"),
+        (["--vllm.url", "ftp://x"], {}, "--vllm.url"),
+        (["--web.listen-address", "nope"], {}, "--web.listen-address"),
+        ([], {"VLLM_CACHE_EXPORTER_CALLERS_MAX": "many"}, "VLLM_CACHE_EXPORTER_CALLERS_MAX"),
+        (["--log.level", "loud"], {}, "--log.level"),
+        (["--tap.listen-address", "127.0.0.1:9"], {}, "--tap.upstream"),
+        (["--usage.ingest.token-file", "/nonexistent/token"], {}, "--usage.ingest.token-file"),
+    ],
+)
 def test_bad_values_name_the_field(argv, env, field):
     with pytest.raises(ConfigError) as err:
         config_from(argv, env)
@@ -139,7 +150,8 @@ def test_token_file_is_read_and_never_printed(tmp_path, capsys):
     token = tmp_path / "token"
     token.write_text("s3cret-token\n")
     assert config_from(["--usage.ingest.token-file", str(token)]).usage_ingest_token == (
-        "s3cret-token")
+        "s3cret-token"
+    )
     assert main(["--usage.ingest.token-file", str(token), "--check-config"]) == 0
     out = capsys.readouterr().out
     assert "s3cret-token" not in out
@@ -151,13 +163,18 @@ def test_check_config_exit_codes(capsys):
     assert json.loads(capsys.readouterr().out)["vllm.url"] == ["http://127.0.0.1:8000"]
     assert main(["--vllm.timeout", "soon", "--check-config"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["vllm-cache-exporter: configuration error: --vllm.timeout: expected a "
-                   "number, got 'soon'"]
+    assert err == [
+        "vllm-cache-exporter: configuration error: --vllm.timeout: expected a number, got 'soon'"
+    ]
 
 
 def test_console_script_help_is_grouped():
-    result = subprocess.run([sys.executable, "-m", "exporter", "run", "--help"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", "run", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0
     for group in ("Web:", "vLLM engine:", "Usage readers:", "Callers:", "Tap proxy:"):
         assert group in result.stdout
@@ -165,8 +182,12 @@ def test_console_script_help_is_grouped():
 
 
 def test_bad_config_exits_2_from_the_command_line():
-    result = subprocess.run([sys.executable, "-m", "exporter", "--vllm.url", "nope"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "exporter", "--vllm.url", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "--vllm.url" in result.stderr
@@ -174,24 +195,31 @@ def test_bad_config_exits_2_from_the_command_line():
 
 # --- --vllm.url: one endpoint, one target ------------------------------------------------
 
-@pytest.mark.parametrize("typed, read", [
-    ("http://h:8000", "http://h:8000/metrics"),
-    ("HTTP://VLLM.example:8000/", "http://vllm.example:8000/metrics"),
-    ("http://h:80", "http://h/metrics"),
-    ("https://h:443/prefix/metrics", "https://h/prefix/metrics"),
-    ("http://h:8000/metrics#top", "http://h:8000/metrics"),
-    ("http://[::1]:8000", "http://[::1]:8000/metrics"),
-])
+
+@pytest.mark.parametrize(
+    "typed, read",
+    [
+        ("http://h:8000", "http://h:8000/metrics"),
+        ("HTTP://VLLM.example:8000/", "http://vllm.example:8000/metrics"),
+        ("http://h:80", "http://h/metrics"),
+        ("https://h:443/prefix/metrics", "https://h/prefix/metrics"),
+        ("http://h:8000/metrics#top", "http://h:8000/metrics"),
+        ("http://[::1]:8000", "http://[::1]:8000/metrics"),
+    ],
+)
 def test_a_target_url_is_read_and_labelled_in_one_normal_form(typed, read):
     assert config_from(["--vllm.url", typed]).engine_targets == (read,)
 
 
-@pytest.mark.parametrize("first, second", [
-    ("http://h:8000", "http://h:8000/metrics"),
-    ("http://h:8000/", "HTTP://H:8000"),
-    ("http://h:80/metrics", "http://h/metrics/"),
-    ("http://user:pw@h:8000", "http://h:8000/metrics"),
-])
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ("http://h:8000", "http://h:8000/metrics"),
+        ("http://h:8000/", "HTTP://H:8000"),
+        ("http://h:80/metrics", "http://h/metrics/"),
+        ("http://user:pw@h:8000", "http://h:8000/metrics"),
+    ],
+)
 def test_one_vllm_given_twice_is_a_configuration_error(first, second, capsys):
     """Read twice, its counters would count twice in every sum over targets: refused at start
     with exit 2 and one line that names both, as every configuration error is."""
@@ -202,16 +230,30 @@ def test_one_vllm_given_twice_is_a_configuration_error(first, second, capsys):
 
 
 def test_different_ports_or_paths_are_different_targets():
-    config = config_from(["--vllm.url", "http://h:8000", "--vllm.url", "http://h:8001",
-                          "--vllm.url", "http://h:8000/other/metrics"])
+    config = config_from(
+        [
+            "--vllm.url",
+            "http://h:8000",
+            "--vllm.url",
+            "http://h:8001",
+            "--vllm.url",
+            "http://h:8000/other/metrics",
+        ]
+    )
     assert len(config.engine_targets) == 3
 
 
 def test_localhost_and_127_0_0_1_for_one_port_are_warned_about():
     from exporter.config import loopback_aliases
 
-    warnings = loopback_aliases(["http://localhost:8000", "http://127.0.0.1:8000/metrics",
-                                 "http://127.0.0.1:8001", "http://10.0.0.7:8000"])
+    warnings = loopback_aliases(
+        [
+            "http://localhost:8000",
+            "http://127.0.0.1:8000/metrics",
+            "http://127.0.0.1:8001",
+            "http://10.0.0.7:8000",
+        ]
+    )
     assert len(warnings) == 1
     assert "localhost:8000" in warnings[0] and "127.0.0.1:8000" in warnings[0]
     assert loopback_aliases(["http://localhost:8000", "http://[::1]:8001"]) == []

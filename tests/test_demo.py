@@ -23,8 +23,14 @@ STORY = re.compile(r"^\[(\d+):(\d\d)\] (.*)$")
 
 async def start_demo(*flags: str) -> tuple[asyncio.subprocess.Process, str, list[str]]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "exporter", "demo", *flags, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "exporter",
+        "demo",
+        *flags,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     lines: list[str] = []
     while True:
         line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
@@ -44,8 +50,11 @@ async def wait_for_callers(url: str, callers: set[str], timeout: float = 30.0) -
             async with session.get(url) as response:
                 assert response.status == 200
                 text = await response.text()
-            seen = {caller for caller in callers
-                    if value(text, "vllm_cache_requests_total", caller=caller) is not None}
+            seen = {
+                caller
+                for caller in callers
+                if value(text, "vllm_cache_requests_total", caller=caller) is not None
+            }
             if seen == callers:
                 return text
             assert loop.time() < deadline, f"only {seen} appeared in {timeout:g}s"
@@ -53,8 +62,9 @@ async def wait_for_callers(url: str, callers: set[str], timeout: float = 30.0) -
 
 
 async def test_demo_serves_per_caller_metrics_and_ends_by_itself():
-    process, url, _ = await start_demo("--scenario", "two-agents-fit", "--duration", "8",
-                                       "--speed", "100", "--refresh", "1")
+    process, url, _ = await start_demo(
+        "--scenario", "two-agents-fit", "--duration", "8", "--speed", "100", "--refresh", "1"
+    )
     try:
         text = await wait_for_callers(url, {"agent-a", "agent-b"})
         assert value(text, "vllm_cache_engine_up") == 1
@@ -71,8 +81,9 @@ async def test_demo_serves_per_caller_metrics_and_ends_by_itself():
 
 
 async def test_demo_stops_cleanly_on_ctrl_c():
-    process, url, _ = await start_demo("--scenario", "details-off", "--speed", "50",
-                                       "--refresh", "1")
+    process, url, _ = await start_demo(
+        "--scenario", "details-off", "--speed", "50", "--refresh", "1"
+    )
     try:
         await wait_for_callers(url, {"coder"})
         process.send_signal(signal.SIGINT)
@@ -94,19 +105,31 @@ def test_the_view_shows_the_engines_ttft_where_vllm_measured_it():
 
     def histogram(caller: str, state: str, source: str, counts: list[int]) -> str:
         labels = f'caller="{caller}",model="m",source="{source}",state="{state}"'
-        lines = [f'vllm_cache_ttft_seconds_bucket{{{labels},le="{le}"}} {count}'
-                 for le, count in zip(("1.0", "10.0", "100.0", "+Inf"), counts, strict=True)]
-        return "\n".join([*lines, f"vllm_cache_ttft_seconds_count{{{labels}}} {counts[-1]}",
-                          f"vllm_cache_ttft_seconds_sum{{{labels}}} 1.0"])
+        lines = [
+            f'vllm_cache_ttft_seconds_bucket{{{labels},le="{le}"}} {count}'
+            for le, count in zip(("1.0", "10.0", "100.0", "+Inf"), counts, strict=True)
+        ]
+        return "\n".join(
+            [
+                *lines,
+                f"vllm_cache_ttft_seconds_count{{{labels}}} {counts[-1]}",
+                f"vllm_cache_ttft_seconds_sum{{{labels}}} 1.0",
+            ]
+        )
 
-    text = "\n".join([
-        "# TYPE vllm_cache_ttft_seconds histogram",
-        histogram("both", "warm", "engine", [4, 4, 4, 4]),  # under a second
-        histogram("both", "warm", "proxy", [0, 0, 4, 4]),  # the queue in it: ~a minute
-        histogram("proxy-only", "warm", "proxy", [0, 0, 4, 4]),
-        histogram("engine-idle", "warm", "engine", [0, 0, 0, 0]),
-        histogram("engine-idle", "warm", "proxy", [0, 4, 4, 4]),
-    ]) + "\n"
+    text = (
+        "\n".join(
+            [
+                "# TYPE vllm_cache_ttft_seconds histogram",
+                histogram("both", "warm", "engine", [4, 4, 4, 4]),  # under a second
+                histogram("both", "warm", "proxy", [0, 0, 4, 4]),  # the queue in it: ~a minute
+                histogram("proxy-only", "warm", "proxy", [0, 0, 4, 4]),
+                histogram("engine-idle", "warm", "engine", [0, 0, 0, 0]),
+                histogram("engine-idle", "warm", "proxy", [0, 4, 4, 4]),
+            ]
+        )
+        + "\n"
+    )
     callers = parse_snapshot(text, 0.0).callers
     assert callers["both"].ttft_p50("warm") == 0.5
     assert callers["proxy-only"].ttft_p50("warm") == 55.0
@@ -139,12 +162,18 @@ async def test_the_default_demo_tells_the_collapse_as_it_happens():
     page = url.removesuffix("metrics")
     assert sum(line.count(page) for line in header + lines) == 1, "the URL printed more than once"
     assert f"Status page: {page}" in "".join(header)
-    story = [(int(match[1]) * 60 + int(match[2]), match[3]) for match in
-             (STORY.match(line.rstrip("\n")) for line in lines) if match]
+    story = [
+        (int(match[1]) * 60 + int(match[2]), match[3])
+        for match in (STORY.match(line.rstrip("\n")) for line in lines)
+        if match
+    ]
 
     def first(*words: str) -> int:
-        found = [index for index, (_, sentence) in enumerate(story)
-                 if all(word in sentence for word in words)]
+        found = [
+            index
+            for index, (_, sentence) in enumerate(story)
+            if all(word in sentence for word in words)
+        ]
         assert found, f"no story line with {words}:\n" + "\n".join(s for _, s in story)
         return found[0]
 
@@ -165,8 +194,9 @@ async def test_the_fanout_demo_goes_through_the_tap_and_names_the_varying_top():
     """fanout-order's clients go through the exporter's tap, which sees their prompts: the
     status page says the per-agent part sits at the top of fanout-task-first's, and nothing
     of the kind about fanout-shared-first's."""
-    process, url, header = await start_demo("--scenario", "fanout-order", "--speed", "50",
-                                            "--refresh", "30")
+    process, url, header = await start_demo(
+        "--scenario", "fanout-order", "--speed", "50", "--refresh", "30"
+    )
     page_url = url.removesuffix("metrics")
     try:
         loop = asyncio.get_running_loop()
@@ -195,8 +225,9 @@ async def test_the_fanout_demo_goes_through_the_tap_and_names_the_varying_top():
     notes = [line for line in out.decode().splitlines() if "variable sits at the top" in line]
     assert len(notes) == 1 and "] note: fanout-task-first on qwen3.8-27b: " in notes[0], notes
     assert value(text, "vllm_cache_usage_events_total", reader="tap") > 0
-    assert value(text, "vllm_cache_prompt_order_variable_top_total",
-                 caller="fanout-shared-first") == 0
+    assert (
+        value(text, "vllm_cache_prompt_order_variable_top_total", caller="fanout-shared-first") == 0
+    )
 
 
 def test_the_story_tells_the_advice_a_scenario_is_there_to_show_once():
@@ -206,14 +237,18 @@ def test_the_story_tells_the_advice_a_scenario_is_there_to_show_once():
     story = Story(BASE)
     told: list[str] = []
     for seconds in range(60, 3_600, 60):
-        told += [line.render() for line in story.look(replay.status(seconds))
-                 if line.kind == "completions"]
+        told += [
+            line.render()
+            for line in story.look(replay.status(seconds))
+            if line.kind == "completions"
+        ]
     page = replay.status(3_600)
     callers = sorted(item.callers[0] for item in page.advice if item.kind == "completions")
     assert callers == ["coder", "reviewer"]
     assert len(told) == 2, told  # one line per caller, however long the scenario runs
-    for caller, line in zip(callers, sorted(told, key=lambda line: line.split("note: ")[1]),
-                            strict=True):
+    for caller, line in zip(
+        callers, sorted(told, key=lambda line: line.split("note: ")[1]), strict=True
+    ):
         assert line.split("] ", 1)[1].startswith(f"note: {caller} on qwen3.8-27b: ")
         assert "overstatement" in line
 
@@ -229,9 +264,17 @@ async def test_the_demo_listens_where_it_is_told():
     be pointed at its exporter (and at the simulated vLLM) before it starts."""
     web_port, sim_port = free_port(), free_port()
     process, url, _header = await start_demo(
-        "--scenario", "details-off", "--speed", "50", "--refresh", "30",
-        "--web.listen-address", f"127.0.0.1:{web_port}",
-        "--sim.listen-address", f"127.0.0.1:{sim_port}")
+        "--scenario",
+        "details-off",
+        "--speed",
+        "50",
+        "--refresh",
+        "30",
+        "--web.listen-address",
+        f"127.0.0.1:{web_port}",
+        "--sim.listen-address",
+        f"127.0.0.1:{sim_port}",
+    )
     try:
         assert url == f"http://127.0.0.1:{web_port}/metrics"
         sim_line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
@@ -259,8 +302,15 @@ async def test_a_demo_port_in_use_is_a_clear_error():
         held.listen()
         port = held.getsockname()[1]
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "exporter", "demo", "--web.listen-address",
-            f"127.0.0.1:{port}", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-m",
+            "exporter",
+            "demo",
+            "--web.listen-address",
+            f"127.0.0.1:{port}",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         _out, errors = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 1
     message = errors.decode()

@@ -10,13 +10,18 @@ ROW = 'engine="0",model_name="m",target="http://vllm:8000/metrics"'
 
 
 def scrape(evicted: int, idle_seconds: float, lifetime_seconds: float) -> str:
-    return "\n".join([
-        "vllm_cache_engine_up{target=\"http://vllm:8000/metrics\"} 1.0",
-        f"vllm_cache_engine_kv_block_idle_before_evict_seconds_count{{{ROW}}} {evicted}",
-        f"vllm_cache_engine_kv_block_idle_before_evict_seconds_sum{{{ROW}}} {idle_seconds}",
-        f"vllm_cache_engine_kv_block_lifetime_seconds_count{{{ROW}}} {evicted}",
-        f"vllm_cache_engine_kv_block_lifetime_seconds_sum{{{ROW}}} {lifetime_seconds}",
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                'vllm_cache_engine_up{target="http://vllm:8000/metrics"} 1.0',
+                f"vllm_cache_engine_kv_block_idle_before_evict_seconds_count{{{ROW}}} {evicted}",
+                f"vllm_cache_engine_kv_block_idle_before_evict_seconds_sum{{{ROW}}} {idle_seconds}",
+                f"vllm_cache_engine_kv_block_lifetime_seconds_count{{{ROW}}} {evicted}",
+                f"vllm_cache_engine_kv_block_lifetime_seconds_sum{{{ROW}}} {lifetime_seconds}",
+            ]
+        )
+        + "\n"
+    )
 
 
 def test_evicted_before_reuse_is_shown_and_named():
@@ -55,6 +60,7 @@ def test_the_demo_colours_a_hit_ratio_as_the_dashboards_do() -> None:
     config = MonitoringConfig()
     (_, fair), (_, good) = hit_ratio_thresholds(config)[1:]
     assert (fair, good) == (config.hit_ratio_fair, config.hit_ratio_good)
-    colours = {value: view._ratio_text(value).style
-               for value in (fair - 0.01, fair, good - 0.01, good)}
+    colours = {
+        value: view._ratio_text(value).style for value in (fair - 0.01, fair, good - 0.01, good)
+    }
     assert colours == {fair - 0.01: "red", fair: "yellow", good - 0.01: "yellow", good: "green"}

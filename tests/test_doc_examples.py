@@ -28,8 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 USAGE = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
 # Where the examples' commands are: the quick path and every reference page (docs/performance.md
 # is a benchmark report: its commands are bench/'s).
-PAGES = [ROOT / "README.md", *sorted(path for path in (ROOT / "docs").glob("*.md")
-                                     if path.name != "performance.md")]
+PAGES = [
+    ROOT / "README.md",
+    *sorted(path for path in (ROOT / "docs").glob("*.md") if path.name != "performance.md"),
+]
 DOC_URL = "http://127.0.0.1:10123"
 TOKEN = "doc-example-token"
 
@@ -88,8 +90,14 @@ def test_every_fence_is_a_line_of_its_own():
 def test_the_docs_show_commands():
     """The walk finds the commands (so the test below cannot pass by finding none)."""
     pages = {page for page, _ in documented_commands()}
-    assert {"README.md", "docs/usage.md", "docs/demo.md", "docs/monitoring.md",
-            "docs/security.md", "docs/deployment.md"} <= pages
+    assert {
+        "README.md",
+        "docs/usage.md",
+        "docs/demo.md",
+        "docs/monitoring.md",
+        "docs/security.md",
+        "docs/deployment.md",
+    } <= pages
 
 
 @pytest.mark.parametrize("page, command", documented_commands())
@@ -98,8 +106,7 @@ def test_every_documented_command_line_is_accepted(page, command):
     (what the process would do before anything else; a file it names need not exist)."""
     argv = shlex.split(command)[1:]
     if "..." in argv:  # "vllm-cache-exporter ... --tap.key-alias": the flag alone
-        argv = [argv[0] if argv[0] != "..." else RUN,
-                *(word for word in argv[1:] if word != "...")]
+        argv = [argv[0] if argv[0] != "..." else RUN, *(word for word in argv[1:] if word != "...")]
     try:
         args = parse(argv)
     except SystemExit as err:
@@ -122,9 +129,17 @@ async def running_exporter(token: str = "") -> AsyncIterator[str]:
     port = free_port()
     env = {**os.environ, "VLLM_CACHE_EXPORTER_USAGE_INGEST_TOKEN": token}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "exporter", "--web.listen-address", f"127.0.0.1:{port}",
-        "--log.level", "warning", env=env, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "exporter",
+        "--web.listen-address",
+        f"127.0.0.1:{port}",
+        "--log.level",
+        "warning",
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
@@ -156,9 +171,14 @@ async def post(url: str, path: str, body: bytes, token: str = "") -> tuple[int, 
 
 async def run_shell(command: str, cwd: Path, url: str) -> str:
     shell = await asyncio.create_subprocess_exec(
-        "bash", "-c", command.replace(DOC_URL, url), cwd=cwd,
-        env={**os.environ, "TOKEN": TOKEN}, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        "bash",
+        "-c",
+        command.replace(DOC_URL, url),
+        cwd=cwd,
+        env={**os.environ, "TOKEN": TOKEN},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, errors = await asyncio.wait_for(shell.communicate(), 30)
     assert shell.returncode == 0, errors.decode()
     return out.decode()

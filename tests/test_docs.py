@@ -15,8 +15,9 @@ DOC = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text
 
 
 async def test_every_served_family_is_documented(fake_vllm, aiohttp_client):
-    client = await aiohttp_client(create_app(Config(vllm_url=(fake_vllm.url,)),
-                                             initial_refresh=False))
+    client = await aiohttp_client(
+        create_app(Config(vllm_url=(fake_vllm.url,)), initial_refresh=False)
+    )
     text = await scrape(client)
     families = set(re.findall(r"^# TYPE (\S+) (\S+)", text, flags=re.M))
     assert families, "nothing served"
@@ -45,15 +46,16 @@ def test_series_the_runtime_adds_are_documented():
     from exporter.wiring import file_follower, signals_state
 
     plan = plan_descriptors(1024, {"web": (1, 1)})
-    collectors = [LimitsCollector([ListenerStats("web", 1)], RateLimitedLogs(), plan,
-                                  FileDescriptors(1)),
-                  WebConfigCollector(lambda: []),
-                  FollowedFilesCollector(file_follower(Config(usage_file=("x",)),
-                                                       signals_state(Config()).usage))]
+    collectors = [
+        LimitsCollector([ListenerStats("web", 1)], RateLimitedLogs(), plan, FileDescriptors(1)),
+        WebConfigCollector(lambda: []),
+        FollowedFilesCollector(
+            file_follower(Config(usage_file=("x",)), signals_state(Config()).usage)
+        ),
+    ]
     names = [family.name for collector in collectors for family in collector.collect()]
     assert names
-    missing = [name for name in names
-               if f"`{name}`" not in DOC and f"`{name}_total`" not in DOC]
+    missing = [name for name in names if f"`{name}`" not in DOC and f"`{name}_total`" not in DOC]
     assert missing == [], f"series missing from docs/metrics.md: {missing}"
 
 

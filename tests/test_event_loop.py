@@ -38,8 +38,9 @@ def test_uvloop_by_default_and_asyncio_when_turned_off():
     ran_on = result_of(loop_type(), off.web_uvloop)
     assert ran_on is not uvloop.Loop and issubclass(ran_on, asyncio.BaseEventLoop)
     assert event_loop_name(False) == "asyncio"
-    from_env = build_config(build_parser().parse_args(["run"]),
-                            {"VLLM_CACHE_EXPORTER_WEB_UVLOOP": "false"})
+    from_env = build_config(
+        build_parser().parse_args(["run"]), {"VLLM_CACHE_EXPORTER_WEB_UVLOOP": "false"}
+    )
     assert from_env.web_uvloop is False
 
 
@@ -50,14 +51,23 @@ def test_without_uvloop_installed_run_falls_back_to_asyncio(monkeypatch: pytest.
     assert ran_on is not uvloop.Loop and issubclass(ran_on, asyncio.BaseEventLoop)
 
 
-@pytest.mark.parametrize(("flags", "expected"), [((), b"uvloop"),
-                                                 (("--no-web.uvloop",), b"asyncio")])
+@pytest.mark.parametrize(
+    ("flags", "expected"), [((), b"uvloop"), (("--no-web.uvloop",), b"asyncio")]
+)
 async def test_run_says_which_loop_it_runs_on_serves_and_stops_cleanly(flags, expected):
     port = free_port()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "exporter", "--web.listen-address", f"127.0.0.1:{port}",
-        "--log.level", "info", *flags,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "exporter",
+        "--web.listen-address",
+        f"127.0.0.1:{port}",
+        "--log.level",
+        "info",
+        *flags,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         line = await asyncio.wait_for(process.stderr.readline(), timeout=30)
         while b"event loop:" not in line:

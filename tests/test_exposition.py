@@ -60,31 +60,94 @@ from exporter.wiring import signals_state
 from tests.helpers import FIXTURES
 
 # What Prometheus 2.x sends (scrape_protocols default): OpenMetrics first.
-PROMETHEUS_2_ACCEPT = ("application/openmetrics-text;version=1.0.0,"
-                       "application/openmetrics-text;version=0.0.1;q=0.75,"
-                       "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,"
+    "application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 
-ENGINE_FIXTURES = sorted(path.relative_to(FIXTURES).as_posix()
-                         for path in FIXTURES.rglob("*.prom"))
+ENGINE_FIXTURES = sorted(path.relative_to(FIXTURES).as_posix() for path in FIXTURES.rglob("*.prom"))
 
 # Label values an outside caller (or an operator's model name) can put in front of us.
 HOSTILE = [
-    'quote"inside', "back\\slash", "new\nline", 'all\\"three\n', "\\n literal", '"', "\\",
-    "\n", "", " ", "tab\there", "carriage\rreturn", "ünïcødé", "日本語エージェント", "emoji 🚀",
-    "{braces}", "a=b,c=d", "le", "__other__", "key-0123456789ab", "zero\x00byte",
-    "trailing\\", "sk-" + "a" * 40,  # looks like an API key: hashed to key-...
+    'quote"inside',
+    "back\\slash",
+    "new\nline",
+    'all\\"three\n',
+    "\\n literal",
+    '"',
+    "\\",
+    "\n",
+    "",
+    " ",
+    "tab\there",
+    "carriage\rreturn",
+    "ünïcødé",
+    "日本語エージェント",
+    "emoji 🚀",
+    "{braces}",
+    "a=b,c=d",
+    "le",
+    "__other__",
+    "key-0123456789ab",
+    "zero\x00byte",
+    "trailing\\",
+    "sk-" + "a" * 40,  # looks like an API key: hashed to key-...
 ]
 
 # Values floatToGoString has special cases for, and its neighbours.
 ODD_FLOATS = [
-    0.0, -0.0, 1.0, -1.0, 0.5, 1e-300, 5e-324, -5e-324, 1e-05, 1.5e-7, 999_999.0,
-    999_999.9999999999, 1_000_000.0, 1_234_567.0, 1_234_567.891, 1e15, 1e16, 1.7976931348623157e308,
-    -1e6, -1_234_567.0, -1e16, -1e300, math.inf, -math.inf, math.nan, 0.1 + 0.2, 1 / 3,
-    123_456.789, 2.0 ** 53, 2.0 ** 53 + 2,
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    0.5,
+    1e-300,
+    5e-324,
+    -5e-324,
+    1e-05,
+    1.5e-7,
+    999_999.0,
+    999_999.9999999999,
+    1_000_000.0,
+    1_234_567.0,
+    1_234_567.891,
+    1e15,
+    1e16,
+    1.7976931348623157e308,
+    -1e6,
+    -1_234_567.0,
+    -1e16,
+    -1e300,
+    math.inf,
+    -math.inf,
+    math.nan,
+    0.1 + 0.2,
+    1 / 3,
+    123_456.789,
+    2.0**53,
+    2.0**53 + 2,
 ]
-ODD_INTS = [0, 1, -1, 999_999, 1_000_000, 1_000_001, 12_345_678, 2 ** 53 - 1, 2 ** 53,
-            2 ** 53 + 1, -(2 ** 53) + 1, -(2 ** 53), -(2 ** 53) - 1, 10 ** 15, 10 ** 16,
-            10 ** 20, -10 ** 20, 2 ** 63]
+ODD_INTS = [
+    0,
+    1,
+    -1,
+    999_999,
+    1_000_000,
+    1_000_001,
+    12_345_678,
+    2**53 - 1,
+    2**53,
+    2**53 + 1,
+    -(2**53) + 1,
+    -(2**53),
+    -(2**53) - 1,
+    10**15,
+    10**16,
+    10**20,
+    -(10**20),
+    2**63,
+]
 
 
 class Clock:
@@ -123,15 +186,31 @@ def record_all_states(state: SignalsState, caller: str, model: str) -> None:
         (5_000, 0, 500),  # error
     ]
     for index, (prompt, cached, status) in enumerate(turns):
-        state.usage.record(UsageEvent(caller, model, prompt, cached,
-                                      ttft_seconds=0.04 + index * 7.3,
-                                      queue_seconds=0.001 * index if index % 2 else None,
-                                      status=status), "http")
-        state.usage.record(UsageEvent(caller, model, prompt, cached,
-                                      ttft_seconds=9.5, status=status,
-                                      engine_ttft_seconds=0.03 + index * 5.1,
-                                      engine_queue_seconds=0.002 * index if index % 3 else None),
-                           "http")
+        state.usage.record(
+            UsageEvent(
+                caller,
+                model,
+                prompt,
+                cached,
+                ttft_seconds=0.04 + index * 7.3,
+                queue_seconds=0.001 * index if index % 2 else None,
+                status=status,
+            ),
+            "http",
+        )
+        state.usage.record(
+            UsageEvent(
+                caller,
+                model,
+                prompt,
+                cached,
+                ttft_seconds=9.5,
+                status=status,
+                engine_ttft_seconds=0.03 + index * 5.1,
+                engine_queue_seconds=0.002 * index if index % 3 else None,
+            ),
+            "http",
+        )
 
 
 # Label values the encoders must escape only reach them when the name policy lets any name
@@ -141,9 +220,16 @@ ANY_NAME = {"callers_name_pattern": r"(?s).{1,256}", "callers_model_pattern": r"
 
 def hostile_state(callers: int = 300) -> SignalsState:
     clock = Clock()
-    state = signals_state(Config(signals_granularity=2048, callers_max=callers - 20,
-                                callers_max_series=10_000_000, usage_file=("/x/*.jsonl",),
-                                **ANY_NAME), clock=clock)
+    state = signals_state(
+        Config(
+            signals_granularity=2048,
+            callers_max=callers - 20,
+            callers_max_series=10_000_000,
+            usage_file=("/x/*.jsonl",),
+            **ANY_NAME,
+        ),
+        clock=clock,
+    )
     usage = state.usage
     assert usage is not None
     models = ["qwen3.8-27b", 'mo"del', "mod\\el\n", "ünï"]
@@ -186,7 +272,7 @@ def hostile_state(callers: int = 300) -> SignalsState:
         usage.reject("http", reason)
         usage.reject_request(reason)
     usage.last_event_time["tap"] = math.nan
-    usage.last_event_time["weird\n\"reader\\"] = 1e-300
+    usage.last_event_time['weird\n"reader\\'] = 1e-300
     return state
 
 
@@ -213,8 +299,9 @@ async def test_engine_fixtures_render_identically(fixture, fake_vllm, exporter_f
     assert b"# TYPE vllm_cache_requests counter" in body and body.endswith(b"# EOF\n")
 
 
-async def test_engine_down_and_failing_targets_render_identically(fake_vllm, exporter_for,
-                                                                  unused_tcp_port):
+async def test_engine_down_and_failing_targets_render_identically(
+    fake_vllm, exporter_for, unused_tcp_port
+):
     dead = f"http://127.0.0.1:{unused_tcp_port}/metrics"
     client = await exporter_for(fake_vllm.url, dead)
     await client.get("/metrics")  # one up, one down (connect error, duration, errors)
@@ -227,9 +314,11 @@ async def test_engine_down_and_failing_targets_render_identically(fake_vllm, exp
 
 async def test_usage_over_http_renders_identically(fake_vllm, exporter_for):
     client = await exporter_for(fake_vllm.url, signals_granularity=2048, **ANY_NAME)
-    lines = [f'{{"caller": "{c}", "model": "m", "prompt_tokens": 90000, '
-             f'"cached_tokens": 86016, "ttft_seconds": 1.5, "queue_seconds": 0.25}}'
-             for c in ("alpha", 'q\\"uote', "back\\\\slash", "日本")]
+    lines = [
+        f'{{"caller": "{c}", "model": "m", "prompt_tokens": 90000, '
+        f'"cached_tokens": 86016, "ttft_seconds": 1.5, "queue_seconds": 0.25}}'
+        for c in ("alpha", 'q\\"uote', "back\\\\slash", "日本")
+    ]
     await client.post("/v1/usage", data="\n".join(lines) + "\n{bad\n")
     body = await (await client.get("/metrics")).read()
     assert b'caller="q\\"uote"' in body  # JSON q\"uote is q"uote
@@ -245,8 +334,12 @@ async def test_usage_over_http_renders_identically(fake_vllm, exporter_for):
 def test_empty_registry_prints_every_header():
     state = signals_state(Config(), clock=Clock())
     text = assert_same(build_registry(state)).decode()
-    for name in ("vllm_cache_requests_total", "vllm_cache_ttft_seconds",
-                 "vllm_cache_queue_wait_seconds", "vllm_cache_granularity_tokens"):
+    for name in (
+        "vllm_cache_requests_total",
+        "vllm_cache_ttft_seconds",
+        "vllm_cache_queue_wait_seconds",
+        "vllm_cache_granularity_tokens",
+    ):
         assert f"# HELP {name} " in text and f"# TYPE {name} " in text
 
 
@@ -314,8 +407,9 @@ def test_one_byte_in_the_general_openmetrics_encoder_is_caught(monkeypatch):
     registry.register(FamiliesCollector(every_type()))
     assert_same(registry)
     original = exposition.openmetrics_header
-    monkeypatch.setattr(exposition, "openmetrics_header",
-                        lambda *args: original(*args).replace("# TYPE", "# TYPE "))
+    monkeypatch.setattr(
+        exposition, "openmetrics_header", lambda *args: original(*args).replace("# TYPE", "# TYPE ")
+    )
     assert generate_openmetrics(registry) != openmetrics_latest(registry)
 
 
@@ -340,19 +434,25 @@ def every_type() -> list[Metric]:
         gauge.add_metric([repr(number), "\\", "ü"], number)
     info = InfoMetricFamily("i", "info", value={"version": '1"0', "build": "b\\"})
     stateset = StateSetMetricFamily("s", "stateset", value={"on": True, "off": False})
-    hist = HistogramMetricFamily("h", help_text, buckets=[("0.5", 1), ("+Inf", 2)],
-                                 sum_value=0.75)
+    hist = HistogramMetricFamily("h", help_text, buckets=[("0.5", 1), ("+Inf", 2)], sum_value=0.75)
     empty_hist = HistogramMetricFamily("h_empty", "no observations", labels=["caller"])
-    ghist = GaugeHistogramMetricFamily("gh", "gauge histogram",
-                                       buckets=[("1.0", 4), ("+Inf", 5)], gsum_value=7.0)
+    ghist = GaugeHistogramMetricFamily(
+        "gh", "gauge histogram", buckets=[("1.0", 4), ("+Inf", 5)], gsum_value=7.0
+    )
     summary = SummaryMetricFamily("sm", "summary", count_value=3, sum_value=1.25)
     unknown = UnknownMetricFamily("u", "unknown", value=1_234_567.0)
     with_unit = GaugeMetricFamily("room_temperature_celsius", 'a "unit"', unit="celsius")
     with_unit.add_metric([], 21.5, timestamp=1_700_000_000)
     # Exemplars (OpenMetrics prints them, the text format drops them): client_python's job.
     exemplars = HistogramMetricFamily(
-        "hx", "exemplars", buckets=[("1.0", 1, Exemplar({"trace_id": 'a"b\n'}, 0.5, 12.0)),
-                                    ("+Inf", 2, Exemplar({}, 7.0))], sum_value=7.5)
+        "hx",
+        "exemplars",
+        buckets=[
+            ("1.0", 1, Exemplar({"trace_id": 'a"b\n'}, 0.5, 12.0)),
+            ("+Inf", 2, Exemplar({}, 7.0)),
+        ],
+        sum_value=7.5,
+    )
     counted = Metric("cx", "counter with an exemplar", "counter")
     counted.add_sample("cx_total", {"a": "b"}, 2.0, exemplar=Exemplar({"span": "1"}, 1.0))
     nothing = CounterMetricFamily("nothing", "")
@@ -360,8 +460,22 @@ def every_type() -> list[Metric]:
     mixed = Metric("mx", "om samples", "gaugehistogram")
     for suffix, number in (("_gsum", 2.5), ("_bucket", 1), ("_created", 3.0), ("_gcount", 1)):
         mixed.add_sample("mx" + suffix, {"le": "+Inf"} if suffix == "_bucket" else {}, number)
-    families = [counter, gauge, info, stateset, hist, empty_hist, ghist, summary, unknown,
-                with_unit, exemplars, counted, nothing, mixed]
+    families = [
+        counter,
+        gauge,
+        info,
+        stateset,
+        hist,
+        empty_hist,
+        ghist,
+        summary,
+        unknown,
+        with_unit,
+        exemplars,
+        counted,
+        nothing,
+        mixed,
+    ]
     try:  # UTF-8 names: client_python >= 0.22 accepts them, and escapes them per release
         dotted = GaugeMetricFamily("dotted.name", "utf-8 names", labels=["la.bel"])
         dotted.add_metric(["v"], 1.0)
@@ -427,16 +541,23 @@ def test_a_misplaced_exemplar_fails_as_in_client_python():
 
 # ---- negotiation ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("accept", "openmetrics"), [
-    ("", False),
-    ("text/plain;version=0.0.4", False),
-    ("*/*", False),
-    (PROMETHEUS_2_ACCEPT, True),
-    ("application/openmetrics-text", True),
-    ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
-     "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.5", True),  # Prometheus 3.x
-    ("text/plain;version=1.0.0;escaping=underscores", False),
-])
+
+@pytest.mark.parametrize(
+    ("accept", "openmetrics"),
+    [
+        ("", False),
+        ("text/plain;version=0.0.4", False),
+        ("*/*", False),
+        (PROMETHEUS_2_ACCEPT, True),
+        ("application/openmetrics-text", True),
+        (
+            "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+            "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.5",
+            True,
+        ),  # Prometheus 3.x
+        ("text/plain;version=1.0.0;escaping=underscores", False),
+    ],
+)
 def test_formats_we_write(accept, openmetrics):
     fmt = choose_format(accept)
     assert fmt.openmetrics is openmetrics
@@ -446,13 +567,16 @@ def test_formats_we_write(accept, openmetrics):
     assert generate(registry, fmt) == choose_encoder(accept)[0](registry)
 
 
-@pytest.mark.parametrize("accept", [
-    "application/openmetrics-text;version=1.0.0;escaping=dots",
-    "text/plain;version=1.0.0;escaping=dots",
-    "application/openmetrics-text;version=1.0.0;escaping=values",  # 0.26: U__vllm__cache__...
-    "text/plain;version=1.0.0;escaping=values",
-    "application/openmetrics-text;version=2.0.0",
-])
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "application/openmetrics-text;version=1.0.0;escaping=dots",
+        "text/plain;version=1.0.0;escaping=dots",
+        "application/openmetrics-text;version=1.0.0;escaping=values",  # 0.26: U__vllm__cache__...
+        "text/plain;version=1.0.0;escaping=values",
+        "application/openmetrics-text;version=2.0.0",
+    ],
+)
 async def test_formats_we_do_not_write_are_client_pythons(accept):
     encoder, content_type = choose_encoder(accept)
     fmt = choose_format(accept)
@@ -474,7 +598,7 @@ def test_format_value_matches_float_to_go_string():
 
 label_values = st.text(max_size=12)  # any code point but surrogates: quotes, \, \n, unicode
 any_float = st.floats(allow_nan=True, allow_infinity=True)
-any_number = st.one_of(any_float, st.integers(min_value=-(2 ** 70), max_value=2 ** 70))
+any_number = st.one_of(any_float, st.integers(min_value=-(2**70), max_value=2**70))
 
 
 @given(any_number)
@@ -483,13 +607,20 @@ def test_format_value_property(number):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(label_values, label_values,
-                          st.lists(st.sampled_from(STATES), max_size=4),
-                          any_float, st.integers(min_value=0, max_value=2 ** 60)),
-                max_size=8),
-       st.lists(st.tuples(label_values, st.integers(min_value=0, max_value=2 ** 40)),
-                max_size=3),
-       any_float)
+@given(
+    st.lists(
+        st.tuples(
+            label_values,
+            label_values,
+            st.lists(st.sampled_from(STATES), max_size=4),
+            any_float,
+            st.integers(min_value=0, max_value=2**60),
+        ),
+        max_size=8,
+    ),
+    st.lists(st.tuples(label_values, st.integers(min_value=0, max_value=2**40)), max_size=3),
+    any_float,
+)
 def test_registry_property(series_specs, rejected, now):
     state = signals_state(Config(), clock=Clock(now))
     usage = state.usage
@@ -519,24 +650,47 @@ def test_registry_property(series_specs, rejected, now):
 plain_names = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,6}", fullmatch=True)
 # Legal in client_python's Metric (every release) but not plain: handed to client_python.
 legacy_names = st.from_regex(r"[a-zA-Z_:][a-zA-Z0-9_:]{0,6}", fullmatch=True)
-timestamps = st.one_of(st.none(), st.floats(min_value=0, max_value=4e9), st.integers(0, 2 ** 40))
+timestamps = st.one_of(st.none(), st.floats(min_value=0, max_value=4e9), st.integers(0, 2**40))
 
 
 @st.composite
 def families(draw) -> Metric:
     """A family of a drawn type, name, labels, values and timestamps, as collectors build."""
-    kind = draw(st.sampled_from(["gauge", "counter", "unknown", "histogram", "summary",
-                                 "info", "stateset", "gaugehistogram"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "gauge",
+                "counter",
+                "unknown",
+                "histogram",
+                "summary",
+                "info",
+                "stateset",
+                "gaugehistogram",
+            ]
+        )
+    )
     name = draw(st.one_of(plain_names, legacy_names))
     documentation = draw(label_values)
-    label_names = draw(st.lists(plain_names.filter(lambda n: n not in ("le", "quantile")),
-                                max_size=3, unique=True))
-    rows = draw(st.lists(st.tuples(st.lists(label_values, min_size=len(label_names),
-                                            max_size=len(label_names)),
-                                   any_float, timestamps), max_size=4))
+    label_names = draw(
+        st.lists(plain_names.filter(lambda n: n not in ("le", "quantile")), max_size=3, unique=True)
+    )
+    rows = draw(
+        st.lists(
+            st.tuples(
+                st.lists(label_values, min_size=len(label_names), max_size=len(label_names)),
+                any_float,
+                timestamps,
+            ),
+            max_size=4,
+        )
+    )
     if kind in ("gauge", "counter", "unknown"):
-        family_type = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily,
-                       "unknown": UnknownMetricFamily}[kind]
+        family_type = {
+            "gauge": GaugeMetricFamily,
+            "counter": CounterMetricFamily,
+            "unknown": UnknownMetricFamily,
+        }[kind]
         family = family_type(name, documentation, labels=label_names)
         for labels, number, stamp in rows:
             if kind == "counter":
@@ -545,8 +699,9 @@ def families(draw) -> Metric:
                 family.add_metric(labels, number, timestamp=stamp)
         return family
     if kind in ("histogram", "gaugehistogram"):
-        family = (HistogramMetricFamily if kind == "histogram"
-                  else GaugeHistogramMetricFamily)(name, documentation, labels=label_names)
+        family = (HistogramMetricFamily if kind == "histogram" else GaugeHistogramMetricFamily)(
+            name, documentation, labels=label_names
+        )
         for labels, number, stamp in rows:
             buckets = [("1.0", 1), ("+Inf", 2)]
             if kind == "histogram":
@@ -644,9 +799,12 @@ async def test_state_changing_between_slices(monkeypatch, fmt):
     body = (await generate_async(registry, fmt, pauses)).decode()
     assert pauses.count > 10 and len(began) >= 100
     parse = parse_om if fmt.openmetrics else parse_text
-    rendered = {(sample.labels["caller"], sample.labels["model"])
-                for family in parse(body) for sample in family.samples
-                if family.name == "vllm_cache_requests"}
+    rendered = {
+        (sample.labels["caller"], sample.labels["model"])
+        for family in parse(body)
+        for sample in family.samples
+        if family.name == "vllm_cache_requests"
+    }
     assert rendered == began  # every series that existed, none added during the render
     assert set(usage.series) - began  # (there were some)
     assert_same(registry)  # the next render has them all

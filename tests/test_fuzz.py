@@ -25,31 +25,68 @@ from exporter.usage.event import FIELDS, validate
 from exporter.usage.tail import FileFollower
 from exporter.wiring import signals_state, tap_app
 
-HOSTILE_NUMBERS = st.sampled_from([2 ** 1024, -(2 ** 1024), 10 ** 400, float("nan"),
-                                   float("inf"), -0.0, 1e308, 5e-324, -1, 0, 2 ** 63])
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), HOSTILE_NUMBERS,
-                    st.text(max_size=40), st.sampled_from(["", "   ", "sk-1234", "\x00",
-                                                            "²", "NaN", "a@b.co"]))
-VALUES = st.recursive(SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-    max_leaves=12)
+HOSTILE_NUMBERS = st.sampled_from(
+    [2**1024, -(2**1024), 10**400, float("nan"), float("inf"), -0.0, 1e308, 5e-324, -1, 0, 2**63]
+)
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    HOSTILE_NUMBERS,
+    st.text(max_size=40),
+    st.sampled_from(["", "   ", "sk-1234", "\x00", "²", "NaN", "a@b.co"]),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 NATIVE = st.fixed_dictionaries({}, optional={key: VALUES for key in FIELDS})
-LITELLM = st.fixed_dictionaries({}, optional={
-    "end_user": VALUES, "model": VALUES, "prompt_tokens": VALUES, "completion_tokens": VALUES,
-    "startTime": VALUES, "completionStartTime": VALUES, "endTime": VALUES, "stream": VALUES,
-    "status": VALUES, "session_id": VALUES,
-    "metadata": st.fixed_dictionaries({}, optional={"usage_object": VALUES,
-                                                    "user_api_key_alias": VALUES}),
-    "response": VALUES})
-USAGE = st.fixed_dictionaries({}, optional={
-    "prompt_tokens": VALUES, "completion_tokens": VALUES, "input_tokens": VALUES,
-    "cache_read_input_tokens": VALUES,
-    "prompt_tokens_details": st.one_of(VALUES, st.fixed_dictionaries(
-        {}, optional={"cached_tokens": VALUES}))})
-OPENAI = st.fixed_dictionaries({"caller": st.one_of(st.just("alice"), VALUES)}, optional={
-    "status": VALUES, "ttft_seconds": VALUES,
-    "response": st.one_of(VALUES, st.fixed_dictionaries({"usage": USAGE}, optional={
-        "model": VALUES, "metrics": VALUES}))})
+LITELLM = st.fixed_dictionaries(
+    {},
+    optional={
+        "end_user": VALUES,
+        "model": VALUES,
+        "prompt_tokens": VALUES,
+        "completion_tokens": VALUES,
+        "startTime": VALUES,
+        "completionStartTime": VALUES,
+        "endTime": VALUES,
+        "stream": VALUES,
+        "status": VALUES,
+        "session_id": VALUES,
+        "metadata": st.fixed_dictionaries(
+            {}, optional={"usage_object": VALUES, "user_api_key_alias": VALUES}
+        ),
+        "response": VALUES,
+    },
+)
+USAGE = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt_tokens": VALUES,
+        "completion_tokens": VALUES,
+        "input_tokens": VALUES,
+        "cache_read_input_tokens": VALUES,
+        "prompt_tokens_details": st.one_of(
+            VALUES, st.fixed_dictionaries({}, optional={"cached_tokens": VALUES})
+        ),
+    },
+)
+OPENAI = st.fixed_dictionaries(
+    {"caller": st.one_of(st.just("alice"), VALUES)},
+    optional={
+        "status": VALUES,
+        "ttft_seconds": VALUES,
+        "response": st.one_of(
+            VALUES,
+            st.fixed_dictionaries({"usage": USAGE}, optional={"model": VALUES, "metrics": VALUES}),
+        ),
+    },
+)
 DEEP = st.integers(min_value=1, max_value=3000).map(lambda depth: "[" * depth + "]" * depth)
 
 
@@ -68,11 +105,16 @@ def mangle(line: bytes, how: int) -> bytes:
     return line
 
 
-LINES = st.lists(st.tuples(st.one_of(NATIVE.map(encode), LITELLM.map(encode),
-                                     OPENAI.map(encode), DEEP.map(str.encode)),
-                           st.integers(min_value=0, max_value=4)),
-                 min_size=1, max_size=12).map(
-    lambda items: [mangle(line, how) for line, how in items])
+LINES = st.lists(
+    st.tuples(
+        st.one_of(
+            NATIVE.map(encode), LITELLM.map(encode), OPENAI.map(encode), DEEP.map(str.encode)
+        ),
+        st.integers(min_value=0, max_value=4),
+    ),
+    min_size=1,
+    max_size=12,
+).map(lambda items: [mangle(line, how) for line, how in items])
 SHAPE = st.sampled_from(["ndjson", "array", "truncated"])
 
 
@@ -85,16 +127,22 @@ def body_of(lines: list[bytes], shape: str) -> bytes:
 
 def counts(state) -> tuple[int, int, int]:
     usage = state.usage
-    return (usage.events.get("http", 0), sum(usage.rejected.values()),
-            sum(usage.ingest_requests_rejected.values()))
+    return (
+        usage.events.get("http", 0),
+        sum(usage.rejected.values()),
+        sum(usage.ingest_requests_rejected.values()),
+    )
 
 
 def run(coroutine) -> Any:
     return asyncio.run(coroutine)
 
 
-@settings(max_examples=120, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(lines=LINES, shape=SHAPE, fmt=st.sampled_from(["native", "litellm", "openai"]))
 def test_post_v1_usage_never_fails_and_counts_every_event_once(lines, shape, fmt):
     async def scenario() -> None:
@@ -117,14 +165,19 @@ def test_post_v1_usage_never_fails_and_counts_every_event_once(lines, shape, fmt
         # Copies of an event (its id repeated) count as rejected "duplicate", not in the
         # reply's rejections (they are answered as success).
         assert (reply["accepted"], reply["rejected"] + reply.get("duplicates", 0)) == (
-            accepted, rejected)
+            accepted,
+            rejected,
+        )
         assert refused == 0
 
     run(scenario())
 
 
-@settings(max_examples=80, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(lines=LINES)
 def test_the_file_follower_reads_every_complete_line_once(lines, tmp_path_factory):
     path = tmp_path_factory.mktemp("fuzz") / "usage.jsonl"
@@ -145,17 +198,33 @@ def test_the_file_follower_reads_every_complete_line_once(lines, tmp_path_factor
 
 # --- retried events and batches (issue 29) ----------------------------------------------------
 
-TURNS = st.lists(st.fixed_dictionaries({
-    "caller": st.sampled_from(["a", "b"]), "model": st.just("m"),
-    "prompt_tokens": st.integers(1, 50_000), "cached_tokens": st.sampled_from([0, 1024, None]),
-    "session": st.sampled_from(["s1", "s2", None]),
-    "id": st.one_of(st.none(), st.sampled_from(["1", "2", "3", "4"]))}), min_size=1,
-    max_size=6).map(lambda turns: [
+TURNS = st.lists(
+    st.fixed_dictionaries(
+        {
+            "caller": st.sampled_from(["a", "b"]),
+            "model": st.just("m"),
+            "prompt_tokens": st.integers(1, 50_000),
+            "cached_tokens": st.sampled_from([0, 1024, None]),
+            "session": st.sampled_from(["s1", "s2", None]),
+            "id": st.one_of(st.none(), st.sampled_from(["1", "2", "3", "4"])),
+        }
+    ),
+    min_size=1,
+    max_size=6,
+).map(
+    lambda turns: [
         {**turn, "cached_tokens": min(turn["cached_tokens"], turn["prompt_tokens"])}
-        if turn["cached_tokens"] is not None else turn for turn in turns])
+        if turn["cached_tokens"] is not None
+        else turn
+        for turn in turns
+    ]
+)
 # Posts: (a batch, its Idempotency-Key or None); a retry sends an earlier post again.
-POSTS = st.lists(st.tuples(TURNS, st.sampled_from([None, "k1", "k2", "k3"]),
-                           st.integers(-1, 5)), min_size=1, max_size=6)
+POSTS = st.lists(
+    st.tuples(TURNS, st.sampled_from([None, "k1", "k2", "k3"]), st.integers(-1, 5)),
+    min_size=1,
+    max_size=6,
+)
 
 
 def deduplicated(posts: list[tuple[list[dict[str, Any]], str | None]]) -> list[list[Any]]:
@@ -203,33 +272,49 @@ def test_retried_events_and_batches_total_what_their_deduplicated_input_does(pos
                 if not turns:
                     continue
                 response = await client.post(
-                    "/v1/usage", data=b"\n".join(encode(turn) for turn in turns),
-                    headers={"Idempotency-Key": key} if key else {})
+                    "/v1/usage",
+                    data=b"\n".join(encode(turn) for turn in turns),
+                    headers={"Idempotency-Key": key} if key else {},
+                )
                 assert response.status == 200, await response.text()
         finally:
             await client.close()
         usage = state.usage
-        return (usage.caller_totals(), usage.events.get("http", 0),
-                {key: series.requests for key, series in usage.series.items()})
+        return (
+            usage.caller_totals(),
+            usage.events.get("http", 0),
+            {key: series.requests for key, series in usage.series.items()},
+        )
 
     retried = run(totals(sent))
     once = run(totals([(turns, None) for turns in deduplicated(sent)]))
     assert retried == once
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(request=st.one_of(LINES.map(lambda lines: lines[0]), OPENAI.map(encode)),
-       answer=st.one_of(LINES.map(lambda lines: lines[0]), OPENAI.map(
-           lambda record: encode(record.get("response")))),
-       streamed=st.booleans(), status=st.sampled_from([200, 400, 500]))
-def test_the_tap_relays_whatever_comes_and_records_each_call_once(request, answer, streamed,
-                                                                   status):
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    request=st.one_of(LINES.map(lambda lines: lines[0]), OPENAI.map(encode)),
+    answer=st.one_of(
+        LINES.map(lambda lines: lines[0]), OPENAI.map(lambda record: encode(record.get("response")))
+    ),
+    streamed=st.booleans(),
+    status=st.sampled_from([200, 400, 500]),
+)
+def test_the_tap_relays_whatever_comes_and_records_each_call_once(
+    request, answer, streamed, status
+):
     async def upstream_handler(_request: web.Request) -> web.Response:
         await _request.read()
         if streamed:
-            return web.Response(status=status, body=b"data: " + answer + b"\n\ndata: [DONE]\n\n",
-                                content_type="text/event-stream")
+            return web.Response(
+                status=status,
+                body=b"data: " + answer + b"\n\ndata: [DONE]\n\n",
+                content_type="text/event-stream",
+            )
         return web.Response(status=status, body=answer, content_type="application/json")
 
     async def scenario() -> None:
@@ -237,14 +322,16 @@ def test_the_tap_relays_whatever_comes_and_records_each_call_once(request, answe
         upstream_app.router.add_route("*", "/{tail:.*}", upstream_handler)
         upstream = TestServer(upstream_app)
         await upstream.start_server()
-        config = Config(tap_listen_address="127.0.0.1:0",
-                        tap_upstream=str(upstream.make_url("")).rstrip("/"))
+        config = Config(
+            tap_listen_address="127.0.0.1:0", tap_upstream=str(upstream.make_url("")).rstrip("/")
+        )
         state = signals_state(config)
         tap = TestClient(TestServer(tap_app(config, state.usage)))
         await tap.start_server()
         try:
-            response = await tap.post("/v1/chat/completions", data=request,
-                                      headers={"X-Caller": "alice"})
+            response = await tap.post(
+                "/v1/chat/completions", data=request, headers={"X-Caller": "alice"}
+            )
             relayed = await response.read()
             await asyncio.sleep(0)  # the record is written as the handler ends
             assert response.status == status  # upstream's, never one of the tap's own
@@ -263,8 +350,9 @@ def test_the_tap_relays_whatever_comes_and_records_each_call_once(request, answe
 
 # --- chunked, slow and encoded bodies; HEAD (issue 29) -------------------------------------
 
-CODINGS = st.sampled_from(["", "identity", "gzip", "deflate", "gzip-but-plain", "br",
-                           "gzip, deflate"])
+CODINGS = st.sampled_from(
+    ["", "identity", "gzip", "deflate", "gzip-but-plain", "br", "gzip, deflate"]
+)
 
 
 def encoded(body: bytes, coding: str) -> tuple[bytes, str]:
@@ -292,14 +380,25 @@ def chunked(data: bytes, cuts: list[int], pause: float):
     return chunks()
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                 HealthCheck.function_scoped_fixture])
-@given(lines=LINES, shape=SHAPE, coding=CODINGS,
-       cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=6),
-       pause=st.sampled_from([0.0, 0.0, 0.01, 0.06]))
-def test_chunked_slow_and_encoded_bodies_never_fail_and_count_once(lines, shape, coding,
-                                                                    cuts, pause, monkeypatch):
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+@given(
+    lines=LINES,
+    shape=SHAPE,
+    coding=CODINGS,
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=6),
+    pause=st.sampled_from([0.0, 0.0, 0.01, 0.06]),
+)
+def test_chunked_slow_and_encoded_bodies_never_fail_and_count_once(
+    lines, shape, coding, cuts, pause, monkeypatch
+):
     """Bodies in any chunking, at any pace (the deadline shortened to 0.1 s, so the slowest
     are cut off), in any content coding: never a 5xx; a body refused as a whole is counted
     once as a refusal; one read is counted event by event, as its reply says."""
@@ -314,8 +413,9 @@ def test_chunked_slow_and_encoded_bodies_never_fail_and_count_once(lines, shape,
         try:
             before = counts(state)
             headers = {"Content-Encoding": header} if header else {}
-            response = await client.post("/v1/usage", data=chunked(data, cuts, pause),
-                                         headers=headers)
+            response = await client.post(
+                "/v1/usage", data=chunked(data, cuts, pause), headers=headers
+            )
             reply = await response.json()
             after = counts(state)
         finally:
@@ -330,7 +430,9 @@ def test_chunked_slow_and_encoded_bodies_never_fail_and_count_once(lines, shape,
             return
         assert coding not in ("gzip-but-plain", "br", "gzip, deflate") or not data
         assert (reply["accepted"], reply["rejected"] + reply.get("duplicates", 0)) == (
-            accepted, rejected)
+            accepted,
+            rejected,
+        )
         assert refused == 0
 
     run(scenario())
@@ -342,15 +444,22 @@ def split_first_answer(wire: bytes) -> tuple[bytes, bytes]:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(path=st.one_of(st.sampled_from(["/", "/metrics", "/-/healthy", "/-/ready",
-                                       "/v1/usage", "/metrics?format=x"]),
-                      st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789/-_.?=&%",
-                              max_size=30).map(lambda tail: "/" + tail)),
-       accept=st.sampled_from(["", "application/openmetrics-text", "*/*", "text/html"]),
-       gzip_ok=st.booleans())
+@given(
+    path=st.one_of(
+        st.sampled_from(
+            ["/", "/metrics", "/-/healthy", "/-/ready", "/v1/usage", "/metrics?format=x"]
+        ),
+        st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789/-_.?=&%", max_size=30).map(
+            lambda tail: "/" + tail
+        ),
+    ),
+    accept=st.sampled_from(["", "application/openmetrics-text", "*/*", "text/html"]),
+    gzip_ok=st.booleans(),
+)
 def test_head_never_sends_a_body_on_any_path(path, accept, gzip_ok):
     """HEAD on any path, with a GET pipelined behind it: the GET's answer begins right
     after the HEAD's headers, whatever the HEAD's status."""
+
     async def scenario() -> None:
         app = create_app(Config(), initial_refresh=False)
         server = TestServer(app)
@@ -358,10 +467,12 @@ def test_head_never_sends_a_body_on_any_path(path, accept, gzip_ok):
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             extra = (f"Accept: {accept}\r\n" if accept else "") + (
-                "Accept-Encoding: gzip\r\n" if gzip_ok else "")
-            writer.write(f"HEAD {path} HTTP/1.1\r\nHost: x\r\n{extra}\r\n"
-                         "GET /-/healthy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-                         .encode())
+                "Accept-Encoding: gzip\r\n" if gzip_ok else ""
+            )
+            writer.write(
+                f"HEAD {path} HTTP/1.1\r\nHost: x\r\n{extra}\r\n"
+                "GET /-/healthy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+            )
             wire = await asyncio.wait_for(reader.read(), 30)
             writer.close()
         finally:
@@ -375,12 +486,19 @@ def test_head_never_sends_a_body_on_any_path(path, accept, gzip_ok):
     run(scenario())
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(request=OPENAI.map(encode), coding=CODINGS,
-       cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=5))
-def test_the_tap_takes_chunked_and_encoded_requests_and_forwards_them_decoded(request, coding,
-                                                                               cuts):
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(
+    request=OPENAI.map(encode),
+    coding=CODINGS,
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=5),
+)
+def test_the_tap_takes_chunked_and_encoded_requests_and_forwards_them_decoded(
+    request, coding, cuts
+):
     """A request body in any chunking and coding: the tap forwards gzip and deflate decoded,
     other codings as they came, and answers a body that does not decode 400 itself (counted):
     never a 5xx of its own."""
@@ -395,15 +513,19 @@ def test_the_tap_takes_chunked_and_encoded_requests_and_forwards_them_decoded(re
         upstream_app.router.add_route("*", "/{tail:.*}", upstream_handler)
         upstream = TestServer(upstream_app)
         await upstream.start_server()
-        config = Config(tap_listen_address="127.0.0.1:0",
-                        tap_upstream=str(upstream.make_url("")).rstrip("/"))
+        config = Config(
+            tap_listen_address="127.0.0.1:0", tap_upstream=str(upstream.make_url("")).rstrip("/")
+        )
         state = signals_state(config)
         tap = TestClient(TestServer(tap_app(config, state.usage)))
         await tap.start_server()
         data, header = encoded(request, coding)
         try:
-            response = await tap.post("/v1/chat/completions", data=chunked(data, cuts, 0.0),
-                                      headers={"Content-Encoding": header} if header else {})
+            response = await tap.post(
+                "/v1/chat/completions",
+                data=chunked(data, cuts, 0.0),
+                headers={"Content-Encoding": header} if header else {},
+            )
             await response.read()
             await asyncio.sleep(0)  # the record is written as the handler ends
         finally:
@@ -427,11 +549,16 @@ def test_the_tap_takes_chunked_and_encoded_requests_and_forwards_them_decoded(re
 
 # --- a lying vLLM, read after read -----------------------------------------------------------
 
-ENGINE_READS = st.lists(st.tuples(
-    st.sampled_from(["grow", "grow", "restart", "fall", "huge", "duplicate", "older"]),
-    st.integers(min_value=0, max_value=1_000_000),
-    st.floats(min_value=0.0, max_value=100.0)), min_size=1, max_size=25)
-HUGE_VALUES = (1e308, 1.7e308, float(2 ** 60), 2.0 ** 53 + 2.0 ** 40)
+ENGINE_READS = st.lists(
+    st.tuples(
+        st.sampled_from(["grow", "grow", "restart", "fall", "huge", "duplicate", "older"]),
+        st.integers(min_value=0, max_value=1_000_000),
+        st.floats(min_value=0.0, max_value=100.0),
+    ),
+    min_size=1,
+    max_size=25,
+)
+HUGE_VALUES = (1e308, 1.7e308, float(2**60), 2.0**53 + 2.0**40)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -492,8 +619,9 @@ def test_carried_engine_totals_stay_finite_and_honest_whatever_vllm_says(reads, 
         except ParseError:
             engine.record_failure(target, "parse", "duplicate", 0.01)
             continue
-        engine.record_success(target, parsed.snapshot, 0.01, now, invalid=parsed.invalid,
-                              folded=parsed.folded)
+        engine.record_success(
+            target, parsed.snapshot, 0.01, now, invalid=parsed.invalid, folded=parsed.folded
+        )
         rows = engine.targets[target].rows
         total = rows[0].counters.get(PREFIX_CACHE_HITS) if rows else None
         if total is None:

@@ -17,9 +17,24 @@ pytestmark = pytest.mark.skipif(not (REPO / ".git").exists(), reason="not a git 
 
 def run_pytest(test_file: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.git_clean", "-p", "no:cacheprovider",
-         "--rootdir", str(test_file.parent), str(test_file)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "tests.git_clean",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(test_file.parent),
+            str(test_file),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_a_run_that_leaves_a_file_fails_and_names_it(tmp_path: Path) -> None:

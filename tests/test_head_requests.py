@@ -20,8 +20,7 @@ HEALTHY = b"vllm-cache-exporter is healthy.\n"
 
 
 async def serve(app: web.Application) -> tuple[LimitedRunner, int]:
-    runner = LimitedRunner(app, ListenerStats("test", 16), access_log=None,
-                           handle_signals=False)
+    runner = LimitedRunner(app, ListenerStats("test", 16), access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -39,8 +38,10 @@ async def exchange(port: int, data: bytes) -> bytes:
 
 
 def head_then(path: str, after: str) -> bytes:
-    return (f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n"
-            f"GET {after} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").encode()
+    return (
+        f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n"
+        f"GET {after} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    ).encode()
 
 
 def split_head(wire: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -55,9 +56,18 @@ def split_head(wire: bytes) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split(" ")[1]), headers, rest
 
 
-@pytest.mark.parametrize("path, status", [
-    ("/metrics", 200), ("/metrics?x=1", 200), ("/", 200), ("/-/healthy", 200),
-    ("/-/ready", 200), ("/v1/usage", 405), ("/no-such-page", 404)])
+@pytest.mark.parametrize(
+    "path, status",
+    [
+        ("/metrics", 200),
+        ("/metrics?x=1", 200),
+        ("/", 200),
+        ("/-/healthy", 200),
+        ("/-/ready", 200),
+        ("/v1/usage", 405),
+        ("/no-such-page", 404),
+    ],
+)
 async def test_head_on_the_web_listener_sends_no_body(path, status):
     runner, port = await serve(create_app(Config(), initial_refresh=False))
     try:
@@ -77,12 +87,19 @@ async def test_head_metrics_declares_the_length_a_get_gets():
     runner, port = await serve(create_app(Config(), initial_refresh=False))
     try:
         for _ in range(2):  # the second scrape: the render's own timings are in the body
-            get_wire = await exchange(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
-                                      b"Accept-Encoding: gzip\r\nConnection: close\r\n\r\n")
+            get_wire = await exchange(
+                port,
+                b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+                b"Accept-Encoding: gzip\r\nConnection: close\r\n\r\n",
+            )
         _, get_headers, get_body = split_head(get_wire)
-        _, headers, rest = split_head(await exchange(
-            port, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n"
-                  b"Connection: close\r\n\r\n"))
+        _, headers, rest = split_head(
+            await exchange(
+                port,
+                b"HEAD /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n"
+                b"Connection: close\r\n\r\n",
+            )
+        )
         assert rest == b""
         assert headers["content-encoding"] == get_headers["content-encoding"] == "gzip"
         assert int(get_headers["content-length"]) == len(get_body)
@@ -91,10 +108,14 @@ async def test_head_metrics_declares_the_length_a_get_gets():
         await runner.cleanup()
 
 
-@pytest.mark.parametrize("path, status", [
-    ("/v1/models", 200), ("/v1/chat/completions", 200), ("/no-such-route", 404)])
-async def test_head_through_the_tap_sends_no_body(upstream: MockUpstream,  # noqa: F811
-                                                  path, status):
+@pytest.mark.parametrize(
+    "path, status", [("/v1/models", 200), ("/v1/chat/completions", 200), ("/no-such-route", 404)]
+)
+async def test_head_through_the_tap_sends_no_body(
+    upstream: MockUpstream,  # noqa: F811
+    path,
+    status,
+):
     upstream.reply("/v1/models", Reply(body=b'{"object": "list", "data": []}'))
     upstream.reply("/v1/chat/completions", Reply(body=b'{"a": 1}'))
     config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url)
@@ -105,7 +126,9 @@ async def test_head_through_the_tap_sends_no_body(upstream: MockUpstream,  # noq
         assert rest.startswith(b"HTTP/1.1 200 OK\r\n"), rest[:120]
         assert rest.endswith(b"\r\n\r\n" + b'{"object": "list", "data": []}')
         assert [(seen.method, seen.path_qs) for seen in upstream.received] == [
-            ("HEAD", path), ("GET", "/v1/models")]
+            ("HEAD", path),
+            ("GET", "/v1/models"),
+        ]
         if status == 200:
             assert headers["content-length"] == str(len(upstream.replies[path].body))
     finally:

@@ -30,8 +30,9 @@ class Clock:
 
 
 def event(caller: str, prompt: int, cached: int | None, session: str = "s") -> UsageEvent:
-    return UsageEvent(caller=caller, model="m", prompt_tokens=prompt, cached_tokens=cached,
-                      session=session)
+    return UsageEvent(
+        caller=caller, model="m", prompt_tokens=prompt, cached_tokens=cached, session=session
+    )
 
 
 def usage(clock: Clock, **settings: object) -> UsageState:
@@ -57,8 +58,10 @@ def test_the_totals_at_each_boundary_are_exact_although_sampled_lazily():
     for boundary in (first_boundary, first_boundary + 30, first_boundary + 60):
         assert at(timeline, boundary, current)[prompt] == 2100
     assert at(timeline, clock.now, current)[prompt] == 3300
-    assert at(timeline, clock.now, current)[prompt] - at(timeline, first_boundary,
-                                                         current)[prompt] == 1200
+    assert (
+        at(timeline, clock.now, current)[prompt] - at(timeline, first_boundary, current)[prompt]
+        == 1200
+    )
     assert at(timeline, clock.now, current)[FIELD["cached_tokens"]] == 2080
     # follow-ups: the second and third turns of session "s" grew from the previous one
     assert current[FIELD["followups"]] == 2 and current[FIELD["followups_cold"]] == 0
@@ -79,8 +82,10 @@ def test_an_hour_is_kept_and_no_more():
     # the last hour's prompt tokens, to the slot: 60 events of 1000 (the one at the window's
     # edge falls in the slot counted)
     prompt = FIELD["prompt_tokens"]
-    last_hour = (at(timeline, clock.now, current)[prompt]
-                 - at(timeline, clock.now - HOUR_SECONDS, current)[prompt])
+    last_hour = (
+        at(timeline, clock.now, current)[prompt]
+        - at(timeline, clock.now - HOUR_SECONDS, current)[prompt]
+    )
     assert 59_000 <= last_hour <= 61_000
 
 
@@ -88,8 +93,7 @@ def test_callers_beyond_the_bound_are_let_go_stalest_first():
     history = History(max_callers=3)
     width = len(CALLER_FIELDS) - 1
     for step, callers in enumerate((["a", "b", "c"], ["d"], ["b"], ["e"])):
-        history.record(T0 + step * SLOT_SECONDS, {name: [1.0] * width for name in callers},
-                       {}, {})
+        history.record(T0 + step * SLOT_SECONDS, {name: [1.0] * width for name in callers}, {}, {})
     assert list(history.callers) == ["d", "b", "e"]
 
 

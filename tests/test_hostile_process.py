@@ -24,19 +24,33 @@ GOOD = {"caller": "alice", "model": "m", "prompt_tokens": 4096, "cached_tokens":
 
 # Runs the exporter under a hard and soft descriptor limit of argv[1] (set before exec, so
 # the exporter starts under it: no preexec_fn in a threaded test process).
-UNDER_NOFILE = ("import os, resource, sys; limit = int(sys.argv[1]); "
-                "resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)); "
-                "os.execv(sys.executable, [sys.executable, '-m', 'exporter', *sys.argv[2:]])")
+UNDER_NOFILE = (
+    "import os, resource, sys; limit = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'exporter', *sys.argv[2:]])"
+)
 
 
-async def start_exporter(*flags: str, nofile: int | None = None,
-                         ) -> tuple[asyncio.subprocess.Process, str]:
+async def start_exporter(
+    *flags: str,
+    nofile: int | None = None,
+) -> tuple[asyncio.subprocess.Process, str]:
     port = free_port()
-    prefix = ((sys.executable, "-c", UNDER_NOFILE, str(nofile)) if nofile is not None
-              else (sys.executable, "-m", "exporter"))
+    prefix = (
+        (sys.executable, "-c", UNDER_NOFILE, str(nofile))
+        if nofile is not None
+        else (sys.executable, "-m", "exporter")
+    )
     process = await asyncio.create_subprocess_exec(
-        *prefix, "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "warning",
-        *flags, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        *prefix,
+        "--web.listen-address",
+        f"127.0.0.1:{port}",
+        "--log.level",
+        "warning",
+        *flags,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     base = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as session:
         deadline = asyncio.get_running_loop().time() + 30
@@ -80,23 +94,35 @@ async def wait_for_metric(base: str, name: str, expected: float, **labels: str) 
 async def test_a_nested_line_in_a_followed_file_never_takes_the_process_down(tmp_path: Path):
     path = tmp_path / "usage.jsonl"
     path.write_text(json.dumps(GOOD) + "\n" + NESTED + "\n" + json.dumps(GOOD) + "\n")
-    flags = ("--usage.file", str(path), "--usage.file.from-start",
-             "--usage.file.poll-interval", "0.05")
+    flags = (
+        "--usage.file",
+        str(path),
+        "--usage.file.from-start",
+        "--usage.file.poll-interval",
+        "0.05",
+    )
     for _restart in range(2):  # replayed from the start on every restart: no crash loop
         process, base = await start_exporter(*flags)
         try:
-            text = await wait_for_metric(base, "vllm_cache_usage_events_total", 2,
-                                         reader="file")
-            assert value(text, "vllm_cache_usage_events_rejected_total", reader="file",
-                         reason="malformed_json") == 1
+            text = await wait_for_metric(base, "vllm_cache_usage_events_total", 2, reader="file")
+            assert (
+                value(
+                    text,
+                    "vllm_cache_usage_events_rejected_total",
+                    reader="file",
+                    reason="malformed_json",
+                )
+                == 1
+            )
         finally:
             await stop(process)
 
 
 async def test_sigterm_during_a_long_ingest_exits_within_the_drain_time():
     process, base = await start_exporter()
-    body = ("\n".join(json.dumps({**GOOD, "caller": f"c{index % 50}"})
-                      for index in range(200_000))).encode()  # ~15 MB, seconds to process
+    body = (
+        "\n".join(json.dumps({**GOOD, "caller": f"c{index % 50}"}) for index in range(200_000))
+    ).encode()  # ~15 MB, seconds to process
     async with aiohttp.ClientSession() as session:
         posting = asyncio.ensure_future(session.post(f"{base}/v1/usage", data=body))
         await asyncio.sleep(1.0)  # the body is being processed (no event visible from here)
@@ -108,8 +134,7 @@ async def test_sigterm_during_a_long_ingest_exits_within_the_drain_time():
 # --- descriptors (issue 29) ---------------------------------------------------------------
 
 
-async def test_streaming_tap_calls_never_run_the_descriptors_out(tmp_path: Path,
-                                                                  aiohttp_server):
+async def test_streaming_tap_calls_never_run_the_descriptors_out(tmp_path: Path, aiohttp_server):
     """The issue's case, under a hard limit of 256 rather than 1,024: more streaming tap calls
     at once than the descriptors could hold (each also holds a socket to vLLM), with a usage
     file followed too. Of the 192 descriptors left after the process's own 64, the files get
@@ -146,27 +171,40 @@ async def test_streaming_tap_calls_never_run_the_descriptors_out(tmp_path: Path,
     usage_file = tmp_path / "usage.jsonl"
     usage_file.write_text("")
     process, base = await start_exporter(
-        "--tap.listen-address", f"127.0.0.1:{tap_port}",
-        "--tap.upstream", str(upstream.make_url("")).rstrip("/"),
-        "--usage.file", str(usage_file), nofile=256)
+        "--tap.listen-address",
+        f"127.0.0.1:{tap_port}",
+        "--tap.upstream",
+        str(upstream.make_url("")).rstrip("/"),
+        "--usage.file",
+        str(usage_file),
+        nofile=256,
+    )
     calls = 120
     try:
         text = await scrape(base)
         assert value(text, "vllm_cache_exporter_connections_max", listener="tap") == 49
         assert value(text, "vllm_cache_exporter_fds_reserved", use="tap") == 112
         assert value(text, "vllm_cache_exporter_fds_reserved", use="files") == 24
-        reserved = sum(value(text, "vllm_cache_exporter_fds_reserved", use=use) or 0
-                       for use in ("web", "tap", "files", "process"))
+        reserved = sum(
+            value(text, "vllm_cache_exporter_fds_reserved", use=use) or 0
+            for use in ("web", "tap", "files", "process")
+        )
         assert reserved == value(text, "process_max_fds") == 256
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
+
             async def call(index: int) -> int | str:
                 try:
                     async with session.post(
-                            f"http://127.0.0.1:{tap_port}/v1/chat/completions",
-                            json={"model": "tiny-llama", "stream": True, "messages": [],
-                                  "stream_options": {"include_usage": True}},
-                            headers={"X-Caller": f"agent-{index % 3}"}) as response:
+                        f"http://127.0.0.1:{tap_port}/v1/chat/completions",
+                        json={
+                            "model": "tiny-llama",
+                            "stream": True,
+                            "messages": [],
+                            "stream_options": {"include_usage": True},
+                        },
+                        headers={"X-Caller": f"agent-{index % 3}"},
+                    ) as response:
                         await response.read()
                         return response.status
                 except aiohttp.ClientError:
@@ -177,9 +215,13 @@ async def test_streaming_tap_calls_never_run_the_descriptors_out(tmp_path: Path,
             deadline = loop.time() + 60
             while True:  # another process: poll its counts until every call is placed
                 text = await scrape(base)
-                placed = streaming + sum(value(text, name, listener="tap") or 0 for name in (
-                    "vllm_cache_exporter_connections_evicted_total",
-                    "vllm_cache_exporter_connections_refused_total"))
+                placed = streaming + sum(
+                    value(text, name, listener="tap") or 0
+                    for name in (
+                        "vllm_cache_exporter_connections_evicted_total",
+                        "vllm_cache_exporter_connections_refused_total",
+                    )
+                )
                 if streaming >= 49 and placed >= calls:
                     break
                 assert loop.time() < deadline, (streaming, placed)
@@ -194,18 +236,21 @@ async def test_streaming_tap_calls_never_run_the_descriptors_out(tmp_path: Path,
             statuses = await asyncio.wait_for(asyncio.gather(*pending), 60)
         served = statuses.count(200)
         assert served == streaming and 49 <= served <= 56
-        assert sorted(set(statuses) - {200}, key=str) in ([], ["closed"], [503],
-                                                           [503, "closed"])
-        text = await wait_for_metric(base, "vllm_cache_usage_events_total", served,
-                                     reader="tap")
-        cut = sum(value(text, name, listener="tap") or 0 for name in (
-            "vllm_cache_exporter_connections_evicted_total",
-            "vllm_cache_exporter_connections_refused_total"))
+        assert sorted(set(statuses) - {200}, key=str) in ([], ["closed"], [503], [503, "closed"])
+        text = await wait_for_metric(base, "vllm_cache_usage_events_total", served, reader="tap")
+        cut = sum(
+            value(text, name, listener="tap") or 0
+            for name in (
+                "vllm_cache_exporter_connections_evicted_total",
+                "vllm_cache_exporter_connections_refused_total",
+            )
+        )
         assert cut >= calls - served  # every call not served was counted as cut
         async with aiohttp.ClientSession() as session:  # and the tap serves again
-            async with session.post(f"http://127.0.0.1:{tap_port}/v1/chat/completions",
-                                    json={"model": "tiny-llama", "stream": True,
-                                          "messages": []}) as response:
+            async with session.post(
+                f"http://127.0.0.1:{tap_port}/v1/chat/completions",
+                json={"model": "tiny-llama", "stream": True, "messages": []},
+            ) as response:
                 assert response.status == 200
                 await response.read()
     finally:

@@ -39,8 +39,7 @@ from tests.tap.conftest import Reply, fixture_bytes, upstream  # noqa: F401 (fix
 GOOD = {"caller": "alice", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048}
 
 
-async def start(app: web.Application, stats: ListenerStats, **kwargs) -> tuple[LimitedRunner,
-                                                                                int]:
+async def start(app: web.Application, stats: ListenerStats, **kwargs) -> tuple[LimitedRunner, int]:
     runner = LimitedRunner(app, stats, access_log=None, handle_signals=False, **kwargs)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -73,8 +72,7 @@ async def test_at_the_cap_the_oldest_idle_connection_makes_room(monkeypatch):
                 assert response.status == 200
                 text = await response.text()
         assert await asyncio.wait_for(idle[0][0].read(), 10) == b""  # the oldest: closed
-        assert value(text, "vllm_cache_exporter_connections_evicted_total",
-                     listener="web") == 1
+        assert value(text, "vllm_cache_exporter_connections_evicted_total", listener="web") == 1
         for _, writer in idle:
             writer.close()
         await wait_for(lambda: stats.open == 0)
@@ -82,8 +80,7 @@ async def test_at_the_cap_the_oldest_idle_connection_makes_room(monkeypatch):
         await runner.cleanup()
 
 
-async def test_past_the_slack_a_connection_gets_503_and_the_log_stays_quiet(monkeypatch,
-                                                                          caplog):
+async def test_past_the_slack_a_connection_gets_503_and_the_log_stays_quiet(monkeypatch, caplog):
     monkeypatch.setattr(limits, "HARD_SLACK", 0)
     app = create_app(Config(), initial_refresh=False)
     stats = ListenerStats("web", cap=2)
@@ -106,8 +103,9 @@ async def test_past_the_slack_a_connection_gets_503_and_the_log_stays_quiet(monk
         await runner.cleanup()
 
 
-@pytest.mark.parametrize("partial", [b"", b"GET /metrics HTTP/1.1\r\nHost: x\r\n"],
-                         ids=["silent", "headers-trickling"])
+@pytest.mark.parametrize(
+    "partial", [b"", b"GET /metrics HTTP/1.1\r\nHost: x\r\n"], ids=["silent", "headers-trickling"]
+)
 async def test_a_connection_without_a_whole_request_is_closed_after_the_idle_time(partial):
     app = web.Application()
 
@@ -147,8 +145,9 @@ def slow_app() -> tuple[web.Application, asyncio.Event, asyncio.Event]:
     return app, started, release
 
 
-async def ask_slowly(port: int, started: asyncio.Event
-                     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def ask_slowly(
+    port: int, started: asyncio.Event
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A connection whose request the slow route is now answering."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -206,8 +205,10 @@ async def test_a_reader_that_never_reads_holds_a_bounded_buffer_and_is_cut(monke
     config = Config(callers_max=2000, callers_max_series=10_000_000)
     state = signals_state(config)
     for index in range(2000):  # a body of several MB
-        state.usage.record(UsageEvent(f"caller-{index:05d}", "m", 9000, 8192,
-                                      ttft_seconds=1.0, queue_seconds=0.1), "http")
+        state.usage.record(
+            UsageEvent(f"caller-{index:05d}", "m", 9000, 8192, ttft_seconds=1.0, queue_seconds=0.1),
+            "http",
+        )
     app = create_app(config, state, initial_refresh=False)
     stats = ListenerStats("web", cap=10)
     runner, port = await start(app, stats)
@@ -255,10 +256,13 @@ def test_a_flood_of_one_message_is_counted_not_written():
         assert len(records) == 4 and logs.suppressed_total == 9_997
         now[0] = 61.0
         logger.warning("a usage line could not be converted")
-        summary = [record.getMessage() for record in records if "more message" in
-                   record.getMessage()]
-        assert summary == ["9997 more message(s) like 'a usage line could not be converted' "
-                           "were not logged in the last window"]
+        summary = [
+            record.getMessage() for record in records if "more message" in record.getMessage()
+        ]
+        assert summary == [
+            "9997 more message(s) like 'a usage line could not be converted' "
+            "were not logged in the last window"
+        ]
     finally:
         logger.removeHandler(handler)
 
@@ -284,10 +288,17 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 500)
 
 
 def faults_per_round(mode: str) -> float:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    done = subprocess.run([sys.executable, "-c", FAULTS_PER_ROUND, mode], env=env,
-                          capture_output=True, text=True, timeout=60, check=True)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", FAULTS_PER_ROUND, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return float(done.stdout)
 
 
@@ -315,8 +326,10 @@ async def test_connections_trickling_bodies_cannot_fill_the_tap(upstream):  # no
     state = signals_state(config)
     stats = ListenerStats("tap", cap=8, slack=2)
     runner, port = await start(tap_app(config, state.usage), stats)
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-            b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"
+    )
     try:
         tricklers = []
         for _ in range(3 * (stats.cap + stats.slack)):
@@ -327,9 +340,11 @@ async def test_connections_trickling_bodies_cannot_fill_the_tap(upstream):  # no
         await wait_for(lambda: stats.open <= stats.cap)
         async with aiohttp.ClientSession() as session:
             for index in range(5):
-                async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                        json={"model": "tiny-llama", "messages": []},
-                                        headers={"X-Caller": f"caller-{index}"}) as response:
+                async with session.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json={"model": "tiny-llama", "messages": []},
+                    headers={"X-Caller": f"caller-{index}"},
+                ) as response:
                     assert response.status == 200
                     await response.read()
         assert stats.refused == 0
@@ -378,9 +393,14 @@ def test_the_followed_files_share_is_asked_before_each_open(tmp_path):
     for path in paths:
         path.write_text(json.dumps(GOOD) + "\n")  # before start: not counted
     rows: list = []
-    follower = FileFollower([str(tmp_path / "*.jsonl")], validate, rows.extend,
-                            lambda reason: None, acquire_descriptor=files.acquire,
-                            release_descriptor=files.release)
+    follower = FileFollower(
+        [str(tmp_path / "*.jsonl")],
+        validate,
+        rows.extend,
+        lambda reason: None,
+        acquire_descriptor=files.acquire,
+        release_descriptor=files.release,
+    )
     follower.poll()
     assert len(follower.files) == 3 and files.in_use == 2  # as many open as the share
     for round_ in range(3):
@@ -390,7 +410,8 @@ def test_the_followed_files_share_is_asked_before_each_open(tmp_path):
         while follower.poll():
             assert files.in_use <= 2
     assert sorted(row.caller for row in rows) == sorted(
-        f"usage-{index}-{round_}" for index in range(3) for round_ in range(3))
+        f"usage-{index}-{round_}" for index in range(3) for round_ in range(3)
+    )
     assert files.in_use == 2 and follower.reopens >= 3
     follower.close()
     assert files.in_use == 0

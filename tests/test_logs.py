@@ -28,10 +28,18 @@ def captured() -> io.StringIO:
     root.setLevel(level)
 
 
-def record(message: str, *args: object, exc: BaseException | None = None,
-           **extra: object) -> logging.LogRecord:
-    made = logging.LogRecord("exporter.tap", logging.WARNING, __file__, 1, message, args,
-                             (type(exc), exc, exc.__traceback__) if exc else None)
+def record(
+    message: str, *args: object, exc: BaseException | None = None, **extra: object
+) -> logging.LogRecord:
+    made = logging.LogRecord(
+        "exporter.tap",
+        logging.WARNING,
+        __file__,
+        1,
+        message,
+        args,
+        (type(exc), exc, exc.__traceback__) if exc else None,
+    )
     made.created, made.msecs = 1_796_155_301.25, 250.0
     for key, value in extra.items():
         setattr(made, key, value)
@@ -48,12 +56,18 @@ def parse_logfmt(line: str) -> dict[str, str]:
 
 
 def test_logfmt_has_the_fields_and_quotes_what_needs_it():
-    line = logs.LogfmtFormatter().format(record('upstream %s said "no" = 502', "vllm",
-                                                target="http://v:8000", calls=3))
-    assert line.startswith('time=2026-12-01T20:01:41.250Z level=warning source=exporter.tap ')
+    line = logs.LogfmtFormatter().format(
+        record('upstream %s said "no" = 502', "vllm", target="http://v:8000", calls=3)
+    )
+    assert line.startswith("time=2026-12-01T20:01:41.250Z level=warning source=exporter.tap ")
     assert parse_logfmt(line) == {
-        "time": "2026-12-01T20:01:41.250Z", "level": "warning", "source": "exporter.tap",
-        "msg": 'upstream vllm said "no" = 502', "target": "http://v:8000", "calls": "3"}
+        "time": "2026-12-01T20:01:41.250Z",
+        "level": "warning",
+        "source": "exporter.tap",
+        "msg": 'upstream vllm said "no" = 502',
+        "target": "http://v:8000",
+        "calls": "3",
+    }
     assert "\n" not in logs.LogfmtFormatter().format(record("two\nlines"))
 
 
@@ -65,7 +79,11 @@ def test_json_is_one_object_a_line_with_the_traceback_as_err():
     assert "\n" not in line
     obj = json.loads(line)
     assert (obj["level"], obj["source"], obj["msg"], obj["listener"]) == (
-        "warning", "exporter.tap", "failed", "tap")
+        "warning",
+        "exporter.tap",
+        "failed",
+        "tap",
+    )
     assert obj["err"].startswith("Traceback") and "ValueError: boom" in obj["err"]
 
 
@@ -79,9 +97,18 @@ def test_what_is_written_is_redacted(captured):
 def test_the_exporter_logs_in_the_format_asked_for(log_format):
     """The running exporter's first line (the event loop it runs on), as it writes it."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "exporter", "--log.format", log_format,
-         "--web.listen-address", "127.0.0.1:0"],
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "exporter",
+            "--log.format",
+            log_format,
+            "--web.listen-address",
+            "127.0.0.1:0",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert process.stderr is not None
         line = process.stderr.readline().strip()  # a blocking read: the line is the event

@@ -50,25 +50,28 @@ class Clock:
 # ---- Accept-Encoding ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("header", "wanted"), [
-    ("gzip", True),
-    ("gzip, deflate, br", True),  # what aiohttp and browsers send
-    ("GZip;Q=0.5", True),
-    ("x-gzip", True),
-    ("*", True),
-    ("deflate, *;q=0.1", True),
-    ("identity;q=1, gzip;q=0.001", True),
-    ("", False),
-    ("identity", False),
-    ("deflate, br", False),
-    ("gzip;q=0", False),  # q=0: "not acceptable"
-    ("gzip;q=0.000", False),
-    ("*;q=0", False),
-    ("gzip;q=0, *", False),  # named beats the wildcard
-    ("gzip;q=abc", False),  # a malformed item is ignored
-    ("gzip;q=1.5", False),
-    ("gzip;q=abc, *;q=1", True),
-])
+@pytest.mark.parametrize(
+    ("header", "wanted"),
+    [
+        ("gzip", True),
+        ("gzip, deflate, br", True),  # what aiohttp and browsers send
+        ("GZip;Q=0.5", True),
+        ("x-gzip", True),
+        ("*", True),
+        ("deflate, *;q=0.1", True),
+        ("identity;q=1, gzip;q=0.001", True),
+        ("", False),
+        ("identity", False),
+        ("deflate, br", False),
+        ("gzip;q=0", False),  # q=0: "not acceptable"
+        ("gzip;q=0.000", False),
+        ("*;q=0", False),
+        ("gzip;q=0, *", False),  # named beats the wildcard
+        ("gzip;q=abc", False),  # a malformed item is ignored
+        ("gzip;q=1.5", False),
+        ("gzip;q=abc, *;q=1", True),
+    ],
+)
 def test_gzip_accepted(header, wanted):
     assert gzip_accepted(header) is wanted
 
@@ -97,12 +100,12 @@ async def usage_only_client(aiohttp_client, **overrides: object):
 async def test_gzip_when_asked_decodes_to_the_identity_body(aiohttp_client, accept):
     client, _ = await usage_only_client(aiohttp_client)
     registry = client.app[REGISTRY_KEY]
-    packed = await client.get("/metrics", auto_decompress=False,
-                              headers={"Accept": accept, "Accept-Encoding": "gzip"})
+    packed = await client.get(
+        "/metrics", auto_decompress=False, headers={"Accept": accept, "Accept-Encoding": "gzip"}
+    )
     assert packed.headers["Content-Encoding"] == "gzip"
     assert "Accept-Encoding" in packed.headers["Vary"]
-    plain = await client.get("/metrics", headers={"Accept": accept,
-                                                  "Accept-Encoding": "identity"})
+    plain = await client.get("/metrics", headers={"Accept": accept, "Accept-Encoding": "identity"})
     assert "Content-Encoding" not in plain.headers
     assert packed.headers["Content-Type"] == plain.headers["Content-Type"]
     body = await plain.read()
@@ -113,16 +116,20 @@ async def test_gzip_when_asked_decodes_to_the_identity_body(aiohttp_client, acce
     assert len(compressed) * 5 < len(body)
 
 
-@pytest.mark.parametrize("headers", [
-    {"Accept-Encoding": "identity"},
-    {"Accept-Encoding": "gzip;q=0, deflate"},
-    {"Accept-Encoding": "br"},
-    {},  # no Accept-Encoding at all
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Accept-Encoding": "identity"},
+        {"Accept-Encoding": "gzip;q=0, deflate"},
+        {"Accept-Encoding": "br"},
+        {},  # no Accept-Encoding at all
+    ],
+)
 async def test_identity_unless_gzip_is_allowed(aiohttp_client, headers):
     client, _ = await usage_only_client(aiohttp_client)
-    response = await client.get("/metrics", headers=headers, auto_decompress=False,
-                                skip_auto_headers=["Accept-Encoding"])
+    response = await client.get(
+        "/metrics", headers=headers, auto_decompress=False, skip_auto_headers=["Accept-Encoding"]
+    )
     assert response.status == 200
     assert "Content-Encoding" not in response.headers
     body = await response.read()
@@ -133,8 +140,9 @@ async def test_concurrent_scrapes_share_one_read_and_one_render(fake_vllm, expor
     client = await exporter_for(fake_vllm.url)
     bodies = client.app[BODIES_KEY]
     fake_vllm.hang = True
-    pending = [asyncio.ensure_future(client.get("/metrics", auto_decompress=False))
-               for _ in range(4)]
+    pending = [
+        asyncio.ensure_future(client.get("/metrics", auto_decompress=False)) for _ in range(4)
+    ]
     while fake_vllm.requests == 0:
         await asyncio.sleep(0)
     fake_vllm.release.set()
@@ -142,8 +150,10 @@ async def test_concurrent_scrapes_share_one_read_and_one_render(fake_vllm, expor
     assert fake_vllm.requests == 1
     assert bodies.renders == 1
     assert len(set(answers)) == 1
-    assert value(gzip.decompress(answers[0]).decode(), "vllm_cache_engine_up",
-                 target=fake_vllm.url) == 1
+    assert (
+        value(gzip.decompress(answers[0]).decode(), "vllm_cache_engine_up", target=fake_vllm.url)
+        == 1
+    )
 
 
 async def test_each_scrape_after_a_read_reads_and_renders_again(fake_vllm, exporter_for):
@@ -183,12 +193,14 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def usage_bodies(clock: Clock | None = None, **kwargs: object) -> tuple[MetricsBodies,
-                                                                         SignalsState]:
+def usage_bodies(
+    clock: Clock | None = None, **kwargs: object
+) -> tuple[MetricsBodies, SignalsState]:
     state = signals_state(Config(signals_granularity=2048))
     state.usage.record(event(), "http")
-    bodies = MetricsBodies(build_registry(state), state, no_targets,
-                           monotonic=clock or Clock(), **kwargs)  # type: ignore[arg-type]
+    bodies = MetricsBodies(
+        build_registry(state), state, no_targets, monotonic=clock or Clock(), **kwargs
+    )  # type: ignore[arg-type]
     return bodies, state
 
 
@@ -322,22 +334,41 @@ class LoopTicker:
 def worst_case_state(callers: int, models: int) -> tuple[Config, SignalsState]:
     """Every caller on every model with every state timed and a queue wait: 95 samples a
     series, the most the per-caller families print for one."""
-    config = Config(signals_granularity=2048, callers_max=callers,
-                    callers_max_series=callers * models * SERIES_PER_PAIR)
+    config = Config(
+        signals_granularity=2048,
+        callers_max=callers,
+        callers_max_series=callers * models * SERIES_PER_PAIR,
+    )
     state = signals_state(config)
-    turns = [(91_070, 86_016, None), (60_000, 30_720, None), (40_000, 0, None),
-             (100, 0, None), (5_000, None, None), (5_000, 0, 500)]
+    turns = [
+        (91_070, 86_016, None),
+        (60_000, 30_720, None),
+        (40_000, 0, None),
+        (100, 0, None),
+        (5_000, None, None),
+        (5_000, 0, 500),
+    ]
     for index in range(callers):
         for model in range(models):
             for prompt, cached, status in turns:
-                state.usage.record(UsageEvent(f"agent-{index:04d}", f"model-{model}", prompt,
-                                              cached, ttft_seconds=2.5, queue_seconds=0.5,
-                                              status=status), "http")
+                state.usage.record(
+                    UsageEvent(
+                        f"agent-{index:04d}",
+                        f"model-{model}",
+                        prompt,
+                        cached,
+                        ttft_seconds=2.5,
+                        queue_seconds=0.5,
+                        status=status,
+                    ),
+                    "http",
+                )
     return config, state
 
 
-@pytest.mark.parametrize("accept", ["text/plain;version=0.0.4", OPENMETRICS_ACCEPT],
-                         ids=["text", "openmetrics"])
+@pytest.mark.parametrize(
+    "accept", ["text/plain;version=0.0.4", OPENMETRICS_ACCEPT], ids=["text", "openmetrics"]
+)
 async def test_ingest_answers_during_a_large_render(aiohttp_client, accept):
     """3,000 series of 95 samples (26 MB of exposition): a POST sent during the render is
     answered before the render ends, within 100 ms of the loop thread's time, and no turn of
@@ -362,13 +393,17 @@ async def test_ingest_answers_during_a_large_render(aiohttp_client, accept):
     loop = asyncio.get_running_loop()
     ticker = LoopTicker()
     ticking = asyncio.ensure_future(ticker.run())
-    scrape = asyncio.ensure_future(client.get("/metrics", auto_decompress=False,
-                                              headers={"Accept": accept,
-                                                       "Accept-Encoding": "gzip"}))
+    scrape = asyncio.ensure_future(
+        client.get(
+            "/metrics", auto_decompress=False, headers={"Accept": accept, "Accept-Encoding": "gzip"}
+        )
+    )
     await render_began.wait()
     sent, sent_cpu = loop.time(), time.thread_time()
-    answer = await client.post("/v1/usage", data=json.dumps(
-        {"caller": "agent-0001", "model": "model-0", "prompt_tokens": 100}))
+    answer = await client.post(
+        "/v1/usage",
+        data=json.dumps({"caller": "agent-0001", "model": "model-0", "prompt_tokens": 100}),
+    )
     latency, latency_cpu = loop.time() - sent, time.thread_time() - sent_cpu
     slices_at_answer = slices
     response = await scrape
@@ -378,8 +413,10 @@ async def test_ingest_answers_during_a_large_render(aiohttp_client, accept):
 
     assert answer.status == 200 and (await answer.json())["accepted"] == 1
     assert slices_at_answer < slices  # answered while the render was still going
-    timing = (f"POST answered in {latency_cpu * 1000:.0f} ms of loop CPU "
-              f"({latency * 1000:.0f} ms wall), longest loop turn {ticker.longest * 1000:.0f} ms")
+    timing = (
+        f"POST answered in {latency_cpu * 1000:.0f} ms of loop CPU "
+        f"({latency * 1000:.0f} ms wall), longest loop turn {ticker.longest * 1000:.0f} ms"
+    )
     assert latency_cpu < 0.1, timing
     assert ticker.longest < 0.05, timing
     body = gzip.decompress(compressed)

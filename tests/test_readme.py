@@ -32,7 +32,8 @@ def test_flag_reference_is_current():
     assert set(blocks) == set(COMMANDS)
     for command in COMMANDS:
         assert blocks[command] == flags_markdown(command).strip(), (
-            f"regenerate: python -m tests.test_readme ({command})")
+            f"regenerate: python -m tests.test_readme ({command})"
+        )
 
 
 def regenerate() -> None:
@@ -42,21 +43,21 @@ def regenerate() -> None:
         head, rest = text.split(marker, 1)
         comment, rest = rest.split("-->", 1)
         _old, tail = rest.split("<!-- flags:end", 1)
-        text = (f"{head}{marker}{comment}-->\n{flags_markdown(command)}<!-- flags:end"
-                f"{tail}")
+        text = f"{head}{marker}{comment}-->\n{flags_markdown(command)}<!-- flags:end{tail}"
     CONFIGURATION.write_text(text, encoding="utf-8")
     metrics = METRICS.read_text(encoding="utf-8")
     head, rest = metrics.split(RECORDED[0], 1)
     _old, tail = rest.split(RECORDED[1], 1)
-    METRICS.write_text(f"{head}{RECORDED[0]}{recorded_markdown(MonitoringConfig())}"
-                       f"{RECORDED[1]}{tail}", encoding="utf-8")
+    METRICS.write_text(
+        f"{head}{RECORDED[0]}{recorded_markdown(MonitoringConfig())}{RECORDED[1]}{tail}",
+        encoding="utf-8",
+    )
 
 
 def test_every_recorded_series_is_documented():
     """docs/metrics.md lists every series the shipped rules record, from the rules."""
     block = METRICS.read_text(encoding="utf-8").split(RECORDED[0], 1)[1].split(RECORDED[1])[0]
-    assert block == recorded_markdown(MonitoringConfig()), (
-        "regenerate: python -m tests.test_readme")
+    assert block == recorded_markdown(MonitoringConfig()), "regenerate: python -m tests.test_readme"
 
 
 def test_ci_runs_exactly_the_readme_test_command():
@@ -91,7 +92,11 @@ def test_the_openai_format_examples_read_as_the_readme_says():
     block = USAGE.split("One record of each")[1].split("```json\n", 1)[1].split("```")[0]
     events = [OpenAIFormat()(json.loads(line)) for line in block.splitlines() if line.strip()]
     assert [(event.caller, event.prompt_tokens, event.cached_tokens) for event in events] == [
-        ("a", 1396, 1376), ("b", 1373, 1344), ("c", 268, 256), ("d", 446, 416)]
+        ("a", 1396, 1376),
+        ("b", 1373, 1344),
+        ("c", 268, 256),
+        ("d", 446, 416),
+    ]
 
 
 def test_the_docs_list_every_shipped_alert():
@@ -102,8 +107,12 @@ def test_the_docs_list_every_shipped_alert():
     monitoring = (ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8")
     entry = monitoring.split("- `alerts/vllm-cache-alerts.yaml`:", 1)[1].split("\n- ", 1)[0]
     listed = re.findall(r"`(VllmCache[A-Za-z]+)`", entry)
-    generated = {rule["alert"] for group in alert_rule_groups(MonitoringConfig())
-                 for rule in group["rules"] if "alert" in rule}
+    generated = {
+        rule["alert"]
+        for group in alert_rule_groups(MonitoringConfig())
+        for rule in group["rules"]
+        if "alert" in rule
+    }
     assert len(listed) == len(set(listed)), listed
     assert set(listed) == generated
 
@@ -118,8 +127,9 @@ def config_default(value: object) -> str:
     if isinstance(value, float):
         return number(value)
     if isinstance(value, tuple):
-        parts = [f"{entry[0]}: {entry[1]}" if isinstance(entry, tuple) else str(entry)
-                 for entry in value]
+        parts = [
+            f"{entry[0]}: {entry[1]}" if isinstance(entry, tuple) else str(entry) for entry in value
+        ]
         return ", ".join(parts) or '""'
     return str(value) or '""'
 
@@ -133,6 +143,8 @@ def test_the_readme_documents_every_monitoring_config_key_with_its_default():
     block = monitoring.split(CONFIG_KEYS[0], 1)[1].split(CONFIG_KEYS[1], 1)[0]
     rows = re.findall(r"^\| `([a-z_]+)` \| `([^`]*)` \|", block, flags=re.M)
     config = MonitoringConfig()
-    expected = [(item.name, config_default(getattr(config, item.name)))
-                for item in dataclasses.fields(config)]
+    expected = [
+        (item.name, config_default(getattr(config, item.name)))
+        for item in dataclasses.fields(config)
+    ]
     assert rows == expected

@@ -38,11 +38,14 @@ events = st.builds(
     engine_queue_seconds=st.one_of(st.none(), st.floats(0, 10)),
 ).filter(lambda event: event.cached_tokens is None or event.cached_tokens <= event.prompt_tokens)
 
-steps = st.lists(st.one_of(
-    st.tuples(st.just("events"), st.lists(events, min_size=1, max_size=4)),
-    st.tuples(st.just("wait"), st.sampled_from([0.0, 1.0, HOLD / 2, HOLD, HOLD + 0.5, 30.0])),
-    st.tuples(st.just("render"), st.sampled_from(["text", "openmetrics"])),
-), max_size=30)
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("events"), st.lists(events, min_size=1, max_size=4)),
+        st.tuples(st.just("wait"), st.sampled_from([0.0, 1.0, HOLD / 2, HOLD, HOLD + 0.5, 30.0])),
+        st.tuples(st.just("render"), st.sampled_from(["text", "openmetrics"])),
+    ),
+    max_size=30,
+)
 
 
 @pytest.mark.new_series_hold
@@ -50,8 +53,7 @@ steps = st.lists(st.one_of(
 @given(steps)
 def test_reused_lines_are_never_stale(program):
     clock = Clock()
-    state = signals_state(Config(signals_granularity=16, usage_new_series_hold=HOLD),
-                          clock=clock)
+    state = signals_state(Config(signals_granularity=16, usage_new_series_hold=HOLD), clock=clock)
     usage = state.usage
     assert usage is not None
     registry = build_registry(state)
@@ -83,8 +85,9 @@ def rendered_anew(monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
 @pytest.mark.new_series_hold
 def test_a_scrape_renders_only_the_series_that_changed(monkeypatch):
     clock = Clock()
-    state = signals_state(Config(signals_granularity=2048, callers_max=200,
-                                 usage_new_series_hold=HOLD), clock=clock)
+    state = signals_state(
+        Config(signals_granularity=2048, callers_max=200, usage_new_series_hold=HOLD), clock=clock
+    )
     for index in range(100):
         record_all_states(state, f"agent-{index:03d}", "qwen3.8-27b")
     registry = build_registry(state)
@@ -102,8 +105,7 @@ def test_a_scrape_renders_only_the_series_that_changed(monkeypatch):
     assert generate(registry, TEXT) == generate_latest(registry)  # one cache, both formats
     assert anew == []
     assert state.usage is not None
-    state.usage.record(UsageEvent("agent-007", "qwen3.8-27b", 40_000, 0, ttft_seconds=1.0),
-                       "http")
+    state.usage.record(UsageEvent("agent-007", "qwen3.8-27b", 40_000, 0, ttft_seconds=1.0), "http")
     changed = generate(registry, OPENMETRICS)
     assert anew == ["agent-007"]
     assert_equal(changed, openmetrics_latest(registry))

@@ -44,7 +44,8 @@ def imported_top_levels(package: Path) -> dict[str, set[str]]:
                 continue
             for name in names:
                 found.setdefault(name.split(".")[0], set()).add(
-                    str(path.relative_to(package.parent)))
+                    str(path.relative_to(package.parent))
+                )
     return found
 
 
@@ -54,12 +55,16 @@ def optional_imports(tree: ast.AST) -> set[int]:
     optional: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Try) and any(
-                isinstance(handler.type, ast.Name)
-                and handler.type.id in ("ImportError", "ModuleNotFoundError")
-                for handler in node.handlers):
+            isinstance(handler.type, ast.Name)
+            and handler.type.id in ("ImportError", "ModuleNotFoundError")
+            for handler in node.handlers
+        ):
             for statement in node.body:
-                optional.update(id(sub) for sub in ast.walk(statement)
-                                if isinstance(sub, (ast.Import, ast.ImportFrom)))
+                optional.update(
+                    id(sub)
+                    for sub in ast.walk(statement)
+                    if isinstance(sub, (ast.Import, ast.ImportFrom))
+                )
     return optional
 
 
@@ -68,8 +73,7 @@ def runtime_requirements(pyproject: Path) -> list[Requirement]:
     with pyproject.open("rb") as handle:
         declared = tomllib.load(handle)["project"]["dependencies"]
     requirements = [Requirement(text) for text in declared]
-    return [req for req in requirements if req.marker is None or req.marker.evaluate(
-        {"extra": ""})]
+    return [req for req in requirements if req.marker is None or req.marker.evaluate({"extra": ""})]
 
 
 def installed_closure(requirements: list[Requirement]) -> set[str]:
@@ -122,8 +126,10 @@ def test_a_test_only_import_is_caught(tmp_path, planted):
     copy = tmp_path / "exporter"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
     target = copy / "check.py"
-    target.write_text(target.read_text(encoding="utf-8")
-                      + f"\n\ndef _planted():\n    import {planted}\n", encoding="utf-8")
+    target.write_text(
+        target.read_text(encoding="utf-8") + f"\n\ndef _planted():\n    import {planted}\n",
+        encoding="utf-8",
+    )
     wrong = not_installed_by_runtime(copy, ROOT / "pyproject.toml")
     assert [line.split()[0] for line in wrong] == [planted.split(".")[0]]
     assert "exporter/check.py" in wrong[0]

@@ -18,23 +18,37 @@ from exporter.wiring import signals_state
 from tests.helpers import value
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text("utf-8")
-PER_CALLER = ("vllm_cache_requests_total", "vllm_cache_prompt_tokens_total",
-              "vllm_cache_cached_tokens_total", "vllm_cache_unreported_prompt_tokens_total",
-              "vllm_cache_ttft_seconds_", "vllm_cache_queue_wait_seconds_",
-              "vllm_cache_completion_used_tokens_", "vllm_cache_completion_declared_tokens_total",
-              "vllm_cache_prompt_order_compared_total",
-              "vllm_cache_prompt_order_variable_top_total",
-              "vllm_cache_prompt_order_shared_bytes_total",
-              "vllm_cache_prompt_order_first_difference_bytes_total")
+PER_CALLER = (
+    "vllm_cache_requests_total",
+    "vllm_cache_prompt_tokens_total",
+    "vllm_cache_cached_tokens_total",
+    "vllm_cache_unreported_prompt_tokens_total",
+    "vllm_cache_ttft_seconds_",
+    "vllm_cache_queue_wait_seconds_",
+    "vllm_cache_completion_used_tokens_",
+    "vllm_cache_completion_declared_tokens_total",
+    "vllm_cache_prompt_order_compared_total",
+    "vllm_cache_prompt_order_variable_top_total",
+    "vllm_cache_prompt_order_shared_bytes_total",
+    "vllm_cache_prompt_order_first_difference_bytes_total",
+)
 USAGE_FAMILIES = PER_CALLER[:6]  # what UsageCollector renders
 # One turn per state, the unreported one first so that it stays unreported.
-TURNS = ((5000, None, None), (91_070, 86_016, None), (60_000, 30_720, None),
-         (40_000, 0, None), (100, 0, None), (5000, 0, 500))
+TURNS = (
+    (5000, None, None),
+    (91_070, 86_016, None),
+    (60_000, 30_720, None),
+    (40_000, 0, None),
+    (100, 0, None),
+    (5000, 0, 500),
+)
 # Two prompts that share all but their first block: each one after the first is counted in
 # every prompt-order series, with sums of many digits.
 ENDS = array("I", range(999_999, 64 * 999_999, 999_999))
-PRINTS = (PromptPrint(array("Q", [1, *range(10, 72)]), ENDS, 64 * 999_999),
-          PromptPrint(array("Q", [2, *range(10, 72)]), ENDS, 64 * 999_999))
+PRINTS = (
+    PromptPrint(array("Q", [1, *range(10, 72)]), ENDS, 64 * 999_999),
+    PromptPrint(array("Q", [2, *range(10, 72)]), ENDS, 64 * 999_999),
+)
 
 
 def documented(label: str) -> int:
@@ -56,15 +70,30 @@ def fill_adversarially() -> tuple[Config, object]:
             for turn, (prompt, cached, status) in enumerate(TURNS):
                 # Timed by the proxy, then by vLLM: both sources' histograms for every state.
                 event = UsageEvent(
-                    caller, model, prompt, cached, completion_tokens=9_999_999,
-                    ttft_seconds=86_399.123456789, queue_seconds=86_398.987654321,
-                    status=status, max_tokens=9_999_999)
+                    caller,
+                    model,
+                    prompt,
+                    cached,
+                    completion_tokens=9_999_999,
+                    ttft_seconds=86_399.123456789,
+                    queue_seconds=86_398.987654321,
+                    status=status,
+                    max_tokens=9_999_999,
+                )
                 state.usage.record(event, "http")
                 state.usage.record_prompt(event, PRINTS[turn % 2])
-                state.usage.record(UsageEvent(
-                    caller, model, prompt, cached, status=status,
-                    engine_ttft_seconds=86_399.876543219,
-                    engine_queue_seconds=86_397.123456789), "http")
+                state.usage.record(
+                    UsageEvent(
+                        caller,
+                        model,
+                        prompt,
+                        cached,
+                        status=status,
+                        engine_ttft_seconds=86_399.876543219,
+                        engine_queue_seconds=86_397.123456789,
+                    ),
+                    "http",
+                )
     return config, state
 
 
@@ -75,27 +104,34 @@ def test_the_worst_case_stays_within_the_documented_bounds():
     max_bytes = documented("bytes")
     assert max_series == config.callers_max_series
     for body in (generate_text(registry), generate_openmetrics(registry)):
-        lines = [line for line in body.decode().splitlines()
-                 if line.startswith(PER_CALLER)]
+        lines = [line for line in body.decode().splitlines() if line.startswith(PER_CALLER)]
         assert len(lines) <= max_series
         assert len(lines) >= max_series - SERIES_PER_PAIR  # the fill did reach the bound
         assert len(body) <= max_bytes
     # The lines kept for the next scrape's reuse are at most the per-caller part of a body.
-    (usage,) = [collector for collector in registry.collectors()
-                if isinstance(collector, UsageCollector)]
-    per_caller = sum(len(line) + 1 for line in body.decode().splitlines()
-                     if line.startswith(USAGE_FAMILIES))
+    (usage,) = [
+        collector for collector in registry.collectors() if isinstance(collector, UsageCollector)
+    ]
+    per_caller = sum(
+        len(line) + 1 for line in body.decode().splitlines() if line.startswith(USAGE_FAMILIES)
+    )
     assert 0.9 * per_caller < usage.kept_characters() <= per_caller
     text = generate_text(registry).decode()
-    flagged = [line for line in text.splitlines()
-               if line.startswith("vllm_cache_prompt_order_variable_top_total{")]
+    flagged = [
+        line
+        for line in text.splitlines()
+        if line.startswith("vllm_cache_prompt_order_variable_top_total{")
+    ]
     assert len(flagged) == len(state.usage.series)  # every pair has its prompt-order series
     assert all(not line.endswith(" 0.0") for line in flagged)
     folded = value(text, "vllm_cache_callers_folded_total")
     assert folded and folded > 0
     # Nothing was lost: every event is counted, folded ones under __other__.
-    requests = sum(series.requests[state_name] for series in state.usage.series.values()
-                   for state_name in series.requests)
+    requests = sum(
+        series.requests[state_name]
+        for series in state.usage.series.values()
+        for state_name in series.requests
+    )
     assert requests == 400 * 40 * len(TURNS) * 2
     assert (OTHER, OTHER) in state.usage.series
 

@@ -48,7 +48,6 @@ async def test_no_targets_is_ready_and_serves_self_metrics(aiohttp_client):
 
 async def test_openmetrics_negotiation(aiohttp_client):
     client = await aiohttp_client(create_app(Config(), initial_refresh=False))
-    response = await client.get("/metrics",
-                                headers={"Accept": "application/openmetrics-text"})
+    response = await client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
     assert response.headers["Content-Type"].startswith("application/openmetrics-text")
     assert (await response.text()).rstrip().endswith("# EOF")

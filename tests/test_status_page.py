@@ -40,8 +40,11 @@ def test_report_000_the_collapse_named_with_both_callers_and_since_when():
     assert kinds(collapsed)[:2] == ["collapse", "overflow"]
     collapse = collapsed.problems[0]
     assert collapse.callers == ("agent-a", "agent-b")
-    a_first_cold = next(when for when, event in replay.events() if event["caller"] == "agent-a"
-                        and event["cached_tokens"] == 0 and when > 240)
+    a_first_cold = next(
+        when
+        for when, event in replay.events()
+        if event["caller"] == "agent-a" and event["cached_tokens"] == 0 and when > 240
+    )
     # since: the start of the 30-s slot of agent-a's first evicted turn
     assert collapse.since is not None
     assert 0 <= BASE + a_first_cold - collapse.since < 30
@@ -60,8 +63,10 @@ def test_without_usage_the_engine_s_own_counters_show_the_collapse():
     page = replay.status(replay.end)
     assert kinds(page) == ["engine_collapse"]
     item = page.problems[0]
-    assert item.sentence.startswith(f"Prefix cache collapse on vLLM {TARGET}: 0.0% of "
-                                    "looked-up prompt tokens were hits over the last 5 min")
+    assert item.sentence.startswith(
+        f"Prefix cache collapse on vLLM {TARGET}: 0.0% of "
+        "looked-up prompt tokens were hits over the last 5 min"
+    )
     assert item.since is not None and BASE + 240 <= item.since <= BASE + 600
 
 
@@ -78,8 +83,7 @@ def test_prefix_caching_off_is_said_and_no_collapse_is_made_of_it():
     page = replayed("prefix-caching-off").status(10_000)
     assert kinds(page) == ["caching_off"]
     sentence = page.problems[0].sentence
-    assert sentence == advice.prefix_caching_off_sentence(
-        f"{TARGET} (qwen3.8-27b, engine 0)")
+    assert sentence == advice.prefix_caching_off_sentence(f"{TARGET} (qwen3.8-27b, engine 0)")
     assert "Start vLLM with --enable-prefix-caching" in sentence
 
 
@@ -106,11 +110,13 @@ def test_declared_against_used_completions_is_advice():
     replay = replayed("max-tokens-overstated")
     page = replay.status(10_000)
     sentences = [item.sentence for item in page.advice if item.kind == "completions"]
-    used = [event["completion_tokens"] for _, event in replay.events()
-            if event["caller"] == "coder"]
+    used = [
+        event["completion_tokens"] for _, event in replay.events() if event["caller"] == "coder"
+    ]
     coder = next(sentence for sentence in sentences if sentence.startswith("coder on "))
-    assert (f"used {sum(used) / len(used):,.0f} on average ({max(used):,} at most): an "
-            "overstatement of") in coder, coder
+    assert (
+        f"used {sum(used) / len(used):,.0f} on average ({max(used):,} at most): an overstatement of"
+    ) in coder, coder
 
 
 def completions_page(used: int, declared: int, count: int = 10) -> status.Status:
@@ -118,24 +124,41 @@ def completions_page(used: int, declared: int, count: int = 10) -> status.Status
     from exporter.wiring import signals_state
 
     now = BASE
-    state = signals_state(Config(vllm_url=(TARGET,), usage_new_series_hold=0),
-                          clock=lambda: now)
+    state = signals_state(Config(vllm_url=(TARGET,), usage_new_series_hold=0), clock=lambda: now)
     for _ in range(count):
-        state.usage.record(validate({"caller": "coder", "model": "m", "prompt_tokens": 4000,
-                                     "cached_tokens": 0, "completion_tokens": used,
-                                     "max_tokens": declared}), "http")
+        state.usage.record(
+            validate(
+                {
+                    "caller": "coder",
+                    "model": "m",
+                    "prompt_tokens": 4000,
+                    "cached_tokens": 0,
+                    "completion_tokens": used,
+                    "max_tokens": declared,
+                }
+            ),
+            "http",
+        )
     return status.build(state.engine, state.usage, now, collapse_rule())
 
 
-@pytest.mark.parametrize(("used", "declared", "charge"), [
-    (300, 4096, 512),  # 300 of the (256, 512] bucket: not 384 (its median), nor 509 (p99)
-    (1100, 65536, 1280),  # 1,100 of (1024, 1536]: the largest seen bounds the charge
-])
+@pytest.mark.parametrize(
+    ("used", "declared", "charge"),
+    [
+        (300, 4096, 512),  # 300 of the (256, 512] bucket: not 384 (its median), nor 509 (p99)
+        (1100, 65536, 1280),  # 1,100 of (1024, 1536]: the largest seen bounds the charge
+    ],
+)
 def test_declared_against_used_says_what_was_used(used, declared, charge):
-    coder = next(item.sentence for item in completions_page(used, declared).advice
-                 if item.kind == "completions")
-    assert (f"declared max_tokens {declared:,} on average and used {used:,} on average "
-            f"({used:,} at most): an overstatement of {declared / used:.0f}x") in coder, coder
+    coder = next(
+        item.sentence
+        for item in completions_page(used, declared).advice
+        if item.kind == "completions"
+    )
+    assert (
+        f"declared max_tokens {declared:,} on average and used {used:,} on average "
+        f"({used:,} at most): an overstatement of {declared / used:.0f}x"
+    ) in coder, coder
     assert f"charge prompt + min(max_tokens, {charge:,}) instead" in coder
 
 
@@ -154,12 +177,15 @@ def ttft_seen(replay: Replay, seconds: float) -> tuple[status.Status, list[str]]
 
     page = replay.status(seconds)
     report = Report("exporter")
-    describe_exporter(read_exporter(generate_text(build_registry(replay.state)).decode()),
-                      report, headroom=0)
+    describe_exporter(
+        read_exporter(generate_text(build_registry(replay.state)).decode()), report, headroom=0
+    )
     html = render(page, "test")
     for view in page.callers:  # what the card shows is the model's
-        shown = (f"{advice.seconds(view.ttft_warm_p50)} / {advice.seconds(view.ttft_cold_p50)}"
-                 f" (median since start; {advice.ttft_source_label(view.ttft_source)})")
+        shown = (
+            f"{advice.seconds(view.ttft_warm_p50)} / {advice.seconds(view.ttft_cold_p50)}"
+            f" (median since start; {advice.ttft_source_label(view.ttft_source)})"
+        )
         assert shown.replace("'", "&#x27;") in html, shown
     return page, [line for line in report.lines if "time to first token" in line]
 
@@ -169,8 +195,9 @@ def test_ttft_is_vllm_s_own_when_it_times_the_requests_and_check_says_the_same()
     vLLM's own TTFT, so that is what the page shows (it read only the proxy's, and showed
     "- / -"), and check --exporter.url gives the same medians from /metrics' source="engine"
     buckets."""
-    replay = replay_scenario("two-agents-collapse", TARGET,
-                             Config(vllm_url=(TARGET,), usage_new_series_hold=0))
+    replay = replay_scenario(
+        "two-agents-collapse", TARGET, Config(vllm_url=(TARGET,), usage_new_series_hold=0)
+    )
     assert all("engine_ttft_seconds" in event for _, event in replay.events())
     page, said = ttft_seen(replay, 700)
     views = {view.caller: view for view in page.callers}
@@ -179,14 +206,17 @@ def test_ttft_is_vllm_s_own_when_it_times_the_requests_and_check_says_the_same()
     assert a.ttft_warm_p50 is not None and a.ttft_cold_p50 is not None
     assert a.ttft_warm_p50 < a.ttft_cold_p50  # what a cache is for
     assert a.ttft_window_mean is not None
-    assert said == [advice.ttft_sentence(view.caller, view.ttft_source, view.ttft_warm_p50,
-                                         view.ttft_cold_p50) for view in page.callers]
+    assert said == [
+        advice.ttft_sentence(view.caller, view.ttft_source, view.ttft_warm_p50, view.ttft_cold_p50)
+        for view in page.callers
+    ]
     assert all("(vLLM's own)" in line for line in said)
 
 
 def test_ttft_is_the_proxy_s_when_vllm_does_not_time_the_requests_and_says_so():
-    replay = replay_scenario("two-agents-collapse", TARGET,
-                             Config(vllm_url=(TARGET,), usage_new_series_hold=0))
+    replay = replay_scenario(
+        "two-agents-collapse", TARGET, Config(vllm_url=(TARGET,), usage_new_series_hold=0)
+    )
     for _when, kind, payload in replay.steps:
         if kind != SCRAPE:
             assert isinstance(payload, dict)
@@ -196,8 +226,10 @@ def test_ttft_is_the_proxy_s_when_vllm_does_not_time_the_requests_and_says_so():
     a = next(view for view in page.callers if view.caller == "agent-a")
     assert a.ttft_source == "proxy" and a.ttft_window_source == "proxy"
     assert a.ttft_warm_p50 is not None and a.ttft_cold_p50 is not None
-    assert said == [advice.ttft_sentence(view.caller, view.ttft_source, view.ttft_warm_p50,
-                                         view.ttft_cold_p50) for view in page.callers]
+    assert said == [
+        advice.ttft_sentence(view.caller, view.ttft_source, view.ttft_warm_p50, view.ttft_cold_p50)
+        for view in page.callers
+    ]
     assert all("(the proxy's, vLLM's queue included)" in line for line in said)
 
 
@@ -207,8 +239,10 @@ def test_ttft_is_the_proxy_s_when_vllm_does_not_time_the_requests_and_says_so():
 @pytest.mark.new_series_hold
 async def test_the_page_shows_live_counts_while_prometheus_s_view_is_held(aiohttp_client):
     client = await aiohttp_client(create_app(Config(), initial_refresh=False))
-    response = await client.post("/v1/usage", json={
-        "caller": "alice", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048})
+    response = await client.post(
+        "/v1/usage",
+        json={"caller": "alice", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048},
+    )
     assert response.status == 200, await response.text()
     page = await (await client.get("/")).text()
     assert 'data-caller="alice"' in page and '<dd data-field="prompt-tokens">4,096</dd>' in page
@@ -216,16 +250,19 @@ async def test_the_page_shows_live_counts_while_prometheus_s_view_is_held(aiohtt
 
 
 async def test_the_page_forbids_any_fetch_and_escapes_what_came_from_outside(
-        aiohttp_client, fake_vllm):
+    aiohttp_client, fake_vllm
+):
     hostile = '<script>alert("x")</script>'
-    config = Config(vllm_url=(fake_vllm.url,), callers_alias=(("bob", hostile),),
-                    callers_name_pattern=".*")
+    config = Config(
+        vllm_url=(fake_vllm.url,), callers_alias=(("bob", hostile),), callers_name_pattern=".*"
+    )
     client = await aiohttp_client(create_app(config, initial_refresh=False))
     fake_vllm.status = 500
     fake_vllm.body = "<b>boom</b>"
     for caller in (hostile, "bob"):
-        await client.post("/v1/usage", json={"caller": caller, "model": "<i>m</i>",
-                                             "prompt_tokens": 10})
+        await client.post(
+            "/v1/usage", json={"caller": caller, "model": "<i>m</i>", "prompt_tokens": 10}
+        )
     response = await client.get("/")
     page = await response.text()
     assert response.headers["Content-Security-Policy"].startswith("default-src 'none'")
@@ -237,8 +274,9 @@ async def test_the_page_forbids_any_fetch_and_escapes_what_came_from_outside(
 
 async def test_an_openai_base_url_on_the_page_names_the_fix(aiohttp_client, fake_vllm):
     root = fake_vllm.url.removesuffix("/metrics")
-    client = await aiohttp_client(create_app(Config(vllm_url=(f"{root}/v1",)),
-                                             initial_refresh=False))
+    client = await aiohttp_client(
+        create_app(Config(vllm_url=(f"{root}/v1",)), initial_refresh=False)
+    )
     page = await (await client.get("/")).text()
     assert f"use --vllm.url {root} (without /v1)." in page
 
@@ -260,8 +298,9 @@ def test_the_page_calls_a_collapse_what_the_operator_s_alerts_call_one(tmp_path)
 
     replay = replayed("two-agents-collapse")
     replay.until(700)
-    as_shipped = status.build(replay.state.engine, replay.state.usage, replay.clock[0],
-                              collapse_rule())
+    as_shipped = status.build(
+        replay.state.engine, replay.state.usage, replay.clock[0], collapse_rule()
+    )
     as_operated = status.build(replay.state.engine, replay.state.usage, replay.clock[0], rule)
     shipped_a = as_shipped.callers[0].collapse
     operated_a = as_operated.callers[0].collapse
@@ -269,11 +308,14 @@ def test_the_page_calls_a_collapse_what_the_operator_s_alerts_call_one(tmp_path)
     assert operated_a is not None and not operated_a.dropped and operated_a.evicted
 
 
-@pytest.mark.parametrize("content, problem", [
-    ("collapse_drop_factor: lots\n", "collapse_drop_factor"),
-    ("no_such_knob: 1\n", "no_such_knob"),
-    ("[1, 2\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("collapse_drop_factor: lots\n", "collapse_drop_factor"),
+        ("no_such_knob: 1\n", "no_such_knob"),
+        ("[1, 2\n", "not valid YAML"),
+    ],
+)
 def test_a_bad_monitoring_config_is_a_configuration_error_of_run(tmp_path, content, problem):
     bad = tmp_path / "monitoring.yml"
     bad.write_text(content)

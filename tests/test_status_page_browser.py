@@ -49,9 +49,12 @@ READ = """(() => {
 def ttft_medians(text: str) -> dict[str, timing.Medians]:
     """Each caller's TTFT medians as check --exporter.url reads them from /metrics."""
     view = read_exporter(text)
-    return {caller: timing.medians({key: sorted(buckets.items())
-                                    for key, buckets in view.ttft[caller].items()})
-            for caller in view.ttft}
+    return {
+        caller: timing.medians(
+            {key: sorted(buckets.items()) for key, buckets in view.ttft[caller].items()}
+        )
+        for caller in view.ttft
+    }
 
 
 def per_caller(text: str) -> dict[str, dict[str, float]]:
@@ -62,8 +65,9 @@ def per_caller(text: str) -> dict[str, dict[str, float]]:
             caller = sample.labels.get("caller")
             if caller is None:
                 continue
-            row = out.setdefault(caller, dict.fromkeys(
-                ("warm", "partial", "cold", "other", "prompt", "cached"), 0.0))
+            row = out.setdefault(
+                caller, dict.fromkeys(("warm", "partial", "cold", "other", "prompt", "cached"), 0.0)
+            )
             if sample.name == "vllm_cache_requests_total":
                 state = sample.labels["state"]
                 row[state if state in row else "other"] += sample.value
@@ -74,8 +78,9 @@ def per_caller(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-async def test_the_status_page_in_a_browser_during_a_collapse(tmp_path: Path, fake_vllm,
-                                                              aiohttp_server):
+async def test_the_status_page_in_a_browser_during_a_collapse(
+    tmp_path: Path, fake_vllm, aiohttp_server
+):
     config = Config(vllm_url=(fake_vllm.url,))
     replay = replay_scenario("two-agents-collapse", config=config)
     replay.on_scrape = lambda text: setattr(fake_vllm, "body", text)
@@ -100,8 +105,10 @@ async def test_the_status_page_in_a_browser_during_a_collapse(tmp_path: Path, fa
         assert alone["title"].startswith("OK")
         exported = per_caller(await metrics())
         # the last 5 min reach back before agent-a's first turn: all of its turns so far
-        assert alone["callers"]["agent-a"].pop("ratio") == \
-            f"{exported['agent-a']['cached'] / exported['agent-a']['prompt']:.1%}"
+        assert (
+            alone["callers"]["agent-a"].pop("ratio")
+            == f"{exported['agent-a']['cached'] / exported['agent-a']['prompt']:.1%}"
+        )
         assert alone["callers"] == exported
         assert exported["agent-a"]["warm"] == 6
 
@@ -127,7 +134,8 @@ async def test_the_status_page_in_a_browser_during_a_collapse(tmp_path: Path, fa
             assert found.source == "engine", caller
             assert numbers.pop("ttft") == (
                 f"{advice.seconds(found.warm)} / {advice.seconds(found.cold)} (median since "
-                "start; vLLM's own)"), caller
+                "start; vLLM's own)"
+            ), caller
             assert found.cold is not None  # a value, not "- / -"
             window = numbers.pop("ttft_window")
             assert window.endswith("(mean of warm and cold turns; vLLM's own)"), window
@@ -137,8 +145,13 @@ async def test_the_status_page_in_a_browser_during_a_collapse(tmp_path: Path, fa
         assert exported["agent-b"]["cold"] >= 3 and exported["agent-a"]["cold"] >= 3
 
         await page.screenshot(tmp_path / "status-page.png", width=1000)
-        await page.send("Emulation.setDeviceMetricsOverride", width=390, height=800,
-                        deviceScaleFactor=2, mobile=True)
+        await page.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=390,
+            height=800,
+            deviceScaleFactor=2,
+            mobile=True,
+        )
         assert await page.evaluate("document.documentElement.scrollWidth") <= 390
         await page.screenshot(tmp_path / "status-page-phone.png", width=390)
 

@@ -73,10 +73,10 @@ def test_a_new_state_of_a_known_pair_is_held_too():
     clock.now += 60
     state.usage.record(UsageEvent("a", "m", 1100, 992, ttft_seconds=1.0), "http")
     text = scrape(state)
-    assert value(text, "vllm_cache_ttft_seconds_count", caller="a", model="m",
-                 state="cold") == 1
-    assert value(text, "vllm_cache_ttft_seconds_count", caller="a", model="m",
-                 state="warm") == 0  # a new histogram series, still at zero
+    assert value(text, "vllm_cache_ttft_seconds_count", caller="a", model="m", state="cold") == 1
+    assert (
+        value(text, "vllm_cache_ttft_seconds_count", caller="a", model="m", state="warm") == 0
+    )  # a new histogram series, still at zero
     assert value(text, "vllm_cache_requests_total", caller="a", model="m", state="warm") == 1
 
 
@@ -84,31 +84,49 @@ def test_a_new_rejection_reason_is_held_too():
     clock = Clock()
     state = signals_state(Config(usage_new_series_hold=30.0), clock)
     state.usage.reject("http", "negative")
-    assert value(scrape(state), "vllm_cache_usage_events_rejected_total", reader="http",
-                 reason="negative") == 0
+    assert (
+        value(
+            scrape(state),
+            "vllm_cache_usage_events_rejected_total",
+            reader="http",
+            reason="negative",
+        )
+        == 0
+    )
     clock.now += 30
-    assert value(scrape(state), "vllm_cache_usage_events_rejected_total", reader="http",
-                 reason="negative") == 1
+    assert (
+        value(
+            scrape(state),
+            "vllm_cache_usage_events_rejected_total",
+            reader="http",
+            reason="negative",
+        )
+        == 1
+    )
 
 
 def test_without_a_hold_counts_show_at_once():
     state = signals_state(Config(usage_new_series_hold=0.0), Clock())
     state.usage.record(UsageEvent("a", "m", 1000, 0), "http")
-    assert value(scrape(state), "vllm_cache_requests_total", caller="a", model="m",
-                 state="cold") == 1
+    assert (
+        value(scrape(state), "vllm_cache_requests_total", caller="a", model="m", state="cold") == 1
+    )
 
 
 # --- carried engine counters ---------------------------------------------------------------
 
 TARGET = "http://vllm:8000/metrics"
-READS = st.lists(st.one_of(
-    st.tuples(st.just("good"), st.integers(min_value=0, max_value=5_000)),
-    st.tuples(st.just("nan"), st.just(0)),
-    st.tuples(st.just("absent"), st.just(0)),
-    st.tuples(st.just("down"), st.just(0)),
-    st.tuples(st.just("restart"), st.integers(min_value=0, max_value=5_000)),
-    st.tuples(st.just("lower"), st.integers(min_value=0, max_value=5_000)),
-), max_size=40)
+READS = st.lists(
+    st.one_of(
+        st.tuples(st.just("good"), st.integers(min_value=0, max_value=5_000)),
+        st.tuples(st.just("nan"), st.just(0)),
+        st.tuples(st.just("absent"), st.just(0)),
+        st.tuples(st.just("down"), st.just(0)),
+        st.tuples(st.just("restart"), st.integers(min_value=0, max_value=5_000)),
+        st.tuples(st.just("lower"), st.integers(min_value=0, max_value=5_000)),
+    ),
+    max_size=40,
+)
 
 
 def snapshot(hits: float | None, created: float | None) -> EngineSnapshot:
@@ -117,8 +135,11 @@ def snapshot(hits: float | None, created: float | None) -> EngineSnapshot:
         values.values[PREFIX_CACHE_HITS] = hits
         if created is not None:
             values.created[PREFIX_CACHE_HITS] = created
-    return EngineSnapshot(engines={("m", "0"): values}, cache_configs={},
-                          present={PREFIX_CACHE_HITS: hits is not None})
+    return EngineSnapshot(
+        engines={("m", "0"): values},
+        cache_configs={},
+        present={PREFIX_CACHE_HITS: hits is not None},
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -149,8 +170,9 @@ def test_an_exported_engine_counter_never_decreases_and_counts_every_hit(reads):
         if kind in ("good", "restart", "lower"):
             # A vLLM without _created tells its restart by the drop alone; one with it
             # gives a newer time (a drop under the same time is a glitch, tests/test_fuzz.py).
-            engine.record_success(TARGET, snapshot(raw, None if kind == "lower" else created),
-                                  0.01, 0.0)
+            engine.record_success(
+                TARGET, snapshot(raw, None if kind == "lower" else created), 0.01, 0.0
+            )
             if true_total is None:
                 true_total = raw  # the first read: vLLM's lifetime count
             total = engine.targets[TARGET].rows[0].counters[PREFIX_CACHE_HITS]
@@ -168,13 +190,16 @@ def test_an_exported_engine_counter_never_decreases_and_counts_every_hit(reads):
 # --- carried engine histograms --------------------------------------------------------------
 
 BOUND_SETS = ((1.0, 10.0, math.inf), (0.5, 10.0, 50.0, math.inf), (2.0, math.inf))
-HISTOGRAM_READS = st.lists(st.one_of(
-    # observations to add: (bucket index per observation)
-    st.tuples(st.just("observe"), st.lists(st.integers(min_value=0, max_value=3), max_size=8)),
-    st.tuples(st.just("restart"), st.integers(min_value=0, max_value=len(BOUND_SETS) - 1)),
-    st.tuples(st.just("absent"), st.just(0)),
-    st.tuples(st.just("down"), st.just(0)),
-), max_size=30)
+HISTOGRAM_READS = st.lists(
+    st.one_of(
+        # observations to add: (bucket index per observation)
+        st.tuples(st.just("observe"), st.lists(st.integers(min_value=0, max_value=3), max_size=8)),
+        st.tuples(st.just("restart"), st.integers(min_value=0, max_value=len(BOUND_SETS) - 1)),
+        st.tuples(st.just("absent"), st.just(0)),
+        st.tuples(st.just("down"), st.just(0)),
+    ),
+    max_size=30,
+)
 
 
 class VllmHistogram:
@@ -192,7 +217,7 @@ class VllmHistogram:
         self.sum += self.bounds[index] if math.isfinite(self.bounds[index]) else 100.0
 
     def value(self) -> HistogramValue:
-        cumulative = tuple(float(sum(self.counts[:i + 1])) for i in range(len(self.bounds)))
+        cumulative = tuple(float(sum(self.counts[: i + 1])) for i in range(len(self.bounds)))
         return HistogramValue(self.bounds, cumulative, self.sum)
 
 
@@ -201,8 +226,11 @@ def histogram_snapshot(histogram: VllmHistogram | None) -> EngineSnapshot:
     if histogram is not None:
         values.histograms[KV_BLOCK_LIFETIME] = histogram.value()
         values.created[KV_BLOCK_LIFETIME] = histogram.created
-    return EngineSnapshot(engines={("m", "0"): values}, cache_configs={},
-                          present={KV_BLOCK_LIFETIME: histogram is not None})
+    return EngineSnapshot(
+        engines={("m", "0"): values},
+        cache_configs={},
+        present={KV_BLOCK_LIFETIME: histogram is not None},
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -228,8 +256,9 @@ def test_an_exported_engine_histogram_never_decreases_and_stays_a_histogram(read
         if kind == "down":
             engine.record_failure(TARGET, "connect", "refused", 0.01)
             continue
-        engine.record_success(TARGET, histogram_snapshot(None if kind == "absent" else vllm),
-                              0.01, 0.0)
+        engine.record_success(
+            TARGET, histogram_snapshot(None if kind == "absent" else vllm), 0.01, 0.0
+        )
         if kind == "absent":
             continue
         if observed_since_first is None:

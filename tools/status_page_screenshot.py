@@ -58,8 +58,9 @@ async def shoot(at: float, out: Path) -> None:
         config = Config(vllm_url=(vllm_base + "metrics",))
         replay = replay_scenario(SCENARIO, config=config)
         replay.on_scrape = lambda text: body.__setitem__("text", text)
-        exporter_runner, base = await start(create_app(config, state=replay.state,
-                                                       initial_refresh=False))
+        exporter_runner, base = await start(
+            create_app(config, state=replay.state, initial_refresh=False)
+        )
         replay.until(at)
         with tempfile.TemporaryDirectory() as profile:
             async with chromium(Path(profile)) as page:
@@ -73,14 +74,20 @@ async def shoot(at: float, out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--at", type=float, default=700.0,
-                        help="scenario seconds to replay before the picture (default 700: "
-                             "both agents collapsed, the pair no longer fits)")
+    parser.add_argument(
+        "--at",
+        type=float,
+        default=700.0,
+        help="scenario seconds to replay before the picture (default 700: "
+        "both agents collapsed, the pair no longer fits)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "status-page.png")
     args = parser.parse_args()
     if not (shutil.which("chromium") or shutil.which("chromium-browser")):
-        print("status_page_screenshot: chromium is not installed (Debian: apt-get install "
-              "chromium)", file=sys.stderr)
+        print(
+            "status_page_screenshot: chromium is not installed (Debian: apt-get install chromium)",
+            file=sys.stderr,
+        )
         return 2
     asyncio.run(shoot(args.at, args.out))
     print(f"wrote {args.out}")

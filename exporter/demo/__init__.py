@@ -72,9 +72,16 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: float,
-                   out: TextIO, live: bool, stop: asyncio.Event,
-                   listen: Listen = Listen()) -> int:
+async def run_demo(
+    scenario: Scenario,
+    speed: float,
+    duration: float,
+    refresh: float,
+    out: TextIO,
+    live: bool,
+    stop: asyncio.Event,
+    listen: Listen = Listen(),
+) -> int:
     clock = SimClock(speed)
     clock.now()  # scenario second 0 is now
     origin = time.time()
@@ -99,12 +106,17 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
         await sim_runner.cleanup()
         raise
     base = f"http://{url_host(web_host)}:{exporter_port}"
-    print(f"vllm-cache-exporter demo: scenario {scenario.name} at x{speed:g} (a scenario "
-          f"minute passes every {60 / speed:.3g} s; times below are scenario time)", file=out)
+    print(
+        f"vllm-cache-exporter demo: scenario {scenario.name} at x{speed:g} (a scenario "
+        f"minute passes every {60 / speed:.3g} s; times below are scenario time)",
+        file=out,
+    )
     print(f"  {scenario.title}", file=out)
     if not live:  # the live view keeps it on screen
-        print(f"Status page: {base}/  (open it in a browser; Prometheus reads /metrics "
-              "there)", file=out)
+        print(
+            f"Status page: {base}/  (open it in a browser; Prometheus reads /metrics there)",
+            file=out,
+        )
     print(f"Simulated vLLM: {sim_base} (OpenAI API, /metrics)", file=out)
     out.flush()
 
@@ -114,18 +126,29 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
         # The traffic goes through the tap, which records it (and reads its prompts' order)
         # as it would in front of a real vLLM: the driver reports nothing itself.
         tap_runner, tap_port = await start_site(
-            wiring.tap_app(config, state.usage, clock=exporter_clock), HOST, 0)
+            wiring.tap_app(config, state.usage, clock=exporter_clock), HOST, 0
+        )
         client = HttpClient(f"http://{HOST}:{tap_port}")
         reporter = NoReporter()
-        print(f"The scenario's clients go through the tap: http://{HOST}:{tap_port}",
-              file=out)
+        print(f"The scenario's clients go through the tap: http://{HOST}:{tap_port}", file=out)
     else:
         client = HttpClient(sim_base)
-    driver = Driver(scenario, client, reporter, clock, sim.config.served_model_name,
-                    loop=True, seed=int(time.time()), wall_clock=exporter_clock)
+    driver = Driver(
+        scenario,
+        client,
+        reporter,
+        clock,
+        sim.config.served_model_name,
+        loop=True,
+        seed=int(time.time()),
+        wall_clock=exporter_clock,
+    )
     drive = asyncio.ensure_future(driver.run())
-    view = DemoView(f"{scenario.name}: {scenario.title}", f"{base}/",
-                    window_seconds=collapse_rule().window_seconds)
+    view = DemoView(
+        f"{scenario.name}: {scenario.title}",
+        f"{base}/",
+        window_seconds=collapse_rule().window_seconds,
+    )
     story = Story(origin)
     deadline = time.monotonic() + duration if duration else None
     shown = Shown(view, story, app, driver, clock, f"{base}/metrics")
@@ -143,24 +166,30 @@ async def run_demo(scenario: Scenario, speed: float, duration: float, refresh: f
             await tap_runner.cleanup()
         await exporter_runner.cleanup()
         await sim_runner.cleanup()
-    print(f"demo stopped after {driver.stats.requests} request(s), "
-          f"{driver.stats.errors} failed", file=out)
+    print(
+        f"demo stopped after {driver.stats.requests} request(s), {driver.stats.errors} failed",
+        file=out,
+    )
     out.flush()
     return 0
 
 
-def exporter_config(scenario: Scenario, sim_base: str, web_listen_address: str = f"{HOST}:0"
-                    ) -> Config:
+def exporter_config(
+    scenario: Scenario, sim_base: str, web_listen_address: str = f"{HOST}:0"
+) -> Config:
     """The exporter as the demo runs it: reading the simulator at ``sim_base``, no new-series
     hold (the view reads /metrics itself, it is no Prometheus). Nothing scenario-specific: what
     a hybrid model's conversations hold in the pool comes from the simulator's cache
     configuration, as from a real vLLM's (compose.yaml and the Kubernetes sidecar run it the
     same way)."""
-    config = Config(web_listen_address=web_listen_address, vllm_url=(sim_base,),
-                    log_level="warning", usage_new_series_hold=0.0)
+    config = Config(
+        web_listen_address=web_listen_address,
+        vllm_url=(sim_base,),
+        log_level="warning",
+        usage_new_series_hold=0.0,
+    )
     if scenario.demo_tap:
-        config = dataclasses.replace(config, tap_listen_address=f"{HOST}:0",
-                                     tap_upstream=sim_base)
+        config = dataclasses.replace(config, tap_listen_address=f"{HOST}:0", tap_upstream=sim_base)
     return config
 
 
@@ -200,9 +229,16 @@ class Shown:
         self.view.update(text, self.clock.now(), self.view.problems)
 
 
-async def _show(shown: Shown, session: aiohttp.ClientSession, refresh: float, out: TextIO,
-                live: bool, stop: asyncio.Event, deadline: float | None,
-                drive: asyncio.Future[Any]) -> None:
+async def _show(
+    shown: Shown,
+    session: aiohttp.ClientSession,
+    refresh: float,
+    out: TextIO,
+    live: bool,
+    stop: asyncio.Event,
+    deadline: float | None,
+    drive: asyncio.Future[Any],
+) -> None:
     """Tell the story as it happens (a look every ``STORY_SECONDS``) and show the table every
     ``refresh`` seconds, until stopped; the last look comes after the stop."""
     from rich.console import Console
@@ -213,8 +249,11 @@ async def _show(shown: Shown, session: aiohttp.ClientSession, refresh: float, ou
 
     async def tick() -> bool:
         """Wait for the next look; False when it is time to stop."""
-        wait = STORY_SECONDS if deadline is None else max(
-            0.0, min(STORY_SECONDS, deadline - time.monotonic()))
+        wait = (
+            STORY_SECONDS
+            if deadline is None
+            else max(0.0, min(STORY_SECONDS, deadline - time.monotonic()))
+        )
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), wait)
         return not stop.is_set() and (deadline is None or time.monotonic() < deadline)
@@ -225,8 +264,7 @@ async def _show(shown: Shown, session: aiohttp.ClientSession, refresh: float, ou
 
     if live:
         console = Console(file=out)
-        with Live(view.render(), console=console, refresh_per_second=4,
-                  transient=False) as screen:
+        with Live(view.render(), console=console, refresh_per_second=4, transient=False) as screen:
             running = True
             while running:
                 check_driver()
@@ -276,8 +314,16 @@ def main(args: argparse.Namespace) -> int:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
         try:
-            return await run_demo(scenario, speed, args.duration, refresh, sys.stdout, live,
-                                  stop, Listen(args.web_listen_address, args.sim_listen_address))
+            return await run_demo(
+                scenario,
+                speed,
+                args.duration,
+                refresh,
+                sys.stdout,
+                live,
+                stop,
+                Listen(args.web_listen_address, args.sim_listen_address),
+            )
         except OSError as err:
             print(f"demo: cannot start: {err}", file=sys.stderr)
             return 1

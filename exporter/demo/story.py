@@ -73,15 +73,28 @@ class Story:
         for view in sorted(status.callers, key=lambda view: view.first_seen):
             if view.caller not in self.callers:
                 if self.callers:
-                    lines.append(Line(self.at(view.first_seen), "arrival",
-                                      advice.arrival_sentence(view.caller,
-                                                              len(self.callers) + 1)))
+                    lines.append(
+                        Line(
+                            self.at(view.first_seen),
+                            "arrival",
+                            advice.arrival_sentence(view.caller, len(self.callers) + 1),
+                        )
+                    )
                 self.callers.add(view.caller)
-            if (view.caller not in self.told_warm and view.ratio_window is not None
-                    and view.ratio_window >= WARM_RATIO and view.requests["warm"] > 0):
+            if (
+                view.caller not in self.told_warm
+                and view.ratio_window is not None
+                and view.ratio_window >= WARM_RATIO
+                and view.requests["warm"] > 0
+            ):
                 self.told_warm.add(view.caller)
-                lines.append(Line(self.at(status.now), "warm", advice.warm_sentence(
-                    view.caller, view.ratio_window, status.window_seconds)))
+                lines.append(
+                    Line(
+                        self.at(status.now),
+                        "warm",
+                        advice.warm_sentence(view.caller, view.ratio_window, status.window_seconds),
+                    )
+                )
 
     def _fits(self, status: Status, now: float, lines: list[Line]) -> None:
         for engine in status.engines:
@@ -91,12 +104,10 @@ class Story:
                 if fit.fit.conversations == 0 or self.fits.get(key) == shape:
                     continue
                 self.fits[key] = shape
-                lines.append(Line(now, "overflow" if fit.fit.overflows else "fit",
-                                  fit.sentence))
+                lines.append(Line(now, "overflow" if fit.fit.overflows else "fit", fit.sentence))
 
     def _problems(self, status: Status, now: float, lines: list[Line]) -> None:
-        current = {item.key: item for item in status.problems
-                   if item.kind not in TOLD_OTHERWISE}
+        current = {item.key: item for item in status.problems if item.kind not in TOLD_OTHERWISE}
         for key, item in current.items():
             told = self.problems.get(key)
             if told is not None and set(item.callers) <= set(told):
@@ -107,10 +118,12 @@ class Story:
         for key in [key for key in self.problems if key not in current]:
             callers = self.problems.pop(key)
             kind, where = key
-            sentence = (advice.recovered_sentence(list(callers)) if kind == "collapse"
-                        else f"No longer: {kind.replace('_', ' ')} ({where}).")
+            sentence = (
+                advice.recovered_sentence(list(callers))
+                if kind == "collapse"
+                else f"No longer: {kind.replace('_', ' ')} ({where})."
+            )
             lines.append(Line(now, "cleared", sentence))
-
 
     def _advice(self, status: Status, now: float, lines: list[Line]) -> None:
         for item in status.advice:
@@ -120,10 +133,12 @@ class Story:
 
 
 def restart_sentence() -> str:
-    return ("The scenario starts again with new conversations: their first turns are cold, "
-            "then warm. A hit ratio climbing now is this restart, not a recovery (and the "
-            "previous conversations count as live until they have been idle for the idle "
-            "window).")
+    return (
+        "The scenario starts again with new conversations: their first turns are cold, "
+        "then warm. A hit ratio climbing now is this restart, not a recovery (and the "
+        "previous conversations count as live until they have been idle for the idle "
+        "window)."
+    )
 
 
 def clock(seconds: float) -> str:

@@ -70,9 +70,11 @@ class Snapshot:
     evicted_lifetime_seconds: float = 0.0
 
 
-RESIDENCY = {"vllm_cache_engine_kv_block_idle_before_evict_seconds_count": "evicted",
-             "vllm_cache_engine_kv_block_idle_before_evict_seconds_sum": "evicted_idle_seconds",
-             "vllm_cache_engine_kv_block_lifetime_seconds_sum": "evicted_lifetime_seconds"}
+RESIDENCY = {
+    "vllm_cache_engine_kv_block_idle_before_evict_seconds_count": "evicted",
+    "vllm_cache_engine_kv_block_idle_before_evict_seconds_sum": "evicted_idle_seconds",
+    "vllm_cache_engine_kv_block_lifetime_seconds_sum": "evicted_lifetime_seconds",
+}
 # The evicted blocks sat idle for more than this share of their life, over at least
 # EVICTED_UNUSED_MIN_SAMPLES of them: evicted before any turn came back to them.
 EVICTED_UNUSED_SHARE = 0.8
@@ -84,15 +86,13 @@ def parse_snapshot(text: str, time: float) -> Snapshot:
     for name, labels, value in Samples(text):
         caller = labels.get("caller")
         if caller is not None:
-            _caller_sample(snap.callers.setdefault(caller, CallerStats()), name, labels,
-                           value)
+            _caller_sample(snap.callers.setdefault(caller, CallerStats()), name, labels, value)
         else:
             _engine_sample(snap, name, value)
     return snap
 
 
-def _caller_sample(stats: CallerStats, name: str, labels: dict[str, str],
-                   value: float) -> None:
+def _caller_sample(stats: CallerStats, name: str, labels: dict[str, str], value: float) -> None:
     if name == "vllm_cache_requests_total":
         state = labels.get("state", "")
         stats.requests[state] = stats.requests.get(state, 0.0) + value
@@ -104,7 +104,8 @@ def _caller_sample(stats: CallerStats, name: str, labels: dict[str, str],
         stats.unreported_tokens += value
     elif name == "vllm_cache_ttft_seconds_bucket":
         buckets = stats.ttft_buckets.setdefault(
-            (labels.get("state", ""), labels.get("source", "proxy")), {})
+            (labels.get("state", ""), labels.get("source", "proxy")), {}
+        )
         bound = float(labels["le"])
         buckets[bound] = buckets.get(bound, 0.0) + value
 
@@ -120,8 +121,10 @@ _ENGINE_SUMS = {
     "vllm_cache_engine_prefix_cache_hits_tokens_total": "engine_hits",
 }
 # Engine gauges that hold only if they hold on every engine.
-_ENGINE_ALL = {"vllm_cache_engine_up": "engine_up",
-               "vllm_cache_engine_prefix_caching_enabled": "prefix_caching"}
+_ENGINE_ALL = {
+    "vllm_cache_engine_up": "engine_up",
+    "vllm_cache_engine_prefix_caching_enabled": "prefix_caching",
+}
 
 
 def _engine_sample(snap: Snapshot, name: str, value: float) -> None:
@@ -189,13 +192,15 @@ class DemoView:
         self.error: str | None = None
         self.problems: list[str] = []
 
-    def update(self, text: str, scenario_seconds: float,
-               problems: list[str] | None = None) -> Summary:
+    def update(
+        self, text: str, scenario_seconds: float, problems: list[str] | None = None
+    ) -> Summary:
         """One scrape of the exporter, at ``scenario_seconds``; ``problems``: what the status
         page says is wrong at the same moment."""
         self.history.append(parse_snapshot(text, scenario_seconds))
-        while (len(self.history) > 2
-               and self.history[1].time <= scenario_seconds - self.window_seconds):
+        while (
+            len(self.history) > 2 and self.history[1].time <= scenario_seconds - self.window_seconds
+        ):
             self.history.popleft()
         self.scenario_seconds = scenario_seconds
         self.error = None
@@ -204,35 +209,67 @@ class DemoView:
 
     def summary(self) -> Summary:
         if not self.history:
-            return Summary([], None, None, None, None, 0, 0, None, None, None,
-                           ["waiting for the first scrape of the exporter"])
+            return Summary(
+                [],
+                None,
+                None,
+                None,
+                None,
+                0,
+                0,
+                None,
+                None,
+                None,
+                ["waiting for the first scrape of the exporter"],
+            )
         now, first = self.history[-1], self.history[0]
         rows = []
         for caller in sorted(now.callers):
             stats = now.callers[caller]
             before = first.callers.get(caller, CallerStats())
-            window = ratio(stats.cached_tokens - before.cached_tokens,
-                           stats.prompt_tokens - before.prompt_tokens)
+            window = ratio(
+                stats.cached_tokens - before.cached_tokens,
+                stats.prompt_tokens - before.prompt_tokens,
+            )
             requests = stats.requests
             other = sum(requests.get(state, 0.0) for state in ("short", "unknown", "error"))
-            rows.append(CallerRow(
-                caller, int(stats.total), window, ratio(stats.cached_tokens, stats.prompt_tokens),
-                int(requests.get("warm", 0)), int(requests.get("partial", 0)),
-                int(requests.get("cold", 0)), int(other),
-                stats.ttft_p50("warm"), stats.ttft_p50("cold"), _window_ttft_p50(stats, before)))
-        evicted = (None if now.evicted is None
-                   else int(now.evicted - (first.evicted or 0.0)))
-        idle_share = ratio(now.evicted_idle_seconds - first.evicted_idle_seconds,
-                           now.evicted_lifetime_seconds - first.evicted_lifetime_seconds)
-        return Summary(rows, now.engine_up, now.prefix_caching, now.kv_used_tokens,
-                       now.kv_pool_tokens, int(now.preemptions),
-                       int(now.preemptions - first.preemptions), now.running, now.waiting,
-                       ratio(now.engine_hits - first.engine_hits,
-                             now.engine_queries - first.engine_queries),
-                       self._warnings(now, evicted, idle_share), evicted, idle_share)
+            rows.append(
+                CallerRow(
+                    caller,
+                    int(stats.total),
+                    window,
+                    ratio(stats.cached_tokens, stats.prompt_tokens),
+                    int(requests.get("warm", 0)),
+                    int(requests.get("partial", 0)),
+                    int(requests.get("cold", 0)),
+                    int(other),
+                    stats.ttft_p50("warm"),
+                    stats.ttft_p50("cold"),
+                    _window_ttft_p50(stats, before),
+                )
+            )
+        evicted = None if now.evicted is None else int(now.evicted - (first.evicted or 0.0))
+        idle_share = ratio(
+            now.evicted_idle_seconds - first.evicted_idle_seconds,
+            now.evicted_lifetime_seconds - first.evicted_lifetime_seconds,
+        )
+        return Summary(
+            rows,
+            now.engine_up,
+            now.prefix_caching,
+            now.kv_used_tokens,
+            now.kv_pool_tokens,
+            int(now.preemptions),
+            int(now.preemptions - first.preemptions),
+            now.running,
+            now.waiting,
+            ratio(now.engine_hits - first.engine_hits, now.engine_queries - first.engine_queries),
+            self._warnings(now, evicted, idle_share),
+            evicted,
+            idle_share,
+        )
 
-    def _warnings(self, now: Snapshot, evicted: int | None,
-                  idle_share: float | None) -> list[str]:
+    def _warnings(self, now: Snapshot, evicted: int | None, idle_share: float | None) -> list[str]:
         warnings = []
         if self.error:
             warnings.append(self.error)
@@ -241,10 +278,16 @@ class DemoView:
         warnings.extend(self.problems)
         # vLLM's sampled residency (--kv-cache-metrics): seen from inside the engine, which
         # the status page's problems (from the usage and the pool) do not read.
-        if (evicted is not None and evicted >= EVICTED_UNUSED_MIN_SAMPLES
-                and idle_share is not None and idle_share > EVICTED_UNUSED_SHARE):
-            warnings.append("KV blocks are evicted before any turn comes back to them: the "
-                            "conversations no longer fit the KV pool together")
+        if (
+            evicted is not None
+            and evicted >= EVICTED_UNUSED_MIN_SAMPLES
+            and idle_share is not None
+            and idle_share > EVICTED_UNUSED_SHARE
+        ):
+            warnings.append(
+                "KV blocks are evicted before any turn comes back to them: the "
+                "conversations no longer fit the KV pool together"
+            )
         return warnings
 
     # ---- rendering ---------------------------------------------------------------------
@@ -259,27 +302,42 @@ class DemoView:
                 f"the last {window} (since start {_pct(row.ratio_total)}), warm/partial/cold "
                 f"{row.warm}/{row.partial}/{row.cold}, TTFT p50 {_secs(row.ttft_window_p50)} "
                 f"over the last {window} (since start: warm {_secs(row.ttft_warm_p50)}, cold "
-                f"{_secs(row.ttft_cold_p50)})")
+                f"{_secs(row.ttft_cold_p50)})"
+            )
         lines.append(
             f"  engine: KV {_tokens(summary.kv_used_tokens)}/{_tokens(summary.kv_pool_tokens)}"
             f" tokens, preemptions {summary.preemptions}, prefix caching "
             f"{_onoff(summary.prefix_caching)}, running {_num(summary.running)}, waiting "
             f"{_num(summary.waiting)}"
-            + (f", evicted blocks {_evictions(summary)}" if summary.evicted_window is not None
-               else ""))
+            + (
+                f", evicted blocks {_evictions(summary)}"
+                if summary.evicted_window is not None
+                else ""
+            )
+        )
         lines.extend(f"  ! {warning}" for warning in summary.warnings)
         return "\n".join(lines)
 
     def render(self, summary: Summary | None = None) -> RenderableType:
         summary = summary or self.summary()
         window = _window(self.window_seconds)
-        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1),
-                      title=f"Per caller, from /metrics (now: the last {window}; TTFT p50, "
-                            "warm and cold since start; scenario time)",
-                      title_justify="left")
+        table = Table(
+            box=box.SIMPLE_HEAD,
+            padding=(0, 1),
+            title=f"Per caller, from /metrics (now: the last {window}; TTFT p50, "
+            "warm and cold since start; scenario time)",
+            title_justify="left",
+        )
         table.add_column("caller", no_wrap=True, overflow="ellipsis", min_width=8)
-        for column, width in (("req", 4), ("hit now", 7), ("hit all", 7),
-                              ("w/p/c/u", 7), ("TTFT now", 8), ("warm", 5), ("cold", 5)):
+        for column, width in (
+            ("req", 4),
+            ("hit now", 7),
+            ("hit all", 7),
+            ("w/p/c/u", 7),
+            ("TTFT now", 8),
+            ("warm", 5),
+            ("cold", 5),
+        ):
             table.add_column(column, justify="right", no_wrap=True, min_width=width)
         for row in summary.rows:
             states = Text()
@@ -289,31 +347,46 @@ class DemoView:
             states.append("/")
             states.append(str(row.cold), style="red")
             states.append(f"/{row.other}")
-            table.add_row(row.caller, str(row.requests), _ratio_text(row.ratio_window),
-                          _pct(row.ratio_total), states, _secs(row.ttft_window_p50),
-                          _secs(row.ttft_warm_p50), _secs(row.ttft_cold_p50))
+            table.add_row(
+                row.caller,
+                str(row.requests),
+                _ratio_text(row.ratio_window),
+                _pct(row.ratio_total),
+                states,
+                _secs(row.ttft_window_p50),
+                _secs(row.ttft_warm_p50),
+                _secs(row.ttft_cold_p50),
+            )
         if not summary.rows:
             table.add_row("(no requests yet)", "", "", "", "", "", "", "")
         engine = Text()
         engine.append("KV used/pool ")
-        engine.append(f"{_tokens(summary.kv_used_tokens)} / {_tokens(summary.kv_pool_tokens)}"
-                      " tokens", style="bold")
+        engine.append(
+            f"{_tokens(summary.kv_used_tokens)} / {_tokens(summary.kv_pool_tokens)} tokens",
+            style="bold",
+        )
         engine.append("   preemptions ")
-        engine.append(str(summary.preemptions),
-                      style="bold red" if summary.preemptions_window else "bold")
+        engine.append(
+            str(summary.preemptions), style="bold red" if summary.preemptions_window else "bold"
+        )
         engine.append("   prefix caching ")
-        engine.append(_onoff(summary.prefix_caching),
-                      style="bold green" if summary.prefix_caching else "bold red")
-        engine.append(f"\nrunning {_num(summary.running)}, waiting {_num(summary.waiting)}"
-                      "   engine hit ratio (window) ")
+        engine.append(
+            _onoff(summary.prefix_caching),
+            style="bold green" if summary.prefix_caching else "bold red",
+        )
+        engine.append(
+            f"\nrunning {_num(summary.running)}, waiting {_num(summary.waiting)}"
+            "   engine hit ratio (window) "
+        )
         engine.append_text(_ratio_text(summary.engine_ratio_window))
         if summary.evicted_window is not None:
             engine.append(f"\nKV blocks evicted (window, sampled) {_evictions(summary)}")
         parts: list[RenderableType] = [
-            Text(f"{self.title}    scenario time {_clock(self.scenario_seconds)}",
-                 style="bold"),
+            Text(f"{self.title}    scenario time {_clock(self.scenario_seconds)}", style="bold"),
             Text(f"Status page: {self.page_url}", style="cyan"),
-            table, Panel(engine, title="vLLM engine", title_align="left")]
+            table,
+            Panel(engine, title="vLLM engine", title_align="left"),
+        ]
         for warning in summary.warnings:
             parts.append(Text(f"! {warning}", style="bold yellow"))
         parts.append(Text("Ctrl-C to stop", style="dim"))
@@ -321,7 +394,7 @@ class DemoView:
 
 
 def _evictions(summary: Summary) -> str:
-    """"12 (idle 93.0% of their life)": vLLM's sampled KV residency over the window."""
+    """ "12 (idle 93.0% of their life)": vLLM's sampled KV residency over the window."""
     idle = summary.evicted_idle_share_window
     share = f" (idle {_pct(idle)} of their life)" if idle is not None else ""
     return f"{summary.evicted_window}{share}"
@@ -351,8 +424,13 @@ _BANDS = MonitoringConfig()
 def _ratio_text(value: float | None) -> Text:
     if value is None:
         return Text("-")
-    style = ("green" if value >= _BANDS.hit_ratio_good
-             else "yellow" if value >= _BANDS.hit_ratio_fair else "red")
+    style = (
+        "green"
+        if value >= _BANDS.hit_ratio_good
+        else "yellow"
+        if value >= _BANDS.hit_ratio_fair
+        else "red"
+    )
     return Text(_pct(value), style=style)
 
 

@@ -29,16 +29,22 @@ class FetchError(Exception):
         self.reason = reason
 
 
-async def fetch_body(session: aiohttp.ClientSession, url: str, timeout: float,
-                     max_bytes: int) -> bytes:
+async def fetch_body(
+    session: aiohttp.ClientSession, url: str, timeout: float, max_bytes: int
+) -> bytes:
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout),
-                               headers={"Accept": ACCEPT}, allow_redirects=False) as response:
+        async with session.get(
+            url,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+            headers={"Accept": ACCEPT},
+            allow_redirects=False,
+        ) as response:
             if response.status != 200:
                 raise FetchError("http_status", f"HTTP {response.status} from {url}")
             if response.content_length is not None and response.content_length > max_bytes:
-                raise FetchError("body_too_large",
-                                 f"body of {response.content_length} bytes exceeds {max_bytes}")
+                raise FetchError(
+                    "body_too_large", f"body of {response.content_length} bytes exceeds {max_bytes}"
+                )
             chunks: list[bytes] = []
             size = 0
             async for chunk in response.content.iter_chunked(64 * 1024):
@@ -81,9 +87,16 @@ class SuccessSink(Protocol):
     """record_success(target, snapshot, seconds the read took, unix time, invalid=samples
     dropped by reason, folded=samples folded by reason)."""
 
-    def __call__(self, target: str, snapshot: EngineSnapshot, duration: float, now: float, *,
-                 invalid: Mapping[str, int] | None = ...,
-                 folded: Mapping[str, int] | None = ...) -> None: ...
+    def __call__(
+        self,
+        target: str,
+        snapshot: EngineSnapshot,
+        duration: float,
+        now: float,
+        *,
+        invalid: Mapping[str, int] | None = ...,
+        folded: Mapping[str, int] | None = ...,
+    ) -> None: ...
 
 
 # record_failure(target, reason, message, seconds the read took)
@@ -96,12 +109,17 @@ class EnginePoller:
     What it reads goes to the two sinks it is handed; it keeps no signal state itself.
     """
 
-    def __init__(self, targets: Sequence[str], record_success: SuccessSink,
-                 record_failure: FailureSink,
-                 session_factory: Callable[[], aiohttp.ClientSession],
-                 timeout: float, max_bytes: int,
-                 clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        targets: Sequence[str],
+        record_success: SuccessSink,
+        record_failure: FailureSink,
+        session_factory: Callable[[], aiohttp.ClientSession],
+        timeout: float,
+        max_bytes: int,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.targets = tuple(targets)
         self._record_success = record_success
         self._record_failure = record_failure
@@ -156,8 +174,9 @@ class EnginePoller:
         except FetchError as err:
             duration = self._monotonic() - started
             message = redact_text(str(err))
-            log.warning("vLLM target %s unreadable (%s): %s", redact_url(target), err.reason,
-                        message)
+            log.warning(
+                "vLLM target %s unreadable (%s): %s", redact_url(target), err.reason, message
+            )
             self._record_failure(target, err.reason, message, duration)
             return
         except Exception as err:  # never let one target take the scrape down
@@ -166,21 +185,34 @@ class EnginePoller:
             self._record_failure(target, "internal", redact_text(repr(err)), duration)
             return
         self._warn_folds(target, parsed.folded)
-        self._record_success(target, parsed.snapshot, self._monotonic() - started,
-                             self._clock(), invalid=parsed.invalid, folded=parsed.folded)
+        self._record_success(
+            target,
+            parsed.snapshot,
+            self._monotonic() - started,
+            self._clock(),
+            invalid=parsed.invalid,
+            folded=parsed.folded,
+        )
 
     def _warn_folds(self, target: str, folded: Mapping[str, int]) -> None:
         """Say once per target and reason that label values are being folded (the counter
         says how many, every read)."""
         caps = self._caps[target]
-        limits = {"too_long": f"longer than {MAX_LABEL_VALUE_CHARS} characters",
-                  "model_name_cap": f"past {caps.max_model_names} model_name values",
-                  "engine_cap": f"past {caps.max_engines} engine values",
-                  "row_cap": f"past {caps.max_rows} (model_name, engine) rows"}
+        limits = {
+            "too_long": f"longer than {MAX_LABEL_VALUE_CHARS} characters",
+            "model_name_cap": f"past {caps.max_model_names} model_name values",
+            "engine_cap": f"past {caps.max_engines} engine values",
+            "row_cap": f"past {caps.max_rows} (model_name, engine) rows",
+        }
         for reason, samples in sorted(folded.items()):
             if (target, reason) in self._fold_warned:
                 continue
             self._fold_warned.add((target, reason))
-            log.warning("vLLM target %s: %d sample(s) with label values %s are counted "
-                        "under __other__ (vllm_cache_engine_samples_folded_total{reason=%s})",
-                        redact_url(target), samples, limits.get(reason, reason), reason)
+            log.warning(
+                "vLLM target %s: %d sample(s) with label values %s are counted "
+                "under __other__ (vllm_cache_engine_samples_folded_total{reason=%s})",
+                redact_url(target),
+                samples,
+                limits.get(reason, reason),
+                reason,
+            )

@@ -36,12 +36,17 @@ MAX_HISTOGRAM_BUCKETS = 64
 # number (a counter's increments of 1 are lost). A vLLM counting a million tokens a second
 # reaches it in 285 years; a sample above it is a lie or a bug, dropped and counted as
 # invalid (``too_large``), so that no carried total can be pushed towards +Inf.
-MAX_SAMPLE_VALUE = float(2 ** 53)
+MAX_SAMPLE_VALUE = float(2**53)
 
 # Why a sample was dropped: the ``reason`` of vllm_cache_engine_invalid_samples_total. The
 # carrier adds its own (exporter/signals/engine.py, INVALID_REASONS, which lists these too).
 NOT_FINITE, NEGATIVE, ABOVE_ONE, TOO_LARGE, BAD_HISTOGRAM = (
-    "not_finite", "negative", "above_one", "too_large", "bad_histogram")
+    "not_finite",
+    "negative",
+    "above_one",
+    "too_large",
+    "bad_histogram",
+)
 INVALID_REASONS = (NOT_FINITE, NEGATIVE, ABOVE_ONE, TOO_LARGE, BAD_HISTOGRAM)
 
 # Caps on the label values a vLLM sends that become label values of ours, per target (what
@@ -61,7 +66,11 @@ MAX_ROWS = 32
 # (values.CACHE_CONFIG_KEYS) first, then the others in the order sent.
 MAX_CONFIG_LABELS = 64
 TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP = (
-    "too_long", "model_name_cap", "engine_cap", "row_cap")
+    "too_long",
+    "model_name_cap",
+    "engine_cap",
+    "row_cap",
+)
 FOLD_REASONS = (TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP)
 
 Found = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> (labels, value)
@@ -80,8 +89,13 @@ class LabelCaps:
     first ones seen, up to the caps above. One per target, kept across its reads (so a row
     keeps its label values from scrape to scrape); a fresh one bounds a single read."""
 
-    def __init__(self, max_model_names: int = MAX_MODEL_NAMES, max_engines: int = MAX_ENGINES,
-                 max_rows: int = MAX_ROWS, max_chars: int = MAX_LABEL_VALUE_CHARS) -> None:
+    def __init__(
+        self,
+        max_model_names: int = MAX_MODEL_NAMES,
+        max_engines: int = MAX_ENGINES,
+        max_rows: int = MAX_ROWS,
+        max_chars: int = MAX_LABEL_VALUE_CHARS,
+    ) -> None:
         self.max_model_names = max_model_names
         self.max_engines = max_engines
         self.max_rows = max_rows
@@ -90,8 +104,9 @@ class LabelCaps:
         self.engines: set[str] = set()
         self.rows: set[RowKey] = set()
 
-    def value(self, raw: str, admitted: set[str], cap: int, cap_reason: str
-              ) -> tuple[str, str | None]:
+    def value(
+        self, raw: str, admitted: set[str], cap: int, cap_reason: str
+    ) -> tuple[str, str | None]:
         """The label value shown for ``raw``, and the fold reason when it is not ``raw``."""
         if raw in admitted:
             return raw, None
@@ -112,8 +127,9 @@ class LabelCaps:
 
     def row(self, labels: dict[str, str]) -> tuple[RowKey, str | None]:
         """The row a sample's labels are counted in, and why it is not their own, if not."""
-        model, model_reason = self.value(labels.get("model_name", ""), self.model_names,
-                                         self.max_model_names, MODEL_NAME_CAP)
+        model, model_reason = self.value(
+            labels.get("model_name", ""), self.model_names, self.max_model_names, MODEL_NAME_CAP
+        )
         engine, engine_reason = self.engine(labels.get("engine", ""))
         key = (model, engine)
         reason = model_reason or engine_reason
@@ -149,21 +165,25 @@ def _simple_labels(text: str, start: int) -> tuple[dict[str, str], int] | None:
     close = text.find('"}', start)
     if close < 0:
         return None
-    inner = text[start + 1:close]
+    inner = text[start + 1 : close]
     if "\\" in inner:
         return None
     labels: dict[str, str] = {}
     for pair in inner.split('",'):
         key, sep, value = pair.partition('="')
-        if not sep or '"' in value or not key or not (key[0].isalpha() or key[0] == "_") \
-                or not key.replace("_", "a").isalnum():
+        if (
+            not sep
+            or '"' in value
+            or not key
+            or not (key[0].isalpha() or key[0] == "_")
+            or not key.replace("_", "a").isalnum()
+        ):
             return None
         labels[key] = value
     return labels, close + 2
 
 
-def _parse_labels_escaped(text: str, start: int,
-                          line_number: int) -> tuple[dict[str, str], int]:
+def _parse_labels_escaped(text: str, start: int, line_number: int) -> tuple[dict[str, str], int]:
     labels: dict[str, str] = {}
     i = start + 1
     n = len(text)
@@ -298,15 +318,17 @@ def read(text: str, caps: LabelCaps | None = None) -> EngineRead:
             label_set = canonical[id(labels)] = frozenset(labels.items())
         if (name, label_set) in seen:
             shown = ",".join(f'{key}="{val[:40]}"' for key, val in sorted(labels.items()))
-            raise ParseError(scan.line_number,
-                             f"duplicate sample for timestamp: {name}{{{shown[:200]}}}")
+            raise ParseError(
+                scan.line_number, f"duplicate sample for timestamp: {name}{{{shown[:200]}}}"
+            )
         seen.add((name, label_set))
         found[name].append((labels, value))
     return _resolve(found, scan.lines, caps or LabelCaps())
 
 
-def _labels_once(line: str, start: int, line_number: int,
-                 labels_seen: dict[str, dict[str, str]]) -> tuple[dict[str, str], int]:
+def _labels_once(
+    line: str, start: int, line_number: int, labels_seen: dict[str, dict[str, str]]
+) -> tuple[dict[str, str], int]:
     """The label set at ``line[start]``, parsed only the first time this body has it."""
     close = line.find('"}', start) + 2
     seen = labels_seen.get(line[start:close]) if close > 1 else None
@@ -371,8 +393,9 @@ class _Resolver:
         created = names.created_name(sample_name)
         if created is None:
             return []
-        return [(labels, value) for labels, value in self.found.get(created, [])
-                if math.isfinite(value)]
+        return [
+            (labels, value) for labels, value in self.found.get(created, []) if math.isfinite(value)
+        ]
 
     # ---- plain values (one number per engine) ------------------------------------------
 
@@ -401,8 +424,7 @@ class _Resolver:
         self.present[signal.name] = True
         for labels, value in self.found[by_source]:
             # An impossible value is counted once, by the split's own reading; so is a fold.
-            if labels.get("source") in names.CACHED_SOURCES \
-                    and _impossible(signal, value) is None:
+            if labels.get("source") in names.CACHED_SOURCES and _impossible(signal, value) is None:
                 values = self.slot(labels, count=False).values
                 values[signal.name] = values.get(signal.name, 0.0) + value
 
@@ -428,8 +450,14 @@ class _Resolver:
     # ---- histograms ----------------------------------------------------------------------
 
     def histogram(self, signal: names.Signal) -> None:
-        family = next((name for name in signal.sample_names
-                       if name + "_bucket" in self.found or name + "_count" in self.found), None)
+        family = next(
+            (
+                name
+                for name in signal.sample_names
+                if name + "_bucket" in self.found or name + "_count" in self.found
+            ),
+            None,
+        )
         if family is None:
             return
         self.present[signal.name] = True
@@ -467,7 +495,8 @@ class _Resolver:
             # reads a few more), MAX_CONFIG_LABELS in all.
             keys = [key for key in CACHE_CONFIG_KEYS if key in labels]
             keys += [key for key in labels if key not in CACHE_CONFIG_KEYS][
-                :max(MAX_CONFIG_LABELS - len(keys), 0)]
+                : max(MAX_CONFIG_LABELS - len(keys), 0)
+            ]
             for key in keys:
                 fields[key], reason = self.caps.config_value(labels[key])
                 if reason is not None:
@@ -510,8 +539,8 @@ class _HistogramSamples:
         if not math.isfinite(value) or value < 0 or value > MAX_SAMPLE_VALUE:
             self.broken = True
             self.reason = self.reason or (
-                TOO_LARGE if value > MAX_SAMPLE_VALUE else
-                NEGATIVE if value < 0 else NOT_FINITE)
+                TOO_LARGE if value > MAX_SAMPLE_VALUE else NEGATIVE if value < 0 else NOT_FINITE
+            )
             return
         if suffix == "_sum":
             self.sum += value
@@ -565,6 +594,10 @@ def _resolve(found: Found, lines: int, caps: LabelCaps) -> EngineRead:
     for signal in names.SIGNALS:
         present.setdefault(signal.name, False)
     snapshot = EngineSnapshot(
-        engines=resolver.engines, cache_configs=cache_configs, present=present,
-        invalid_samples=sum(resolver.invalid.values()), lines=lines)
+        engines=resolver.engines,
+        cache_configs=cache_configs,
+        present=present,
+        invalid_samples=sum(resolver.invalid.values()),
+        lines=lines,
+    )
     return EngineRead(snapshot, resolver.invalid, resolver.folded)

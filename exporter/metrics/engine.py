@@ -75,12 +75,18 @@ class _TargetFamilies:
             self.folded.add_metric([target, reason], float(count))
         if state.up:
             for signal in values.ENGINE_SIGNALS:
-                self.present.add_metric([target, signal],
-                                        1.0 if state.present.get(signal) else 0.0)
+                self.present.add_metric([target, signal], 1.0 if state.present.get(signal) else 0.0)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.up, self.duration, self.errors, self.restarts, self.invalid,
-                    self.folded, self.present)
+        yield from (
+            self.up,
+            self.duration,
+            self.errors,
+            self.restarts,
+            self.invalid,
+            self.folded,
+            self.present,
+        )
 
 
 class _RowFamilies:
@@ -103,7 +109,8 @@ class _RowFamilies:
         pool_tokens = config.pool_tokens if config is not None else None
         if config is not None:
             self.info.add_metric(
-                labels + [config.fields.get(key, "") for key in values.CACHE_CONFIG_KEYS], 1.0)
+                labels + [config.fields.get(key, "") for key in values.CACHE_CONFIG_KEYS], 1.0
+            )
             if config.enable_prefix_caching is not None:
                 self.enabled.add_metric(labels, 1.0 if config.enable_prefix_caching else 0.0)
             if config.block_size:
@@ -115,8 +122,10 @@ class _RowFamilies:
             self.usage.add_metric(labels, ratio)
             if pool_tokens:
                 self.used.add_metric(labels, round(ratio * pool_tokens))
-        for signal, gauge_family in ((values.REQUESTS_RUNNING, self.running),
-                                     (values.REQUESTS_WAITING, self.waiting)):
+        for signal, gauge_family in (
+            (values.REQUESTS_RUNNING, self.running),
+            (values.REQUESTS_WAITING, self.waiting),
+        ):
             gauge = row.gauges.get(signal)
             if gauge is not None:
                 gauge_family.add_metric(labels, gauge)
@@ -126,8 +135,16 @@ class _RowFamilies:
                 counter_family.add_metric(labels, total)
 
     def families(self) -> Iterator[Metric]:
-        yield from (self.enabled, self.info, self.block, self.pool, self.usage, self.used,
-                    self.running, self.waiting)
+        yield from (
+            self.enabled,
+            self.info,
+            self.block,
+            self.pool,
+            self.usage,
+            self.used,
+            self.running,
+            self.waiting,
+        )
         yield from self.counters.values()
 
 
@@ -141,10 +158,13 @@ class _SourceFamilies:
     def add(self, target: str, row: EngineRow) -> None:
         labels = [target, row.model_name, row.engine]
         split: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
-            **self.counters, values.REQUESTS_WAITING_BY_REASON: self.waiting}
+            **self.counters,
+            values.REQUESTS_WAITING_BY_REASON: self.waiting,
+        }
         for signal, family in split.items():
-            for label_value, number in sorted(row.splits.get(signal, {}).items(),
-                                              key=_known_first(signal)):
+            for label_value, number in sorted(
+                row.splits.get(signal, {}).items(), key=_known_first(signal)
+            ):
                 family.add_metric(labels + [label_value], number)
 
     def families(self) -> Iterator[Metric]:

@@ -56,13 +56,28 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["OPENMETRICS", "TEXT", "ExporterRegistry", "Format",
-           "choose_format", "encode_families", "escape_help", "escape_label_value",
-           "format_value", "generate", "generate_async", "generate_openmetrics", "generate_text",
-           "header", "openmetrics_header", "render_pieces", "render_slices"]
+__all__ = [
+    "OPENMETRICS",
+    "TEXT",
+    "ExporterRegistry",
+    "Format",
+    "choose_format",
+    "encode_families",
+    "escape_help",
+    "escape_label_value",
+    "format_value",
+    "generate",
+    "generate_async",
+    "generate_openmetrics",
+    "generate_text",
+    "header",
+    "openmetrics_header",
+    "render_pieces",
+    "render_slices",
+]
 
 _NEG_INF = -math.inf
-_EXACT_INT = 2 ** 53  # ints of smaller magnitude are exact as floats and repr as "N.0"
+_EXACT_INT = 2**53  # ints of smaller magnitude are exact as floats and repr as "N.0"
 
 # generate_latest's renaming of types for the 0.0.4 text format: (name suffix, printed type)
 _TEXT_TYPES = {
@@ -81,6 +96,7 @@ _EOF = "# EOF\n"
 _PLAIN_ESCAPINGS = frozenset({"underscores", "allow-utf-8"})
 _PLAIN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _plain_names: set[str] = set()
+
 
 def _is_plain(name: str) -> bool:
     """Whether ``name`` prints unchanged under every client_python release and escaping."""
@@ -167,14 +183,18 @@ class Format:
         """One family as client_python writes it (without OpenMetrics' ``# EOF``)."""
         text = self.reference(_Families([metric])).decode("utf-8")
         if self.openmetrics and text.endswith(_EOF):
-            text = text[:-len(_EOF)]
+            text = text[: -len(_EOF)]
         return text
 
 
-TEXT = Format(False, "text/plain; version=0.0.4; charset=utf-8", text_reference, True,
-              ("text",))
-OPENMETRICS = Format(True, "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                     openmetrics_reference, True, ("openmetrics",))
+TEXT = Format(False, "text/plain; version=0.0.4; charset=utf-8", text_reference, True, ("text",))
+OPENMETRICS = Format(
+    True,
+    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+    openmetrics_reference,
+    True,
+    ("openmetrics",),
+)
 
 
 def choose_format(accept_header: str) -> Format:
@@ -196,8 +216,13 @@ def choose_format(accept_header: str) -> Format:
         ours = function is text_reference
         openmetrics = False
     ours = ours and not keywords and (escaping is None or escaping in _PLAIN_ESCAPINGS)
-    key = ("openmetrics" if openmetrics else "text", content_type, str(escaping), str(version),
-           "ours" if ours else "client_python")
+    key = (
+        "openmetrics" if openmetrics else "text",
+        content_type,
+        str(escaping),
+        str(version),
+        "ours" if ours else "client_python",
+    )
     return Format(openmetrics, content_type, encoder, ours, key)
 
 
@@ -222,8 +247,11 @@ def _label_text(labels: dict[str, str]) -> str:
     if len(labels) == 1:
         ((key, label_value),) = labels.items()
         return f'{{{key}="{escape_label_value(label_value)}"}}'
-    return "{" + ",".join([f'{key}="{escape_label_value(labels[key])}"'
-                           for key in sorted(labels)]) + "}"
+    return (
+        "{"
+        + ",".join([f'{key}="{escape_label_value(labels[key])}"' for key in sorted(labels)])
+        + "}"
+    )
 
 
 def _encode_text_family(metric: Metric, out: list[str]) -> None:
@@ -250,8 +278,9 @@ def _encode_openmetrics_family(metric: Metric, out: list[str]) -> None:
     out.append(openmetrics_header(metric.name, metric.documentation, metric.type, metric.unit))
     for sample in metric.samples:
         stamp = "" if sample.timestamp is None else f" {sample.timestamp}"
-        out.append(f"{sample.name}{_label_text(sample.labels)} "
-                   f"{format_value(sample.value)}{stamp}\n")
+        out.append(
+            f"{sample.name}{_label_text(sample.labels)} {format_value(sample.value)}{stamp}\n"
+        )
 
 
 def encode_families(families: Iterable[Metric], out: list[str], fmt: Format = TEXT) -> None:
@@ -340,8 +369,11 @@ async def _next_loop_turn() -> None:
     await asyncio.sleep(0)
 
 
-async def render_pieces(registry: CollectorRegistry, fmt: Format = TEXT,
-                        pause: Callable[[], Awaitable[None]] = _next_loop_turn) -> list[bytes]:
+async def render_pieces(
+    registry: CollectorRegistry,
+    fmt: Format = TEXT,
+    pause: Callable[[], Awaitable[None]] = _next_loop_turn,
+) -> list[bytes]:
     """``generate(registry, fmt)`` in slices, as encoded pieces, awaiting ``pause()`` between.
 
     Each slice's lines are joined and encoded before the pause, so no step touches the whole
@@ -370,8 +402,11 @@ async def render_pieces(registry: CollectorRegistry, fmt: Format = TEXT,
     return pieces
 
 
-async def generate_async(registry: CollectorRegistry, fmt: Format = TEXT,
-                         pause: Callable[[], Awaitable[None]] = _next_loop_turn) -> bytes:
+async def generate_async(
+    registry: CollectorRegistry,
+    fmt: Format = TEXT,
+    pause: Callable[[], Awaitable[None]] = _next_loop_turn,
+) -> bytes:
     """``generate(registry, fmt)``, rendered by ``render_pieces``, joined in a worker thread
     (``bytes.join`` lets go of the GIL for large bodies)."""
     pieces = await render_pieces(registry, fmt, pause)

@@ -52,7 +52,8 @@ class ForesightCollector:
         engine_active = families.gauge(families.ENGINE_CONVERSATIONS_ACTIVE)
         engine_demand = families.gauge(families.ENGINE_CONVERSATIONS_DEMAND_TOKENS)
         for (target, model_name), part in sorted(
-                foresight.by_target(tracker, self.engine, now, live).items()):
+            foresight.by_target(tracker, self.engine, now, live).items()
+        ):
             engine_active.add_metric([target, model_name], part.conversations)
             engine_demand.add_metric([target, model_name], part.tokens)
         dropped = families.counter(families.CONVERSATIONS_DROPPED)
@@ -95,8 +96,7 @@ class ForesightCollector:
                 used.samples.append(Sample(USED.bucket, {**labels, "le": le}, running))
             used.samples.append(Sample(USED.count, labels, running))
             used.samples.append(Sample(USED.sum, labels, shown.total))
-            declared.add_metric([caller, model],
-                                0 if held else series.declared_completion_tokens)
+            declared.add_metric([caller, model], 0 if held else series.declared_completion_tokens)
         yield from (used, declared)
 
     def _prompt_order(self) -> Iterator[Metric]:
@@ -111,11 +111,17 @@ class ForesightCollector:
             if counts is None:
                 continue
             held = counts.shown_from > now or series.shown_from > now
-            values = (0, 0, 0, 0) if held else (
-                counts.compared, counts.variable_top, counts.shared_bytes,
-                counts.first_difference_bytes)
-            for family, number in zip((compared, variable, shared, first), values,
-                                      strict=True):
+            values = (
+                (0, 0, 0, 0)
+                if held
+                else (
+                    counts.compared,
+                    counts.variable_top,
+                    counts.shared_bytes,
+                    counts.first_difference_bytes,
+                )
+            )
+            for family, number in zip((compared, variable, shared, first), values, strict=True):
                 family.add_metric([caller, model], number)
         window = families.gauge(families.PROMPT_ORDER_WINDOW_SECONDS)
         window.add_metric([], usage.order.window_seconds)

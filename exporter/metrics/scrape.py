@@ -95,8 +95,11 @@ def gzip_compress(pieces: Iterable[bytes], level: int = GZIP_LEVEL) -> bytes:
 
 def usage_version(usage: UsageState) -> tuple[int, int, int]:
     """Counters that move on every change to the usage state: accepted, rejected, refused."""
-    return (sum(usage.events.values()), sum(usage.rejected.values()),
-            sum(usage.ingest_requests_rejected.values()))
+    return (
+        sum(usage.events.values()),
+        sum(usage.rejected.values()),
+        sum(usage.ingest_requests_rejected.values()),
+    )
 
 
 @dataclass
@@ -113,10 +116,15 @@ async def _next_loop_turn() -> None:
 class MetricsBodies:
     """Renders /metrics bodies; scrapes that arrive together share the read and the render."""
 
-    def __init__(self, registry: CollectorRegistry, state: SignalsState,
-                 refresh: Callable[[float], Awaitable[None]],
-                 monotonic: Callable[[], float] = time.monotonic,
-                 reuse_seconds: float = REUSE_SECONDS, gzip_level: int = GZIP_LEVEL) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        state: SignalsState,
+        refresh: Callable[[float], Awaitable[None]],
+        monotonic: Callable[[], float] = time.monotonic,
+        reuse_seconds: float = REUSE_SECONDS,
+        gzip_level: int = GZIP_LEVEL,
+    ) -> None:
         self.registry = registry
         self.state = state
         self._refresh = refresh
@@ -166,11 +174,16 @@ class MetricsBodies:
             return False
         if not entry.task.done():
             return True
-        return (entry.finished is not None
-                and self._monotonic() - entry.finished < self.reuse_seconds)
+        return (
+            entry.finished is not None and self._monotonic() - entry.finished < self.reuse_seconds
+        )
 
-    def _start(self, key: tuple[str, ...], version: tuple[int, tuple[int, int, int]],
-               render: Awaitable[bytes]) -> _Body:
+    def _start(
+        self,
+        key: tuple[str, ...],
+        version: tuple[int, tuple[int, int, int]],
+        render: Awaitable[bytes],
+    ) -> _Body:
         entry = _Body(version, asyncio.ensure_future(render))
         self._bodies.pop(key, None)
         while len(self._bodies) >= MAX_BODIES:  # the oldest goes first

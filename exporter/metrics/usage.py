@@ -59,22 +59,27 @@ _COUNTER_TOTALS = [family.total for family in families.PER_CALLER_COUNTERS]
 _TTFT_NAMES = (TTFT.bucket, TTFT.count, TTFT.sum)
 _QUEUE_NAMES = (QUEUE.bucket, QUEUE.count, QUEUE.sum)
 _counter_values: Callable[[Series], tuple[int, ...]] = (
-    operator.attrgetter(*_COUNTER_FIELDS) if len(_COUNTER_FIELDS) > 1
-    else lambda series: (getattr(series, _COUNTER_FIELDS[0]),))
+    operator.attrgetter(*_COUNTER_FIELDS)
+    if len(_COUNTER_FIELDS) > 1
+    else lambda series: (getattr(series, _COUNTER_FIELDS[0]),)
+)
 
 
 def _per_caller_families() -> list[Metric]:
     """The per-caller families, empty, in exposition order."""
-    return [families.histogram(family) if family.type == families.HISTOGRAM
-            else families.counter(family) for family in PER_CALLER]
+    return [
+        families.histogram(family)
+        if family.type == families.HISTOGRAM
+        else families.counter(family)
+        for family in PER_CALLER
+    ]
 
 
 # HELP and TYPE lines of the per-caller families, in each format, built once.
-_TEXT_HEADERS = tuple(TEXT.header(family.name, family.help, family.type)
-                      for family in PER_CALLER)
-_OPENMETRICS_HEADERS = tuple(OPENMETRICS.header(family.name, family.help, family.type,
-                                                family.unit)
-                             for family in PER_CALLER)
+_TEXT_HEADERS = tuple(TEXT.header(family.name, family.help, family.type) for family in PER_CALLER)
+_OPENMETRICS_HEADERS = tuple(
+    OPENMETRICS.header(family.name, family.help, family.type, family.unit) for family in PER_CALLER
+)
 
 # Series rendered between two turns of the event loop (a series is up to SERIES_PER_PAIR
 # samples: every state timed by both sources), so that no slice holds the loop for long.
@@ -87,8 +92,13 @@ REUSED_PER_RENDERED = 64
 SERIES_PER_PIECE = 256
 
 
-def _histogram(samples: list[Sample], family: families.Family, labels: dict[str, str],
-               hist: Histogram, les: list[str]) -> None:
+def _histogram(
+    samples: list[Sample],
+    family: families.Family,
+    labels: dict[str, str],
+    hist: Histogram,
+    les: list[str],
+) -> None:
     """Append one histogram's _bucket, _count and _sum samples (cumulative buckets)."""
     bucket = family.bucket
     running = 0
@@ -140,8 +150,17 @@ class _SeriesText:
     shown (past the new-series hold), since a held one renders zeros whatever its version.
     """
 
-    __slots__ = ("requests", "counters", "ttft", "queue", "_caller", "_model", "series",
-                 "version", "lines")
+    __slots__ = (
+        "requests",
+        "counters",
+        "ttft",
+        "queue",
+        "_caller",
+        "_model",
+        "series",
+        "version",
+        "lines",
+    )
 
     def __init__(self, caller: str, model: str) -> None:
         self._caller = f'caller="{escape_label_value(caller)}"'
@@ -162,19 +181,20 @@ class _SeriesText:
         text = self.ttft.get((state, source))
         if text is None:
             text = self.ttft[(state, source)] = _HistogramText(
-                _TTFT_NAMES, self._caller, f'{self._model},source="{source}",state="{state}"')
+                _TTFT_NAMES, self._caller, f'{self._model},source="{source}",state="{state}"'
+            )
         return text
 
     def queue_text(self, source: str) -> _HistogramText:
         text = self.queue.get(source)
         if text is None:
-            text = self.queue[source] = _HistogramText(_QUEUE_NAMES, self._caller,
-                                                       f'{self._model},source="{source}"')
+            text = self.queue[source] = _HistogramText(
+                _QUEUE_NAMES, self._caller, f'{self._model},source="{source}"'
+            )
         return text
 
 
-def _histogram_lines(out: list[str], text: _HistogramText, hist: Histogram,
-                     les: list[str]) -> None:
+def _histogram_lines(out: list[str], text: _HistogramText, hist: Histogram, les: list[str]) -> None:
     """Append one histogram's lines; reused while its observations and sum are unchanged
     (every observation adds one to a bucket; a held histogram is a different object)."""
     counts = hist.counts
@@ -235,8 +255,11 @@ def _fully_shown(series: Series, now: float) -> bool:
     """Whether the series and every histogram in it are past the new-series hold."""
     if series.shown_from > now:
         return False
-    for hists in (series.ttft.values(), series.engine_ttft.values(),
-                  (series.queue, series.engine_queue)):
+    for hists in (
+        series.ttft.values(),
+        series.engine_ttft.values(),
+        (series.queue, series.engine_queue),
+    ):
         for hist in hists:
             if hist is not None and hist.shown_from > now:
                 return False
@@ -252,8 +275,12 @@ def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
     fmt_value = format_value
     series = _shown(real, now)
     counts = series.requests
-    requests = "".join([f"{prefix}{fmt_value(counts[state])}\n"
-                        for prefix, state in zip(text.requests, STATES, strict=True)])
+    requests = "".join(
+        [
+            f"{prefix}{fmt_value(counts[state])}\n"
+            for prefix, state in zip(text.requests, STATES, strict=True)
+        ]
+    )
     ttft: list[str] = []
     queue: list[str] = []
     engine_ttft, proxy_ttft = real.engine_ttft, real.ttft
@@ -261,20 +288,33 @@ def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
         for state in STATES:  # as _ttft_histograms, inlined: once per series
             hist = engine_ttft.get(state)
             if hist is not None:
-                _histogram_lines(ttft, text.ttft_text(state, ENGINE),
-                                 _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
+                _histogram_lines(
+                    ttft,
+                    text.ttft_text(state, ENGINE),
+                    _shown_histogram(hist, _ZERO_TTFT, now),
+                    _TTFT_LE,
+                )
             hist = proxy_ttft.get(state)
             if hist is not None:
-                _histogram_lines(ttft, text.ttft_text(state, PROXY),
-                                 _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
+                _histogram_lines(
+                    ttft,
+                    text.ttft_text(state, PROXY),
+                    _shown_histogram(hist, _ZERO_TTFT, now),
+                    _TTFT_LE,
+                )
     if real.queue is not None or real.engine_queue is not None:
         for source, hist in _queue_histograms(real):
-            _histogram_lines(queue, text.queue_text(source),
-                             _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
+            _histogram_lines(
+                queue, text.queue_text(source), _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE
+            )
     # A tuple of strings, which the garbage collector stops tracking (a list it would walk at
     # every collection: one more per series, thousands per render).
-    counters = tuple([f"{prefix}{fmt_value(counted)}\n"  # as many prefixes as values
-                      for prefix, counted in zip(text.counters, _counter_values(series))])  # noqa: B905
+    counters = tuple(
+        [
+            f"{prefix}{fmt_value(counted)}\n"  # as many prefixes as values
+            for prefix, counted in zip(text.counters, _counter_values(series))  # noqa: B905
+        ]
+    )
     return _lines(SeriesLines, (requests, counters, ttft, queue))
 
 
@@ -314,21 +354,32 @@ class UsageCollector:
             series = _shown(real, now)
             counts = series.requests
             for state in STATES:
-                requests.samples.append(Sample(
-                    REQUESTS.total, {"caller": caller, "model": model, "state": state},
-                    counts[state]))
+                requests.samples.append(
+                    Sample(
+                        REQUESTS.total,
+                        {"caller": caller, "model": model, "state": state},
+                        counts[state],
+                    )
+                )
             for metric, family in counted:
                 metric.samples.append(Sample(family.total, pair, getattr(series, family.field)))
             for state in STATES:
                 for source, hist in _ttft_histograms(real, state):
-                    _histogram(ttft.samples, TTFT,
-                               {"caller": caller, "model": model, "state": state,
-                                "source": source},
-                               _shown_histogram(hist, _ZERO_TTFT, now), _TTFT_LE)
+                    _histogram(
+                        ttft.samples,
+                        TTFT,
+                        {"caller": caller, "model": model, "state": state, "source": source},
+                        _shown_histogram(hist, _ZERO_TTFT, now),
+                        _TTFT_LE,
+                    )
             for source, hist in _queue_histograms(real):
-                _histogram(queue.samples, QUEUE,
-                           {"caller": caller, "model": model, "source": source},
-                           _shown_histogram(hist, _ZERO_QUEUE, now), _QUEUE_LE)
+                _histogram(
+                    queue.samples,
+                    QUEUE,
+                    {"caller": caller, "model": model, "source": source},
+                    _shown_histogram(hist, _ZERO_QUEUE, now),
+                    _QUEUE_LE,
+                )
         yield from metrics
         yield from self._other_families()
 
@@ -342,8 +393,9 @@ class UsageCollector:
         for _ in self.render_slices(out, OPENMETRICS):
             pass
 
-    def render_slices(self, out: list[str], fmt: Format,
-                      series_per_slice: int | None = None) -> Iterator[None]:
+    def render_slices(
+        self, out: list[str], fmt: Format, series_per_slice: int | None = None
+    ) -> Iterator[None]:
         """Append what ``encode_families(self.collect(), out, fmt)`` would, in slices.
 
         The per-caller families are written from cached label text (one f-string per
@@ -401,13 +453,12 @@ class UsageCollector:
         headers = _OPENMETRICS_HEADERS if fmt.openmetrics else _TEXT_HEADERS
         piece = SERIES_PER_PIECE
         # Per family: a series' counter lines are read from the tuples by one C-level zip.
-        by_family = (list(zip(*counters, strict=True))
-                     or [() for _ in families.PER_CALLER_COUNTERS])
+        by_family = list(zip(*counters, strict=True)) or [() for _ in families.PER_CALLER_COUNTERS]
         blocks = (requests, *by_family, ttft, queue)
         for head, family_blocks in zip(headers, blocks, strict=True):
             out.append(head)
             for start in range(0, len(family_blocks), piece):
-                out.append("".join(family_blocks[start:start + piece]))
+                out.append("".join(family_blocks[start : start + piece]))
                 yield
         encode_families(self._other_families(), out, fmt)
 
@@ -452,12 +503,10 @@ class UsageCollector:
         dropped = families.counter(families.USAGE_TIMINGS_DROPPED)
         for reader in sorted(usage.events):
             for reason in TIMING_DROP_REASONS:
-                dropped.add_metric([reader, reason],
-                                   usage.timings_dropped.get((reader, reason), 0))
+                dropped.add_metric([reader, reason], usage.timings_dropped.get((reader, reason), 0))
         remembered = families.gauge(families.USAGE_IDS_REMEMBERED)
         forgotten = families.counter(families.USAGE_IDS_FORGOTTEN_EARLY)
-        for kind, keys in (("event_id", usage.event_ids),
-                           ("idempotency_key", usage.batch_keys)):
+        for kind, keys in (("event_id", usage.event_ids), ("idempotency_key", usage.batch_keys)):
             remembered.add_metric([kind], len(keys))
             forgotten.add_metric([kind], keys.forgotten_early)
         yield dropped

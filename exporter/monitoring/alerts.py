@@ -31,8 +31,13 @@ ALERT_NAMES = (
 )
 
 # alert label -> dashboard variable it fills
-_DASHBOARD_VARS = {"job": "job", "target": "target", "model_name": "model", "model": "model",
-                   "caller": "caller"}
+_DASHBOARD_VARS = {
+    "job": "job",
+    "target": "target",
+    "model_name": "model",
+    "model": "model",
+    "caller": "caller",
+}
 
 
 def runbook_anchor(alertname: str) -> str:
@@ -51,8 +56,10 @@ class _Alerts:
         labels = self.promql.labels(*level)
         matchers = ",".join(f"{label}=%q" for label in labels)
         args = " ".join(f"$labels.{label}" for label in labels)
-        return (f'{{{{ with printf "{metric}{{{matchers}}}" {args} | query }}}}'
-                f"{{{{ . | first | value | {fmt} }}}}{{{{ end }}}}")
+        return (
+            f'{{{{ with printf "{metric}{{{matchers}}}" {args} | query }}}}'
+            f"{{{{ . | first | value | {fmt} }}}}{{{{ end }}}}"
+        )
 
     def dashboard_link(self, uid: str, labels: tuple[str, ...]) -> str:
         params = []
@@ -63,10 +70,18 @@ class _Alerts:
         query = "?" + "&".join(params) if params else ""
         return f"{self.config.dashboard_url.rstrip('/')}/d/{uid}{query}"
 
-    def alert(self, name: str, expr: str, duration: str, severity: str, summary: str,
-              description: str, dashboard: str,
-              extra_labels: dict[str, str] | None = None,
-              keep_firing_for: str = "0s") -> dict[str, Any]:
+    def alert(
+        self,
+        name: str,
+        expr: str,
+        duration: str,
+        severity: str,
+        summary: str,
+        description: str,
+        dashboard: str,
+        extra_labels: dict[str, str] | None = None,
+        keep_firing_for: str = "0s",
+    ) -> dict[str, Any]:
         labels = {"severity": severity, **(extra_labels or {})}
         rule: dict[str, Any] = {"alert": name, "expr": expr.strip(), "for": duration}
         if duration_seconds(keep_firing_for) > 0:
@@ -106,18 +121,24 @@ and {names.caller_hit_ratio[baseline]}{selector} > {min_baseline}
 and {names.caller_prompt[short]}{selector} > {caller_floor}
 and {names.caller_prompt[short]}{selector} offset {config.short_window} > {caller_floor}"""
         engine_baseline = self.query_value(
-            names.target_hit_ratio[baseline], TARGET, "humanizePercentage")
+            names.target_hit_ratio[baseline], TARGET, "humanizePercentage"
+        )
         engine_long_ratio = self.query_value(
-            names.target_hit_ratio[long], TARGET, "humanizePercentage")
+            names.target_hit_ratio[long], TARGET, "humanizePercentage"
+        )
         engine_traffic = self.query_value(names.target_queries[short], TARGET, "humanize")
         caller_baseline = self.query_value(
-            names.caller_hit_ratio[baseline], CALLER, "humanizePercentage")
+            names.caller_hit_ratio[baseline], CALLER, "humanizePercentage"
+        )
         caller_long_ratio = self.query_value(
-            names.caller_hit_ratio[long], CALLER, "humanizePercentage")
+            names.caller_hit_ratio[long], CALLER, "humanizePercentage"
+        )
         caller_traffic = self.query_value(names.caller_prompt[short], CALLER, "humanize")
         return [
             self.alert(
-                "VllmCachePrefixCollapse", engine_expr, config.collapse_for,
+                "VllmCachePrefixCollapse",
+                engine_expr,
+                config.collapse_for,
                 config.collapse_severity,
                 "The prefix-cache hit ratio of a vLLM engine collapsed while prompt traffic "
                 "continues.",
@@ -127,10 +148,14 @@ and {names.caller_prompt[short]}{selector} offset {config.short_window} > {calle
                 {config.long_window}), against its baseline of {engine_baseline} (over the last
                 {config.baseline_window}), while still looking up {engine_traffic} prompt
                 tokens/s.""",
-                self.dashboard_link(config.overview_uid, TARGET), {"scope": "engine"},
-                keep_firing_for=config.collapse_keep_firing_for),
+                self.dashboard_link(config.overview_uid, TARGET),
+                {"scope": "engine"},
+                keep_firing_for=config.collapse_keep_firing_for,
+            ),
             self.alert(
-                "VllmCachePrefixCollapse", caller_expr, config.collapse_for,
+                "VllmCachePrefixCollapse",
+                caller_expr,
+                config.collapse_for,
                 config.collapse_severity,
                 "The prefix-cache hit ratio of a caller collapsed while its prompt traffic "
                 "continues.",
@@ -140,14 +165,16 @@ and {names.caller_prompt[short]}{selector} offset {config.short_window} > {calle
                 {config.long_window}), against its baseline of {caller_baseline} (over the last
                 {config.baseline_window}), while still sending {caller_traffic} prompt
                 tokens/s.""",
-                self.dashboard_link(config.caller_uid, CALLER), {"scope": "caller"},
-                keep_firing_for=config.collapse_keep_firing_for),
+                self.dashboard_link(config.caller_uid, CALLER),
+                {"scope": "caller"},
+                keep_firing_for=config.collapse_keep_firing_for,
+            ),
         ]
 
     def warm_ttft_collapse(self) -> dict[str, Any]:
         config, promql, names = self.config, self.promql, self.names
         warm_share = names.caller_warm_share[names.baseline]
-        median = names.caller_ttft['p50']
+        median = names.caller_ttft["p50"]
         # vLLM's own TTFT where it measured the caller's turns in the window, else the
         # proxy's: a proxy's figure still holds vLLM's queue, which is not the cache.
         expr = f"""
@@ -162,7 +189,10 @@ sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(promql.states
   > {number(config.warm_ttft_min_requests_per_second)}"""
         share = self.query_value(warm_share, CALLER, "humanizePercentage")
         return self.alert(
-            "VllmCacheWarmTTFTCollapse", expr, config.warm_ttft_for, config.warm_ttft_severity,
+            "VllmCacheWarmTTFTCollapse",
+            expr,
+            config.warm_ttft_for,
+            config.warm_ttft_severity,
             "Turns that should be warm take a minute or more to their first token.",
             f"""Caller {{{{ $labels.caller }}}} on {{{{ $labels.model }}}}: the median
             engine-side time to first token of its turns{{{{ if eq $labels.source "proxy" }}}}
@@ -172,20 +202,26 @@ sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(promql.states
             means the cache held; a minute means it was evicted or the engine is shared too
             widely.""",
             self.dashboard_link(config.caller_uid, CALLER),
-            keep_firing_for=config.warm_ttft_keep_firing_for)
+            keep_firing_for=config.warm_ttft_keep_firing_for,
+        )
 
     def prefix_caching_disabled(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
-        expr = (f"max {promql.by(*TARGET)} "
-                f"({families.ENGINE_PREFIX_CACHING_ENABLED.series}{promql.sel()}) == 0")
+        expr = (
+            f"max {promql.by(*TARGET)} "
+            f"({families.ENGINE_PREFIX_CACHING_ENABLED.series}{promql.sel()}) == 0"
+        )
         return self.alert(
-            "VllmCachePrefixCachingDisabled", expr, config.prefix_caching_disabled_for,
+            "VllmCachePrefixCachingDisabled",
+            expr,
+            config.prefix_caching_disabled_for,
             config.prefix_caching_disabled_severity,
             "vLLM runs with prefix caching off.",
             """vLLM {{ $labels.target }} serves {{ $labels.model_name }} with
             enable_prefix_caching=False, so every turn re-reads its whole prompt. Hybrid
             models often default to off; start vLLM with --enable-prefix-caching.""",
-            self.dashboard_link(config.overview_uid, TARGET))
+            self.dashboard_link(config.overview_uid, TARGET),
+        )
 
     def cached_tokens_not_reported(self) -> dict[str, Any]:
         config, promql, names = self.config, self.promql, self.names
@@ -194,7 +230,9 @@ sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(promql.states
 unless
 {names.caller_prompt[names.long]}{promql.sel()} > 0"""
         return self.alert(
-            "VllmCacheCachedTokensNotReported", expr, config.not_reported_for,
+            "VllmCacheCachedTokensNotReported",
+            expr,
+            config.not_reported_for,
             config.not_reported_severity,
             "vLLM does not report cached tokens per request, so this caller's hit ratio is "
             "unknown.",
@@ -203,33 +241,43 @@ unless
             prompt_tokens_details.cached_tokens in the usage, and none with it. Start vLLM
             with --enable-prompt-tokens-details (streaming clients also need
             stream_options.include_usage).""",
-            self.dashboard_link(config.caller_uid, CALLER))
+            self.dashboard_link(config.caller_uid, CALLER),
+        )
 
     def preemptions(self) -> dict[str, Any]:
         config, promql, names = self.config, self.promql, self.names
-        expr = (f"{names.target_preemptions}{promql.sel()} * 60 > "
-                f"{number(config.preemptions_per_minute)}")
+        expr = (
+            f"{names.target_preemptions}{promql.sel()} * 60 > "
+            f"{number(config.preemptions_per_minute)}"
+        )
         return self.alert(
-            "VllmCachePreemptions", expr, config.preemptions_for, config.preemptions_severity,
+            "VllmCachePreemptions",
+            expr,
+            config.preemptions_for,
+            config.preemptions_severity,
             "vLLM keeps preempting requests because the running ones do not fit its KV pool.",
             f"""vLLM {{{{ $labels.target }}}} ({{{{ $labels.model_name }}}}) preempted
             {{{{ $value | humanize }}}} requests per minute over the last {config.short_window};
             a preempted request loses its KV blocks and is recomputed later.""",
-            self.dashboard_link(config.overview_uid, TARGET))
+            self.dashboard_link(config.overview_uid, TARGET),
+        )
 
     def kv_pool_near_full(self) -> dict[str, Any]:
         config, promql, names = self.config, self.promql, self.names
         expr = f"{names.target_kv_used_ratio}{promql.sel()} > {number(config.kv_pool_full_ratio)}"
         pool = self.query_value(names.target_kv_pool_tokens, TARGET, "humanize")
         return self.alert(
-            "VllmCacheKVPoolNearFull", expr, config.kv_pool_full_for,
+            "VllmCacheKVPoolNearFull",
+            expr,
+            config.kv_pool_full_for,
             config.kv_pool_full_severity,
             "The KV-cache pool of a vLLM engine is nearly full.",
             f"""vLLM {{{{ $labels.target }}}} ({{{{ $labels.model_name }}}}) has
             {{{{ $value | humanizePercentage }}}} of its {pool}-token KV pool in use: the
             conversations it runs at once barely fit, and the next one will evict or preempt
             another.""",
-            self.dashboard_link(config.overview_uid, TARGET))
+            self.dashboard_link(config.overview_uid, TARGET),
+        )
 
     def conversations_exceed_pool(self) -> dict[str, Any]:
         """Foresight: the live conversations cannot all stay cached. True as soon as the
@@ -248,7 +296,9 @@ and {names.target_conversations}{selector} >= {number(config.conversations_min_a
         fit = self.query_value(names.target_fit_ratio, TARGET, "humanizePercentage")
         budget = self.query_value(names.target_budget, TARGET, "humanize")
         return self.alert(
-            "VllmCacheConversationsExceedKVPool", expr, config.conversations_for,
+            "VllmCacheConversationsExceedKVPool",
+            expr,
+            config.conversations_for,
             config.conversations_severity,
             "The conversations active on a vLLM engine no longer fit its KV pool together.",
             f"""{active} conversations active on vLLM {{{{ $labels.target }}}}
@@ -258,7 +308,8 @@ and {names.target_conversations}{selector} >= {number(config.conversations_min_a
             --signals.admission-headroom, room for their next turns): each turn will evict
             another conversation's prefix, and the hit ratio will collapse. Gate admission by
             tokens, under that budget, or let fewer conversations share this engine.""",
-            self.dashboard_link(config.overview_uid, TARGET))
+            self.dashboard_link(config.overview_uid, TARGET),
+        )
 
     def prompt_variable_top(self) -> dict[str, Any]:
         """Prompt order: most of a caller's requests share their text with a recent one but
@@ -272,7 +323,9 @@ and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
         shared = self.query_value(names.caller_order_shared_bytes, CALLER, "humanize")
         first = self.query_value(names.caller_order_first_difference, CALLER, "humanize")
         return self.alert(
-            "VllmCachePromptVariableTop", expr, config.prompt_order_for,
+            "VllmCachePromptVariableTop",
+            expr,
+            config.prompt_order_for,
             config.prompt_order_severity,
             "A caller's prompts share most of their text but not its beginning: something "
             "variable sits at the top, so the prefix cache reuses none of it.",
@@ -282,29 +335,36 @@ and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
             recent one but differ within the first {first}: a per-agent task, a timestamp or
             a request id ahead of the shared text. Put the shared text first, byte-identical
             in every request, and the varying part last.""",
-            self.dashboard_link(config.caller_uid, CALLER))
+            self.dashboard_link(config.caller_uid, CALLER),
+        )
 
     def engine_down(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         return self.alert(
-            "VllmCacheEngineDown", f"{families.ENGINE_UP.series}{promql.sel()} == 0",
-            config.engine_down_for, config.engine_down_severity,
+            "VllmCacheEngineDown",
+            f"{families.ENGINE_UP.series}{promql.sel()} == 0",
+            config.engine_down_for,
+            config.engine_down_severity,
             "The exporter cannot read a vLLM engine's metrics.",
             f"""Exporter {{{{ $labels.instance }}}} has failed to read
             {{{{ $labels.target }}}} for {config.engine_down_for}: vLLM is down, restarting, or
             unreachable from the exporter. Its cache signals are absent meanwhile.""",
-            self.dashboard_link(config.overview_uid, ("target",)))
+            self.dashboard_link(config.overview_uid, ("target",)),
+        )
 
     def exporter_down(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         return self.alert(
-            "VllmCacheExporterDown", f"up{promql.sel()} == 0", config.exporter_down_for,
+            "VllmCacheExporterDown",
+            f"up{promql.sel()} == 0",
+            config.exporter_down_for,
             config.exporter_down_severity,
             "Prometheus cannot scrape vllm-cache-exporter, so no cache alert can fire.",
             f"""Prometheus has failed to scrape {{{{ $labels.instance }}}} (job
             {{{{ $labels.job }}}}) for {config.exporter_down_for}; every prefix-cache alert is
             blind until it is back.""",
-            self.dashboard_link(config.overview_uid, ()))
+            self.dashboard_link(config.overview_uid, ()),
+        )
 
     def engine_metric_absent(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
@@ -312,12 +372,14 @@ and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
         return self.alert(
             "VllmCacheEngineMetricAbsent",
             f"{families.ENGINE_METRIC_PRESENT.series}{promql.sel(signals)} == 0",
-            config.metric_absent_for, config.metric_absent_severity,
+            config.metric_absent_for,
+            config.metric_absent_severity,
             "vLLM no longer exposes a metric the cache rules depend on.",
             """vLLM {{ $labels.target }} exposes no metric for the {{ $labels.signal }}
             signal under any name the exporter knows: a vLLM upgrade renamed or dropped it.
             Panels and alerts built on it show nothing, not a reassuring 0.""",
-            self.dashboard_link(config.overview_uid, ("target",)))
+            self.dashboard_link(config.overview_uid, ("target",)),
+        )
 
 
 def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:

@@ -26,15 +26,21 @@ def main(args: argparse.Namespace) -> int:
         print(f"vllm-cache-exporter generate: configuration error: {err}", file=sys.stderr)
         return 2
     if args.output and args.format != "prometheus-operator":
-        print("vllm-cache-exporter generate: --output goes with --format prometheus-operator "
-              "(rule files and dashboards go under --output-dir)", file=sys.stderr)
+        print(
+            "vllm-cache-exporter generate: --output goes with --format prometheus-operator "
+            "(rule files and dashboards go under --output-dir)",
+            file=sys.stderr,
+        )
         return 2
     if args.format == "prometheus-operator":
         manifest = prometheus_rule_manifest(config)
         if not args.output:
             if args.check:
-                print("vllm-cache-exporter generate: --check with prometheus-operator needs "
-                      "--output FILE", file=sys.stderr)
+                print(
+                    "vllm-cache-exporter generate: --check with prometheus-operator needs "
+                    "--output FILE",
+                    file=sys.stderr,
+                )
                 return 2
             sys.stdout.write(manifest)
             return 0
@@ -71,9 +77,14 @@ def drift(root: Path, files: dict[str, str]) -> list[tuple[str, str]]:
             continue
         current = path.read_text(encoding="utf-8")
         if current != content:
-            diff = list(difflib.unified_diff(
-                current.splitlines(keepends=True), content.splitlines(keepends=True),
-                fromfile=f"{relative} (on disk)", tofile=f"{relative} (generated)"))
+            diff = list(
+                difflib.unified_diff(
+                    current.splitlines(keepends=True),
+                    content.splitlines(keepends=True),
+                    fromfile=f"{relative} (on disk)",
+                    tofile=f"{relative} (generated)",
+                )
+            )
             shown = "".join(diff[:DIFF_LINES_PER_FILE])
             if len(diff) > DIFF_LINES_PER_FILE:
                 shown += f"... {len(diff) - DIFF_LINES_PER_FILE} more diff lines\n"
@@ -89,8 +100,11 @@ def drift(root: Path, files: dict[str, str]) -> list[tuple[str, str]]:
 
 def check(root: Path, files: dict[str, str]) -> int:
     if not any((root / folder).is_dir() for folder in ("alerts", "dashboards")):
-        print(f"generate --check: {root.resolve()} holds no alerts/ or dashboards/ to check; "
-              "run it from the repository's root or pass --output-dir", file=sys.stderr)
+        print(
+            f"generate --check: {root.resolve()} holds no alerts/ or dashboards/ to check; "
+            "run it from the repository's root or pass --output-dir",
+            file=sys.stderr,
+        )
         return 2
     problems = drift(root, files)
     if not problems:
@@ -98,6 +112,9 @@ def check(root: Path, files: dict[str, str]) -> int:
         return 0
     for relative, problem in problems:
         print(f"{relative}: {problem}", file=sys.stderr)
-    print(f"generate --check: {len(problems)} of {len(files)} file(s) out of date; run "
-          "'vllm-cache-exporter generate' and commit the result", file=sys.stderr)
+    print(
+        f"generate --check: {len(problems)} of {len(files)} file(s) out of date; run "
+        "'vllm-cache-exporter generate' and commit the result",
+        file=sys.stderr,
+    )
     return 1

@@ -23,14 +23,18 @@ SEVERITIES = ("critical", "warning", "info")
 # signals only some vLLMs have (by-source splits, waiting by reason: newer releases; KV
 # residency: --kv-cache-metrics): their panels are empty without them, and nothing pages.
 DEFAULT_REQUIRED_SIGNALS = (
-    "prefix_cache_queries", "prefix_cache_hits", "preemptions", "kv_cache_usage",
-    "requests_running", "requests_waiting", "cache_config_info",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "preemptions",
+    "kv_cache_usage",
+    "requests_running",
+    "requests_waiting",
+    "cache_config_info",
 )
 
 _DURATION = re.compile(r"^(?:\d+(?:ms|s|m|h|d|w|y))+$")
 _DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800,
-                 "y": 31536000}
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*')
 _UID = re.compile(r"^[a-zA-Z0-9_-]{1,40}$")
@@ -58,7 +62,8 @@ class MonitoringConfig:
     rule_interval: str = ""
     # --- links ------------------------------------------------------------------------------
     runbook_url: str = (
-        "https://github.com/vllm-cache-exporter/vllm-cache-exporter/blob/main/docs/runbook.md")
+        "https://github.com/vllm-cache-exporter/vllm-cache-exporter/blob/main/docs/runbook.md"
+    )
     dashboard_url: str = "http://localhost:3000"
     overview_uid: str = "vllm-cache-overview"
     caller_uid: str = "vllm-cache-caller"
@@ -131,7 +136,9 @@ class MonitoringConfig:
     prometheus_rule_name: str = "vllm-cache-exporter"
     prometheus_rule_namespace: str = ""
     prometheus_rule_labels: tuple[tuple[str, str], ...] = (
-        ("app.kubernetes.io/name", "vllm-cache-exporter"), ("role", "alert-rules"))
+        ("app.kubernetes.io/name", "vllm-cache-exporter"),
+        ("role", "alert-rules"),
+    )
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -169,7 +176,7 @@ def parse_selector(selector: str) -> list[tuple[str, str, str]]:
     while position < len(text):
         match = _MATCHER.match(text, position)
         if match is None:
-            raise ValueError(f"expected label matchers like job=\"x\", got {selector!r}")
+            raise ValueError(f'expected label matchers like job="x", got {selector!r}')
         matchers.append((match.group(1), match.group(2), match.group(3)))
         position = match.end()
         if position < len(text):
@@ -240,13 +247,23 @@ def _check_windows(config: MonitoringConfig) -> None:
 
 
 def _check_fractions(config: MonitoringConfig) -> None:
-    for name in ("collapse_drop_factor", "collapse_min_baseline", "warm_ttft_min_warm_share",
-                 "kv_pool_full_ratio", "prompt_order_share", "hit_ratio_fair",
-                 "hit_ratio_good", "warm_share_fair", "warm_share_good"):
+    for name in (
+        "collapse_drop_factor",
+        "collapse_min_baseline",
+        "warm_ttft_min_warm_share",
+        "kv_pool_full_ratio",
+        "prompt_order_share",
+        "hit_ratio_fair",
+        "hit_ratio_good",
+        "warm_share_fair",
+        "warm_share_good",
+    ):
         if not 0 < getattr(config, name) <= 1:
             _fail(name, f"must be in (0, 1], got {getattr(config, name)}")
-    for fair, good in (("hit_ratio_fair", "hit_ratio_good"),
-                       ("warm_share_fair", "warm_share_good")):
+    for fair, good in (
+        ("hit_ratio_fair", "hit_ratio_good"),
+        ("warm_share_fair", "warm_share_good"),
+    ):
         if getattr(config, fair) >= getattr(config, good):
             _fail(good, f"must be above {fair} ({getattr(config, fair)})")
 

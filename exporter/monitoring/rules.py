@@ -62,66 +62,79 @@ class Names:
         both = (short, long)
         # per caller
         self.caller_prompt = {
-            window: f"caller_model:vllm_cache_prompt_tokens:{window}" for window in both}
+            window: f"caller_model:vllm_cache_prompt_tokens:{window}" for window in both
+        }
         self.caller_cached = {
-            window: f"caller_model:vllm_cache_cached_tokens:{window}" for window in both}
+            window: f"caller_model:vllm_cache_cached_tokens:{window}" for window in both
+        }
         self.caller_hit_ratio = {
-            window: f"caller_model:vllm_cache_hit_ratio:{window}" for window in (*both, baseline)}
+            window: f"caller_model:vllm_cache_hit_ratio:{window}" for window in (*both, baseline)
+        }
         self.caller_unreported = {
-            window: f"caller_model:vllm_cache_unreported_prompt_tokens:{window}"
-            for window in both}
+            window: f"caller_model:vllm_cache_unreported_prompt_tokens:{window}" for window in both
+        }
         self.caller_state_requests = f"caller_model_state:vllm_cache_requests:{short}"
         self.caller_warm_share = {
             window: f"caller_model:vllm_cache_warm_request_share:{window}"
-            for window in (*both, baseline)}
-        self.caller_state_ttft_bucket = (
-            f"caller_model_state:vllm_cache_ttft_seconds_bucket:{short}")
+            for window in (*both, baseline)
+        }
+        self.caller_state_ttft_bucket = f"caller_model_state:vllm_cache_ttft_seconds_bucket:{short}"
         self.caller_state_ttft = {
             quantile: f"caller_model_state:vllm_cache_ttft_seconds:{quantile}_{short}"
-            for quantile, _ in QUANTILES}
+            for quantile, _ in QUANTILES
+        }
         # all classified turns of a caller: "turns that should be warm" when its baseline is
         self.caller_ttft = {
             quantile: f"caller_model:vllm_cache_ttft_seconds:{quantile}_{short}"
-            for quantile, _ in QUANTILES}
+            for quantile, _ in QUANTILES
+        }
         self.model_state_ttft = {
             quantile: f"model_state:vllm_cache_ttft_seconds:{quantile}_{short}"
-            for quantile, _ in QUANTILES}
+            for quantile, _ in QUANTILES
+        }
         # foresight: completion tokens declared vs used, per caller
         self.caller_completion_bucket = (
-            f"caller_model:vllm_cache_completion_used_tokens_bucket:{long}")
+            f"caller_model:vllm_cache_completion_used_tokens_bucket:{long}"
+        )
         self.caller_completion_used = {
             quantile: f"caller_model:vllm_cache_completion_used_tokens:{quantile}_{long}"
-            for quantile, _ in COMPLETION_QUANTILES}
+            for quantile, _ in COMPLETION_QUANTILES
+        }
         self.caller_completion_declared = (
-            f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}")
+            f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}"
+        )
         self.caller_completion_overstatement = (
-            f"caller_model:vllm_cache_completion_overstatement:ratio_{long}")
+            f"caller_model:vllm_cache_completion_overstatement:ratio_{long}"
+        )
         # prompt order (the tap): requests sharing most of their text but not its beginning
         self.caller_order_compared = f"caller_model:vllm_cache_prompt_order_compared:{long}"
-        self.caller_order_variable_top = (
-            f"caller_model:vllm_cache_prompt_order_variable_top:{long}")
-        self.caller_order_share = (
-            f"caller_model:vllm_cache_prompt_order_variable_top_share:{long}")
+        self.caller_order_variable_top = f"caller_model:vllm_cache_prompt_order_variable_top:{long}"
+        self.caller_order_share = f"caller_model:vllm_cache_prompt_order_variable_top_share:{long}"
         self.caller_order_shared_bytes = (
-            f"caller_model:vllm_cache_prompt_order_shared_bytes:mean_{long}")
+            f"caller_model:vllm_cache_prompt_order_shared_bytes:mean_{long}"
+        )
         self.caller_order_first_difference = (
-            f"caller_model:vllm_cache_prompt_order_first_difference_bytes:mean_{long}")
+            f"caller_model:vllm_cache_prompt_order_first_difference_bytes:mean_{long}"
+        )
 
-    def _engine_names(self, config: MonitoringConfig, short: str, long: str,
-                      baseline: str) -> None:
+    def _engine_names(self, config: MonitoringConfig, short: str, long: str, baseline: str) -> None:
         both = (short, long)
         # per vLLM target (and fleet-wide per model)
         self.target_queries = {
             window: f"target_model:vllm_cache_engine_prefix_cache_queries_tokens:{window}"
-            for window in both}
+            for window in both
+        }
         self.target_hits = {
             window: f"target_model:vllm_cache_engine_prefix_cache_hits_tokens:{window}"
-            for window in both}
+            for window in both
+        }
         self.target_hit_ratio = {
             window: f"target_model:vllm_cache_engine_hit_ratio:{window}"
-            for window in (*both, baseline)}
+            for window in (*both, baseline)
+        }
         self.model_hit_ratio = {
-            window: f"model:vllm_cache_engine_hit_ratio:{window}" for window in both}
+            window: f"model:vllm_cache_engine_hit_ratio:{window}" for window in both
+        }
         self.target_kv_used_tokens = "target_model:vllm_cache_engine_kv_used_tokens:sum"
         self.target_kv_pool_tokens = "target_model:vllm_cache_engine_kv_pool_tokens:sum"
         self.target_kv_used_ratio = "target_model:vllm_cache_engine_kv_used:ratio"
@@ -137,19 +150,25 @@ class Names:
         self.target_budget = f"target_model:vllm_cache_admission_budget_tokens:{pool_min}"
         # where prompt tokens came from, per vLLM target and source
         self.target_source_prompt = (
-            f"target_model_source:vllm_cache_engine_prompt_tokens_by_source:{short}")
+            f"target_model_source:vllm_cache_engine_prompt_tokens_by_source:{short}"
+        )
         self.target_source_prompt_share = (
-            f"target_model_source:vllm_cache_engine_prompt_tokens_source_share:{short}")
+            f"target_model_source:vllm_cache_engine_prompt_tokens_source_share:{short}"
+        )
         self.target_source_cached = (
-            f"target_model_source:vllm_cache_engine_cached_tokens_by_source:{short}")
+            f"target_model_source:vllm_cache_engine_cached_tokens_by_source:{short}"
+        )
         self.target_source_cached_share = (
-            f"target_model_source:vllm_cache_engine_cached_tokens_source_share:{short}")
+            f"target_model_source:vllm_cache_engine_cached_tokens_source_share:{short}"
+        )
         # KV residency (vLLM with --kv-cache-metrics), per vLLM target
         self.target_kv_block_median = {
             histogram: f"target_model:vllm_cache_engine_kv_block_{histogram}_seconds:p50_{short}"
-            for histogram in KV_BLOCK_HISTOGRAMS}
+            for histogram in KV_BLOCK_HISTOGRAMS
+        }
         self.target_kv_block_idle_share = (
-            f"target_model:vllm_cache_engine_kv_block_idle_lifetime_share:{short}")
+            f"target_model:vllm_cache_engine_kv_block_idle_lifetime_share:{short}"
+        )
 
 
 def _rule(record: str, expr: str) -> dict[str, Any]:
@@ -170,80 +189,133 @@ def _baseline(config: MonitoringConfig, promql: PromQL, ratio: str) -> str:
     is taken from already smooths single cold turns, and hours without traffic have no ratio
     and no say. A plain long-window ratio as baseline absorbs a collapse within the hour.
     """
-    return (f"quantile_over_time({BASELINE_QUANTILE[1]}, "
-            f"{ratio}{promql.sel()}[{config.baseline_window}])")
+    return (
+        f"quantile_over_time({BASELINE_QUANTILE[1]}, "
+        f"{ratio}{promql.sel()}[{config.baseline_window}])"
+    )
 
 
-def _caller_rules(config: MonitoringConfig, promql: PromQL,
-                  names: Names) -> list[dict[str, Any]]:
+def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
     windows = ((names.short, config.short_window), (names.long, config.long_window))
     for suffix, window in windows:
-        rules.append(_rule(names.caller_prompt[suffix],
-                           f"sum {promql.by(*CALLER)} (rate({families.PROMPT_TOKENS.total}"
-                           f"{promql.sel()}[{window}]))"))
-        rules.append(_rule(names.caller_cached[suffix],
-                           f"sum {promql.by(*CALLER)} (rate({families.CACHED_TOKENS.total}"
-                           f"{promql.sel()}[{window}]))"))
-        rules.append(_rule(names.caller_hit_ratio[suffix],
-                           hit_ratio(names.caller_cached[suffix] + promql.sel(),
-                                     names.caller_prompt[suffix] + promql.sel())))
-        rules.append(_rule(names.caller_unreported[suffix],
-                           f"sum {promql.by(*CALLER)} ("
-                           f"rate({families.UNREPORTED_PROMPT_TOKENS.total}"
-                           f"{promql.sel()}[{window}]))"))
-    rules.append(_rule(names.caller_state_requests,
-                       f"sum {promql.by(*CALLER_STATE)} (rate({families.REQUESTS.total}"
-                       f"{promql.sel()}[{config.short_window}]))"))
+        rules.append(
+            _rule(
+                names.caller_prompt[suffix],
+                f"sum {promql.by(*CALLER)} (rate({families.PROMPT_TOKENS.total}"
+                f"{promql.sel()}[{window}]))",
+            )
+        )
+        rules.append(
+            _rule(
+                names.caller_cached[suffix],
+                f"sum {promql.by(*CALLER)} (rate({families.CACHED_TOKENS.total}"
+                f"{promql.sel()}[{window}]))",
+            )
+        )
+        rules.append(
+            _rule(
+                names.caller_hit_ratio[suffix],
+                hit_ratio(
+                    names.caller_cached[suffix] + promql.sel(),
+                    names.caller_prompt[suffix] + promql.sel(),
+                ),
+            )
+        )
+        rules.append(
+            _rule(
+                names.caller_unreported[suffix],
+                f"sum {promql.by(*CALLER)} ("
+                f"rate({families.UNREPORTED_PROMPT_TOKENS.total}"
+                f"{promql.sel()}[{window}]))",
+            )
+        )
+    rules.append(
+        _rule(
+            names.caller_state_requests,
+            f"sum {promql.by(*CALLER_STATE)} (rate({families.REQUESTS.total}"
+            f"{promql.sel()}[{config.short_window}]))",
+        )
+    )
     classified = promql.states_matcher()
     warm_only = 'state="warm"'
     for suffix, window in windows:
         if suffix == names.short:
-            warm = (f"sum {promql.by(*CALLER)} "
-                    f"({names.caller_state_requests}{promql.sel(warm_only)})")
-            total = (f"sum {promql.by(*CALLER)} "
-                     f"({names.caller_state_requests}{promql.sel(classified)})")
+            warm = (
+                f"sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(warm_only)})"
+            )
+            total = (
+                f"sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(classified)})"
+            )
         else:
-            warm = (f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
-                    f"{promql.sel(warm_only)}[{window}]))")
-            total = (f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
-                     f"{promql.sel(classified)}[{window}]))")
+            warm = (
+                f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
+                f"{promql.sel(warm_only)}[{window}]))"
+            )
+            total = (
+                f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
+                f"{promql.sel(classified)}[{window}]))"
+            )
         # Short (too small for one granule), unknown (cached tokens not reported) and error
         # turns say nothing about the cache, so they are out of the denominator.
-        rules.append(_rule(names.caller_warm_share[suffix],
-                           warm_share(warm, total)))
-    rules.append(_rule(names.caller_hit_ratio[names.baseline],
-                       _baseline(config, promql, names.caller_hit_ratio[names.long])))
-    rules.append(_rule(names.caller_warm_share[names.baseline],
-                       _baseline(config, promql, names.caller_warm_share[names.long])))
+        rules.append(_rule(names.caller_warm_share[suffix], warm_share(warm, total)))
+    rules.append(
+        _rule(
+            names.caller_hit_ratio[names.baseline],
+            _baseline(config, promql, names.caller_hit_ratio[names.long]),
+        )
+    )
+    rules.append(
+        _rule(
+            names.caller_warm_share[names.baseline],
+            _baseline(config, promql, names.caller_warm_share[names.long]),
+        )
+    )
     # TTFT keeps its source (vLLM's own, or the proxy's): two ways of measuring, never
     # summed into one distribution.
-    rules.append(_rule(names.caller_state_ttft_bucket,
-                       f"sum {promql.by(*CALLER_STATE, 'source', 'le')} ("
-                       f"rate({families.TTFT_SECONDS.bucket}"
-                       f"{promql.sel(classified)}[{config.short_window}]))"))
+    rules.append(
+        _rule(
+            names.caller_state_ttft_bucket,
+            f"sum {promql.by(*CALLER_STATE, 'source', 'le')} ("
+            f"rate({families.TTFT_SECONDS.bucket}"
+            f"{promql.sel(classified)}[{config.short_window}]))",
+        )
+    )
     # ">= 0" drops the NaN histogram_quantile returns for a window without requests.
     for name, quantile in QUANTILES:
-        rules.append(_rule(names.caller_state_ttft[name],
-                           f"histogram_quantile({quantile}, "
-                           f"{names.caller_state_ttft_bucket}{promql.sel()}) >= 0"))
+        rules.append(
+            _rule(
+                names.caller_state_ttft[name],
+                f"histogram_quantile({quantile}, "
+                f"{names.caller_state_ttft_bucket}{promql.sel()}) >= 0",
+            )
+        )
     for name, quantile in QUANTILES:
-        rules.append(_rule(names.caller_ttft[name],
-                           f"histogram_quantile({quantile}, "
-                           f"sum {promql.by(*CALLER, 'source', 'le')} "
-                           f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0"))
+        rules.append(
+            _rule(
+                names.caller_ttft[name],
+                f"histogram_quantile({quantile}, "
+                f"sum {promql.by(*CALLER, 'source', 'le')} "
+                f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0",
+            )
+        )
     for name, quantile in QUANTILES:
-        rules.append(_rule(names.model_state_ttft[name],
-                           f"histogram_quantile({quantile}, "
-                           f"sum {promql.by('model', 'state', 'source', 'le')} "
-                           f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0"))
+        rules.append(
+            _rule(
+                names.model_state_ttft[name],
+                f"histogram_quantile({quantile}, "
+                f"sum {promql.by('model', 'state', 'source', 'le')} "
+                f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0",
+            )
+        )
     rules.extend(_completion_rules(config, promql, names))
     rules.extend(_prompt_order_rules(config, promql, names))
     return rules
 
 
-def _prompt_order_rules(config: MonitoringConfig, promql: PromQL,
-                        names: Names) -> list[dict[str, Any]]:
+def _prompt_order_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
     """Prompt order per caller, over the long window (a fan-out comes in bursts): the share
     of compared requests that share most of their text with a recent one but not its
     beginning, and, of those, the mean shared length and where they first differ."""
@@ -256,108 +328,177 @@ def _prompt_order_rules(config: MonitoringConfig, promql: PromQL,
     return [
         _rule(names.caller_order_compared, rate(families.PROMPT_ORDER_COMPARED)),
         _rule(flagged, rate(families.PROMPT_ORDER_VARIABLE_TOP)),
-        _rule(names.caller_order_share,
-              _ratio(promql, flagged, names.caller_order_compared)),
-        _rule(names.caller_order_shared_bytes,
-              over(rate(families.PROMPT_ORDER_SHARED_BYTES), flagged + promql.sel())),
-        _rule(names.caller_order_first_difference,
-              over(rate(families.PROMPT_ORDER_FIRST_DIFFERENCE_BYTES),
-                   flagged + promql.sel())),
+        _rule(names.caller_order_share, _ratio(promql, flagged, names.caller_order_compared)),
+        _rule(
+            names.caller_order_shared_bytes,
+            over(rate(families.PROMPT_ORDER_SHARED_BYTES), flagged + promql.sel()),
+        ),
+        _rule(
+            names.caller_order_first_difference,
+            over(rate(families.PROMPT_ORDER_FIRST_DIFFERENCE_BYTES), flagged + promql.sel()),
+        ),
     ]
 
 
-def _completion_rules(config: MonitoringConfig, promql: PromQL,
-                      names: Names) -> list[dict[str, Any]]:
+def _completion_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
     """Declared vs used completion tokens per caller, over the long window: an admission gate
     that charges the declared max_tokens holds a fraction of the conversations it could."""
     window = config.long_window
-    rules = [_rule(names.caller_completion_bucket,
-                   f"sum {promql.by(*CALLER, 'le')} (rate("
-                   f"{families.COMPLETION_USED_TOKENS.bucket}{promql.sel()}[{window}]))")]
+    rules = [
+        _rule(
+            names.caller_completion_bucket,
+            f"sum {promql.by(*CALLER, 'le')} (rate("
+            f"{families.COMPLETION_USED_TOKENS.bucket}{promql.sel()}[{window}]))",
+        )
+    ]
     for name, quantile in COMPLETION_QUANTILES:
-        rules.append(_rule(names.caller_completion_used[name],
-                           f"histogram_quantile({quantile}, "
-                           f"{names.caller_completion_bucket}{promql.sel()}) >= 0"))
-    declared = (f"sum {promql.by(*CALLER)} (rate("
-                f"{families.COMPLETION_DECLARED_TOKENS.total}{promql.sel()}[{window}]))")
-    requests = (f"sum {promql.by(*CALLER)} (rate("
-                f"{families.COMPLETION_USED_TOKENS.count}{promql.sel()}[{window}]))")
-    rules.append(_rule(names.caller_completion_declared,
-                       over(declared, requests)))
-    rules.append(_rule(names.caller_completion_overstatement,
-                       over(names.caller_completion_declared + promql.sel(),
-                            names.caller_completion_used["p50"] + promql.sel())))
+        rules.append(
+            _rule(
+                names.caller_completion_used[name],
+                f"histogram_quantile({quantile}, "
+                f"{names.caller_completion_bucket}{promql.sel()}) >= 0",
+            )
+        )
+    declared = (
+        f"sum {promql.by(*CALLER)} (rate("
+        f"{families.COMPLETION_DECLARED_TOKENS.total}{promql.sel()}[{window}]))"
+    )
+    requests = (
+        f"sum {promql.by(*CALLER)} (rate("
+        f"{families.COMPLETION_USED_TOKENS.count}{promql.sel()}[{window}]))"
+    )
+    rules.append(_rule(names.caller_completion_declared, over(declared, requests)))
+    rules.append(
+        _rule(
+            names.caller_completion_overstatement,
+            over(
+                names.caller_completion_declared + promql.sel(),
+                names.caller_completion_used["p50"] + promql.sel(),
+            ),
+        )
+    )
     return rules
 
 
-def _engine_rules(config: MonitoringConfig, promql: PromQL,
-                  names: Names) -> list[dict[str, Any]]:
+def _engine_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> list[dict[str, Any]]:
     rules: list[dict[str, Any]] = []
-    for suffix, window in ((names.short, config.short_window),
-                           (names.long, config.long_window)):
-        rules.append(_rule(names.target_queries[suffix],
-                           f"sum {promql.by(*TARGET)} (rate("
-                           f"{families.ENGINE_PREFIX_CACHE_QUERIES_TOKENS.total}{promql.sel()}"
-                           f"[{window}]))"))
-        rules.append(_rule(names.target_hits[suffix],
-                           f"sum {promql.by(*TARGET)} (rate("
-                           f"{families.ENGINE_PREFIX_CACHE_HITS_TOKENS.total}{promql.sel()}"
-                           f"[{window}]))"))
-        rules.append(_rule(names.target_hit_ratio[suffix],
-                           hit_ratio(names.target_hits[suffix] + promql.sel(),
-                                     names.target_queries[suffix] + promql.sel())))
+    for suffix, window in ((names.short, config.short_window), (names.long, config.long_window)):
+        rules.append(
+            _rule(
+                names.target_queries[suffix],
+                f"sum {promql.by(*TARGET)} (rate("
+                f"{families.ENGINE_PREFIX_CACHE_QUERIES_TOKENS.total}{promql.sel()}"
+                f"[{window}]))",
+            )
+        )
+        rules.append(
+            _rule(
+                names.target_hits[suffix],
+                f"sum {promql.by(*TARGET)} (rate("
+                f"{families.ENGINE_PREFIX_CACHE_HITS_TOKENS.total}{promql.sel()}"
+                f"[{window}]))",
+            )
+        )
+        rules.append(
+            _rule(
+                names.target_hit_ratio[suffix],
+                hit_ratio(
+                    names.target_hits[suffix] + promql.sel(),
+                    names.target_queries[suffix] + promql.sel(),
+                ),
+            )
+        )
         hits = f"sum {promql.by(*MODEL)} ({names.target_hits[suffix]}{promql.sel()})"
         queries = f"sum {promql.by(*MODEL)} ({names.target_queries[suffix]}{promql.sel()})"
-        rules.append(_rule(names.model_hit_ratio[suffix],
-                           hit_ratio(hits, queries)))
-    rules.append(_rule(names.target_hit_ratio[names.baseline],
-                       _baseline(config, promql, names.target_hit_ratio[names.long])))
-    rules.append(_rule(names.target_kv_used_tokens,
-                       f"sum {promql.by(*TARGET)} "
-                       f"({families.ENGINE_KV_USED_TOKENS.series}{promql.sel()})"))
-    rules.append(_rule(names.target_kv_pool_tokens,
-                       f"sum {promql.by(*TARGET)} "
-                       f"({families.ENGINE_KV_POOL_TOKENS.series}{promql.sel()})"))
-    rules.append(_rule(names.target_kv_used_ratio,
-                       over(names.target_kv_used_tokens + promql.sel(),
-                            names.target_kv_pool_tokens + promql.sel())))
-    rules.append(_rule(names.model_kv_used_ratio,
-                       over(f"sum {promql.by(*MODEL)} ({names.target_kv_used_tokens}"
-                            f"{promql.sel()})",
-                            f"sum {promql.by(*MODEL)} ({names.target_kv_pool_tokens}"
-                            f"{promql.sel()})")))
-    rules.append(_rule(names.target_preemptions,
-                       f"sum {promql.by(*TARGET)} (rate({families.ENGINE_PREEMPTIONS.total}"
-                       f"{promql.sel()}[{config.short_window}]))"))
-    rules.append(_rule(names.model_preemptions,
-                       f"sum {promql.by(*MODEL)} ({names.target_preemptions}{promql.sel()})"))
+        rules.append(_rule(names.model_hit_ratio[suffix], hit_ratio(hits, queries)))
+    rules.append(
+        _rule(
+            names.target_hit_ratio[names.baseline],
+            _baseline(config, promql, names.target_hit_ratio[names.long]),
+        )
+    )
+    rules.append(
+        _rule(
+            names.target_kv_used_tokens,
+            f"sum {promql.by(*TARGET)} ({families.ENGINE_KV_USED_TOKENS.series}{promql.sel()})",
+        )
+    )
+    rules.append(
+        _rule(
+            names.target_kv_pool_tokens,
+            f"sum {promql.by(*TARGET)} ({families.ENGINE_KV_POOL_TOKENS.series}{promql.sel()})",
+        )
+    )
+    rules.append(
+        _rule(
+            names.target_kv_used_ratio,
+            over(
+                names.target_kv_used_tokens + promql.sel(),
+                names.target_kv_pool_tokens + promql.sel(),
+            ),
+        )
+    )
+    rules.append(
+        _rule(
+            names.model_kv_used_ratio,
+            over(
+                f"sum {promql.by(*MODEL)} ({names.target_kv_used_tokens}{promql.sel()})",
+                f"sum {promql.by(*MODEL)} ({names.target_kv_pool_tokens}{promql.sel()})",
+            ),
+        )
+    )
+    rules.append(
+        _rule(
+            names.target_preemptions,
+            f"sum {promql.by(*TARGET)} (rate({families.ENGINE_PREEMPTIONS.total}"
+            f"{promql.sel()}[{config.short_window}]))",
+        )
+    )
+    rules.append(
+        _rule(
+            names.model_preemptions,
+            f"sum {promql.by(*MODEL)} ({names.target_preemptions}{promql.sel()})",
+        )
+    )
     rules.extend(_foresight_engine_rules(config, promql, names))
     return rules
 
 
-def _foresight_engine_rules(config: MonitoringConfig, promql: PromQL,
-                            names: Names) -> list[dict[str, Any]]:
+def _foresight_engine_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
     """Live conversations against the pool (read after the pool's own rule, in this group),
     and the smallest pool over ``pool_min_window`` with the admission budget under it: the
     exporter's own (the pool it saw less its --signals.admission-headroom), at its lowest
     over the same window, so an exporter restart does not forget a smaller pool."""
     selector = promql.sel()
     return [
-        _rule(names.target_conversations,
-              f"sum {promql.by(*TARGET)} "
-              f"({families.ENGINE_CONVERSATIONS_ACTIVE.series}{selector})"),
-        _rule(names.target_demand,
-              f"sum {promql.by(*TARGET)} "
-              f"({families.ENGINE_CONVERSATIONS_DEMAND_TOKENS.series}{selector})"),
-        _rule(names.target_fit_ratio,
-              over(names.target_demand + selector, names.target_kv_pool_tokens + selector)),
-        _rule(names.target_pool_min,
-              f"sum {promql.by(*TARGET)} (min_over_time("
-              f"{families.ENGINE_KV_POOL_MIN_TOKENS.series}{selector}[{config.pool_min_window}]))"),
-        _rule(names.target_budget,
-              f"sum {promql.by(*TARGET)} (min_over_time("
-              f"{families.ENGINE_ADMISSION_BUDGET_TOKENS.series}{selector}"
-              f"[{config.pool_min_window}]))"),
+        _rule(
+            names.target_conversations,
+            f"sum {promql.by(*TARGET)} ({families.ENGINE_CONVERSATIONS_ACTIVE.series}{selector})",
+        ),
+        _rule(
+            names.target_demand,
+            f"sum {promql.by(*TARGET)} "
+            f"({families.ENGINE_CONVERSATIONS_DEMAND_TOKENS.series}{selector})",
+        ),
+        _rule(
+            names.target_fit_ratio,
+            over(names.target_demand + selector, names.target_kv_pool_tokens + selector),
+        ),
+        _rule(
+            names.target_pool_min,
+            f"sum {promql.by(*TARGET)} (min_over_time("
+            f"{families.ENGINE_KV_POOL_MIN_TOKENS.series}{selector}[{config.pool_min_window}]))",
+        ),
+        _rule(
+            names.target_budget,
+            f"sum {promql.by(*TARGET)} (min_over_time("
+            f"{families.ENGINE_ADMISSION_BUDGET_TOKENS.series}{selector}"
+            f"[{config.pool_min_window}]))",
+        ),
     ]
 
 
@@ -368,27 +509,31 @@ def _share(promql: PromQL, rate: str) -> str:
     return f"{rate}{promql.sel()}\n/ {promql.on(*TARGET)} group_left ()\n{guarded(total)}"
 
 
-def _source_rules(config: MonitoringConfig, promql: PromQL,
-                  names: Names) -> list[dict[str, Any]]:
+def _source_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> list[dict[str, Any]]:
     """Where prompt tokens came from: computed, local cache hit or external KV transfer; and
     which tier held the cached ones. Shares of the summed rates per vLLM target, so an idle
     window has no share rather than a made-up one."""
     window = config.short_window
     return [
-        _rule(names.target_source_prompt,
-              f"sum {promql.by(*TARGET_SOURCE)} (rate("
-              f"{families.ENGINE_PROMPT_TOKENS_BY_SOURCE.total}{promql.sel()}[{window}]))"),
+        _rule(
+            names.target_source_prompt,
+            f"sum {promql.by(*TARGET_SOURCE)} (rate("
+            f"{families.ENGINE_PROMPT_TOKENS_BY_SOURCE.total}{promql.sel()}[{window}]))",
+        ),
         _rule(names.target_source_prompt_share, _share(promql, names.target_source_prompt)),
-        _rule(names.target_source_cached,
-              f"sum {promql.by(*TARGET_SOURCE)} (rate("
-              f"{families.ENGINE_PROMPT_TOKENS_CACHED_BY_SOURCE.total}{promql.sel()}"
-              f"[{window}]))"),
+        _rule(
+            names.target_source_cached,
+            f"sum {promql.by(*TARGET_SOURCE)} (rate("
+            f"{families.ENGINE_PROMPT_TOKENS_CACHED_BY_SOURCE.total}{promql.sel()}"
+            f"[{window}]))",
+        ),
         _rule(names.target_source_cached_share, _share(promql, names.target_source_cached)),
     ]
 
 
-def _residency_rules(config: MonitoringConfig, promql: PromQL,
-                     names: Names) -> list[dict[str, Any]]:
+def _residency_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
     """KV residency from vLLM's sampled evictions: the medians of block lifetime, idle time
     before eviction and gap between reuses; and the share of the evicted blocks' lifetime
     they sat idle before eviction. That share near 1 means blocks are evicted without a turn
@@ -398,15 +543,22 @@ def _residency_rules(config: MonitoringConfig, promql: PromQL,
     window = config.short_window
     rules = []
     for histogram in KV_BLOCK_HISTOGRAMS:
-        rules.append(_rule(
-            names.target_kv_block_median[histogram],
-            f"histogram_quantile(0.5, sum {promql.by(*TARGET, 'le')} (rate("
-            f"{KV_BLOCK_HISTOGRAMS[histogram].bucket}{promql.sel()}"
-            f"[{window}]))) >= 0"))
-    idle = (f"sum {promql.by(*TARGET)} (rate("
-            f"{families.ENGINE_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS.sum}{promql.sel()}[{window}]))")
-    lifetime = (f"sum {promql.by(*TARGET)} (rate("
-                f"{families.ENGINE_KV_BLOCK_LIFETIME_SECONDS.sum}{promql.sel()}[{window}]))")
+        rules.append(
+            _rule(
+                names.target_kv_block_median[histogram],
+                f"histogram_quantile(0.5, sum {promql.by(*TARGET, 'le')} (rate("
+                f"{KV_BLOCK_HISTOGRAMS[histogram].bucket}{promql.sel()}"
+                f"[{window}]))) >= 0",
+            )
+        )
+    idle = (
+        f"sum {promql.by(*TARGET)} (rate("
+        f"{families.ENGINE_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS.sum}{promql.sel()}[{window}]))"
+    )
+    lifetime = (
+        f"sum {promql.by(*TARGET)} (rate("
+        f"{families.ENGINE_KV_BLOCK_LIFETIME_SECONDS.sum}{promql.sel()}[{window}]))"
+    )
     rules.append(_rule(names.target_kv_block_idle_share, over(idle, lifetime)))
     return rules
 
@@ -424,14 +576,18 @@ def recording_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     names = Names(config)
     return [
         _group(config, "vllm-cache-caller.rules", _caller_rules(config, promql, names)),
-        _group(config, "vllm-cache-engine.rules", _engine_rules(config, promql, names)
-               + _source_rules(config, promql, names) + _residency_rules(config, promql, names)),
+        _group(
+            config,
+            "vllm-cache-engine.rules",
+            _engine_rules(config, promql, names)
+            + _source_rules(config, promql, names)
+            + _residency_rules(config, promql, names),
+        ),
     ]
 
 
 def recorded_names(config: MonitoringConfig) -> list[str]:
     return [rule["record"] for group in recording_rule_groups(config) for rule in group["rules"]]
-
 
 
 def recorded_markdown(config: MonitoringConfig) -> str:
@@ -440,9 +596,13 @@ def recorded_markdown(config: MonitoringConfig) -> str:
     lines = ["| recorded series | group | computed from |", "|---|---|---|"]
     for group in recording_rule_groups(config):
         for rule in group["rules"]:
-            sources = dict.fromkeys(re.findall(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+|vllm_cache_\w+",
-                                               rule["expr"]))
+            sources = dict.fromkeys(
+                re.findall(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+|vllm_cache_\w+", rule["expr"])
+            )
             sources.pop(rule["record"], None)
-            lines.append(f"| `{rule['record']}` | {group['name']} | "
-                         + ", ".join(f"`{source}`" for source in sources) + " |")
+            lines.append(
+                f"| `{rule['record']}` | {group['name']} | "
+                + ", ".join(f"`{source}`" for source in sources)
+                + " |"
+            )
     return "\n".join(lines) + "\n"

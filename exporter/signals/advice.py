@@ -74,24 +74,33 @@ def collapse_sentence(collapses: Sequence[Collapse]) -> str:
     for collapse in collapses:
         window = duration(collapse.window_seconds)
         if collapse.dropped and collapse.ratio_now is not None and collapse.baseline is not None:
-            parts.append(f"{collapse.caller} got {percent(collapse.ratio_now)} of its prompt "
-                         f"tokens from the cache over the last {window}, against "
-                         f"{percent(collapse.baseline)} before")
+            parts.append(
+                f"{collapse.caller} got {percent(collapse.ratio_now)} of its prompt "
+                f"tokens from the cache over the last {window}, against "
+                f"{percent(collapse.baseline)} before"
+            )
         else:
-            parts.append(f"{collapse.followups_cold} of {collapse.followups} follow-up turn(s) "
-                         f"of {collapse.caller} in the last {window} found nothing cached")
+            parts.append(
+                f"{collapse.followups_cold} of {collapse.followups} follow-up turn(s) "
+                f"of {collapse.caller} in the last {window} found nothing cached"
+            )
     who = names([collapse.caller for collapse in collapses])
-    return (f"Prefix cache collapse: {who}. " + "; ".join(parts) + ". Each turn now reads its "
-            "whole prompt again, minutes instead of seconds to the first token. Most often "
-            "the live conversations no longer fit the KV pool together (see below): gate "
-            "admission by tokens or let fewer conversations share this engine.")
+    return (
+        f"Prefix cache collapse: {who}. " + "; ".join(parts) + ". Each turn now reads its "
+        "whole prompt again, minutes instead of seconds to the first token. Most often "
+        "the live conversations no longer fit the KV pool together (see below): gate "
+        "admission by tokens or let fewer conversations share this engine."
+    )
 
 
-def engine_collapse_sentence(target: str, ratio_now: float, baseline: float,
-                             window_seconds: float) -> str:
-    return (f"Prefix cache collapse on vLLM {target}: {percent(ratio_now)} of looked-up prompt "
-            f"tokens were hits over the last {duration(window_seconds)}, against "
-            f"{percent(baseline)} before, while prompts keep coming.")
+def engine_collapse_sentence(
+    target: str, ratio_now: float, baseline: float, window_seconds: float
+) -> str:
+    return (
+        f"Prefix cache collapse on vLLM {target}: {percent(ratio_now)} of looked-up prompt "
+        f"tokens were hits over the last {duration(window_seconds)}, against "
+        f"{percent(baseline)} before, while prompts keep coming."
+    )
 
 
 # vLLM's CPU build batches this many tokens per engine step unless told otherwise
@@ -101,60 +110,81 @@ CPU_DEFAULT_BATCHED_TOKENS = 2048
 
 def hybrid_granule_sentence(granule: int, stale_label: str | None) -> str:
     """What prefix caching can resume on a hybrid engine (``mamba_cache_mode="align"``)."""
-    stale = (f" (its mamba_block_size label, {stale_label}, is stale: the granule is "
-             "block_size)") if stale_label and stale_label != str(granule) else ""
-    return (f"hybrid model (mamba_cache_mode \"align\"): cached in whole {granule:,}-token "
-            f"granules: a warm turn re-reads its last granule as well as what it added, so "
-            f"well under 100% cached can be a full hit{stale}.")
+    stale = (
+        (f" (its mamba_block_size label, {stale_label}, is stale: the granule is block_size)")
+        if stale_label and stale_label != str(granule)
+        else ""
+    )
+    return (
+        f'hybrid model (mamba_cache_mode "align"): cached in whole {granule:,}-token '
+        f"granules: a warm turn re-reads its last granule as well as what it added, so "
+        f"well under 100% cached can be a full hit{stale}."
+    )
 
 
 def hybrid_cpu_batching_sentence(where: str, granule: int) -> str:
     """The CPU Mamba2 kernel's limit (vLLM 0.32), which /metrics cannot show is kept."""
-    rule = (f"On vLLM's CPU build, keep --max-num-batched-tokens at {granule:,} or below "
-            f"for {where}: the CPU Mamba2 kernel ends the engine (IndexError in "
-            f"mamba_mixer2) when one prefill step spans more than one {granule:,}-token "
-            "granule")
+    rule = (
+        f"On vLLM's CPU build, keep --max-num-batched-tokens at {granule:,} or below "
+        f"for {where}: the CPU Mamba2 kernel ends the engine (IndexError in "
+        f"mamba_mixer2) when one prefill step spans more than one {granule:,}-token "
+        "granule"
+    )
     if granule < CPU_DEFAULT_BATCHED_TOKENS:
-        return (f"{rule}, and its default batch, {CPU_DEFAULT_BATCHED_TOKENS:,} tokens, "
-                f"does: start it with --max-num-batched-tokens {granule}. (/metrics does not "
-                "show the batch size, nor the build; on a GPU this does not apply.)")
-    return (f"{rule}; its default batch, {CPU_DEFAULT_BATCHED_TOKENS:,} tokens, does not. "
-            "(/metrics does not show the batch size, nor the build; on a GPU this does not "
-            "apply.)")
+        return (
+            f"{rule}, and its default batch, {CPU_DEFAULT_BATCHED_TOKENS:,} tokens, "
+            f"does: start it with --max-num-batched-tokens {granule}. (/metrics does not "
+            "show the batch size, nor the build; on a GPU this does not apply.)"
+        )
+    return (
+        f"{rule}; its default batch, {CPU_DEFAULT_BATCHED_TOKENS:,} tokens, does not. "
+        "(/metrics does not show the batch size, nor the build; on a GPU this does not "
+        "apply.)"
+    )
 
 
 def prefix_caching_off_sentence(where: str) -> str:
-    return (f"{where}: prefix caching is off, so every turn re-reads its whole prompt. Start "
-            "vLLM with --enable-prefix-caching (hybrid models default to off in older vLLM).")
+    return (
+        f"{where}: prefix caching is off, so every turn re-reads its whole prompt. Start "
+        "vLLM with --enable-prefix-caching (hybrid models default to off in older vLLM)."
+    )
 
 
 def not_reported_sentence(callers: Sequence[str]) -> str:
     who = f" for {names(list(callers))}" if callers else ""
-    return ("cached_tokens not reported: start vLLM with --enable-prompt-tokens-details "
-            f"(without it vLLM leaves cached_tokens out of each response's usage; requests{who} "
-            "show as unknown, never as a 0% hit).")
+    return (
+        "cached_tokens not reported: start vLLM with --enable-prompt-tokens-details "
+        f"(without it vLLM leaves cached_tokens out of each response's usage; requests{who} "
+        "show as unknown, never as a 0% hit)."
+    )
 
 
 def details_unknown_sentence() -> str:
     """What check says once when it cannot tell (it reads only /metrics)."""
-    return ("whether vLLM reports cached_tokens per request (--enable-prompt-tokens-details) "
-            "does not show in /metrics: add --exporter.url URL of a running exporter to find "
-            "out, or look for usage.prompt_tokens_details in a response.")
+    return (
+        "whether vLLM reports cached_tokens per request (--enable-prompt-tokens-details) "
+        "does not show in /metrics: add --exporter.url URL of a running exporter to find "
+        "out, or look for usage.prompt_tokens_details in a response."
+    )
 
 
 def per_request_metrics_unknown_sentence() -> str:
     """What check says once when it cannot tell (a flag of vLLM's API server, in no metric)."""
-    return ("whether vLLM times each request itself (--enable-per-request-metrics) does not "
-            "show in /metrics either: add --exporter.url, or look for \"metrics\" in a "
-            "response. Without it TTFT is the proxy's, with vLLM's own queue in it (the tap "
-            "logs a warning at the first answer without them).")
+    return (
+        "whether vLLM times each request itself (--enable-per-request-metrics) does not "
+        'show in /metrics either: add --exporter.url, or look for "metrics" in a '
+        "response. Without it TTFT is the proxy's, with vLLM's own queue in it (the tap "
+        "logs a warning at the first answer without them)."
+    )
 
 
 def per_request_metrics_off_sentence() -> str:
     """No turn timed by vLLM, some by the proxy."""
-    return ("every TTFT the exporter has is the proxy's (source=\"proxy\"), with vLLM's own "
-            "queue in it: start vLLM with --enable-per-request-metrics so that TTFT and queue "
-            "wait are the engine's own.")
+    return (
+        "every TTFT the exporter has is the proxy's (source=\"proxy\"), with vLLM's own "
+        "queue in it: start vLLM with --enable-per-request-metrics so that TTFT and queue "
+        "wait are the engine's own."
+    )
 
 
 # Whose TTFT a figure is (signals/timing.py chooses): vLLM's own, or the proxy's.
@@ -172,17 +202,20 @@ def seconds(value: float | None) -> str:
     return f"{value:.1f} s" if value < 100 else f"{value:.0f} s"
 
 
-def ttft_sentence(caller: str, source: str | None, warm: float | None,
-                  cold: float | None) -> str:
-    return (f"{caller}: median time to first token since the exporter started, warm turns "
-            f"{seconds(warm)}, cold turns {seconds(cold)} ({ttft_source_label(source)}).")
+def ttft_sentence(caller: str, source: str | None, warm: float | None, cold: float | None) -> str:
+    return (
+        f"{caller}: median time to first token since the exporter started, warm turns "
+        f"{seconds(warm)}, cold turns {seconds(cold)} ({ttft_source_label(source)})."
+    )
 
 
 def preemptions_sentence(where: str, count: float, over: str) -> str:
     """``over``: "in the last 5 min", "since vLLM started"."""
-    return (f"vLLM is preempting requests: {where} preempted {tokens(count)} time(s) {over}. "
-            "At times more concurrent context than the KV pool holds; preempted requests "
-            "are recomputed.")
+    return (
+        f"vLLM is preempting requests: {where} preempted {tokens(count)} time(s) {over}. "
+        "At times more concurrent context than the KV pool holds; preempted requests "
+        "are recomputed."
+    )
 
 
 def unreadable_sentence(target: str, message: str) -> str:
@@ -195,51 +228,66 @@ def url_hint(target: str, message: str) -> str:
     """The fix for the most common wrong URL: an OpenAI base URL (ending in /v1) given where
     vLLM's /metrics is meant; vLLM serves /metrics at its root, so the read gets a 404."""
     parts = urlsplit(target)
-    if "404" not in message or not (parts.path.rstrip("/").endswith("/v1")
-                                    or "/v1/" in parts.path):
+    if "404" not in message or not (parts.path.rstrip("/").endswith("/v1") or "/v1/" in parts.path):
         return ""
     root = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
-    return (f"vLLM serves /metrics at its root, not under /v1: use --vllm.url {root} "
-            "(without /v1).")
+    return f"vLLM serves /metrics at its root, not under /v1: use --vllm.url {root} (without /v1)."
 
 
 def absent_sentence(where: str, signal: str, known: str = "") -> str:
     under = f" under any known name ({known})" if known else " under any known name"
-    return (f"{where} exposes no {signal} metric{under}: the exporter shows it as absent, and "
-            "a dashboard querying it reads nothing (or a misleading 0). Is this vLLM, with "
-            "stats logging on (no --disable-log-stats)?")
+    return (
+        f"{where} exposes no {signal} metric{under}: the exporter shows it as absent, and "
+        "a dashboard querying it reads nothing (or a misleading 0). Is this vLLM, with "
+        "stats logging on (no --disable-log-stats)?"
+    )
 
 
 # ---- what happened, for a story told as it goes -------------------------------------------
 
 
 def arrival_sentence(caller: str, callers: int) -> str:
-    return (f"{caller} arrives: {callers} caller(s) now share the engine, each conversation "
-            "holding its own prefix in the KV pool.")
+    return (
+        f"{caller} arrives: {callers} caller(s) now share the engine, each conversation "
+        "holding its own prefix in the KV pool."
+    )
 
 
 def warm_sentence(caller: str, ratio: float, window_seconds: float) -> str:
-    return (f"{caller} is warm: {percent(ratio)} of its prompt tokens came from the cache over "
-            f"the last {duration(window_seconds)} (each turn re-reads only what it added).")
+    return (
+        f"{caller} is warm: {percent(ratio)} of its prompt tokens came from the cache over "
+        f"the last {duration(window_seconds)} (each turn re-reads only what it added)."
+    )
 
 
 def recovered_sentence(callers: Sequence[str]) -> str:
     return f"No collapse any more for {names(list(callers))}."
 
 
-def pool_sentence(pool_tokens: int, smallest_pool_tokens: int, smallest_source: str,
-                  headroom_tokens: int, budget_tokens: int) -> str:
+def pool_sentence(
+    pool_tokens: int,
+    smallest_pool_tokens: int,
+    smallest_source: str,
+    headroom_tokens: int,
+    budget_tokens: int,
+) -> str:
     """The pool, the smallest one known, and the admission budget derived from it."""
     if smallest_pool_tokens < pool_tokens:
-        smallest = (f"the smallest seen {smallest_source} is {tokens(smallest_pool_tokens)}, "
-                    "and budgets go by the smallest")
+        smallest = (
+            f"the smallest seen {smallest_source} is {tokens(smallest_pool_tokens)}, "
+            "and budgets go by the smallest"
+        )
     else:
-        smallest = (f"the smallest known ({smallest_source}); read it over several boots, it "
-                    "moves with free GPU memory")
-    return (f"KV pool {tokens(pool_tokens)} tokens, {smallest}. Admission budget: "
-            f"{tokens(budget_tokens)} tokens (gate by tokens, not requests: "
-            f"max_concurrent_tokens {tokens(budget_tokens)}, {tokens(headroom_tokens)} under "
-            f"the smallest pool).")
+        smallest = (
+            f"the smallest known ({smallest_source}); read it over several boots, it "
+            "moves with free GPU memory"
+        )
+    return (
+        f"KV pool {tokens(pool_tokens)} tokens, {smallest}. Admission budget: "
+        f"{tokens(budget_tokens)} tokens (gate by tokens, not requests: "
+        f"max_concurrent_tokens {tokens(budget_tokens)}, {tokens(headroom_tokens)} under "
+        f"the smallest pool)."
+    )
 
 
 @dataclass(frozen=True)
@@ -258,19 +306,24 @@ class Fit:
     @property
     def overflows(self) -> bool:
         """They cannot all stay cached: the condition of VllmCacheConversationsExceedKVPool."""
-        return (self.conversations >= 2
-                and self.demand_tokens > self.pool_tokens - self.headroom_tokens)
+        return (
+            self.conversations >= 2 and self.demand_tokens > self.pool_tokens - self.headroom_tokens
+        )
 
 
 def fit_sentence(fit: Fit, idle_seconds: float | None = None) -> str:
     window = f" (a turn within {idle_seconds / 60:g} min)" if idle_seconds else ""
-    head = (f"{fit.conversations} conversation(s) active{window} need "
-            f"{tokens(fit.demand_tokens)} tokens of KV cache: {fit.ratio:.1%} of the "
-            f"{tokens(fit.pool_tokens)}-token pool.")
+    head = (
+        f"{fit.conversations} conversation(s) active{window} need "
+        f"{tokens(fit.demand_tokens)} tokens of KV cache: {fit.ratio:.1%} of the "
+        f"{tokens(fit.pool_tokens)}-token pool."
+    )
     if fit.overflows:
-        return (f"{head} They do not all fit: each turn will evict another conversation's "
-                "prefix and the hit ratio will collapse. Gate admission by tokens or let "
-                "fewer conversations share this engine.")
+        return (
+            f"{head} They do not all fit: each turn will evict another conversation's "
+            "prefix and the hit ratio will collapse. Gate admission by tokens or let "
+            "fewer conversations share this engine."
+        )
     if fit.conversations >= 2:
         room = fit.pool_tokens - fit.headroom_tokens - fit.demand_tokens
         return f"{head} They fit, with {tokens(room)} tokens to spare past the headroom."
@@ -278,9 +331,11 @@ def fit_sentence(fit: Fit, idle_seconds: float | None = None) -> str:
 
 
 def unattributed_sentence(model: str, conversations: float, demand_tokens: float) -> str:
-    return (f"{model}: {conversations:,.0f} conversation(s) active need {tokens(demand_tokens)} "
-            "tokens of KV cache (not attributed to one vLLM: compare with the pools of the "
-            "vLLMs serving it).")
+    return (
+        f"{model}: {conversations:,.0f} conversation(s) active need {tokens(demand_tokens)} "
+        "tokens of KV cache (not attributed to one vLLM: compare with the pools of the "
+        "vLLMs serving it)."
+    )
 
 
 @dataclass(frozen=True)
@@ -313,9 +368,15 @@ class Completions:
         return min(int(self.declared_mean), int(math.ceil(self.charge_bound / 256.0)) * 256)
 
 
-def completions(caller: str, model: str, buckets: Sequence[tuple[float, float]],
-                used_sum: float, declared_sum: float, largest_used: float | None = None,
-                largest_declared: float | None = None) -> Completions | None:
+def completions(
+    caller: str,
+    model: str,
+    buckets: Sequence[tuple[float, float]],
+    used_sum: float,
+    declared_sum: float,
+    largest_used: float | None = None,
+    largest_declared: float | None = None,
+) -> Completions | None:
     """``Completions`` from a completion-tokens-used histogram (cumulative (upper bound,
     count) buckets, the last +Inf), its sum and the declared tokens' sum; None without a
     request. The means are the sums over the count: exact, not read from the buckets."""
@@ -327,24 +388,34 @@ def completions(caller: str, model: str, buckets: Sequence[tuple[float, float]],
     bound = next((le for le, count in ordered if count >= rank), math.inf)
     known = [value for value in (largest_used, largest_declared) if value is not None]
     charge_bound = min([bound, *known])
-    return Completions(caller, model, int(requests), declared_sum / requests,
-                       used_sum / requests, charge_bound,
-                       int(largest_used) if largest_used is not None else None)
+    return Completions(
+        caller,
+        model,
+        int(requests),
+        declared_sum / requests,
+        used_sum / requests,
+        charge_bound,
+        int(largest_used) if largest_used is not None else None,
+    )
 
 
 def completion_sentence(figures: Completions) -> str:
-    largest = (f" ({tokens(figures.largest)} at most)" if figures.largest is not None
-               else "")
-    head = (f"{figures.caller} on {figures.model}: {figures.requests} request(s) declared "
-            f"max_tokens {tokens(figures.declared_mean)} on average and used "
-            f"{tokens(figures.used_mean)} on average{largest}")
+    largest = f" ({tokens(figures.largest)} at most)" if figures.largest is not None else ""
+    head = (
+        f"{figures.caller} on {figures.model}: {figures.requests} request(s) declared "
+        f"max_tokens {tokens(figures.declared_mean)} on average and used "
+        f"{tokens(figures.used_mean)} on average{largest}"
+    )
     if figures.overstatement >= OVERSTATEMENT_WORTH_SAYING:
-        within = ("" if math.isinf(figures.charge_bound)
-                  else " (99% of the requests stayed within it)")
-        return (f"{head}: an overstatement of {figures.overstatement:.0f}x. An admission gate "
-                f"that charges the declared figure holds a fraction of the conversations "
-                f"it could: charge prompt + min(max_tokens, "
-                f"{tokens(figures.advised_charge)}) instead{within}.")
+        within = (
+            "" if math.isinf(figures.charge_bound) else " (99% of the requests stayed within it)"
+        )
+        return (
+            f"{head}: an overstatement of {figures.overstatement:.0f}x. An admission gate "
+            f"that charges the declared figure holds a fraction of the conversations "
+            f"it could: charge prompt + min(max_tokens, "
+            f"{tokens(figures.advised_charge)}) instead{within}."
+        )
     return f"{head}: declared and used agree well enough to charge the declared figure."
 
 
@@ -368,13 +439,15 @@ class PromptOrder:
 
 
 def prompt_order_sentence(figures: PromptOrder) -> str:
-    return (f"{figures.caller} on {figures.model}: {figures.variable_top} of "
-            f"{figures.compared} request(s) compared share ~{tokens(figures.shared_chars)} "
-            f"characters with a recent one but differ within the first "
-            f"{tokens(figures.first_difference_chars)}: something variable sits at the top "
-            "of the prompt (a per-agent task, a timestamp, a request id), so the prefix cache "
-            "cannot reuse the text they share. Put the shared text first, byte-identical in "
-            "every request, and the varying part last.")
+    return (
+        f"{figures.caller} on {figures.model}: {figures.variable_top} of "
+        f"{figures.compared} request(s) compared share ~{tokens(figures.shared_chars)} "
+        f"characters with a recent one but differ within the first "
+        f"{tokens(figures.first_difference_chars)}: something variable sits at the top "
+        "of the prompt (a per-agent task, a timestamp, a request id), so the prefix cache "
+        "cannot reuse the text they share. Put the shared text first, byte-identical in "
+        "every request, and the varying part last."
+    )
 
 
 def histogram_quantile(quantile: float, buckets: Sequence[tuple[float, float]]) -> float:
@@ -393,6 +466,7 @@ def histogram_quantile(quantile: float, buckets: Sequence[tuple[float, float]]) 
             if count == lower_count:
                 return bound
             return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
-                count - lower_count)
+                count - lower_count
+            )
         lower_bound, lower_count = bound, count
     return lower_bound

@@ -72,7 +72,8 @@ _PREFIXED_SECRET = re.compile(
     r"|AIza[A-Za-z0-9_-]{30,}"  # Google
     r"|(?:AKIA|ASIA)[0-9A-Z]{16}"  # AWS access key ids
     r"|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]*"  # a JWT
-    r")")
+    r")"
+)
 _HEX_RUN = re.compile(r"[0-9a-fA-F]{32,}")
 _ALNUM_RUN = re.compile(r"[A-Za-z0-9]{20,}")
 _TOKEN = re.compile(r"[A-Za-z0-9+/=_-]{24,}")
@@ -142,8 +143,7 @@ def can_backtrack(pattern: str) -> bool:
     return nested(tree, 0)
 
 
-def compile_pattern(pattern: str, what: str = "--callers.name-pattern"
-                    ) -> Callable[[str], object]:
+def compile_pattern(pattern: str, what: str = "--callers.name-pattern") -> Callable[[str], object]:
     """``pattern``'s fullmatch: RE2's where it is installed and takes the pattern (it has no
     backreferences or lookarounds), else Python's, with a warning if it can backtrack."""
     if re2 is not None:
@@ -154,19 +154,27 @@ def compile_pattern(pattern: str, what: str = "--callers.name-pattern"
         except re2.error:
             pass
     if can_backtrack(pattern):
-        log.warning("%s %r repeats a repeated part: Python's regular expressions can take "
-                    "seconds or more on one name that fails to match it, stalling the "
-                    "exporter; install google-re2 (pip install 'vllm-cache-exporter[re2]') "
-                    "to match it in linear time, or rewrite it", what, pattern)
+        log.warning(
+            "%s %r repeats a repeated part: Python's regular expressions can take "
+            "seconds or more on one name that fails to match it, stalling the "
+            "exporter; install google-re2 (pip install 'vllm-cache-exporter[re2]') "
+            "to match it in linear time, or rewrite it",
+            what,
+            pattern,
+        )
     return re.compile(pattern).fullmatch
 
 
 class NamePolicy:
     """Whether a name may be a label as it is, or only as its hash (rule 2 above)."""
 
-    def __init__(self, pattern: str = DEFAULT_NAME_PATTERN, keep_emails: bool = False,
-                 max_chars: int = MAX_CALLER_CHARS,
-                 what: str = "--callers.name-pattern") -> None:
+    def __init__(
+        self,
+        pattern: str = DEFAULT_NAME_PATTERN,
+        keep_emails: bool = False,
+        max_chars: int = MAX_CALLER_CHARS,
+        what: str = "--callers.name-pattern",
+    ) -> None:
         self.fullmatch = compile_pattern(pattern, what)
         self.keep_emails = keep_emails
         # Names are bounded before they get here (exporter.values); a longer one is hashed
@@ -195,9 +203,14 @@ class LabelCap:
     once made, since admitted labels are kept separately and never expire.
     """
 
-    def __init__(self, max_labels: int, allow: Iterable[str] = (),
-                 alias: Mapping[str, str] | None = None, memo_size: int = 10_000,
-                 policy: NamePolicy | None = None) -> None:
+    def __init__(
+        self,
+        max_labels: int,
+        allow: Iterable[str] = (),
+        alias: Mapping[str, str] | None = None,
+        memo_size: int = 10_000,
+        policy: NamePolicy | None = None,
+    ) -> None:
         self.max_labels = max_labels
         self.policy = policy or NamePolicy()
         self.allow = frozenset(allow)

@@ -33,8 +33,13 @@ ERROR = "error"
 STATES = (WARM, PARTIAL, COLD, SHORT, UNKNOWN, ERROR)
 
 
-def classify(prompt_tokens: int, cached_tokens: int | None, granularity: int,
-             previous_prompt_tokens: int | None = None, warm_tail_granules: float = 2.0) -> str:
+def classify(
+    prompt_tokens: int,
+    cached_tokens: int | None,
+    granularity: int,
+    previous_prompt_tokens: int | None = None,
+    warm_tail_granules: float = 2.0,
+) -> str:
     """The state of one successful request (see the module docstring for the rule)."""
     if granularity < 1:
         granularity = 1

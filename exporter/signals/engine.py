@@ -75,14 +75,25 @@ MAX_REMEMBERED_BOUNDS = 256
 MAX_INCREASE_PER_SECOND = 1e9
 # The largest raw reading believed (the parser's own bound, exporter/engine/parse.py,
 # checked again for snapshots that did not come from it).
-MAX_RAW_VALUE = float(2 ** 53)
+MAX_RAW_VALUE = float(2**53)
 
 # Why a sample was dropped: the parser's reasons (exporter/engine/parse.py INVALID_REASONS;
 # tests/engine/test_lying_engines.py checks that the two lists agree) and the carrier's.
 IMPLAUSIBLE_INCREASE, FELL_WITHOUT_RESTART, CREATED_WENT_BACK = (
-    "implausible_increase", "fell_without_restart", "created_went_back")
-INVALID_REASONS = ("not_finite", "negative", "above_one", "too_large", "bad_histogram",
-                   IMPLAUSIBLE_INCREASE, FELL_WITHOUT_RESTART, CREATED_WENT_BACK)
+    "implausible_increase",
+    "fell_without_restart",
+    "created_went_back",
+)
+INVALID_REASONS = (
+    "not_finite",
+    "negative",
+    "above_one",
+    "too_large",
+    "bad_histogram",
+    IMPLAUSIBLE_INCREASE,
+    FELL_WITHOUT_RESTART,
+    CREATED_WENT_BACK,
+)
 # Why samples were counted under __other__ (exporter/engine/parse.py FOLD_REASONS).
 FOLD_REASONS = ("too_long", "model_name_cap", "engine_cap", "row_cap")
 
@@ -123,8 +134,7 @@ class CounterTrack:
             return FELL_WITHOUT_RESTART if known else FELL
         return STEP
 
-    def apply(self, raw: float, created: float | None, restarted: bool,
-              now: float) -> str | None:
+    def apply(self, raw: float, created: float | None, restarted: bool, now: float) -> str | None:
         """Fold a believed reading in; the invalid reason when its increase is implausible
         (the reading is then ignored). A read without ``_created`` keeps the last one."""
         increase = raw if restarted else raw - self.last_raw
@@ -180,14 +190,15 @@ class HistogramTrack:
         if raw.bounds != last.bounds:
             return RESTART
         if raw.sum < last.sum or any(
-                now < before for now, before in zip(raw.cumulative, last.cumulative,
-                                                    strict=True)):
+            now < before for now, before in zip(raw.cumulative, last.cumulative, strict=True)
+        ):
             known = created is not None and self.last_created is not None
             return FELL_WITHOUT_RESTART if known else FELL
         return STEP
 
-    def apply(self, raw: HistogramValue, created: float | None, restarted: bool,
-              now: float) -> str | None:
+    def apply(
+        self, raw: HistogramValue, created: float | None, restarted: bool, now: float
+    ) -> str | None:
         """Fold a believed histogram in; the invalid reason when its count or sum grew
         implausibly (it is then ignored)."""
         last = self.last_raw
@@ -195,17 +206,19 @@ class HistogramTrack:
         if restarted:
             step, step_sum = raw.cumulative, raw.sum
         else:
-            step = tuple(now - before
-                         for now, before in zip(raw.cumulative, last.cumulative, strict=True))
+            step = tuple(
+                now - before for now, before in zip(raw.cumulative, last.cumulative, strict=True)
+            )
             step_sum = raw.sum - last.sum
         bound = plausible_increase(now - self.last_time)
         if step[-1] > bound or step_sum > bound:
             return IMPLAUSIBLE_INCREASE
-        base = (self.total.cumulative if same_bounds
-                else _rebased(self.remembered, raw.bounds))
+        base = self.total.cumulative if same_bounds else _rebased(self.remembered, raw.bounds)
         self.total = HistogramValue(
-            raw.bounds, tuple(a + b for a, b in zip(base, step, strict=True)),
-            self.total.sum + step_sum)
+            raw.bounds,
+            tuple(a + b for a, b in zip(base, step, strict=True)),
+            self.total.sum + step_sum,
+        )
         self.last_raw = raw
         self.last_time = now
         if created is not None:
@@ -282,7 +295,8 @@ class EngineState:
                 shown = f"{redact_url(target)}#{number}"
             shown_already.add(shown)
             self.targets[target] = TargetState(
-                target=target, shown=shown, errors=dict.fromkeys(SCRAPE_ERROR_REASONS, 0))
+                target=target, shown=shown, errors=dict.fromkeys(SCRAPE_ERROR_REASONS, 0)
+            )
 
     @property
     def ready(self) -> bool:
@@ -298,9 +312,16 @@ class EngineState:
         state.rows = []
         state.present = {}
 
-    def record_success(self, target: str, snapshot: EngineSnapshot, duration: float,
-                       now: float, *, invalid: Mapping[str, int] | None = None,
-                       folded: Mapping[str, int] | None = None) -> None:
+    def record_success(
+        self,
+        target: str,
+        snapshot: EngineSnapshot,
+        duration: float,
+        now: float,
+        *,
+        invalid: Mapping[str, int] | None = None,
+        folded: Mapping[str, int] | None = None,
+    ) -> None:
         """Carry one read forward. ``invalid`` says why the parser dropped the snapshot's
         ``invalid_samples`` (without it they are counted under ``other``), ``folded`` how
         many samples it counted under __other__, by reason."""
@@ -311,8 +332,7 @@ class EngineState:
         state.last_error = ""
         state.last_success_time = now
         state.present = dict(snapshot.present)
-        _add(state.invalid, invalid if invalid is not None
-             else {"other": snapshot.invalid_samples})
+        _add(state.invalid, invalid if invalid is not None else {"other": snapshot.invalid_samples})
         _add(state.folded, folded or {})
         carry = _Carry(state, snapshot, now)
         rows = [carry.row(values) for _key, values in sorted(snapshot.engines.items())]
@@ -350,20 +370,39 @@ def _counter_readings(values: EngineValues) -> list[Reading]:
     readings: list[Reading] = []
     for signal_name, raw in values.values.items():
         if signal_name in COUNTER_SIGNALS:
-            readings.append(((values.model_name, values.engine, signal_name, ""), signal_name,
-                             raw, values.created.get(signal_name)))
+            readings.append(
+                (
+                    (values.model_name, values.engine, signal_name, ""),
+                    signal_name,
+                    raw,
+                    values.created.get(signal_name),
+                )
+            )
     for signal_name, by_value in values.splits.items():
         if signal_name in COUNTER_SIGNALS:
             created = values.split_created.get(signal_name, {})
-            readings.extend(((values.model_name, values.engine, signal_name, label),
-                             signal_name, raw, created.get(label))
-                            for label, raw in by_value.items())
+            readings.extend(
+                (
+                    (values.model_name, values.engine, signal_name, label),
+                    signal_name,
+                    raw,
+                    created.get(label),
+                )
+                for label, raw in by_value.items()
+            )
     return readings
 
 
 def _histogram_readings(values: EngineValues) -> list[Reading]:
-    return [((values.model_name, values.engine, signal_name), signal_name, raw,
-             values.created.get(signal_name)) for signal_name, raw in values.histograms.items()]
+    return [
+        (
+            (values.model_name, values.engine, signal_name),
+            signal_name,
+            raw,
+            values.created.get(signal_name),
+        )
+        for signal_name, raw in values.histograms.items()
+    ]
 
 
 def _unbelievable(raw: float) -> str | None:
@@ -398,8 +437,10 @@ class _Carry:
         rose: set[str] = set()
         restart_shown = False
         for values in snapshot.engines.values():
-            for tracks, readings in ((self.state.tracks, _counter_readings(values)),
-                                     (self.state.histogram_tracks, _histogram_readings(values))):
+            for tracks, readings in (
+                (self.state.tracks, _counter_readings(values)),
+                (self.state.histogram_tracks, _histogram_readings(values)),
+            ):
                 for key, signal_name, raw, created in readings:
                     track = tracks.get(key)
                     if track is None:
@@ -420,11 +461,16 @@ class _Carry:
 
     def row(self, values: EngineValues) -> EngineRow:
         counters: dict[str, float] = {}
-        gauges = {signal_name: raw for signal_name, raw in values.values.items()
-                  if signal_name not in COUNTER_SIGNALS}
+        gauges = {
+            signal_name: raw
+            for signal_name, raw in values.values.items()
+            if signal_name not in COUNTER_SIGNALS
+        }
         splits: dict[str, dict[str, float]] = {
-            signal_name: dict(by_value) for signal_name, by_value in values.splits.items()
-            if signal_name not in COUNTER_SIGNALS}
+            signal_name: dict(by_value)
+            for signal_name, by_value in values.splits.items()
+            if signal_name not in COUNTER_SIGNALS
+        }
         for key, signal_name, raw, created in _counter_readings(values):
             total = self.counter(key, raw, created)
             if total is None:
@@ -438,8 +484,9 @@ class _Carry:
             shown = self.histogram(key, raw, created)
             if shown is not None:
                 histograms[signal_name] = shown
-        return EngineRow(values.model_name, values.engine, counters, gauges, None, splits,
-                         histograms)
+        return EngineRow(
+            values.model_name, values.engine, counters, gauges, None, splits, histograms
+        )
 
     def counter(self, key: TrackKey, raw: float, created: float | None) -> float | None:
         """The carried total after this reading (None: no believable reading yet)."""
@@ -456,8 +503,9 @@ class _Carry:
         self.carry(track, raw, created, self.verdicts.get(key, STEP))
         return track.total
 
-    def histogram(self, key: HistogramKey, raw: HistogramValue,
-                  created: float | None) -> HistogramValue | None:
+    def histogram(
+        self, key: HistogramKey, raw: HistogramValue, created: float | None
+    ) -> HistogramValue | None:
         self.seen_histograms.add(key)
         tracks = self.state.histogram_tracks
         track = tracks.get(key)
@@ -471,8 +519,9 @@ class _Carry:
         self.carry(track, raw, created, self.verdicts.get(key, STEP))
         return track.total
 
-    def carry(self, track: CounterTrack | HistogramTrack, raw: Any, created: float | None,
-              verdict: str) -> None:
+    def carry(
+        self, track: CounterTrack | HistogramTrack, raw: Any, created: float | None, verdict: str
+    ) -> None:
         if verdict not in (STEP, RESTART):  # a glitch: ignored, counted
             self.count(verdict)
             return

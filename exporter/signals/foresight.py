@@ -59,8 +59,9 @@ class Conversation:
 
     __slots__ = ("model_name", "model", "prompt_tokens", "context_tokens", "last_seen")
 
-    def __init__(self, model_name: str, model: str, prompt_tokens: int, context_tokens: int,
-                 last_seen: float) -> None:
+    def __init__(
+        self, model_name: str, model: str, prompt_tokens: int, context_tokens: int, last_seen: float
+    ) -> None:
         self.model_name = model_name  # as the usage event names it
         self.model = model  # its label (after the model cap)
         self.prompt_tokens = prompt_tokens  # the classifier's "previous turn" for the next
@@ -82,8 +83,11 @@ class Demand:
 
     @property
     def tokens(self) -> int:
-        return self.context_tokens + self.state_tokens + (
-            self.turn_state_tokens if self.conversations else 0)
+        return (
+            self.context_tokens
+            + self.state_tokens
+            + (self.turn_state_tokens if self.conversations else 0)
+        )
 
     def merge(self, other: Demand) -> None:
         self.conversations += other.conversations
@@ -113,8 +117,14 @@ class ConversationTracker:
         self.dropped_active = 0
         self.models: dict[str, None] = {}  # model labels seen, for series kept at 0
 
-    def keep(self, key: tuple[str, str, str | None], known: Conversation | None,
-             event: UsageEvent, model: str, now: float) -> None:
+    def keep(
+        self,
+        key: tuple[str, str, str | None],
+        known: Conversation | None,
+        event: UsageEvent,
+        model: str,
+        now: float,
+    ) -> None:
         """Put the conversation of ``key`` (taken out of ``by_key`` to read its previous
         turn, None for a new one) back with ``event`` as its latest turn (``model``: its model
         label), the oldest out past the bound (``now`` decides what was still live)."""
@@ -160,8 +170,9 @@ class ConversationTracker:
             if conversation.last_seen >= cutoff:
                 yield conversation
 
-    def live(self, now: float, layouts: Mapping[str, PoolLayout] | None = None
-             ) -> dict[tuple[str, str], Demand]:
+    def live(
+        self, now: float, layouts: Mapping[str, PoolLayout] | None = None
+    ) -> dict[tuple[str, str], Demand]:
         """Demand per (model label, model name) of the active conversations, in one pass
         (a scrape reads it once for every family that sums it differently). ``layouts``:
         model name -> the layout of the pool its conversations live in (``pool_layouts``);
@@ -191,8 +202,9 @@ class ConversationTracker:
             demand[key] = Demand(count, context_tokens, count * copy, copy)
         return demand
 
-    def by_model(self, now: float,
-                 live: dict[tuple[str, str], Demand] | None = None) -> dict[str, Demand]:
+    def by_model(
+        self, now: float, live: dict[tuple[str, str], Demand] | None = None
+    ) -> dict[str, Demand]:
         """Demand per model label; every model seen has an entry (0 when none is live).
         ``live``: this tracker's ``live(now, layouts)``, when the caller has it (without it,
         contexts count as they are, with no state but what is configured)."""
@@ -201,8 +213,9 @@ class ConversationTracker:
             demand[model].merge(part)
         return demand
 
-    def by_model_name(self, now: float, live: dict[tuple[str, str], Demand] | None = None
-                      ) -> dict[str, Demand]:
+    def by_model_name(
+        self, now: float, live: dict[tuple[str, str], Demand] | None = None
+    ) -> dict[str, Demand]:
         """Demand per model name as the events carry it (what attribution matches on)."""
         demand: dict[str, Demand] = {}
         for (_model, name), part in (self.live(now) if live is None else live).items():
@@ -280,15 +293,19 @@ def _target_layout(engine: EngineState, shown: str, model_name: str) -> PoolLayo
     return None
 
 
-def live_demand(tracker: ConversationTracker, engine: EngineState, now: float
-                ) -> dict[tuple[str, str], Demand]:
+def live_demand(
+    tracker: ConversationTracker, engine: EngineState, now: float
+) -> dict[tuple[str, str], Demand]:
     """The tracker's ``live(now)``, each model in the terms of the pool it lives in."""
     return tracker.live(now, pool_layouts(engine, tracker.model_names()))
 
 
-def by_target(tracker: ConversationTracker, engine: EngineState, now: float,
-              live: dict[tuple[str, str], Demand] | None = None
-              ) -> dict[tuple[str, str], Demand]:
+def by_target(
+    tracker: ConversationTracker,
+    engine: EngineState,
+    now: float,
+    live: dict[tuple[str, str], Demand] | None = None,
+) -> dict[tuple[str, str], Demand]:
     """Demand per (target, vLLM model_name), for the conversations that can be attributed;
     a target that any tracked model maps to has an entry even when nothing is live on it.
     ``live``: ``live_demand(tracker, engine, now)``, when the caller has it already."""

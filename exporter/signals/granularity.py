@@ -45,8 +45,12 @@ class ModelSamples:
 
 
 class GranularityLearner:
-    def __init__(self, window: int = DEFAULT_WINDOW, min_agreeing: int = DEFAULT_MIN_AGREEING,
-                 min_granularity: int = DEFAULT_MIN_GRANULARITY) -> None:
+    def __init__(
+        self,
+        window: int = DEFAULT_WINDOW,
+        min_agreeing: int = DEFAULT_MIN_AGREEING,
+        min_granularity: int = DEFAULT_MIN_GRANULARITY,
+    ) -> None:
         self.window = window
         self.min_agreeing = min_agreeing
         self.min_granularity = min_granularity
@@ -95,8 +99,11 @@ class GranularityLearner:
             samples.agreeing += 1
         # The common case is open while the sample after next still falls before the window
         # turns over (``since_full_gcd`` reaching ``window``).
-        samples.quick_left = max(0, self.window - 1 - samples.since_full_gcd) \
-            if samples.agreeing >= self.min_agreeing and gcd else 0
+        samples.quick_left = (
+            max(0, self.window - 1 - samples.since_full_gcd)
+            if samples.agreeing >= self.min_agreeing and gcd
+            else 0
+        )
         if samples.agreeing >= self.min_agreeing and gcd >= self.min_granularity:
             self.learned_by_model[model] = gcd
         else:

@@ -35,13 +35,26 @@ SAMPLES = SLOTS + 1
 
 # The fields of a caller sample, in order (all cumulative since the exporter started).
 CALLER_FIELDS = (
-    "time", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
-    "warm", "partial", "cold", "short", "unknown", "error",
-    "followups", "followups_cold",
+    "time",
+    "prompt_tokens",
+    "cached_tokens",
+    "unreported_prompt_tokens",
+    "warm",
+    "partial",
+    "cold",
+    "short",
+    "unknown",
+    "error",
+    "followups",
+    "followups_cold",
     # TTFT of warm and cold turns, vLLM's own (--enable-per-request-metrics) and the proxy's
-    "ttft_engine_warm_sum", "ttft_engine_warm_count", "ttft_engine_cold_sum",
+    "ttft_engine_warm_sum",
+    "ttft_engine_warm_count",
+    "ttft_engine_cold_sum",
     "ttft_engine_cold_count",
-    "ttft_proxy_warm_sum", "ttft_proxy_warm_count", "ttft_proxy_cold_sum",
+    "ttft_proxy_warm_sum",
+    "ttft_proxy_warm_count",
+    "ttft_proxy_cold_sum",
     "ttft_proxy_cold_count",
 )
 FIELD = {name: index for index, name in enumerate(CALLER_FIELDS)}
@@ -102,9 +115,13 @@ class History:
         """A boundary has passed since the last sample (never for an infinite or NaN time)."""
         return self.next_due <= now < math.inf
 
-    def record(self, now: float, callers: Mapping[str, Sequence[float]],
-               targets: Mapping[str, Sequence[float]],
-               first_seen: Mapping[str, float]) -> None:
+    def record(
+        self,
+        now: float,
+        callers: Mapping[str, Sequence[float]],
+        targets: Mapping[str, Sequence[float]],
+        first_seen: Mapping[str, float],
+    ) -> None:
         """Store the totals as they stood at the last boundary before ``now`` (each sequence
         without its time field, in ``CALLER_FIELDS`` / ``TARGET_FIELDS`` order)."""
         boundary = slot_start(now)
@@ -114,9 +131,14 @@ class History:
         self._store(self.targets, targets, boundary, cutoff, {}, len(targets))
 
     @staticmethod
-    def _store(timelines: dict[str, Timeline], totals: Mapping[str, Sequence[float]],
-               boundary: float, cutoff: float, first_seen: Mapping[str, float],
-               limit: int) -> None:
+    def _store(
+        timelines: dict[str, Timeline],
+        totals: Mapping[str, Sequence[float]],
+        boundary: float,
+        cutoff: float,
+        first_seen: Mapping[str, float],
+        limit: int,
+    ) -> None:
         for key, values in totals.items():
             timeline = timelines.get(key)
             if timeline is None:
@@ -150,8 +172,9 @@ def slot_starts(now: float, slots: int = SLOTS) -> list[float]:
     return [current - index * SLOT_SECONDS for index in range(slots - 1, -1, -1)]
 
 
-def at_times(timeline: Timeline | None, current: Sequence[float],
-             times: Sequence[float]) -> list[Sequence[float]]:
+def at_times(
+    timeline: Timeline | None, current: Sequence[float], times: Sequence[float]
+) -> list[Sequence[float]]:
     """``at`` for each of ``times`` (ascending), in one pass over the samples."""
     if timeline is None:
         return [at(None, when, current) for when in times]

@@ -53,8 +53,11 @@ RESERVED_COPIES_UNCACHED = 1  # mamba_cache_mode "none": the live state only
 def granule(config: CacheConfig) -> int | None:
     """The unit vLLM resumes a cached prefix in, from its cache configuration (None when it
     reports no block size). Never ``mamba_block_size``: see the module docstring."""
-    return (config.positive("cache_hit_alignment_tokens") or config.prefix_match_unit
-            or config.block_size)
+    return (
+        config.positive("cache_hit_alignment_tokens")
+        or config.prefix_match_unit
+        or config.block_size
+    )
 
 
 def is_hybrid(config: CacheConfig) -> bool:
@@ -108,8 +111,11 @@ def state_groups(config: CacheConfig, block: int, pool: int, blocks: int) -> int
         return 0
     mode = config.fields.get("mamba_cache_mode")
     if mode == HYBRID_CACHE_MODE:
-        copies = RESERVED_COPIES_MAMBA2 if reserve % RESERVED_COPIES_MAMBA2 == 0 \
+        copies = (
+            RESERVED_COPIES_MAMBA2
+            if reserve % RESERVED_COPIES_MAMBA2 == 0
             else RESERVED_COPIES_ALIGN
+        )
     elif mode in (None, "none", "None", ""):
         copies = RESERVED_COPIES_UNCACHED
     else:  # a mode this release does not know: say nothing rather than guess

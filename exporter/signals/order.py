@@ -61,9 +61,11 @@ class Comparison:
     @property
     def variable_top(self) -> bool:
         """Shares most of its text with a recent request, but not its beginning."""
-        return (self.shared_bytes >= MIN_SHARED_BYTES
-                and self.shared_bytes >= SHARED_FRACTION * self.covered_bytes
-                and self.prefix_bytes < PREFIX_FRACTION * self.shared_bytes)
+        return (
+            self.shared_bytes >= MIN_SHARED_BYTES
+            and self.shared_bytes >= SHARED_FRACTION * self.covered_bytes
+            and self.prefix_bytes < PREFIX_FRACTION * self.shared_bytes
+        )
 
 
 def compare(new: PromptPrint, old: PromptPrint) -> Comparison:
@@ -87,8 +89,7 @@ def common_prefix(mine: array, theirs: array) -> int:
     return low
 
 
-def _measure(new: PromptPrint, old: PromptPrint, found: set[int], prefix_blocks: int
-             ) -> Comparison:
+def _measure(new: PromptPrint, old: PromptPrint, found: set[int], prefix_blocks: int) -> Comparison:
     shared = 0
     start = 0
     for digest, end in zip(old.digests, old.ends, strict=True):
@@ -110,8 +111,12 @@ class _Kept:
 class OrderTracker:
     """The recent prints per (caller, model) label pair, and the comparison of each new one."""
 
-    def __init__(self, window_seconds: float = DEFAULT_WINDOW_SECONDS,
-                 per_pair: int = PRINTS_PER_PAIR, max_prints: int = MAX_PRINTS) -> None:
+    def __init__(
+        self,
+        window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        per_pair: int = PRINTS_PER_PAIR,
+        max_prints: int = MAX_PRINTS,
+    ) -> None:
         self.window_seconds = window_seconds
         self.per_pair = max(1, per_pair)
         self.max_prints = max(1, max_prints)
@@ -142,8 +147,7 @@ class OrderTracker:
         self._bound()
         return best
 
-    def _best(self, prompt: PromptPrint, kept: deque[_Kept], when: float
-              ) -> Comparison | None:
+    def _best(self, prompt: PromptPrint, kept: deque[_Kept], when: float) -> Comparison | None:
         """The comparison with the recent print sharing the most blocks (then the longest
         common prefix): candidates ranked by C-level set and slice operations, the bytes
         measured for the chosen one only."""

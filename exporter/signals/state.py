@@ -15,7 +15,11 @@ from exporter.signals.usage import UsageSettings, UsageState
 
 
 class SignalsState:
-    def __init__(self, targets: Sequence[str] = (), usage: UsageSettings | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        targets: Sequence[str] = (),
+        usage: UsageSettings | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.engine = EngineState(tuple(targets))
         self.usage = UsageState(usage or UsageSettings(), engine=self.engine, clock=clock)

@@ -56,8 +56,13 @@ from exporter.values import (
 MIN_FOLLOWUPS = 2
 COLD_FOLLOWUP_SHARE = 0.5
 # Engine signals whose absence breaks the cache signals (as ``check`` says).
-REQUIRED_SIGNALS = (PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, KV_CACHE_USAGE,
-                    CACHE_CONFIG_INFO)
+REQUIRED_SIGNALS = (
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+    PREEMPTIONS,
+    KV_CACHE_USAGE,
+    CACHE_CONFIG_INFO,
+)
 
 PROBLEM = "problem"
 ADVICE = "advice"
@@ -175,8 +180,9 @@ class Slots:
     every window is read from them, to the slot: "the last 5 minutes" starts at the boundary
     of the tenth slot back (270 to 300 s ago), "the last hour" at the oldest one."""
 
-    def __init__(self, timeline: Timeline | None, current: Sequence[float], now: float,
-                 window_slots: int) -> None:
+    def __init__(
+        self, timeline: Timeline | None, current: Sequence[float], now: float, window_slots: int
+    ) -> None:
         self.starts = slot_starts(now)
         self.values = at_times(timeline, current, [*self.starts, now])
         self.window_slots = window_slots
@@ -206,8 +212,12 @@ class Slots:
         out = []
         for end in range(1, len(values)):
             start = max(0, end - self.window_slots)
-            out.append(ratio(values[end][cached] - values[start][cached],
-                             values[end][prompt] - values[start][prompt]))
+            out.append(
+                ratio(
+                    values[end][cached] - values[start][cached],
+                    values[end][prompt] - values[start][prompt],
+                )
+            )
         return tuple(out)
 
 
@@ -218,13 +228,20 @@ def build(engine: EngineState, usage: UsageState, now: float, rule: CollapseRule
     caching_off = _engines(status, engine, usage, now, rule)
     _callers(status, usage, now, rule, all_caching_off=caching_off)
     if status.problem("collapse") is not None:  # the callers' collapse says it, and who
-        status.problems[:] = [item for item in status.problems
-                              if item.kind != "engine_collapse"]
+        status.problems[:] = [item for item in status.problems if item.kind != "engine_collapse"]
     _unattributed(status, engine, usage, now)
     _completions(status, usage)
     _prompt_order(status, usage, now)
-    order = {"unreadable": 0, "collapse": 1, "engine_collapse": 2, "overflow": 3,
-             "caching_off": 4, "not_reported": 5, "preemptions": 6, "absent": 7}
+    order = {
+        "unreadable": 0,
+        "collapse": 1,
+        "engine_collapse": 2,
+        "overflow": 3,
+        "caching_off": 4,
+        "not_reported": 5,
+        "preemptions": 6,
+        "absent": 7,
+    }
     status.problems.sort(key=lambda item: order.get(item.kind, 99))
     return status
 
@@ -232,8 +249,9 @@ def build(engine: EngineState, usage: UsageState, now: float, rule: CollapseRule
 # ---- engines --------------------------------------------------------------------------------
 
 
-def _engines(status: Status, engine: EngineState, usage: UsageState, now: float,
-             rule: CollapseRule) -> bool:
+def _engines(
+    status: Status, engine: EngineState, usage: UsageState, now: float, rule: CollapseRule
+) -> bool:
     """Fill the engine views and their problems; True when every engine read has prefix
     caching off (then a collapse says nothing new: there never was a cache)."""
     headroom = usage.conversations.settings.admission_headroom_tokens
@@ -256,16 +274,23 @@ def _engines(status: Status, engine: EngineState, usage: UsageState, now: float,
             sentence = f"{target.shown} ({model_name}): {advice.fit_sentence(fit, idle)}"
             target_fits.append(FitView(model_name, fit, sentence))
             if fit.overflows:
-                status.problems.append(Item("overflow", PROBLEM, sentence,
-                                            f"{target.shown} {model_name}"))
+                status.problems.append(
+                    Item("overflow", PROBLEM, sentence, f"{target.shown} {model_name}")
+                )
         slots = Slots(usage.history.target(target.shown), current, now, _window_slots(rule))
         queries, hits = TARGET_FIELD["queries"], TARGET_FIELD["hits"]
         view = EngineView(
-            target.shown, _target_state(target), target.last_error, rows, tuple(target_fits),
+            target.shown,
+            _target_state(target),
+            target.last_error,
+            rows,
+            tuple(target_fits),
             ratio(slots.window(hits), slots.window(queries)),
             ratio(slots.hour(hits), slots.hour(queries)),
-            current[TARGET_FIELD["preemptions"]], slots.window(TARGET_FIELD["preemptions"]),
-            slots.ratios(queries, hits))
+            current[TARGET_FIELD["preemptions"]],
+            slots.window(TARGET_FIELD["preemptions"]),
+            slots.ratios(queries, hits),
+        )
         status.engines.append(view)
         _engine_problems(status, target, view, slots, rule)
     return bool(caching) and not any(caching)
@@ -277,36 +302,63 @@ def _target_state(target: TargetState) -> str:
     return "down" if target.attempted else "not read yet"
 
 
-def _engine_problems(status: Status, target: TargetState, view: EngineView, slots: Slots,
-                     rule: CollapseRule) -> None:
+def _engine_problems(
+    status: Status, target: TargetState, view: EngineView, slots: Slots, rule: CollapseRule
+) -> None:
     where = target.shown
     if target.attempted and not target.up:
-        status.problems.append(Item("unreadable", PROBLEM, advice.unreadable_sentence(
-            where, target.last_error or "no answer"), where))
+        status.problems.append(
+            Item(
+                "unreadable",
+                PROBLEM,
+                advice.unreadable_sentence(where, target.last_error or "no answer"),
+                where,
+            )
+        )
         return
     for row in view.rows:
         if row.prefix_caching is False:
             label = f"{where} ({row.model_name or 'no model_name'}, engine {row.engine or '-'})"
-            status.problems.append(Item("caching_off", PROBLEM,
-                                        advice.prefix_caching_off_sentence(label), label))
+            status.problems.append(
+                Item("caching_off", PROBLEM, advice.prefix_caching_off_sentence(label), label)
+            )
     if view.preemptions_window > 0:
-        status.problems.append(Item("preemptions", PROBLEM, advice.preemptions_sentence(
-            where, view.preemptions_window,
-            f"in the last {advice.duration(rule.window_seconds)}"), where))
+        status.problems.append(
+            Item(
+                "preemptions",
+                PROBLEM,
+                advice.preemptions_sentence(
+                    where,
+                    view.preemptions_window,
+                    f"in the last {advice.duration(rule.window_seconds)}",
+                ),
+                where,
+            )
+        )
     if target.up:
         for signal in REQUIRED_SIGNALS:
             if not target.present.get(signal):
-                status.problems.append(Item("absent", PROBLEM,
-                                            advice.absent_sentence(f"vLLM {where}", signal),
-                                            f"{where} {signal}"))
+                status.problems.append(
+                    Item(
+                        "absent",
+                        PROBLEM,
+                        advice.absent_sentence(f"vLLM {where}", signal),
+                        f"{where} {signal}",
+                    )
+                )
     queries, hits = TARGET_FIELD["queries"], TARGET_FIELD["hits"]
     dropped = _dropped(slots, rule, queries, hits, rule.engine_min_tokens_per_second)
     if dropped is not None:
         ratio_now, baseline = dropped
-        status.problems.append(Item(
-            "engine_collapse", PROBLEM,
-            advice.engine_collapse_sentence(where, ratio_now, baseline, rule.window_seconds),
-            where, _since(slots, rule, queries, hits, baseline, False)))
+        status.problems.append(
+            Item(
+                "engine_collapse",
+                PROBLEM,
+                advice.engine_collapse_sentence(where, ratio_now, baseline, rule.window_seconds),
+                where,
+                _since(slots, rule, queries, hits, baseline, False),
+            )
+        )
 
 
 def _row(target: TargetState, index: int, headroom: int) -> RowView:
@@ -318,20 +370,31 @@ def _row(target: TargetState, index: int, headroom: int) -> RowView:
     budget = foresight.admission_budget(smallest, headroom) if smallest else None
     sentence = ""
     if pool and smallest and budget is not None:
-        sentence = advice.pool_sentence(pool, min(pool, smallest),
-                                        "by the exporter since it started", headroom, budget)
+        sentence = advice.pool_sentence(
+            pool, min(pool, smallest), "by the exporter since it started", headroom, budget
+        )
     return RowView(
-        row.model_name, row.engine, config.enable_prefix_caching if config else None,
-        config.block_size if config else None, pool, smallest, budget,
-        round(usage_ratio * pool) if usage_ratio is not None and pool else None, usage_ratio,
-        row.gauges.get(REQUESTS_RUNNING), row.gauges.get(REQUESTS_WAITING), sentence)
+        row.model_name,
+        row.engine,
+        config.enable_prefix_caching if config else None,
+        config.block_size if config else None,
+        pool,
+        smallest,
+        budget,
+        round(usage_ratio * pool) if usage_ratio is not None and pool else None,
+        usage_ratio,
+        row.gauges.get(REQUESTS_RUNNING),
+        row.gauges.get(REQUESTS_WAITING),
+        sentence,
+    )
 
 
 # ---- callers --------------------------------------------------------------------------------
 
 
-def _callers(status: Status, usage: UsageState, now: float, rule: CollapseRule,
-             all_caching_off: bool) -> None:
+def _callers(
+    status: Status, usage: UsageState, now: float, rule: CollapseRule, all_caching_off: bool
+) -> None:
     totals = usage.caller_totals()
     first_seen = usage.first_seen()
     models: dict[str, list[str]] = {}
@@ -351,26 +414,48 @@ def _callers(status: Status, usage: UsageState, now: float, rule: CollapseRule,
             collapses.append(collapse)
         if slots.hour(FIELD["unreported_prompt_tokens"]) > 0:
             unreported.append(caller)
-        status.callers.append(CallerView(
-            caller, tuple(sorted(models.get(caller, ()))), first_seen.get(caller, now),
-            {state: int(current[FIELD[state]]) for state in STATES},
-            int(current[prompt]), int(current[cached]),
-            int(current[FIELD["unreported_prompt_tokens"]]),
-            ratio(slots.window(cached), slots.window(prompt)),
-            ratio(slots.hour(cached), slots.hour(prompt)),
-            ratio(current[cached], current[prompt]),
-            caller_medians.warm, caller_medians.cold, caller_medians.source,
-            window_mean, window_source,
-            slots.ratios(prompt, cached), collapse))
+        status.callers.append(
+            CallerView(
+                caller,
+                tuple(sorted(models.get(caller, ()))),
+                first_seen.get(caller, now),
+                {state: int(current[FIELD[state]]) for state in STATES},
+                int(current[prompt]),
+                int(current[cached]),
+                int(current[FIELD["unreported_prompt_tokens"]]),
+                ratio(slots.window(cached), slots.window(prompt)),
+                ratio(slots.hour(cached), slots.hour(prompt)),
+                ratio(current[cached], current[prompt]),
+                caller_medians.warm,
+                caller_medians.cold,
+                caller_medians.source,
+                window_mean,
+                window_source,
+                slots.ratios(prompt, cached),
+                collapse,
+            )
+        )
     if collapses:
-        status.problems.append(Item(
-            "collapse", PROBLEM, advice.collapse_sentence(collapses), "callers",
-            min(collapse.since for collapse in collapses),
-            tuple(collapse.caller for collapse in collapses)))
+        status.problems.append(
+            Item(
+                "collapse",
+                PROBLEM,
+                advice.collapse_sentence(collapses),
+                "callers",
+                min(collapse.since for collapse in collapses),
+                tuple(collapse.caller for collapse in collapses),
+            )
+        )
     if unreported:
-        status.problems.append(Item("not_reported", PROBLEM,
-                                    advice.not_reported_sentence(unreported), "callers",
-                                    callers=tuple(unreported)))
+        status.problems.append(
+            Item(
+                "not_reported",
+                PROBLEM,
+                advice.not_reported_sentence(unreported),
+                "callers",
+                callers=tuple(unreported),
+            )
+        )
 
 
 def _ttft_medians(usage: UsageState) -> dict[str, timing.Medians]:
@@ -390,10 +475,12 @@ def _window_ttft(slots: Slots) -> tuple[str | None, float | None]:
     ``timing.pick`` chooses over the window's turns."""
     totals = {}
     for measured_by in (ENGINE, PROXY):
-        count = (slots.window(FIELD[f"ttft_{measured_by}_warm_count"])
-                 + slots.window(FIELD[f"ttft_{measured_by}_cold_count"]))
-        total = (slots.window(FIELD[f"ttft_{measured_by}_warm_sum"])
-                 + slots.window(FIELD[f"ttft_{measured_by}_cold_sum"]))
+        count = slots.window(FIELD[f"ttft_{measured_by}_warm_count"]) + slots.window(
+            FIELD[f"ttft_{measured_by}_cold_count"]
+        )
+        total = slots.window(FIELD[f"ttft_{measured_by}_warm_sum"]) + slots.window(
+            FIELD[f"ttft_{measured_by}_cold_sum"]
+        )
         totals[measured_by] = (count, total)
     source = timing.pick({key: count for key, (count, _total) in totals.items()})
     if source is None:
@@ -412,9 +499,16 @@ def _caller_collapse(caller: str, slots: Slots, rule: CollapseRule) -> advice.Co
         return None
     baseline = _baseline(slots, rule, prompt, cached)
     return advice.Collapse(
-        caller, _since(slots, rule, prompt, cached, baseline, True), rule.window_seconds,
-        ratio(slots.window(cached), slots.window(prompt)), baseline, int(followups), int(cold),
-        dropped is not None, evicted)
+        caller,
+        _since(slots, rule, prompt, cached, baseline, True),
+        rule.window_seconds,
+        ratio(slots.window(cached), slots.window(prompt)),
+        baseline,
+        int(followups),
+        int(cold),
+        dropped is not None,
+        evicted,
+    )
 
 
 def _baseline(slots: Slots, rule: CollapseRule, prompt: int, cached: int) -> float | None:
@@ -423,8 +517,9 @@ def _baseline(slots: Slots, rule: CollapseRule, prompt: int, cached: int) -> flo
     return value if value is not None and value > rule.min_baseline else None
 
 
-def _dropped(slots: Slots, rule: CollapseRule, prompt: int, cached: int,
-             min_tokens_per_second: float) -> tuple[float, float] | None:
+def _dropped(
+    slots: Slots, rule: CollapseRule, prompt: int, cached: int, min_tokens_per_second: float
+) -> tuple[float, float] | None:
     """(ratio now, baseline) when the ratio over the window fell under the drop factor times
     the baseline while traffic continues; else None."""
     baseline = _baseline(slots, rule, prompt, cached)
@@ -441,8 +536,14 @@ def _window_slots(rule: CollapseRule) -> int:
     return max(1, math.ceil(rule.window_seconds / SLOT_SECONDS))
 
 
-def _since(slots: Slots, rule: CollapseRule, prompt: int, cached: int,
-           baseline: float | None, followups: bool) -> float:
+def _since(
+    slots: Slots,
+    rule: CollapseRule,
+    prompt: int,
+    cached: int,
+    baseline: float | None,
+    followups: bool,
+) -> float:
     """The start of the earliest slot of the unbroken run of bad slots that ends now (a slot
     without traffic neither breaks nor extends the run)."""
     since = slots.window_start
@@ -473,13 +574,22 @@ def _unattributed(status: Status, engine: EngineState, usage: UsageState, now: f
     """Models whose live conversations no single vLLM's pool can be named for."""
     served = foresight.served_models(engine)
     tracker = usage.conversations
-    labels = {conversation.model for conversation in tracker.active(now)
-              if foresight.attribute(conversation.model_name, served) is None}
+    labels = {
+        conversation.model
+        for conversation in tracker.active(now)
+        if foresight.attribute(conversation.model_name, served) is None
+    }
     live = foresight.live_demand(tracker, engine, now)
     for model, demand in sorted(tracker.by_model(now, live).items()):
         if model in labels and demand.conversations:
-            status.advice.append(Item("unattributed", ADVICE, advice.unattributed_sentence(
-                model, demand.conversations, demand.tokens), model))
+            status.advice.append(
+                Item(
+                    "unattributed",
+                    ADVICE,
+                    advice.unattributed_sentence(model, demand.conversations, demand.tokens),
+                    model,
+                )
+            )
 
 
 def _completions(status: Status, usage: UsageState) -> None:
@@ -494,12 +604,24 @@ def _completions(status: Status, usage: UsageState) -> None:
             running += count
             cumulative.append((bound, float(running)))
         figures = advice.completions(
-            caller, model, cumulative, hist.total, series.declared_completion_tokens,
-            series.completion_largest, series.declared_largest)
+            caller,
+            model,
+            cumulative,
+            hist.total,
+            series.declared_completion_tokens,
+            series.completion_largest,
+            series.declared_largest,
+        )
         if figures is not None and figures.overstatement >= advice.OVERSTATEMENT_WORTH_SAYING:
-            status.advice.append(Item("completions", ADVICE,
-                                      advice.completion_sentence(figures), f"{caller} {model}",
-                                      callers=(caller,)))
+            status.advice.append(
+                Item(
+                    "completions",
+                    ADVICE,
+                    advice.completion_sentence(figures),
+                    f"{caller} {model}",
+                    callers=(caller,),
+                )
+            )
 
 
 def _prompt_order(status: Status, usage: UsageState, now: float) -> None:
@@ -513,11 +635,21 @@ def _prompt_order(status: Status, usage: UsageState, now: float) -> None:
         if counts.last_variable_top < recent or counts.variable_top <= 0:
             continue
         figures = advice.PromptOrder(
-            caller, model, counts.compared, counts.variable_top,
+            caller,
+            model,
+            counts.compared,
+            counts.variable_top,
             counts.shared_bytes / counts.variable_top,
-            counts.first_difference_bytes / counts.variable_top)
+            counts.first_difference_bytes / counts.variable_top,
+        )
         if figures.worth_saying:
-            status.advice.append(Item("prompt_order", ADVICE,
-                                      advice.prompt_order_sentence(figures),
-                                      f"{caller} {model}", counts.last_variable_top,
-                                      callers=(caller,)))
+            status.advice.append(
+                Item(
+                    "prompt_order",
+                    ADVICE,
+                    advice.prompt_order_sentence(figures),
+                    f"{caller} {model}",
+                    counts.last_variable_top,
+                    callers=(caller,),
+                )
+            )

@@ -53,13 +53,13 @@ def medians(buckets: Mapping[tuple[str, str], Buckets]) -> Medians:
     counts: dict[str, float] = {}
     for (state, measured_by), timed in buckets.items():
         if state in (WARM, COLD) and timed:
-            counts[measured_by] = counts.get(measured_by, 0.0) + max(
-                count for _le, count in timed)
+            counts[measured_by] = counts.get(measured_by, 0.0) + max(count for _le, count in timed)
     source = pick(counts)
     if source is None:
         return Medians(None, None, None)
-    return Medians(source, _median(buckets.get((WARM, source))),
-                   _median(buckets.get((COLD, source))))
+    return Medians(
+        source, _median(buckets.get((WARM, source))), _median(buckets.get((COLD, source)))
+    )
 
 
 def _median(cumulative: Buckets | None) -> float | None:
@@ -78,8 +78,9 @@ def cumulative(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[flo
     return out
 
 
-def add(into: dict[tuple[str, str], list[tuple[float, float]]], key: tuple[str, str],
-        buckets: Buckets) -> None:
+def add(
+    into: dict[tuple[str, str], list[tuple[float, float]]], key: tuple[str, str], buckets: Buckets
+) -> None:
     """Sum ``buckets`` into ``into[key]`` bucket by bucket (the same bounds: one caller's
     models, whose histograms share them)."""
     known = into.get(key)

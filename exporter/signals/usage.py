@@ -48,24 +48,63 @@ ENGINE, PROXY = "engine", "proxy"
 TIMING_SOURCES = (ENGINE, PROXY)
 # Engine-side time to first token: 50 ms (a warm short turn) to 10 min (a cold 180k prompt
 # on one consumer card read at ~300 tokens/s).
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
-                600.0)
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Waits before the prompt is read (the proxy's admission gate, vLLM's scheduler queue):
 # mostly zero, minutes when a long request holds the card.
-QUEUE_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-                 300.0, 600.0)
+QUEUE_BUCKETS = (
+    0.005,
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 # Completion tokens used by requests that declared a max_tokens: a short tool call (tens) to
 # a long answer (a full 131k window); ~1.5x steps where callers' medians and p99s land.
-COMPLETION_BUCKETS = (64.0, 128.0, 256.0, 512.0, 768.0, 1024.0, 1536.0, 2048.0, 4096.0,
-                      8192.0, 12288.0, 16384.0, 32768.0, 65536.0, 131072.0)
+COMPLETION_BUCKETS = (
+    64.0,
+    128.0,
+    256.0,
+    512.0,
+    768.0,
+    1024.0,
+    1536.0,
+    2048.0,
+    4096.0,
+    8192.0,
+    12288.0,
+    16384.0,
+    32768.0,
+    65536.0,
+    131072.0,
+)
 # Distinct model label values; models are named by the operator, so this is only a guard.
 MAX_MODELS = 32
 OVERFLOW_PAIR = (OTHER, OTHER)
 # Why POST /v1/usage refuses a request as a whole (its reply's "error").
-INGEST_REFUSALS = ("unauthorized", "body_too_large", "bad_body", "bad_format", "overloaded",
-                   "abandoned", "body_too_slow", "bad_content_encoding",
-                   "unsupported_content_encoding", "duplicate", "in_progress",
-                   "bad_idempotency_key")
+INGEST_REFUSALS = (
+    "unauthorized",
+    "body_too_large",
+    "bad_body",
+    "bad_format",
+    "overloaded",
+    "abandoned",
+    "body_too_slow",
+    "bad_content_encoding",
+    "unsupported_content_encoding",
+    "duplicate",
+    "in_progress",
+    "bad_idempotency_key",
+)
 # Event ids (per caller) remembered to count a retried event once, and for how long at least
 # (``RecentKeys``; --usage.dedup.max-ids, --usage.dedup.window). Each is kept as the 64-bit
 # hash of (caller, id): about 90 bytes, 9 MB at the cap. POST /v1/usage's Idempotency-Keys
@@ -96,9 +135,13 @@ MAX_REJECT_KEYS = 256
 TIMED_STATES = tuple(state for state in STATES if state != ERROR)
 COMPLETION_SERIES = len(COMPLETION_BUCKETS) + 3 + 1
 ORDER_SERIES = 4
-SERIES_PER_PAIR = (len(STATES) + 3 + len(TIMING_SOURCES) * (
-    len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3) + len(QUEUE_BUCKETS) + 3)
-    + COMPLETION_SERIES + ORDER_SERIES)
+SERIES_PER_PAIR = (
+    len(STATES)
+    + 3
+    + len(TIMING_SOURCES) * (len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3) + len(QUEUE_BUCKETS) + 3)
+    + COMPLETION_SERIES
+    + ORDER_SERIES
+)
 
 # Where each source's TTFT starts in a row of ``caller_totals`` (warm sum, count, cold sum,
 # count; a row has no time field).
@@ -130,11 +173,26 @@ class Histogram:
 class Series:
     """Everything counted for one (caller, model) label pair."""
 
-    __slots__ = ("requests", "prompt_tokens", "cached_tokens", "unreported_prompt_tokens",
-                 "ttft", "queue", "engine_ttft", "engine_queue", "reported_cached",
-                 "shown_from", "completion", "declared_completion_tokens", "completion_largest",
-                 "declared_largest", "first_seen",
-                 "followups", "followups_cold", "order")
+    __slots__ = (
+        "requests",
+        "prompt_tokens",
+        "cached_tokens",
+        "unreported_prompt_tokens",
+        "ttft",
+        "queue",
+        "engine_ttft",
+        "engine_queue",
+        "reported_cached",
+        "shown_from",
+        "completion",
+        "declared_completion_tokens",
+        "completion_largest",
+        "declared_largest",
+        "first_seen",
+        "followups",
+        "followups_cold",
+        "order",
+    )
 
     def __init__(self, shown_from: float = 0.0, first_seen: float = 0.0) -> None:
         self.requests = dict.fromkeys(STATES, 0)
@@ -171,8 +229,14 @@ class Series:
 class OrderCounts:
     """One pair's prompt-order counters (signals/order.py), in bytes of the prompt as sent."""
 
-    __slots__ = ("compared", "variable_top", "shared_bytes", "first_difference_bytes",
-                 "last_variable_top", "shown_from")
+    __slots__ = (
+        "compared",
+        "variable_top",
+        "shared_bytes",
+        "first_difference_bytes",
+        "last_variable_top",
+        "shown_from",
+    )
 
     def __init__(self, shown_from: float) -> None:
         self.compared = 0  # requests compared with a recent one of the pair
@@ -217,15 +281,26 @@ class UsageSettings:
 
 
 class UsageState:
-    def __init__(self, settings: UsageSettings, engine: EngineState | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        settings: UsageSettings,
+        engine: EngineState | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.engine = engine
         self._clock = clock
-        self.callers = LabelCap(settings.callers_max, settings.callers_allow,
-                                dict(settings.callers_alias),
-                                policy=NamePolicy(settings.name_pattern, settings.keep_emails))
-        self.models = LabelCap(MAX_MODELS, policy=NamePolicy(
-            settings.model_pattern, max_chars=MAX_MODEL_CHARS, what="--callers.model-pattern"))
+        self.callers = LabelCap(
+            settings.callers_max,
+            settings.callers_allow,
+            dict(settings.callers_alias),
+            policy=NamePolicy(settings.name_pattern, settings.keep_emails),
+        )
+        self.models = LabelCap(
+            MAX_MODELS,
+            policy=NamePolicy(
+                settings.model_pattern, max_chars=MAX_MODEL_CHARS, what="--callers.model-pattern"
+            ),
+        )
         self.learner = GranularityLearner()
         self.configured_granularity = settings.granularity
         self.warm_tail_granules = settings.warm_tail_granules
@@ -252,8 +327,9 @@ class UsageState:
         # Retried copies: the (caller, id) of events counted lately, and the Idempotency-Keys
         # of POST /v1/usage batches (the ingest's, which it keeps here to be exported).
         self.event_ids = RecentKeys(settings.dedup_max_ids, settings.dedup_window)
-        self.batch_keys = RecentKeys(max(2, settings.dedup_max_ids // BATCH_KEYS_PER_ID),
-                                     settings.dedup_window)
+        self.batch_keys = RecentKeys(
+            max(2, settings.dedup_max_ids // BATCH_KEYS_PER_ID), settings.dedup_window
+        )
         # (reader, reason) -> events whose timings were left out (TIMING_DROP_REASONS).
         self.timings_dropped: dict[tuple[str, str], int] = {}
         for reader in settings.readers:
@@ -325,9 +401,11 @@ class UsageState:
             if folded:
                 self.series_folded += 1
             status = event.status
-            if status is not None and (type(status) is not int
-                                       or not 200 <= status < 300) \
-                    and status_is_error(status):
+            if (
+                status is not None
+                and (type(status) is not int or not 200 <= status < 300)
+                and status_is_error(status)
+            ):
                 series.requests[ERROR] += 1
                 state = ERROR
                 continue
@@ -336,10 +414,13 @@ class UsageState:
             conversation = conversations_pop(key, None)
             previous = conversation.prompt_tokens if conversation is not None else None
             prompt_tokens = event.prompt_tokens
-            state = classify(prompt_tokens, cached,
-                             configured or learned_get(model)
-                             or self._classifying_granularity(model),
-                             previous, warm_tail)
+            state = classify(
+                prompt_tokens,
+                cached,
+                configured or learned_get(model) or self._classifying_granularity(model),
+                previous,
+                warm_tail,
+            )
             series.requests[state] += 1
             if previous is not None and previous < prompt_tokens:
                 series.followups += 1
@@ -403,8 +484,11 @@ class UsageState:
         """
         queue = event.queue_seconds
         proxy_ttft = event.ttft_seconds
-        if queue is not None and proxy_ttft is not None \
-                and queue > proxy_ttft + TIMING_SLACK_SECONDS:
+        if (
+            queue is not None
+            and proxy_ttft is not None
+            and queue > proxy_ttft + TIMING_SLACK_SECONDS
+        ):
             key = (reader, "queue_exceeds_ttft")
             self.timings_dropped[key] = self.timings_dropped.get(key, 0) + 1
             queue = proxy_ttft = None
@@ -413,7 +497,8 @@ class UsageState:
             # vLLM's own: from scheduling to the first token, no wait in it. The proxy's
             # figure of the same request is not counted a second time.
             hist = series.engine_ttft.get(state) or self._histogram(
-                series.engine_ttft, state, TTFT_BUCKETS)
+                series.engine_ttft, state, TTFT_BUCKETS
+            )
         else:
             ttft = proxy_ttft
             if ttft is None:
@@ -423,8 +508,7 @@ class UsageState:
                     # Within TIMING_SLACK_SECONDS a wait longer than the TTFT means the
                     # engine part was too short to measure, not negative.
                     ttft = ttft - queue if ttft > queue else 0.0
-                hist = series.ttft.get(state) or self._histogram(series.ttft, state,
-                                                                 TTFT_BUCKETS)
+                hist = series.ttft.get(state) or self._histogram(series.ttft, state, TTFT_BUCKETS)
         if hist is not None and ttft is not None:
             hist.counts[bisect_left(hist.bounds, ttft)] += 1
             hist.total += ttft
@@ -453,8 +537,9 @@ class UsageState:
             if event.max_tokens > series.declared_largest:
                 series.declared_largest = event.max_tokens
 
-    def _histogram(self, by_state: dict[str, Histogram], state: str,
-                   bounds: tuple[float, ...]) -> Histogram:
+    def _histogram(
+        self, by_state: dict[str, Histogram], state: str, bounds: tuple[float, ...]
+    ) -> Histogram:
         hist = by_state[state] = Histogram(bounds, self._shown_from())
         return hist
 
@@ -466,8 +551,7 @@ class UsageState:
             pair = self._pair(event.caller, event.model)
         self._order(event, prompt, pair[0], self._clock())
 
-    def _order(self, event: UsageEvent, prompt: PromptPrint, series: Series,
-               now: float) -> None:
+    def _order(self, event: UsageEvent, prompt: PromptPrint, series: Series, now: float) -> None:
         """Compare the request's prompt with the pair's recent ones (the tap's prints)."""
         when = event.time if event.time is not None else now
         found = self.order.observe(series, prompt, when)  # one key per label pair
@@ -562,8 +646,7 @@ class UsageState:
         seen: dict[str, float] = {}
         for (caller, _model), series in self.series.items():
             known = seen.get(caller)
-            seen[caller] = series.first_seen if known is None else min(known,
-                                                                        series.first_seen)
+            seen[caller] = series.first_seen if known is None else min(known, series.first_seen)
         return seen
 
     def catch_up(self, now: float) -> None:
@@ -575,8 +658,7 @@ class UsageState:
     def sample_history(self, now: float) -> None:
         """Keep the totals as they stand, as those at the last 30-s boundary (the caller
         makes sure nothing changed since it: see signals/history.py)."""
-        self.history.record(now, self.caller_totals(), self.target_totals(),
-                            self.first_seen())
+        self.history.record(now, self.caller_totals(), self.target_totals(), self.first_seen())
 
     def target_totals(self) -> dict[str, list[float]]:
         """Per vLLM target (as shown): preemptions, prefix-cache queries and hits, summed

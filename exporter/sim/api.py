@@ -43,8 +43,14 @@ class ApiError(Exception):
         self.kind = kind
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": None,
-                          "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": None,
+                "code": self.status,
+            }
+        }
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,11 @@ def _content_text(content: Any, index: int) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text" and \
-                    isinstance(part.get("text"), str):
+            if (
+                isinstance(part, Mapping)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 parts.append(part["text"])
             else:
                 raise ApiError(400, f"messages[{index}].content: only text parts are supported")
@@ -109,8 +118,9 @@ def _messages(body: Mapping[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-def _completion_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> list[int] | tuple[
-        int, ...]:
+def _completion_prompt(
+    body: Mapping[str, Any], tokenizer: Tokenizer
+) -> list[int] | tuple[int, ...]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -136,8 +146,7 @@ def _int_field(body: Mapping[str, Any], *names: str) -> int | None:
     return None
 
 
-def parse_request(kind: str, body: Any, tokenizer: Tokenizer,
-                  config: EngineConfig) -> SimRequest:
+def parse_request(kind: str, body: Any, tokenizer: Tokenizer, config: EngineConfig) -> SimRequest:
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -162,8 +171,14 @@ def parse_request(kind: str, body: Any, tokenizer: Tokenizer,
     if options and not stream:
         raise ApiError(400, "Stream options can only be defined when `stream=True`.")
     include_usage = bool(options.get("include_usage", False))
-    return SimRequest(kind, prompt if isinstance(prompt, (list, tuple)) else list(prompt),
-                      max_tokens, stream, include_usage, _answer_tokens(body))
+    return SimRequest(
+        kind,
+        prompt if isinstance(prompt, (list, tuple)) else list(prompt),
+        max_tokens,
+        stream,
+        include_usage,
+        _answer_tokens(body),
+    )
 
 
 def _answer_tokens(body: Mapping[str, Any]) -> int | None:
@@ -209,8 +224,9 @@ class Running:
 class SimService:
     """Parse, submit, await: what both the HTTP front and the in-process client do."""
 
-    def __init__(self, runner: EngineRunner, config: EngineConfig,
-                 tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, runner: EngineRunner, config: EngineConfig, tokenizer: Tokenizer | None = None
+    ) -> None:
         self.runner = runner
         self.config = config
         self.tokenizer = tokenizer or Tokenizer()
@@ -226,16 +242,19 @@ class SimService:
         writes = min(request.max_tokens, request.answer_tokens or request.max_tokens)
         reply = Reply(request.prompt, writes, self.tokenizer)
         prefix = "chatcmpl" if request.kind == CHAT else "cmpl"
-        handle = self.runner.submit(request.prompt, reply.tokens, writes,
-                                    self.runner.new_id(prefix),
-                                    declared_max_tokens=request.max_tokens)
+        handle = self.runner.submit(
+            request.prompt,
+            reply.tokens,
+            writes,
+            self.runner.new_id(prefix),
+            declared_max_tokens=request.max_tokens,
+        )
         return Running(request, handle, reply, int(time.time()))
 
     async def first_token(self, running: Running) -> bool:
         """Wait for the first token; False if the request ended without one."""
         handle = running.handle
-        await asyncio.wait((handle.first_token, handle.done),
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((handle.first_token, handle.done), return_when=asyncio.FIRST_COMPLETED)
         return handle.first_token.done()
 
     async def outcome(self, running: Running) -> Outcome:
@@ -245,10 +264,20 @@ class SimService:
             raise ApiError(400, end.message)
         assert isinstance(end, Finished)
         seq = end.seq
-        return Outcome(seq.request_id, running.request.kind, running.created,
-                       seq.prompt_tokens, seq.hit_tokens, seq.new_cached_tokens,
-                       seq.generated_tokens, end.reason, seq.arrival, seq.admitted_at,
-                       seq.first_token_at, end.time)
+        return Outcome(
+            seq.request_id,
+            running.request.kind,
+            running.created,
+            seq.prompt_tokens,
+            seq.hit_tokens,
+            seq.new_cached_tokens,
+            seq.generated_tokens,
+            end.reason,
+            seq.arrival,
+            seq.admitted_at,
+            seq.first_token_at,
+            end.time,
+        )
 
     def abort(self, running: Running) -> None:
         self.runner.abort(running.request_id)
@@ -281,30 +310,59 @@ class SimService:
         order."""
         text = running.reply.text(0, outcome.completion_tokens)
         choice: dict[str, Any]
-        body: dict[str, Any] = {"id": outcome.request_id,
-                                "object": "chat.completion" if outcome.kind == CHAT
-                                else "text_completion",
-                                "created": outcome.created, "model": self.model}
+        body: dict[str, Any] = {
+            "id": outcome.request_id,
+            "object": "chat.completion" if outcome.kind == CHAT else "text_completion",
+            "created": outcome.created,
+            "model": self.model,
+        }
         if outcome.kind == CHAT:
-            choice = {"index": 0,
-                      "message": {"role": "assistant", "content": text, "refusal": None,
-                                  "annotations": None, "audio": None, "function_call": None,
-                                  "reasoning": None},
-                      "logprobs": None, "finish_reason": outcome.finish_reason,
-                      "stop_reason": None, "token_ids": None, "routed_experts": None}
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": outcome.finish_reason,
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
+            }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": outcome.finish_reason, "stop_reason": None,
-                      "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
-                      "routed_experts": None}
-        body.update({"choices": [choice], "service_tier": None,
-                     "system_fingerprint": FINGERPRINT,
-                     "usage": self.usage(outcome, stream=False)})
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": outcome.finish_reason,
+                "stop_reason": None,
+                "token_ids": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
+            }
+        body.update(
+            {
+                "choices": [choice],
+                "service_tier": None,
+                "system_fingerprint": FINGERPRINT,
+                "usage": self.usage(outcome, stream=False),
+            }
+        )
         if outcome.kind == CHAT:
-            body.update({"prompt_logprobs": None, "prompt_token_ids": None,
-                         "prompt_text": None})
-        body.update({"kv_transfer_params": None, "ec_transfer_params": None,
-                     "metrics": self.per_request_metrics(outcome)})
+            body.update({"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None})
+        body.update(
+            {
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": self.per_request_metrics(outcome),
+            }
+        )
         return body
 
     def per_request_metrics(self, outcome: Outcome) -> dict[str, Any] | None:
@@ -313,34 +371,54 @@ class SimService:
             return None
         return {**per_request_timings(outcome), "speculative_decoding": None}
 
-    def chunk(self, running: Running, text: str | None, finish_reason: str | None = None,
-              role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self,
+        running: Running,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
         """One streamed chunk with a choice (``text`` None and role: the opening chunk)."""
         choice: dict[str, Any]
         if running.request.kind == CHAT:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
-                {"content": text or ""}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
-                      "finish_reason": finish_reason}
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""} if role else {"content": text or ""}
+            )
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None,
-                      "finish_reason": finish_reason, "stop_reason": None}
+            choice = {
+                "index": 0,
+                "text": text or "",
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
             obj = "text_completion"
         if finish_reason is not None:
             choice["stop_reason"] = None
-        return {"id": running.request_id, "object": obj, "created": running.created,
-                "model": self.model, "choices": [choice]}
+        return {
+            "id": running.request_id,
+            "object": obj,
+            "created": running.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def usage_chunk(self, running: Running, outcome: Outcome) -> dict[str, Any]:
         obj = "chat.completion.chunk" if running.request.kind == CHAT else "text_completion"
-        chunk = {"id": running.request_id, "object": obj, "created": running.created,
-                 "model": self.model, "choices": [], "usage": self.usage(outcome, stream=True),
-                 "system_fingerprint": FINGERPRINT}
+        chunk = {
+            "id": running.request_id,
+            "object": obj,
+            "created": running.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(outcome, stream=True),
+            "system_fingerprint": FINGERPRINT,
+        }
         if self.config.enable_per_request_metrics:
             timings = per_request_timings(outcome)
-            chunk["metrics"] = {key: value for key, value in timings.items()
-                                if value is not None}
+            chunk["metrics"] = {key: value for key, value in timings.items() if value is not None}
         return chunk
 
 
@@ -362,6 +440,10 @@ def per_request_timings(outcome: Outcome) -> dict[str, float | None]:
         inference_ms = (last - scheduled) * 1000
         if inference_ms > 0:
             tokens_per_second = tokens / inference_ms * 1000
-    return {"time_to_first_token_ms": ttft, "generation_time_ms": generation,
-            "queue_time_ms": queue, "mean_itl_ms": mean_itl,
-            "tokens_per_second": tokens_per_second}
+    return {
+        "time_to_first_token_ms": ttft,
+        "generation_time_ms": generation,
+        "queue_time_ms": queue,
+        "mean_itl_ms": mean_itl,
+        "tokens_per_second": tokens_per_second,
+    }

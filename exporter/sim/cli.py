@@ -34,8 +34,11 @@ ENGINE_FIELDS = tuple(item.name for item in dataclasses.fields(EngineConfig))
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """Scenario settings (if any) under the explicitly given ones."""
-    overrides = {name: getattr(args, ENGINE_PREFIX + name, None) for name in ENGINE_FIELDS
-                 if hasattr(args, ENGINE_PREFIX + name)}
+    overrides = {
+        name: getattr(args, ENGINE_PREFIX + name, None)
+        for name in ENGINE_FIELDS
+        if hasattr(args, ENGINE_PREFIX + name)
+    }
     if args.scenario:
         return scenarios.load(args.scenario).engine_config(0, **overrides)  # the first boot
     try:
@@ -63,13 +66,21 @@ async def serve(config: EngineConfig, host: str, port: int, speed: float) -> int
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    log.info("simulated vLLM serving %s on http://%s:%d (pool %d tokens, block %d, granule "
-             "%d, prefix caching %s, prompt token details %s, per-request metrics %s, "
-             "speed x%g)",
-             config.served_model_name, host, bound, config.kv_pool_tokens, config.block_size,
-             config.granule, "on" if config.prefix_caching else "off",
-             "on" if config.enable_prompt_tokens_details else "off",
-             "on" if config.enable_per_request_metrics else "off", speed)
+    log.info(
+        "simulated vLLM serving %s on http://%s:%d (pool %d tokens, block %d, granule "
+        "%d, prefix caching %s, prompt token details %s, per-request metrics %s, "
+        "speed x%g)",
+        config.served_model_name,
+        host,
+        bound,
+        config.kv_pool_tokens,
+        config.block_size,
+        config.granule,
+        "on" if config.prefix_caching else "off",
+        "on" if config.enable_prompt_tokens_details else "off",
+        "on" if config.enable_per_request_metrics else "off",
+        speed,
+    )
     try:
         await stop.wait()
     finally:

@@ -112,8 +112,13 @@ def _error_message(body: Any, fallback: str) -> str:
 class HttpClient:
     """POSTs to an OpenAI-compatible server; the caller goes in ``user`` and ``X-Caller``."""
 
-    def __init__(self, base_url: str, timeout: float = 3600.0, caller_header: str = "X-Caller",
-                 api_key: str = "") -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 3600.0,
+        caller_header: str = "X-Caller",
+        api_key: str = "",
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
@@ -125,7 +130,8 @@ class HttpClient:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=10))
+                timeout=aiohttp.ClientTimeout(total=self.timeout, sock_connect=10)
+            )
         return self._session
 
     async def close(self) -> None:
@@ -137,8 +143,11 @@ class HttpClient:
         async with self._client().get(self.base_url + "/v1/models") as response:
             body = await response.json(content_type=None)
         data = body.get("data") if isinstance(body, Mapping) else None
-        return [item["id"] for item in data or [] if isinstance(item, Mapping)
-                and isinstance(item.get("id"), str)]
+        return [
+            item["id"]
+            for item in data or []
+            if isinstance(item, Mapping) and isinstance(item.get("id"), str)
+        ]
 
     async def send(self, kind: str, body: dict[str, Any], caller: str) -> Completion:
         body = dict(body, user=caller)
@@ -148,22 +157,29 @@ class HttpClient:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            async with self._client().post(self.base_url + PATHS[kind], json=body,
-                                           headers=headers) as response:
+            async with self._client().post(
+                self.base_url + PATHS[kind], json=body, headers=headers
+            ) as response:
                 scale = _speed(response.headers.get(SPEED_HEADER))
                 if response.status >= 400 or not body.get("stream"):
                     payload = await _json_or_none(response)
                     if response.status >= 400:
-                        return Completion(response.status, error=_error_message(
-                            payload, f"HTTP {response.status}"))
+                        return Completion(
+                            response.status,
+                            error=_error_message(payload, f"HTTP {response.status}"),
+                        )
                     if not isinstance(payload, Mapping):
                         return Completion("bad_response", error="response is not JSON")
                     usage = payload.get("usage")
                     metrics = payload.get("metrics")
-                    return Completion(response.status, payload.get("model"),
-                                      usage if isinstance(usage, Mapping) else None, None,
-                                      response_text(payload), metrics=metrics if isinstance(
-                                          metrics, Mapping) else None)
+                    return Completion(
+                        response.status,
+                        payload.get("model"),
+                        usage if isinstance(usage, Mapping) else None,
+                        None,
+                        response_text(payload),
+                        metrics=metrics if isinstance(metrics, Mapping) else None,
+                    )
                 reader = StreamReader()
                 ttft: float | None = None
                 async for data in _sse_data(response):
@@ -175,8 +191,14 @@ class HttpClient:
                         continue
                     if reader.feed(chunk):
                         ttft = (loop.time() - started) * scale
-                return Completion(response.status, reader.model, reader.usage, ttft,
-                                  reader.text, metrics=reader.metrics)
+                return Completion(
+                    response.status,
+                    reader.model,
+                    reader.usage,
+                    ttft,
+                    reader.text,
+                    metrics=reader.metrics,
+                )
         except asyncio.TimeoutError:
             return Completion("timeout", error=f"no complete answer within {self.timeout:g}s")
         except aiohttp.ClientConnectorError as err:
@@ -248,8 +270,14 @@ class InProcessClient:
                 service.abort(running)
         if not request.stream:
             payload = service.response(running, outcome)
-            return Completion(200, payload["model"], payload["usage"], None,
-                              response_text(payload), metrics=payload["metrics"])
+            return Completion(
+                200,
+                payload["model"],
+                payload["usage"],
+                None,
+                response_text(payload),
+                metrics=payload["metrics"],
+            )
         reader = StreamReader()
         chunks: list[dict[str, Any]] = []
         if kind == CHAT:
@@ -261,5 +289,6 @@ class InProcessClient:
         for chunk in chunks:
             reader.feed(json.loads(json.dumps(chunk)))
         ttft = first_at - started if got_first else None
-        return Completion(200, reader.model, reader.usage, ttft, reader.text,
-                          metrics=reader.metrics)
+        return Completion(
+            200, reader.model, reader.usage, ttft, reader.text, metrics=reader.metrics
+        )

@@ -53,9 +53,17 @@ class DriverStats:
 class Driver:
     """Plays a scenario through a client; one iteration, or again and again with ``loop``."""
 
-    def __init__(self, scenario: Scenario, client: Client, reporter: Reporter, clock: SimClock,
-                 model: str, loop: bool = False, seed: int = 0,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        client: Client,
+        reporter: Reporter,
+        clock: SimClock,
+        model: str,
+        loop: bool = False,
+        seed: int = 0,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.scenario = scenario
         self.client = client
         self.reporter = reporter
@@ -76,8 +84,7 @@ class Driver:
             iterations = 0 if self.loop else 1
         iteration = 0
         while not iterations or iteration < iterations:
-            await asyncio.gather(*(self._agent(agent, iteration)
-                                   for agent in self.scenario.agents))
+            await asyncio.gather(*(self._agent(agent, iteration) for agent in self.scenario.agents))
             self.stats.iterations += 1
             iteration += 1
         return self.stats
@@ -87,11 +94,11 @@ class Driver:
         if agent.kind == FANOUT:
             await self._fanout(agent, iteration)
         else:
-            await asyncio.gather(*(self._conversation(agent, iteration, index)
-                                   for index in range(agent.count)))
+            await asyncio.gather(
+                *(self._conversation(agent, iteration, index) for index in range(agent.count))
+            )
 
-    async def _send(self, kind: str, body: dict[str, Any], caller: str,
-                    session: str) -> Completion:
+    async def _send(self, kind: str, body: dict[str, Any], caller: str, session: str) -> Completion:
         completion = await self.client.send(kind, body, caller)
         stats = self.stats
         stats.requests += 1
@@ -100,8 +107,7 @@ class Driver:
         if not completion.ok:
             stats.errors += 1
             log.warning("%s: %s %s", caller, completion.status, completion.error or "")
-        event = usage_event(caller, session, completion, self.wall_clock(),
-                            body.get("max_tokens"))
+        event = usage_event(caller, session, completion, self.wall_clock(), body.get("max_tokens"))
         if event is None:
             stats.unreported += 1
         else:
@@ -111,11 +117,9 @@ class Driver:
             await self.clock.sleep(self.clock.speed * TRANSPORT_BACKOFF_SECONDS)
         return completion
 
-    def _body(self, agent: AgentSpec, messages: list[dict[str, str]]) -> tuple[str, dict[str,
-                                                                                       Any]]:
+    def _body(self, agent: AgentSpec, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any]]:
         declared = agent.declared_max_tokens or agent.output_tokens
-        body: dict[str, Any] = {"model": self.model, "max_tokens": declared,
-                                "stream": agent.stream}
+        body: dict[str, Any] = {"model": self.model, "max_tokens": declared, "stream": agent.stream}
         if declared > agent.output_tokens:  # the answer ends before what was declared
             body["vllm_xargs"] = {"answer_tokens": agent.output_tokens}
         if agent.stream:
@@ -132,8 +136,12 @@ class Driver:
         messages = [{"role": "system", "content": words(context, self._tag())}]
         user_tag = self._tag()
         for turn in range(agent.turns):
-            messages.append({"role": "user", "content": words(
-                agent.input_tokens, user_tag, start=turn * agent.input_tokens)})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": words(agent.input_tokens, user_tag, start=turn * agent.input_tokens),
+                }
+            )
             kind, body = self._body(agent, messages)
             completion = await self._send(kind, body, agent.caller, session)
             if completion.ok:
@@ -172,24 +180,41 @@ class Progress:
     def fields(self) -> dict[str, Any]:
         stats = self.driver.stats
         out: dict[str, Any] = {
-            "requests": stats.requests, "reported": stats.reported, "failed": stats.errors,
-            "without_usage": stats.unreported, "scenario_seconds": round(
-                self.driver.clock.now(), 1), "iterations": stats.iterations}
+            "requests": stats.requests,
+            "reported": stats.reported,
+            "failed": stats.errors,
+            "without_usage": stats.unreported,
+            "scenario_seconds": round(self.driver.clock.now(), 1),
+            "iterations": stats.iterations,
+        }
         reporter = self.driver.reporter
         if isinstance(reporter, HttpReporter):  # what reached the exporter so far
-            out.update(delivered=reporter.sent, pending=len(reporter.pending),
-                       dropped=reporter.dropped)
+            out.update(
+                delivered=reporter.sent, pending=len(reporter.pending), dropped=reporter.dropped
+            )
         return out
 
     def log(self) -> None:
         fields = self.fields()
         seconds = int(fields["scenario_seconds"])
-        delivery = (f" ({fields['delivered']} delivered to the exporter, {fields['pending']} "
-                    f"pending, {fields['dropped']} dropped)" if "delivered" in fields else "")
-        log.info("%d request(s) sent, %d reported%s, %d failed, scenario time %d:%02d, "
-                 "%d full iteration(s)", fields["requests"], fields["reported"], delivery,
-                 fields["failed"], seconds // 60, seconds % 60, fields["iterations"],
-                 extra=fields)
+        delivery = (
+            f" ({fields['delivered']} delivered to the exporter, {fields['pending']} "
+            f"pending, {fields['dropped']} dropped)"
+            if "delivered" in fields
+            else ""
+        )
+        log.info(
+            "%d request(s) sent, %d reported%s, %d failed, scenario time %d:%02d, "
+            "%d full iteration(s)",
+            fields["requests"],
+            fields["reported"],
+            delivery,
+            fields["failed"],
+            seconds // 60,
+            seconds % 60,
+            fields["iterations"],
+            extra=fields,
+        )
 
     async def run(self) -> None:
         """Log every ``interval`` seconds until cancelled (0: never)."""
@@ -208,14 +233,15 @@ def all_failed(stats: DriverStats, base_url: str) -> str:
     "". A run with some failures is a run (servers refuse now and then)."""
     if not stats.requests or stats.errors < stats.requests:
         return ""
-    statuses = ", ".join(f"{status} x{count}" for status, count in sorted(
-        stats.by_status.items()))
+    statuses = ", ".join(f"{status} x{count}" for status, count in sorted(stats.by_status.items()))
     unanswered = all(not status.isdigit() for status in stats.by_status)
     where = _without_credentials(base_url)
-    why = (f"no answer from {where}: is the server up, and is --drive.base-url its address?"
-           if unanswered else
-           f"{where} refused them: is --drive.base-url an OpenAI-compatible server (a vLLM, "
-           "the simulator), and --drive.model a model it serves?")
+    why = (
+        f"no answer from {where}: is the server up, and is --drive.base-url its address?"
+        if unanswered
+        else f"{where} refused them: is --drive.base-url an OpenAI-compatible server (a vLLM, "
+        "the simulator), and --drive.model a model it serves?"
+    )
     return f"all {stats.requests} request(s) failed ({statuses}): {why}"
 
 
@@ -228,11 +254,13 @@ def _without_credentials(url: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
-
 async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
     client = HttpClient(args.drive_base_url)
-    reporter: Reporter = (HttpReporter(args.drive_exporter_url, args.usage_ingest_token)
-                          if args.drive_exporter_url else LineReporter())
+    reporter: Reporter = (
+        HttpReporter(args.drive_exporter_url, args.usage_ingest_token)
+        if args.drive_exporter_url
+        else LineReporter()
+    )
     try:
         model = args.drive_model
         if not model:
@@ -241,11 +269,11 @@ async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
             except Exception as err:  # the server may not be up yet; the scenario names one
                 log.warning("cannot list models at %s (%s)", args.drive_base_url, err)
                 listed = []
-            model = listed[0] if listed else scenario.engine.get("served_model_name",
-                                                                  "sim-llama")
+            model = listed[0] if listed else scenario.engine.get("served_model_name", "sim-llama")
         seed = args.seed if args.seed is not None else int(time.time())
-        driver = Driver(scenario, client, reporter, SimClock(args.speed), model,
-                        loop=args.loop, seed=seed)
+        driver = Driver(
+            scenario, client, reporter, SimClock(args.speed), model, loop=args.loop, seed=seed
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -254,15 +282,20 @@ async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
         run = asyncio.ensure_future(driver.run())
         stopper = asyncio.ensure_future(stop.wait())
         progress = asyncio.ensure_future(Progress(driver, args.drive_progress_interval).run())
-        await asyncio.wait((run, stopper), timeout=args.duration or None,
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            (run, stopper), timeout=args.duration or None, return_when=asyncio.FIRST_COMPLETED
+        )
         for task in (run, stopper, progress):
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await run
         stats = driver.stats
-        log.info("drove %d request(s) (%d failed) over %d full iteration(s)", stats.requests,
-                 stats.errors, stats.iterations)
+        log.info(
+            "drove %d request(s) (%d failed) over %d full iteration(s)",
+            stats.requests,
+            stats.errors,
+            stats.iterations,
+        )
         failure = all_failed(stats, args.drive_base_url)
         if failure:
             print(f"drive: {failure}", file=sys.stderr)

@@ -76,8 +76,10 @@ class EngineConfig:
             (self.kv_pool_tokens >= self.block_size, "kv_pool_tokens must hold one block"),
             (self.block_size > 0, "block_size must be positive"),
             (self.granularity >= 0, "granularity must not be negative"),
-            (self.granularity % self.block_size == 0 if self.block_size > 0 else True,
-             "granularity must be a multiple of block_size"),
+            (
+                self.granularity % self.block_size == 0 if self.block_size > 0 else True,
+                "granularity must be a multiple of block_size",
+            ),
             (self.max_model_len >= 0, "max_model_len must not be negative"),
             (self.max_num_seqs > 0, "max_num_seqs must be positive"),
             (self.prefill_rate > 0, "prefill_rate must be positive"),
@@ -85,8 +87,10 @@ class EngineConfig:
             (self.decode_slowdown >= 0, "decode_slowdown must not be negative"),
             (self.prefill_interference >= 0, "prefill_interference must not be negative"),
             (self.state_tokens >= 0, "state_tokens must not be negative"),
-            (0 < self.kv_cache_metrics_sample <= 1,
-             "kv_cache_metrics_sample must be above 0 and at most 1"),
+            (
+                0 < self.kv_cache_metrics_sample <= 1,
+                "kv_cache_metrics_sample must be above 0 and at most 1",
+            ),
             (bool(self.served_model_name), "served_model_name must not be empty"),
         )
         for ok, problem in checks:
@@ -244,8 +248,9 @@ class Engine:
         self.config = config
         self.now = start_time
         self.pool = BlockPool(config.num_blocks)
-        self.residency = (ResidencySampler(config.kv_cache_metrics_sample)
-                          if config.kv_cache_metrics else None)
+        self.residency = (
+            ResidencySampler(config.kv_cache_metrics_sample) if config.kv_cache_metrics else None
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the last is preempted first
         self.prefilling: Request | None = None
@@ -264,10 +269,13 @@ class Engine:
         limit = self.config.context_limit
         declared = max(seq.max_tokens, seq.declared_max_tokens)
         if seq.prompt_tokens + declared > limit:
-            self._reject(seq, f"This model's maximum context length is {limit} tokens. "
-                              f"However, you requested {seq.prompt_tokens + declared} "
-                              f"tokens ({seq.prompt_tokens} in the messages, "
-                              f"{declared} in the completion).")
+            self._reject(
+                seq,
+                f"This model's maximum context length is {limit} tokens. "
+                f"However, you requested {seq.prompt_tokens + declared} "
+                f"tokens ({seq.prompt_tokens} in the messages, "
+                f"{declared} in the completion).",
+            )
             return
         if seq.prompt_tokens == 0:
             self._reject(seq, "The prompt is empty.")
@@ -371,9 +379,12 @@ class Engine:
         """Handle every event due now; the tolerance is in seconds, so float noise in the
         token counts can never leave an event pending at the current time."""
         decode_rate = self._decode_rate()
-        due = [seq for seq in self.decoding
-               if (min(seq.max_tokens, self._decode_capacity(seq)) - seq.generated)
-               / decode_rate <= EPSILON]
+        due = [
+            seq
+            for seq in self.decoding
+            if (min(seq.max_tokens, self._decode_capacity(seq)) - seq.generated) / decode_rate
+            <= EPSILON
+        ]
         seq = self.prefilling
         if seq is not None and seq.remaining_prefill / self._prefill_rate() <= EPSILON:
             self._prefill_done(seq)
@@ -400,8 +411,11 @@ class Engine:
             if not self._admit(seq):
                 if not self.running:
                     self.waiting.popleft()
-                    self._reject(seq, "The request does not fit in the KV cache "
-                                      f"({self.config.kv_pool_tokens} tokens).")
+                    self._reject(
+                        seq,
+                        "The request does not fit in the KV cache "
+                        f"({self.config.kv_pool_tokens} tokens).",
+                    )
                     continue
                 return
             self.waiting.popleft()
@@ -556,7 +570,7 @@ class Engine:
         if not cfg.prefix_caching or seq.private_kv <= 0:
             return
         keys = self._keys(seq, seq.prompt_tokens + seq.generated_tokens)
-        for key in keys[len(seq.hashed):]:
+        for key in keys[len(seq.hashed) :]:
             if seq.private_kv <= 0:
                 break
             block = self.pool.register(key)

@@ -36,8 +36,9 @@ class CachedBlock:
         self.checkpoint = False
 
 
-def block_keys(tokens: Sequence[int], block_size: int, start_key: int = 0,
-               start_block: int = 0) -> list[int]:
+def block_keys(
+    tokens: Sequence[int], block_size: int, start_key: int = 0, start_block: int = 0
+) -> list[int]:
     """Chain keys of the full blocks of ``tokens`` from ``start_block`` on.
 
     Tuples of ints hash the same in every process (only str/bytes hashing is salted).
@@ -45,7 +46,7 @@ def block_keys(tokens: Sequence[int], block_size: int, start_key: int = 0,
     keys = []
     key = start_key
     for begin in range(start_block * block_size, len(tokens) - block_size + 1, block_size):
-        key = hash((key, tuple(tokens[begin:begin + block_size])))
+        key = hash((key, tuple(tokens[begin : begin + block_size])))
         keys.append(key)
     return keys
 
@@ -153,8 +154,29 @@ class BlockPool:
 
 
 # vLLM's KV-residency buckets (vllm/v1/metrics/buckets.py, kv_cache_residency).
-RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
-                     20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0)
+RESIDENCY_BUCKETS = (
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1200.0,
+    1800.0,
+)
 # vLLM keeps a sampled block's last 4 hits (so at most 3 gaps per eviction).
 RESIDENCY_HISTORY = 4
 _HASH_SPACE = 1 << 64

@@ -32,28 +32,115 @@ ENGINE = "0"
 LABELS = ("model_name", "engine")
 
 # vllm/v1/metrics/buckets.py (identical from 0.9.1 to 0.33.0)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 
 # Every key of vllm:cache_config_info in the 0.32.0 capture, in its order.
 CACHE_CONFIG_KEYS = (
-    "_block_size_resolved", "block_size", "cache_dtype", "cache_hit_alignment_tokens",
-    "effective_attention_block_size", "enable_mamba_shared_prefix_checkpoint",
-    "enable_prefix_caching", "gpu_memory_utilization", "hash_block_size", "is_attention_free",
-    "kv_cache_dtype_skip_layers", "kv_cache_layout", "kv_cache_max_concurrency",
-    "kv_cache_memory_bytes", "kv_cache_size_tokens", "kv_offloading_backend",
-    "kv_offloading_size", "kv_sharing_fast_prefill", "mamba_block_size", "mamba_cache_dtype",
-    "mamba_cache_mode", "mamba_page_size_padded", "mamba_ssm_cache_dtype", "num_cpu_blocks",
-    "num_gpu_blocks", "num_gpu_blocks_override", "prefix_cache_retention_interval",
-    "prefix_caching_hash_algo", "prefix_match_unit", "replayssm_buffer_len",
-    "skip_page_size_padded", "sliding_window", "swa_bounded_replay", "use_kda_recoverssm",
-    "use_replayssm", "user_specified_block_size",
+    "_block_size_resolved",
+    "block_size",
+    "cache_dtype",
+    "cache_hit_alignment_tokens",
+    "effective_attention_block_size",
+    "enable_mamba_shared_prefix_checkpoint",
+    "enable_prefix_caching",
+    "gpu_memory_utilization",
+    "hash_block_size",
+    "is_attention_free",
+    "kv_cache_dtype_skip_layers",
+    "kv_cache_layout",
+    "kv_cache_max_concurrency",
+    "kv_cache_memory_bytes",
+    "kv_cache_size_tokens",
+    "kv_offloading_backend",
+    "kv_offloading_size",
+    "kv_sharing_fast_prefill",
+    "mamba_block_size",
+    "mamba_cache_dtype",
+    "mamba_cache_mode",
+    "mamba_page_size_padded",
+    "mamba_ssm_cache_dtype",
+    "num_cpu_blocks",
+    "num_gpu_blocks",
+    "num_gpu_blocks_override",
+    "prefix_cache_retention_interval",
+    "prefix_caching_hash_algo",
+    "prefix_match_unit",
+    "replayssm_buffer_len",
+    "skip_page_size_padded",
+    "sliding_window",
+    "swa_bounded_replay",
+    "use_kda_recoverssm",
+    "use_replayssm",
+    "user_specified_block_size",
 )
 
 # Bytes of KV per token we pretend the model has, only to fill kv_cache_memory_bytes.
@@ -151,105 +238,163 @@ class SimMetrics:
         def histogram(name: str, help_text: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, help_text, labels, buckets=buckets, registry=registry)
 
-        self.running = gauge("vllm:num_requests_running",
-                             "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting",
-                             "Number of requests waiting to be processed.")
+        self.running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
         self.waiting_by_reason = gauge(
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
             "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
             "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
-            ("reason",))
+            ("reason",),
+        )
         self.sleep_state = gauge(
             "vllm:engine_sleep_state",
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
             "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
-            "level 2.", ("sleep_state",))
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc",
-                              "KV-cache usage. 1 means 100 percent usage.")
-        self.queries = counter("vllm:prefix_cache_queries",
-                               "Prefix cache queries, in terms of number of queried tokens.")
-        self.hits = counter("vllm:prefix_cache_hits",
-                            "Prefix cache hits, in terms of number of cached tokens.")
+            "level 2.",
+            ("sleep_state",),
+        )
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self.queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         self.external_queries = counter(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, in "
-            "terms of number of queried tokens.")
+            "terms of number of queried tokens.",
+        )
         self.external_hits = counter(
             "vllm:external_prefix_cache_hits",
             "External prefix cache hits from KV connector cross-instance cache sharing, in "
-            "terms of number of cached tokens.")
-        self.preemptions = counter("vllm:num_preemptions",
-                                   "Cumulative number of preemption from the engine.")
+            "terms of number of cached tokens.",
+        )
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.prompt_by_source = counter("vllm:prompt_tokens_by_source",
-                                        "Number of prompt tokens by source.", ("source",))
-        self.prompt_cached = counter("vllm:prompt_tokens_cached",
-                                     "Number of cached prompt tokens (local + external).")
+        self.prompt_by_source = counter(
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", ("source",)
+        )
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
         self.cached_by_source = counter(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
             "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
             "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
-            "vllm:external_prefix_cache_hits.", ("source",))
-        self.generation_tokens = counter("vllm:generation_tokens",
-                                         "Number of generation tokens processed.")
-        self.success = counter("vllm:request_success",
-                               "Count of successfully processed requests.", ("finished_reason",))
+            "vllm:external_prefix_cache_hits.",
+            ("source",),
+        )
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.success = counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ("finished_reason",),
+        )
         token_hist = token_buckets(config.context_limit)
         self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_hist)
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_hist
+        )
         self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.",
-            token_hist)
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_hist
+        )
         self.max_generation_tokens = histogram(
             "vllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", token_hist)
-        self.params_n = histogram("vllm:request_params_n",
-                                  "Histogram of the n request parameter.", N_BUCKETS)
+            "Histogram of maximum number of requested generation tokens.",
+            token_hist,
+        )
+        self.params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
         self.params_max_tokens = histogram(
-            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-            token_hist)
-        self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.",
-                              ITL_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.",
-                                    LATENCY_BUCKETS)
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_hist,
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            LATENCY_BUCKETS,
+        )
         self.inference_time = histogram(
             "vllm:request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.", LATENCY_BUCKETS)
-        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.",
-                                      LATENCY_BUCKETS)
-        self.decode_time = histogram("vllm:request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.",
-                                     LATENCY_BUCKETS)
+            "Histogram of time spent in RUNNING phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            LATENCY_BUCKETS,
+        )
         self.request_preemptions = histogram(
             "vllm:request_num_preemptions",
-            "Histogram of the number of times a request was preempted.", PREEMPTION_BUCKETS)
+            "Histogram of the number of times a request was preempted.",
+            PREEMPTION_BUCKETS,
+        )
         self.kv_computed = histogram(
             "vllm:request_prefill_kv_computed_tokens",
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            token_hist)
-        self.residency = self._residency_histograms(histogram) if config.kv_cache_metrics \
-            else ()
-        cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                           [*CACHE_CONFIG_KEYS, "engine"], registry=registry)
+            token_hist,
+        )
+        self.residency = self._residency_histograms(histogram) if config.kv_cache_metrics else ()
+        cache_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*CACHE_CONFIG_KEYS, "engine"],
+            registry=registry,
+        )
         cache_info.labels(**cache_config_labels(config), engine=ENGINE).set(1)
 
         # vLLM creates every labelled child up front, so they read 0 before any traffic.
         model = self.model
-        for child in (self.queries, self.hits, self.external_queries, self.external_hits,
-                      self.preemptions, self.prompt_tokens, self.prompt_cached,
-                      self.generation_tokens):
+        for child in (
+            self.queries,
+            self.hits,
+            self.external_queries,
+            self.external_hits,
+            self.preemptions,
+            self.prompt_tokens,
+            self.prompt_cached,
+            self.generation_tokens,
+        ):
             child.labels(model, ENGINE)
         for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
             self.prompt_by_source.labels(model, ENGINE, source)
@@ -258,11 +403,23 @@ class SimMetrics:
         for reason in ("stop", "length", "abort", "error", "repetition"):
             self.success.labels(model, ENGINE, reason)
         for histogram_metric in (
-                self.request_prompt_tokens, self.request_generation_tokens,
-                self.max_generation_tokens, self.params_n, self.params_max_tokens, self.ttft,
-                self.itl, self.tpot, self.e2e, self.queue_time, self.inference_time,
-                self.prefill_time, self.decode_time, self.request_preemptions,
-                self.kv_computed, *self.residency):
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.max_generation_tokens,
+            self.params_n,
+            self.params_max_tokens,
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue_time,
+            self.inference_time,
+            self.prefill_time,
+            self.decode_time,
+            self.request_preemptions,
+            self.kv_computed,
+            *self.residency,
+        ):
             histogram_metric.labels(model, ENGINE)
         for reason in ("capacity", "deferred"):
             self.waiting_by_reason.labels(model, ENGINE, reason).set(0)
@@ -272,20 +429,27 @@ class SimMetrics:
 
     @staticmethod
     def _residency_histograms(
-            histogram: Callable[[str, str, tuple[float, ...]], Histogram]) -> tuple[Histogram, ...]:
+        histogram: Callable[[str, str, tuple[float, ...]], Histogram],
+    ) -> tuple[Histogram, ...]:
         """vLLM's three KV-residency histograms, declared as vLLM 0.32/0.33 declares them."""
         sampled = "Sampled metrics (controlled by --kv-cache-metrics-sample)."
         return (
-            histogram("vllm:kv_block_lifetime_seconds",
-                      "Histogram of KV cache block lifetime from allocation to eviction. "
-                      + sampled, RESIDENCY_BUCKETS),
-            histogram("vllm:kv_block_idle_before_evict_seconds",
-                      "Histogram of idle time before KV cache block eviction. " + sampled,
-                      RESIDENCY_BUCKETS),
-            histogram("vllm:kv_block_reuse_gap_seconds",
-                      "Histogram of time gaps between consecutive KV cache block accesses. "
-                      "Only the most recent accesses are recorded (ring buffer). " + sampled,
-                      RESIDENCY_BUCKETS),
+            histogram(
+                "vllm:kv_block_lifetime_seconds",
+                "Histogram of KV cache block lifetime from allocation to eviction. " + sampled,
+                RESIDENCY_BUCKETS,
+            ),
+            histogram(
+                "vllm:kv_block_idle_before_evict_seconds",
+                "Histogram of idle time before KV cache block eviction. " + sampled,
+                RESIDENCY_BUCKETS,
+            ),
+            histogram(
+                "vllm:kv_block_reuse_gap_seconds",
+                "Histogram of time gaps between consecutive KV cache block accesses. "
+                "Only the most recent accesses are recorded (ring buffer). " + sampled,
+                RESIDENCY_BUCKETS,
+            ),
         )
 
     def observe(self, event: EngineEvent) -> None:
@@ -301,7 +465,8 @@ class SimMetrics:
             hit = seq.hit_tokens
             self.prompt_tokens.labels(model, ENGINE).inc(seq.prompt_tokens)
             self.prompt_by_source.labels(model, ENGINE, "local_compute").inc(
-                seq.prompt_tokens - hit)
+                seq.prompt_tokens - hit
+            )
             self.prompt_by_source.labels(model, ENGINE, "local_cache_hit").inc(hit)
             self.prompt_cached.labels(model, ENGINE).inc(hit)
             self.ttft.labels(model, ENGINE).observe(event.time - seq.arrival)

@@ -30,8 +30,13 @@ MAX_BATCH = 500
 RETRY_SECONDS = (0.5, 1.0, 2.0, 5.0)
 
 
-def usage_event(caller: str, session: str | None, completion: Completion,
-                finished_at: float, max_tokens: int | None = None) -> dict[str, Any] | None:
+def usage_event(
+    caller: str,
+    session: str | None,
+    completion: Completion,
+    finished_at: float,
+    max_tokens: int | None = None,
+) -> dict[str, Any] | None:
     """The native usage event for one request; None when a success carried no usage.
     ``max_tokens`` is what the request declared, as a proxy that sees the request knows."""
     event: dict[str, Any] = {"caller": caller, "time": round(finished_at, 3)}
@@ -57,12 +62,17 @@ def usage_event(caller: str, session: str | None, completion: Completion,
         event["ttft_seconds"] = round(completion.ttft_seconds, 6)
     metrics = completion.metrics
     if metrics is not None:
-        for key, field in (("time_to_first_token_ms", "engine_ttft_seconds"),
-                           ("queue_time_ms", "engine_queue_seconds")):
+        for key, field in (
+            ("time_to_first_token_ms", "engine_ttft_seconds"),
+            ("queue_time_ms", "engine_queue_seconds"),
+        ):
             value = metrics.get(key)
             # As sent (the exporter checks the range), if it is a number a float can hold.
-            if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and -1e15 < value < 1e15:
+            if (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and -1e15 < value < 1e15
+            ):
                 event[field] = value / 1000
     event["status"] = completion.status
     return event
@@ -118,9 +128,14 @@ class HttpReporter:
     beyond it the oldest are dropped and counted) and go out as JSON arrays.
     """
 
-    def __init__(self, exporter_url: str, token: str = "", timeout: float = 10.0,
-                 retry_seconds: tuple[float, ...] = RETRY_SECONDS,
-                 max_pending: int = MAX_PENDING) -> None:
+    def __init__(
+        self,
+        exporter_url: str,
+        token: str = "",
+        timeout: float = 10.0,
+        retry_seconds: tuple[float, ...] = RETRY_SECONDS,
+        max_pending: int = MAX_PENDING,
+    ) -> None:
         base = exporter_url.rstrip("/")
         self.url = base if base.endswith("/v1/usage") else base + "/v1/usage"
         self.token = token
@@ -184,27 +199,32 @@ class HttpReporter:
 
     async def _post(self, batch: list[dict[str, Any]]) -> bool:
         if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         try:
-            async with self._session.post(self.url, data=json.dumps(batch),
-                                          headers=headers) as response:
+            async with self._session.post(
+                self.url, data=json.dumps(batch), headers=headers
+            ) as response:
                 text = await response.text()
                 if response.status < 300:
                     return True
                 if 400 <= response.status < 500 and response.status not in (408, 429):
                     # Our events or our token are wrong: retrying cannot help; drop the batch.
-                    log.error("exporter refused %d usage event(s): HTTP %d %s", len(batch),
-                              response.status, text[:200])
+                    log.error(
+                        "exporter refused %d usage event(s): HTTP %d %s",
+                        len(batch),
+                        response.status,
+                        text[:200],
+                    )
                     self.dropped += len(batch)
                     for _ in batch:
                         self.pending.popleft()
                     return False
-                log.warning("exporter answered HTTP %d to usage events; will retry",
-                            response.status)
+                log.warning(
+                    "exporter answered HTTP %d to usage events; will retry", response.status
+                )
                 return False
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             log.warning("cannot reach %s (%s); will retry", self.url, type(err).__name__)

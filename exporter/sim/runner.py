@@ -38,8 +38,7 @@ Observer = Callable[[EngineEvent], None]
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, clock: SimClock,
-                 observers: Sequence[Observer] = ()) -> None:
+    def __init__(self, engine: Engine, clock: SimClock, observers: Sequence[Observer] = ()) -> None:
         self.engine = engine
         self.clock = clock
         self.observers = list(observers)
@@ -68,12 +67,19 @@ class EngineRunner:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids):08x}"
 
-    def submit(self, prompt: Sequence[int], output: Sequence[int], max_tokens: int,
-               request_id: str, declared_max_tokens: int = 0) -> Handle:
+    def submit(
+        self,
+        prompt: Sequence[int],
+        output: Sequence[int],
+        max_tokens: int,
+        request_id: str,
+        declared_max_tokens: int = 0,
+    ) -> Handle:
         loop = asyncio.get_running_loop()
         now = self.clock.now()
-        request = Request(request_id, prompt, output, now, max_tokens,
-                          declared_max_tokens=declared_max_tokens)
+        request = Request(
+            request_id, prompt, output, now, max_tokens, declared_max_tokens=declared_max_tokens
+        )
         handle = Handle(request, loop.create_future(), loop.create_future())
         self._handles[request_id] = handle
         self.engine.submit(request, now)

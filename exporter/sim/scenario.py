@@ -78,8 +78,13 @@ class AgentSpec:
                 problems.append(f"{name} must be at least 1")
         if self.declared_max_tokens and self.declared_max_tokens < self.output_tokens:
             problems.append("declared_max_tokens must be 0 or at least output_tokens")
-        for name in ("context_tokens", "input_tokens", "shared_tokens", "task_tokens",
-                     "declared_max_tokens"):
+        for name in (
+            "context_tokens",
+            "input_tokens",
+            "shared_tokens",
+            "task_tokens",
+            "declared_max_tokens",
+        ):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
         for name in ("start", "think_seconds", "every_seconds"):
@@ -164,9 +169,17 @@ def parse_scenario(data: Any, source: str) -> Scenario:
     boots = _boots(data.get("boots") or [], source)
     agents = _agents(data["agents"], source)
     speed, tap = _demo(data.get("demo") or {}, source)
-    scenario = Scenario(str(data["name"]), str(data.get("title", "")),
-                        str(data.get("report", "")), str(data.get("reproduces", "")).strip(),
-                        engine, tuple(agents), speed, tuple(boots), demo_tap=tap)
+    scenario = Scenario(
+        str(data["name"]),
+        str(data.get("title", "")),
+        str(data.get("report", "")),
+        str(data.get("reproduces", "")).strip(),
+        engine,
+        tuple(agents),
+        speed,
+        tuple(boots),
+        demo_tap=tap,
+    )
     for boot in range(max(1, len(boots))):
         try:
             scenario.engine_config(boot)  # fail now on an impossible engine
@@ -182,8 +195,9 @@ def _boots(boots_raw: Any, source: str) -> list[dict[str, Any]]:
     for index, boot in enumerate(boots_raw):
         bad = set(boot) - _ENGINE_KEYS
         if bad:
-            raise ScenarioError(f"{source}: boots[{index}]: unknown key(s) "
-                                f"{', '.join(sorted(bad))}")
+            raise ScenarioError(
+                f"{source}: boots[{index}]: unknown key(s) {', '.join(sorted(bad))}"
+            )
         boots.append(_engine_settings(boot, f"{source}: boots[{index}]"))
     return boots
 
@@ -199,8 +213,12 @@ def _agents(agents_raw: Any, source: str) -> list[AgentSpec]:
         bad = set(raw) - set(_AGENT_FIELDS)
         if bad:
             raise ScenarioError(f"{where}: unknown key(s) {', '.join(sorted(bad))}")
-        values: dict[str, Any] = {key: _typed(value, _AGENT_FIELDS[key].default, f"{where}.{key}")
-                  if key != "caller" else str(value) for key, value in raw.items()}
+        values: dict[str, Any] = {
+            key: _typed(value, _AGENT_FIELDS[key].default, f"{where}.{key}")
+            if key != "caller"
+            else str(value)
+            for key, value in raw.items()
+        }
         agent = AgentSpec(**values)
         try:
             agent.check()
@@ -226,10 +244,16 @@ def _demo(demo: Any, source: str) -> tuple[float, bool]:
 def _engine_settings(engine: dict[str, Any], where: str) -> dict[str, Any]:
     """Engine settings typed against EngineConfig's defaults."""
     defaults = EngineConfig()
-    return {key: value if key == "enable_prefix_caching" and value is None
-            else _typed(value, getattr(defaults, key)
-                        if getattr(defaults, key) is not None else True, f"{where}.{key}")
-            for key, value in engine.items()}
+    return {
+        key: value
+        if key == "enable_prefix_caching" and value is None
+        else _typed(
+            value,
+            getattr(defaults, key) if getattr(defaults, key) is not None else True,
+            f"{where}.{key}",
+        )
+        for key, value in engine.items()
+    }
 
 
 def available() -> list[str]:
@@ -249,8 +273,9 @@ def load(name_or_path: str) -> Scenario:
         source = str(path)
     else:
         if name_or_path not in available():
-            raise ScenarioError(f"unknown scenario {name_or_path!r}; shipped: "
-                                + ", ".join(available()))
+            raise ScenarioError(
+                f"unknown scenario {name_or_path!r}; shipped: " + ", ".join(available())
+            )
         resource = resources.files("exporter.sim") / "scenarios" / f"{name_or_path}.yaml"
         text = resource.read_text(encoding="utf-8")
         source = f"{name_or_path}.yaml"

@@ -56,8 +56,9 @@ def build_simulator(config: EngineConfig, clock: SimClock | None = None) -> Simu
     engine = Engine(config)
     metrics = SimMetrics(config)
     runner = EngineRunner(engine, clock, observers=[metrics.observe])
-    return Simulator(config, clock, engine, metrics, runner, SimService(runner, config),
-                     time.time())
+    return Simulator(
+        config, clock, engine, metrics, runner, SimService(runner, config), time.time()
+    )
 
 
 SIM_KEY = web.AppKey("simulator", Simulator)
@@ -122,8 +123,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
                 outcome = await service.outcome(running)
             except ApiError as err:
                 return _error(err, sim)
-            return web.json_response(service.response(running, outcome),
-                                     headers=_speed_headers(sim))
+            return web.json_response(
+                service.response(running, outcome), headers=_speed_headers(sim)
+            )
         return await _stream(request, sim, running)
     finally:
         if not running.handle.done.done():  # the client went away (or we failed): free it
@@ -143,18 +145,33 @@ async def _stream(request: web.Request, sim: Simulator, running: Running) -> web
         return web.Response(status=499)
 
 
-async def _stream_chunks(request: web.Request, sim: Simulator,
-                         running: Running) -> web.StreamResponse:
+async def _stream_chunks(
+    request: web.Request, sim: Simulator, running: Running
+) -> web.StreamResponse:
     service = sim.service
     if not await service.first_token(running):
         try:
             await service.outcome(running)
         except ApiError as err:  # refused before any output: a plain error, as vLLM does
             return _error(err, sim)
-        return web.json_response({"error": {"message": "request aborted", "type": "Aborted",
-                                            "param": None, "code": 499}}, status=499)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", **_speed_headers(sim)})
+        return web.json_response(
+            {
+                "error": {
+                    "message": "request aborted",
+                    "type": "Aborted",
+                    "param": None,
+                    "code": 499,
+                }
+            },
+            status=499,
+        )
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            **_speed_headers(sim),
+        }
+    )
     await response.prepare(request)
     if running.request.kind == CHAT:
         await response.write(_sse(service.chunk(running, None, role=True)))
@@ -165,13 +182,13 @@ async def _stream_chunks(request: web.Request, sim: Simulator,
         await asyncio.wait((done,), timeout=STREAM_INTERVAL)
         generated = sim.runner.generated(running.request_id) if not done.done() else sent
         if generated > sent:
-            await response.write(_sse(service.chunk(running, running.reply.text(sent,
-                                                                                generated))))
+            await response.write(_sse(service.chunk(running, running.reply.text(sent, generated))))
             sent = generated
     outcome = await service.outcome(running)
     if outcome.completion_tokens > sent:
-        await response.write(_sse(service.chunk(running, running.reply.text(
-            sent, outcome.completion_tokens))))
+        await response.write(
+            _sse(service.chunk(running, running.reply.text(sent, outcome.completion_tokens)))
+        )
     await response.write(_sse(service.chunk(running, "", finish_reason=outcome.finish_reason)))
     if running.request.include_usage:
         await response.write(_sse(service.usage_chunk(running, outcome)))
@@ -185,15 +202,38 @@ async def models(request: web.Request) -> web.Response:
     sim = request.app[SIM_KEY]
     name = sim.config.served_model_name
     created = int(sim.started)
-    return web.json_response({"object": "list", "data": [{
-        "id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
-        "parent": None, "max_model_len": sim.config.context_limit,
-        "permission": [{"id": "modelperm-sim", "object": "model_permission",
-                        "created": created, "allow_create_engine": False,
-                        "allow_sampling": True, "allow_logprobs": True,
-                        "allow_search_indices": False, "allow_view": True,
-                        "allow_fine_tuning": False, "organization": "*", "group": None,
-                        "is_blocking": False}]}]})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": name,
+                    "parent": None,
+                    "max_model_len": sim.config.context_limit,
+                    "permission": [
+                        {
+                            "id": "modelperm-sim",
+                            "object": "model_permission",
+                            "created": created,
+                            "allow_create_engine": False,
+                            "allow_sampling": True,
+                            "allow_logprobs": True,
+                            "allow_search_indices": False,
+                            "allow_view": True,
+                            "allow_fine_tuning": False,
+                            "organization": "*",
+                            "group": None,
+                            "is_blocking": False,
+                        }
+                    ],
+                }
+            ],
+        }
+    )
 
 
 async def health(_request: web.Request) -> web.Response:
@@ -206,23 +246,27 @@ async def version(_request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     body = request.app[SIM_KEY].render_metrics()
-    return web.Response(body=body, headers={"Content-Type":
-                                            "text/plain; version=0.0.4; charset=utf-8"})
+    return web.Response(
+        body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
 
 
 async def landing(request: web.Request) -> web.Response:
     sim = request.app[SIM_KEY]
     cfg = sim.config
-    return web.Response(text=(
-        f"vllm-cache-exporter simulator: a vLLM {VLLM_VERSION} stand-in serving "
-        f"{cfg.served_model_name}\n"
-        f"KV pool {cfg.kv_pool_tokens} tokens ({cfg.num_blocks} blocks of {cfg.block_size}), "
-        f"granule {cfg.granule}, prefix caching {'on' if cfg.prefix_caching else 'off'}, "
-        f"prompt token details {'on' if cfg.enable_prompt_tokens_details else 'off'}, "
-        f"per-request metrics {'on' if cfg.enable_per_request_metrics else 'off'}, "
-        f"speed x{sim.clock.speed:g}\n"
-        "Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, "
-        "/metrics\n"))
+    return web.Response(
+        text=(
+            f"vllm-cache-exporter simulator: a vLLM {VLLM_VERSION} stand-in serving "
+            f"{cfg.served_model_name}\n"
+            f"KV pool {cfg.kv_pool_tokens} tokens ({cfg.num_blocks} blocks of {cfg.block_size}), "
+            f"granule {cfg.granule}, prefix caching {'on' if cfg.prefix_caching else 'off'}, "
+            f"prompt token details {'on' if cfg.enable_prompt_tokens_details else 'off'}, "
+            f"per-request metrics {'on' if cfg.enable_per_request_metrics else 'off'}, "
+            f"speed x{sim.clock.speed:g}\n"
+            "Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, /health, "
+            "/metrics\n"
+        )
+    )
 
 
 async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:

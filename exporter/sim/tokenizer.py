@@ -45,8 +45,9 @@ class Tokenizer:
             return tokens
         span = VOCAB_SIZE - SPECIAL_IDS
         crc = zlib.crc32
-        tokens = tuple(SPECIAL_IDS + crc(piece.encode("utf-8")) % span
-                       for piece in _PIECES.findall(text))
+        tokens = tuple(
+            SPECIAL_IDS + crc(piece.encode("utf-8")) % span for piece in _PIECES.findall(text)
+        )
         if len(text) > 64:  # short texts are cheap to redo; keep the memo for histories
             memo[text] = tokens
             if len(memo) > _MEMO_MAX:

@@ -37,9 +37,14 @@ class VirtualRun:
 Sampler = Callable[[float, Simulator], None]
 
 
-def play(scenario: Scenario, iterations: int = 1, boot: int = 0,
-         sampler: Sampler | None = None, sample_every: float = 15.0,
-         **engine_overrides: Any) -> VirtualRun:
+def play(
+    scenario: Scenario,
+    iterations: int = 1,
+    boot: int = 0,
+    sampler: Sampler | None = None,
+    sample_every: float = 15.0,
+    **engine_overrides: Any,
+) -> VirtualRun:
     """Run ``iterations`` iterations of the scenario on boot ``boot`` of its engine, in
     virtual time, and return what happened.
 
@@ -54,8 +59,11 @@ def play(scenario: Scenario, iterations: int = 1, boot: int = 0,
         reporter = ListReporter(clock.now)
         client = InProcessClient(sim.service, clock)
         driver = Driver(scenario, client, reporter, clock, sim.config.served_model_name)
-        sampling = (asyncio.ensure_future(_sample(sampler, sim, clock, sample_every))
-                    if sampler is not None else None)
+        sampling = (
+            asyncio.ensure_future(_sample(sampler, sim, clock, sample_every))
+            if sampler is not None
+            else None
+        )
         try:
             stats = await driver.run(iterations)
             if sampling is not None:
@@ -72,12 +80,15 @@ def play(scenario: Scenario, iterations: int = 1, boot: int = 0,
     return run_virtual(main())
 
 
-def play_boots(scenario: Scenario, iterations: int = 1,
-               **engine_overrides: Any) -> list[VirtualRun]:
+def play_boots(
+    scenario: Scenario, iterations: int = 1, **engine_overrides: Any
+) -> list[VirtualRun]:
     """The scenario once per boot (each a freshly started engine: counters at zero, an empty
     cache, the boot's own pool), one run each."""
-    return [play(scenario, iterations, boot, **engine_overrides)
-            for boot in range(max(1, len(scenario.boots)))]
+    return [
+        play(scenario, iterations, boot, **engine_overrides)
+        for boot in range(max(1, len(scenario.boots)))
+    ]
 
 
 async def _sample(sampler: Sampler, sim: Simulator, clock: SimClock, every: float) -> None:

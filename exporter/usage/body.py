@@ -93,7 +93,8 @@ def decoder_for(content_encoding: str) -> _Decoder | None:
         return _Decoder(gzip=False)
     raise UnsupportedEncoding(
         f"Content-Encoding {content_encoding.strip()[:40]!r} is not supported; send the body "
-        "as is, or with one of gzip, deflate")
+        "as is, or with one of gzip, deflate"
+    )
 
 
 class _Decoder:
@@ -126,8 +127,7 @@ class _Decoder:
             try:
                 piece = self._inflate.decompress(data, min(room, DECODE_STEP_BYTES) + 1)
             except zlib.error:
-                raise BadEncoding("the body does not decode as its Content-Encoding "
-                                  "says") from None
+                raise BadEncoding("the body does not decode as its Content-Encoding says") from None
             if len(piece) > room:
                 raise BodyTooLarge("decoded, the body is larger than the limit")
             if piece:
@@ -156,9 +156,15 @@ class _Decoder:
         return out
 
 
-async def read_body(stream: aiohttp.StreamReader, declared: int | None, limit: int,
-                    content_encoding: str = "", *, seconds: float | None = None,
-                    reserve: Callable[[int], Awaitable[None]] | None = None) -> bytes:
+async def read_body(
+    stream: aiohttp.StreamReader,
+    declared: int | None,
+    limit: int,
+    content_encoding: str = "",
+    *,
+    seconds: float | None = None,
+    reserve: Callable[[int], Awaitable[None]] | None = None,
+) -> bytes:
     """The whole body, decoded: at most ``limit`` bytes, arrived within ``seconds``
     (``BODY_SECONDS``). Raises BodyRefused (one of its kinds), ConnectionError when the
     client went away, or whatever ``reserve`` raises."""
@@ -180,8 +186,12 @@ def _too_slow(stream: aiohttp.StreamReader, seconds: float) -> None:
         stream.set_exception(BodyTooSlow(f"the body did not arrive whole within {seconds:g} s"))
 
 
-async def _read(stream: aiohttp.StreamReader, limit: int, decoder: _Decoder | None,
-                reserve: Callable[[int], Awaitable[None]] | None) -> bytes:
+async def _read(
+    stream: aiohttp.StreamReader,
+    limit: int,
+    decoder: _Decoder | None,
+    reserve: Callable[[int], Awaitable[None]] | None,
+) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -40,9 +40,21 @@ FIELDS = tuple(field.name for field in msgspec.structs.fields(UsageEvent))
 
 # Every reason validate() can give, so the docs and tests can enumerate them.
 REASONS = (
-    "not_an_object", "missing_caller", "bad_caller", "caller_too_long", "bad_model",
-    "bad_session", "missing_prompt_tokens", "not_a_number", "negative", "not_finite",
-    "too_large", "cached_exceeds_prompt", "bad_status", "reserved_caller", "bad_id",
+    "not_an_object",
+    "missing_caller",
+    "bad_caller",
+    "caller_too_long",
+    "bad_model",
+    "bad_session",
+    "missing_prompt_tokens",
+    "not_a_number",
+    "negative",
+    "not_finite",
+    "too_large",
+    "cached_exceeds_prompt",
+    "bad_status",
+    "reserved_caller",
+    "bad_id",
 )
 
 # The reasons ``validate`` can give differently for a JSON integer beyond 64 bits read as
@@ -137,8 +149,9 @@ def _seconds(obj: Mapping[str, Any], key: str, limit: float) -> float | None:
     return None if value is None else float(value)
 
 
-def duration(obj: Mapping[str, Any], key: str, limit: float, name: str,
-             unit: str) -> int | float | None:
+def duration(
+    obj: Mapping[str, Any], key: str, limit: float, name: str, unit: str
+) -> int | float | None:
     """A finite, non-negative number in ``unit`` up to ``limit``, or None when absent.
     Compared before any float conversion: JSON integers are unbounded, and float(2**1024)
     raises instead of giving a number. ``name`` is how the error calls the field."""
@@ -180,8 +193,9 @@ def is_reserved_caller(name: str) -> bool:
     ``redaction.key_label``), in any case. A sender naming itself so would be counted with
     what the exporter folded, or as a key the operator may have aliased (--callers.alias)."""
     if len(name) == _KEY_LABEL_CHARS:
-        return name[:len(KEY_LABEL_PREFIX)].lower() == KEY_LABEL_PREFIX \
-            and _HEX_DIGITS.issuperset(name[len(KEY_LABEL_PREFIX):])
+        return name[: len(KEY_LABEL_PREFIX)].lower() == KEY_LABEL_PREFIX and _HEX_DIGITS.issuperset(
+            name[len(KEY_LABEL_PREFIX) :]
+        )
     return len(name) == len(OVERFLOW_LABEL) and name.lower() == OVERFLOW_LABEL
 
 
@@ -192,15 +206,19 @@ def _caller(obj: Mapping[str, Any], own: bool = False) -> str:
         if 0 < len(caller) <= MAX_CALLER_CHARS and caller.isprintable():
             if own or not is_reserved_caller(caller):
                 return caller
-            raise InvalidEvent("reserved_caller", "caller is a name the exporter gives "
-                               "(__other__, or key- and 12 hex digits: a hashed key)")
+            raise InvalidEvent(
+                "reserved_caller",
+                "caller is a name the exporter gives "
+                "(__other__, or key- and 12 hex digits: a hashed key)",
+            )
     if caller is None or caller == "":
         raise InvalidEvent("missing_caller", "caller is required")
     if type(caller) is not str:
         raise InvalidEvent("bad_caller", "caller must be a string")
     if len(caller) > MAX_CALLER_CHARS:
-        raise InvalidEvent("caller_too_long",
-                           f"caller is longer than {MAX_CALLER_CHARS} characters")
+        raise InvalidEvent(
+            "caller_too_long", f"caller is longer than {MAX_CALLER_CHARS} characters"
+        )
     raise InvalidEvent("bad_caller", "caller contains control or invisible characters")
 
 
@@ -255,8 +273,14 @@ def _session(value: Any, key: str) -> str | None:
 def _caller_name(value: Any, key: str) -> str:
     if type(value) is str and value in _valid_callers:
         return value
-    if type(value) is str and 0 < len(value) <= MAX_CALLER_CHARS and value.isprintable() \
-            and value[0] != " " and value[-1] != " " and not is_reserved_caller(value):
+    if (
+        type(value) is str
+        and 0 < len(value) <= MAX_CALLER_CHARS
+        and value.isprintable()
+        and value[0] != " "
+        and value[-1] != " "
+        and not is_reserved_caller(value)
+    ):
         _remember(_valid_callers, value)
         return value
     return _caller({key: value})
@@ -271,13 +295,16 @@ def _own_caller_name(value: Any, key: str) -> str:
 
 def _event_id(value: Any, key: str) -> str | None:
     """An id: printable text of 1 to MAX_EVENT_ID_CHARS characters (a number as its text)."""
-    if value is None or type(value) is str and 0 < len(value) <= MAX_EVENT_ID_CHARS \
-            and value.isprintable():
+    if (
+        value is None
+        or type(value) is str
+        and 0 < len(value) <= MAX_EVENT_ID_CHARS
+        and value.isprintable()
+    ):
         return value  # type: ignore[no-any-return]
     if type(value) is int:
         return _event_id(str(value), key)
-    raise InvalidEvent("bad_id", f"{key} must be 1 to {MAX_EVENT_ID_CHARS} printable "
-                       "characters")
+    raise InvalidEvent("bad_id", f"{key} must be 1 to {MAX_EVENT_ID_CHARS} printable characters")
 
 
 def _tokens(value: Any, key: str) -> int | None:
@@ -291,6 +318,7 @@ def _seconds_checker(limit: float) -> Callable[[Any, str], float | None]:
         if value is None or type(value) is float and 0.0 <= value <= limit:
             return value  # type: ignore[no-any-return]
         return _seconds({key: value}, key, limit)
+
     return check
 
 
@@ -336,8 +364,10 @@ def _declared_type(field: msgspec.structs.FieldInfo) -> str:
 
 # (field, its check), in UsageEvent's order. A field of a type without a check fails here,
 # at import: every field is validated, and by the rule of its type.
-_CHECKS = tuple((field.name, _CHECK_BY_TYPE[_declared_type(field)])
-                for field in msgspec.structs.fields(UsageEvent))
+_CHECKS = tuple(
+    (field.name, _CHECK_BY_TYPE[_declared_type(field)])
+    for field in msgspec.structs.fields(UsageEvent)
+)
 
 
 def validate(obj: Mapping[str, Any]) -> UsageEvent:
@@ -357,12 +387,14 @@ def checked(event: UsageEvent, own_caller: bool = False) -> UsageEvent:
     same event, or InvalidEvent with the reason ``validate`` would give its native form.
     ``own_caller``: the caller is a name the reader made (the tap's ``key-`` hash of the
     request's key), which may have the form reserved to the exporter."""
-    return _validated(lambda name: getattr(event, name),
-                      _own_caller_name if own_caller else _caller_name)
+    return _validated(
+        lambda name: getattr(event, name), _own_caller_name if own_caller else _caller_name
+    )
 
 
-def _validated(get: Callable[[str], Any],
-               caller_name: Callable[[Any, str], str] = _caller_name) -> UsageEvent:
+def _validated(
+    get: Callable[[str], Any], caller_name: Callable[[Any, str], str] = _caller_name
+) -> UsageEvent:
     """The checks of ``_CHECKS`` in order, after the three that decide what the others mean:
     who sent it, whether it failed, how long its prompt was (a failed request needs none)."""
     caller = caller_name(get("caller"), "caller")
@@ -375,13 +407,15 @@ def _validated(get: Callable[[str], Any],
     values: list[Any] = []
     for name, check in _CHECKS:
         if name in _DECIDED_FIRST:
-            values.append(caller if name == "caller" else status if name == "status"
-                          else prompt_tokens)
+            values.append(
+                caller if name == "caller" else status if name == "status" else prompt_tokens
+            )
             continue
         value = check(get(name), name)
         if name == "cached_tokens" and value is not None and value > prompt_tokens:
-            raise InvalidEvent("cached_exceeds_prompt",
-                               "cached_tokens is larger than prompt_tokens")
+            raise InvalidEvent(
+                "cached_exceeds_prompt", "cached_tokens is larger than prompt_tokens"
+            )
         values.append(value)
     return UsageEvent(*values)
 
@@ -416,10 +450,13 @@ def quick_event(line: bytes) -> UsageEvent | None:
     status = event.status
     session = event.session
     event_id = event.id
-    if event.caller in _valid_callers and event.model in _valid_models \
-            and (session is None or session in _valid_sessions) \
-            and (cached_tokens is None or cached_tokens <= event.prompt_tokens) \
-            and (status is None or type(status) is int and 200 <= status < 300) \
-            and (event_id is None or event_id.isprintable()):
+    if (
+        event.caller in _valid_callers
+        and event.model in _valid_models
+        and (session is None or session in _valid_sessions)
+        and (cached_tokens is None or cached_tokens <= event.prompt_tokens)
+        and (status is None or type(status) is int and 200 <= status < 300)
+        and (event_id is None or event_id.isprintable())
+    ):
         return event
     return None

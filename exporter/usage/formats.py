@@ -33,6 +33,7 @@ class MappingError(ValueError):
         self.where = where
         self.problem = problem
 
+
 _MISSING = object()
 
 
@@ -61,7 +62,6 @@ def _object(obj: Any) -> Mapping[str, Any]:
 # ---- native ----------------------------------------------------------------------------
 
 native: Converter = validate
-
 
 
 # ---- LiteLLM ---------------------------------------------------------------------------
@@ -96,8 +96,10 @@ class LiteLLMFormat:
     """
 
     SESSION_FIELDS = (("session_id",), ("metadata", "requester_metadata", "session_id"))
-    MAX_TOKENS_FIELDS = (("model_parameters", "max_tokens"),
-                         ("model_parameters", "max_completion_tokens"))
+    MAX_TOKENS_FIELDS = (
+        ("model_parameters", "max_tokens"),
+        ("model_parameters", "max_completion_tokens"),
+    )
 
     def __init__(self, caller_fields: Sequence[str]) -> None:
         self.caller_fields = [field.split(".") for field in caller_fields]
@@ -110,23 +112,31 @@ class LiteLLMFormat:
         if not (type(status) in (int, str) and status_is_error(status)):
             # A failed call has no usage worth reading; a successful one must have usable
             # numbers wherever it carries them.
-            usage = parse_usage(get_path(payload, ("metadata", "usage_object"))
-                                or get_path(payload, ("hidden_params", "usage_object"))
-                                or get_path(payload, ("response", "usage")))
+            usage = parse_usage(
+                get_path(payload, ("metadata", "usage_object"))
+                or get_path(payload, ("hidden_params", "usage_object"))
+                or get_path(payload, ("response", "usage"))
+            )
         model = payload.get("model") or payload.get("model_group")
         provider = payload.get("custom_llm_provider")
         if type(model) is str and type(provider) is str and model.startswith(provider + "/"):
-            model = model[len(provider) + 1:]  # "hosted_vllm/qwen" is vLLM's "qwen"
+            model = model[len(provider) + 1 :]  # "hosted_vllm/qwen" is vLLM's "qwen"
         prompt_tokens = payload.get("prompt_tokens")
         completion_tokens = payload.get("completion_tokens")
         native_form: dict[str, Any] = {
             "caller": caller,
             "model": model,
-            "prompt_tokens": prompt_tokens if prompt_tokens is not None
-            else usage.prompt_tokens if usage else None,
+            "prompt_tokens": prompt_tokens
+            if prompt_tokens is not None
+            else usage.prompt_tokens
+            if usage
+            else None,
             "cached_tokens": usage.cached_tokens if usage else None,
-            "completion_tokens": completion_tokens if completion_tokens is not None
-            else usage.completion_tokens if usage else None,
+            "completion_tokens": completion_tokens
+            if completion_tokens is not None
+            else usage.completion_tokens
+            if usage
+            else None,
             "session": _first_text(payload, self.SESSION_FIELDS),
             "status": status,
         }
@@ -145,11 +155,15 @@ class LiteLLMFormat:
 
 def _litellm_ttft(payload: Mapping[str, Any]) -> float | None:
     """LiteLLM's own first-chunk time, which only a streamed request has."""
-    start, first, end = (_timestamp(payload.get(key)) for key in
-                         ("startTime", "completionStartTime", "endTime"))
+    start, first, end = (
+        _timestamp(payload.get(key)) for key in ("startTime", "completionStartTime", "endTime")
+    )
     stream = payload.get("stream")
-    if start is not None and first is not None and (
-            stream is True or (stream is None and end is not None and first < end)):
+    if (
+        start is not None
+        and first is not None
+        and (stream is True or (stream is None and end is not None and first < end))
+    ):
         return max(0.0, first - start)
     return None
 
@@ -236,19 +250,22 @@ class MappingFormat:
     """
 
     def __init__(self, spec: Mapping[str, Any], source: str = "mapping") -> None:
-        self.rules: list[tuple[str, list[list[str]], float, list[list[str]],
-                               list[list[list[str]]]]] = []
+        self.rules: list[
+            tuple[str, list[list[str]], float, list[list[str]], list[list[list[str]]]]
+        ] = []
         for field, rule in spec.items():
             if field not in FIELDS:
-                raise MappingError(f"{source}: {field}",
-                                  f"unknown field (known: {', '.join(FIELDS)})")
+                raise MappingError(
+                    f"{source}: {field}", f"unknown field (known: {', '.join(FIELDS)})"
+                )
             scale, minus, plus = 1.0, [], []
             if isinstance(rule, Mapping):
                 unknown = set(rule) - {"path", "scale", "minus", "plus"}
                 if unknown or "path" not in rule:
-                    raise MappingError(f"{source}: {field}",
-                                      "expected a path, a list of paths, or {path, scale, "
-                                      "minus, plus}")
+                    raise MappingError(
+                        f"{source}: {field}",
+                        "expected a path, a list of paths, or {path, scale, minus, plus}",
+                    )
                 scale_raw = rule.get("scale", 1.0)
                 if isinstance(scale_raw, bool) or not isinstance(scale_raw, (int, float)):
                     raise MappingError(f"{source}: {field}.scale", "expected a number")
@@ -258,12 +275,10 @@ class MappingFormat:
                 if isinstance(terms, str):
                     terms = [terms]
                 if not isinstance(terms, list):
-                    raise MappingError(f"{source}: {field}.plus",
-                                       "expected a list of paths to add")
+                    raise MappingError(f"{source}: {field}.plus", "expected a list of paths to add")
                 plus = [self._paths(term, f"{source}: {field}.plus") for term in terms]
                 rule = rule["path"]
-            self.rules.append((field, self._paths(rule, f"{source}: {field}"), scale, minus,
-                               plus))
+            self.rules.append((field, self._paths(rule, f"{source}: {field}"), scale, minus, plus))
         mapped = {rule[0] for rule in self.rules}
         for required in ("caller", "prompt_tokens"):
             if required not in mapped:
@@ -344,8 +359,9 @@ def load_mapping(path: str) -> MappingFormat:
 # ---- registry --------------------------------------------------------------------------
 
 
-def build_converters(litellm_caller_fields: Sequence[str],
-                     mapping: MappingFormat | None = None) -> dict[str, Converter]:
+def build_converters(
+    litellm_caller_fields: Sequence[str], mapping: MappingFormat | None = None
+) -> dict[str, Converter]:
     """Every format usable with these settings (``mapping`` only with a mapping)."""
     converters: dict[str, Converter] = {
         "native": native,

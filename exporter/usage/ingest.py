@@ -121,8 +121,7 @@ class BodyBytes:
         self.capacity = capacity
         self.used = 0
         self.max_waiting = max_waiting
-        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = (
-            collections.deque())
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
     @property
     def full(self) -> bool:
@@ -201,16 +200,21 @@ class BatchResult:
             self.errors.append(entry)
 
     def reply(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"accepted": self.accepted, "rejected": self.rejected,
-                               "errors": self.errors}
+        out: dict[str, Any] = {
+            "accepted": self.accepted,
+            "rejected": self.rejected,
+            "errors": self.errors,
+        }
         if self.rejected > len(self.errors):
             out["errors_truncated"] = True
         if self.duplicates:
             out["duplicates"] = self.duplicates
         if self.abandoned:
             out["abandoned"] = True
-            out["message"] = (f"the first {self.rejected} events were all rejected; the rest "
-                              "of the body was not read")
+            out["message"] = (
+                f"the first {self.rejected} events were all rejected; the rest "
+                "of the body was not read"
+            )
         return out
 
 
@@ -281,8 +285,7 @@ def read_body(body: bytes | bytearray) -> Iterable[Item]:
             # NDJSON whose first line happens to be an array: the lines say what is bad.
         else:
             return ((value, None) for value in _array_elements(text))
-    if body[start] == ord("{") and first_newline >= 0 and not _is_value(body, start,
-                                                                         first_newline):
+    if body[start] == ord("{") and first_newline >= 0 and not _is_value(body, start, first_newline):
         # Not NDJSON (its first line is not a value): perhaps one pretty-printed object.
         try:
             text = body[start:].decode("utf-8")
@@ -349,7 +352,7 @@ def _array_elements(text: str) -> Iterator[Any]:
     ``iter_body`` runs through it once to check it, keeping nothing, then reads it again
     one element at a time."""
     position = _skip_whitespace(text, 1)  # after "["
-    if text[position:position + 1] == "]":
+    if text[position : position + 1] == "]":
         position += 1
     else:
         while True:
@@ -358,7 +361,7 @@ def _array_elements(text: str) -> Iterator[Any]:
                 raise BodyError("bad_body", "the JSON array is malformed")
             yield value
             position = _skip_whitespace(text, stop)
-            separator = text[position:position + 1]
+            separator = text[position : position + 1]
             position += 1
             if separator == "]":
                 break
@@ -448,7 +451,7 @@ def _decode_line(line: bytes, number: int) -> Item | None:
     """``json``'s reading of one NDJSON line (None for a blank line)."""
     line = line.strip(_LINE_BLANK)
     if line.startswith(BOM):
-        line = line[len(BOM):]
+        line = line[len(BOM) :]
     if not line:
         return None
     try:
@@ -485,12 +488,19 @@ class UsageIngest:
     that could not be used, ``reject_request`` the reason of each request refused as a whole.
     """
 
-    def __init__(self, converters: Mapping[str, Converter], default_format: str, token: str,
-                 max_body_bytes: int,
-                 record_events: Callable[[Sequence[UsageEvent]], int | None],
-                 reject: Callable[[str], None], reject_request: Callable[[str], None],
-                 max_concurrent_bodies: int = 4, batches: RecentKeys | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        converters: Mapping[str, Converter],
+        default_format: str,
+        token: str,
+        max_body_bytes: int,
+        record_events: Callable[[Sequence[UsageEvent]], int | None],
+        reject: Callable[[str], None],
+        reject_request: Callable[[str], None],
+        max_concurrent_bodies: int = 4,
+        batches: RecentKeys | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.converters = dict(converters)
         self.default_format = default_format
         self.token = token.encode("utf-8")
@@ -502,8 +512,11 @@ class UsageIngest:
         self.body_bytes = BodyBytes(max_concurrent_bodies * max_body_bytes)
         # The Idempotency-Keys of batches answered lately (by their hash), each with its
         # answer (``Answered``) or IN_PROGRESS.
-        self.batches = (batches if batches is not None
-                        else RecentKeys(DEFAULT_BATCH_KEYS, DEFAULT_BATCH_KEY_SECONDS))
+        self.batches = (
+            batches
+            if batches is not None
+            else RecentKeys(DEFAULT_BATCH_KEYS, DEFAULT_BATCH_KEY_SECONDS)
+        )
         self.clock = clock
 
     def authorized(self, request: web.Request) -> bool:
@@ -524,13 +537,11 @@ class UsageIngest:
         line is rejected and then read again by ``json``; in other formats, when no line
         holds a run of 19 digits (``_long_digit_lines``).
         """
-        if type(items) is NdjsonLines and (convert is validate
-                                           or not items.long_digits):
+        if type(items) is NdjsonLines and (convert is validate or not items.long_digits):
             return await self._process_lines(items, convert)
         return await self._process_items(iter(items), convert)
 
-    async def _process_items(self, items: Iterator[Item],
-                             convert: Converter) -> BatchResult:
+    async def _process_items(self, items: Iterator[Item], convert: Converter) -> BatchResult:
         """``process``, one decoded item at a time (JSON arrays, and NDJSON bodies with
         lines left to ``json``)."""
         result = BatchResult()
@@ -560,8 +571,7 @@ class UsageIngest:
         result.duplicates = duplicates
         return result
 
-    async def _process_lines(self, body: NdjsonLines,
-                             convert: Converter) -> BatchResult:
+    async def _process_lines(self, body: NdjsonLines, convert: Converter) -> BatchResult:
         """``process`` for an NDJSON body: the same items, slices and replies as one item
         at a time, without an item per line. Each line is decoded by orjson and converted
         in one step; only a line that step refuses is looked at again: one orjson refused
@@ -615,8 +625,15 @@ class UsageIngest:
                 quick_misses += 1
                 if quick_misses >= QUICK_MISSES_TRIED and 2 * quick_misses > position:
                     quick_on = False
-            if self._read_line(line, position, accepted + len(events) + result.rejected,
-                               convert, native, result, events):
+            if self._read_line(
+                line,
+                position,
+                accepted + len(events) + result.rejected,
+                convert,
+                native,
+                result,
+                events,
+            ):
                 slice_left -= 1
         if events:
             duplicates += record_events(events) or 0
@@ -626,8 +643,16 @@ class UsageIngest:
         result.duplicates = duplicates
         return result
 
-    def _read_line(self, line: bytes, position: int, index: int, convert: Converter,
-                   native: bool, result: BatchResult, events: list[UsageEvent]) -> bool:
+    def _read_line(
+        self,
+        line: bytes,
+        position: int,
+        index: int,
+        convert: Converter,
+        native: bool,
+        result: BatchResult,
+        events: list[UsageEvent],
+    ) -> bool:
         """One line the quick step did not take: decoded by orjson and converted, else as
         ``_process_lines`` says (json's reading, a rejection, or a second reading). False
         for a blank line, which is no item at all."""
@@ -649,8 +674,15 @@ class UsageIngest:
             self._line_again(line, position, index, convert, result, events)
         return True
 
-    def _line_again(self, line: bytes, number: int, index: int, convert: Converter,
-                    result: BatchResult, events: list[UsageEvent]) -> None:
+    def _line_again(
+        self,
+        line: bytes,
+        number: int,
+        index: int,
+        convert: Converter,
+        result: BatchResult,
+        events: list[UsageEvent],
+    ) -> None:
         """A line read on its own, as if it had never been tried (it is not blank)."""
         item = read_line(line, number)
         assert item is not None
@@ -668,13 +700,15 @@ class UsageIngest:
             return True
         return False
 
-    def _refused(self, err: InvalidEvent, index: int, line: int | None,
-                 result: BatchResult) -> None:
+    def _refused(
+        self, err: InvalidEvent, index: int, line: int | None, result: BatchResult
+    ) -> None:
         self.reject(err.reason)
         result.add_error(index, err.reason, str(err), line)
 
-    def _item_event(self, value: Any, line: int | None, index: int, convert: Converter,
-                  result: BatchResult) -> UsageEvent | None:
+    def _item_event(
+        self, value: Any, line: int | None, index: int, convert: Converter, result: BatchResult
+    ) -> UsageEvent | None:
         """One item's event, or None with the item rejected and its reason counted."""
         if type(value) is Unreadable:
             self.reject(value.reason)
@@ -690,18 +724,23 @@ class UsageIngest:
             result.add_error(index, "unprocessable", "the event could not be read", line)
         return None
 
-    def _refuse(self, status: int, reason: str, message: str,
-                headers: dict[str, str] | None = None) -> web.Response:
+    def _refuse(
+        self, status: int, reason: str, message: str, headers: dict[str, str] | None = None
+    ) -> web.Response:
         self.reject_request(reason)
-        return web.json_response({"accepted": 0, "error": reason, "message": message},
-                                 status=status, headers=headers)
+        return web.json_response(
+            {"accepted": 0, "error": reason, "message": message}, status=status, headers=headers
+        )
 
     def _overloaded(self) -> web.Response:
         response = self._refuse(
-            503, "overloaded", f"the bodies being read already hold "
+            503,
+            "overloaded",
+            f"the bodies being read already hold "
             f"{self.body_bytes.capacity} bytes ({self.max_concurrent_bodies} x "
             "--usage.ingest.max-body-bytes); retry shortly",
-            {"Retry-After": str(RETRY_AFTER_SECONDS)})
+            {"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
         response.force_close()  # the unread body is not worth reading
         return response
 
@@ -712,11 +751,18 @@ class UsageIngest:
         key = request.headers.get("Idempotency-Key")
         if key is None:
             return None
-        if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS or not key.isascii() \
-                or not key.isprintable() or " " in key:
-            return self._refuse(400, "bad_idempotency_key",
-                                f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} "
-                                "visible ASCII characters")
+        if (
+            not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS
+            or not key.isascii()
+            or not key.isprintable()
+            or " " in key
+        ):
+            return self._refuse(
+                400,
+                "bad_idempotency_key",
+                f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} "
+                "visible ASCII characters",
+            )
         hashed = batch_key(key)
         return self._answered_before(hashed) or hashed
 
@@ -726,27 +772,42 @@ class UsageIngest:
         if known is None:
             return None
         if known is IN_PROGRESS:
-            return self._refuse(409, "in_progress", "a request with this Idempotency-Key is "
-                                "being processed; retry shortly",
-                                {"Retry-After": str(RETRY_AFTER_SECONDS)})
+            return self._refuse(
+                409,
+                "in_progress",
+                "a request with this Idempotency-Key is being processed; retry shortly",
+                {"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
         assert type(known) is Answered
         self.reject_request("duplicate")
         return web.json_response(
-            {"accepted": known.accepted, "rejected": known.rejected, "errors": [],
-             "duplicate": True, "message": "a request with this Idempotency-Key was answered "
-             "already; nothing was counted again"}, status=known.status)
+            {
+                "accepted": known.accepted,
+                "rejected": known.rejected,
+                "errors": [],
+                "duplicate": True,
+                "message": "a request with this Idempotency-Key was answered "
+                "already; nothing was counted again",
+            },
+            status=known.status,
+        )
 
     async def handle(self, request: web.Request) -> web.Response:
         if not self.authorized(request):
-            return self._refuse(401, "unauthorized",
-                                "a valid 'Authorization: Bearer <token>' header is required",
-                                {"WWW-Authenticate": 'Bearer realm="vllm-cache-exporter"'})
+            return self._refuse(
+                401,
+                "unauthorized",
+                "a valid 'Authorization: Bearer <token>' header is required",
+                {"WWW-Authenticate": 'Bearer realm="vllm-cache-exporter"'},
+            )
         format_name = request.query.get("format", self.default_format)
         convert = self.converters.get(format_name)
         if convert is None:
-            return self._refuse(400, "bad_format",
-                                f"unknown or unconfigured format; use one of "
-                                f"{', '.join(sorted(self.converters))}")
+            return self._refuse(
+                400,
+                "bad_format",
+                f"unknown or unconfigured format; use one of {', '.join(sorted(self.converters))}",
+            )
         key = self._batch_key(request)
         if isinstance(key, web.Response):
             return key
@@ -762,15 +823,20 @@ class UsageIngest:
         try:
             try:
                 body = await read_request_body(
-                    request.content, request.content_length, self.max_body_bytes,
-                    request.headers.get("Content-Encoding", ""), reserve=reserve)
+                    request.content,
+                    request.content_length,
+                    self.max_body_bytes,
+                    request.headers.get("Content-Encoding", ""),
+                    reserve=reserve,
+                )
             except BodyRefused as refused:
                 message = refused.message
                 if refused.reason == "body_too_large":
-                    message = (f"the body is larger than {self.max_body_bytes} bytes "
-                               "(--usage.ingest.max-body-bytes)")
-                headers = ({"Accept-Encoding": "gzip, deflate"} if refused.status == 415
-                           else None)
+                    message = (
+                        f"the body is larger than {self.max_body_bytes} bytes "
+                        "(--usage.ingest.max-body-bytes)"
+                    )
+                headers = {"Accept-Encoding": "gzip, deflate"} if refused.status == 415 else None
                 response = self._refuse(refused.status, refused.reason, message, headers)
                 response.force_close()  # the rest of the body is not worth reading
                 return response
@@ -785,8 +851,7 @@ class UsageIngest:
             if held:
                 budget.give_back(held)
 
-    async def _process_keyed(self, body: bytes, convert: Converter,
-                             key: int) -> web.Response:
+    async def _process_keyed(self, body: bytes, convert: Converter, key: int) -> web.Response:
         """``_process_body`` under an Idempotency-Key: claimed while processed (another
         request with it may have been answered while this one's body arrived), remembered
         with the answer once the events are counted, let go if it never got that far."""
@@ -801,15 +866,19 @@ class UsageIngest:
             if result is None:
                 self.batches.pop(key)
             else:
-                self.batches.put(key, Answered(result.accepted + result.duplicates,
-                                               result.rejected, result.status), self.clock())
+                self.batches.put(
+                    key,
+                    Answered(result.accepted + result.duplicates, result.rejected, result.status),
+                    self.clock(),
+                )
         return response
 
     async def _process_body(self, body: bytes, convert: Converter) -> web.Response:
         return (await self._counted(body, convert))[0]
 
-    async def _counted(self, body: bytes,
-                       convert: Converter) -> tuple[web.Response, BatchResult | None]:
+    async def _counted(
+        self, body: bytes, convert: Converter
+    ) -> tuple[web.Response, BatchResult | None]:
         """The answer to a body that arrived whole, and what was counted of it (None: the
         body was refused as a whole, nothing counted)."""
         try:

@@ -81,15 +81,22 @@ def parse_usage(usage: Any) -> Usage | None:
         return _checked(prompt, completion, read)
     if "input_tokens" in usage or "input_tokens_details" in usage:
         prompt_key, completion_key, details_key = (
-            "input_tokens", "output_tokens", "input_tokens_details")
+            "input_tokens",
+            "output_tokens",
+            "input_tokens_details",
+        )
     else:
         prompt_key, completion_key, details_key = (
-            "prompt_tokens", "completion_tokens", "prompt_tokens_details")
+            "prompt_tokens",
+            "completion_tokens",
+            "prompt_tokens_details",
+        )
     prompt = token_count(usage, prompt_key, required=True) or 0
     completion = token_count(usage, completion_key, required=False)
     details = usage.get(details_key)
-    cached = (token_count(details, "cached_tokens", required=False)
-              if isinstance(details, dict) else None)
+    cached = (
+        token_count(details, "cached_tokens", required=False) if isinstance(details, dict) else None
+    )
     return _checked(prompt, completion, cached)
 
 
@@ -145,8 +152,9 @@ def engine_timings_of(obj: Any) -> EngineTimings | None:
     metrics = _response_object(obj).get("metrics")
     if not isinstance(metrics, dict):
         return None
-    return EngineTimings(_milliseconds(metrics, "time_to_first_token_ms"),
-                         _milliseconds(metrics, "queue_time_ms"))
+    return EngineTimings(
+        _milliseconds(metrics, "time_to_first_token_ms"), _milliseconds(metrics, "queue_time_ms")
+    )
 
 
 def _milliseconds(metrics: Mapping[str, Any], key: str) -> float | None:
@@ -157,8 +165,7 @@ def _milliseconds(metrics: Mapping[str, Any], key: str) -> float | None:
 
 def is_usage_only_chunk(obj: Any) -> bool:
     """The final ``choices: []`` chunk that include_usage adds to a chat/completion stream."""
-    return (isinstance(obj, dict) and obj.get("choices") == []
-            and isinstance(obj.get("usage"), dict))
+    return isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict)
 
 
 def _non_empty(value: Any) -> bool:
@@ -190,10 +197,14 @@ def carries_content(obj: Any) -> bool:
     if event_type == "content_block_delta":  # Anthropic: text, thinking or tool input
         delta = obj.get("delta")
         return isinstance(delta, dict) and any(
-            _non_empty(delta.get(key)) for key in _MESSAGES_DELTA_KEYS)
+            _non_empty(delta.get(key)) for key in _MESSAGES_DELTA_KEYS
+        )
     # Responses API: response.output_text.delta etc.
-    return (isinstance(event_type, str) and event_type.endswith(".delta")
-            and _non_empty(obj.get("delta")))
+    return (
+        isinstance(event_type, str)
+        and event_type.endswith(".delta")
+        and _non_empty(obj.get("delta"))
+    )
 
 
 def stream_error_status(obj: Any) -> int | None:
@@ -272,8 +283,9 @@ class StreamReader:
     (TTFT), then only events that mention usage or an error.
     """
 
-    def __init__(self, strip_usage_chunk: bool, started: float,
-                 max_event_bytes: int = 8 * 1024 * 1024) -> None:
+    def __init__(
+        self, strip_usage_chunk: bool, started: float, max_event_bytes: int = 8 * 1024 * 1024
+    ) -> None:
         self.strip = strip_usage_chunk
         self.started = started
         self.max_event_bytes = max_event_bytes
@@ -300,8 +312,12 @@ class StreamReader:
         return self._hold_terminal(self._read(chunk, now))
 
     def _read(self, chunk: bytes, now: float) -> bytes:
-        if not self._buffer and not self._oversized and chunk.endswith(b"\n\n") \
-                and b"\r" not in chunk:
+        if (
+            not self._buffer
+            and not self._oversized
+            and chunk.endswith(b"\n\n")
+            and b"\r" not in chunk
+        ):
             return self._whole_events(chunk, now)
         if not self.strip:
             self._consume(chunk, now)
@@ -363,7 +379,7 @@ class StreamReader:
             end = chunk.find(b"\n\n", start) + 2
             if end < 2:  # a lone line feed after the last blank line: not an event
                 return chunk
-            if self._read_event(chunk[start:end - 2], now):
+            if self._read_event(chunk[start : end - 2], now):
                 # The injected usage chunk is gone; the rest of the stream passes untouched.
                 self.strip = False
                 rest = chunk[end:]
@@ -386,8 +402,11 @@ class StreamReader:
         buffer += chunk
         carriage_returns = b"\r" in buffer
         while buffer:
-            end = (_find_end(buffer, self._scan_from) if carriage_returns
-                   else _find_lf_end(buffer, self._scan_from))
+            end = (
+                _find_end(buffer, self._scan_from)
+                if carriage_returns
+                else _find_lf_end(buffer, self._scan_from)
+            )
             if end < 0:
                 # Keep the tail that may start a terminator split across chunks.
                 self._scan_from = max(0, len(buffer) - 3)
@@ -560,8 +579,9 @@ def read_response(response: Any) -> ResponseRead:
         try:
             response = loads(stripped)
         except ValueError:
-            raise InvalidEvent("malformed_response",
-                               "the response text is not JSON or SSE") from None
+            raise InvalidEvent(
+                "malformed_response", "the response text is not JSON or SSE"
+            ) from None
     if not isinstance(response, dict):
         return ResponseRead(None, None, None)
     usage, model = usage_of(response)
@@ -577,4 +597,3 @@ def _read_stream(text: bytes) -> ResponseRead:
             raise InvalidEvent(bad_counts[-1], "the stream's usage chunk has unusable numbers")
         raise InvalidEvent("missing_usage", "the stream has no chunk with a usage object")
     return ResponseRead(reader.usage, reader.model, reader.engine)
-

@@ -136,13 +136,19 @@ class FileFollower:
     with bytes to read in turn.
     """
 
-    def __init__(self, patterns: Sequence[str], convert: Converter,
-                 record_events: Callable[[list[UsageEvent]], object],
-                 reject: Callable[[str], None], from_start: bool = False,
-                 acquire_descriptor: Callable[[], bool] | None = None,
-                 release_descriptor: Callable[[], None] | None = None,
-                 max_open: int = MAX_OPEN_FILES, max_files: int = MAX_FOLLOWED_FILES,
-                 scan_slice: int = SCAN_SLICE) -> None:
+    def __init__(
+        self,
+        patterns: Sequence[str],
+        convert: Converter,
+        record_events: Callable[[list[UsageEvent]], object],
+        reject: Callable[[str], None],
+        from_start: bool = False,
+        acquire_descriptor: Callable[[], bool] | None = None,
+        release_descriptor: Callable[[], None] | None = None,
+        max_open: int = MAX_OPEN_FILES,
+        max_files: int = MAX_FOLLOWED_FILES,
+        scan_slice: int = SCAN_SLICE,
+    ) -> None:
         self.patterns = list(patterns)
         self.convert = convert
         # The native format's common event, decoded and checked in one step.
@@ -244,8 +250,7 @@ class FileFollower:
                 return
         elif followed.path != path:
             self.rotations += 1
-            log.info("usage file %s is now %s; following it to its end", followed.path,
-                     path)
+            log.info("usage file %s is now %s; following it to its end", followed.path, path)
             followed.path = path
         self._seen.add(identity)
         followed.gone = False
@@ -263,37 +268,48 @@ class FileFollower:
             followed.stamp = (size, mtime)
             self._ready[followed.identity] = None
 
-    def _admit(self, path: str, identity: _Identity, size: int,
-               mtime: int) -> _Followed | None:
+    def _admit(self, path: str, identity: _Identity, size: int, mtime: int) -> _Followed | None:
         """Follow a file seen for the first time: from its end at the first scan, from its
         start later."""
         if len(self.files) >= self.max_files:
             self._over += 1
             self._capped = True
-            self._warn_once(path, f"not followed: {self.max_files} files are followed "
-                                  "already")
+            self._warn_once(path, f"not followed: {self.max_files} files are followed already")
             return None
         at_end = (self._first_scan and not self.from_start) or self._capped
-        followed = _Followed(identity, path, None, size if at_end else 0,
-                             stamp=(size, mtime) if at_end else _UNSEEN, size=size,
-                             anchor=at_end and size > 0)
+        followed = _Followed(
+            identity,
+            path,
+            None,
+            size if at_end else 0,
+            stamp=(size, mtime) if at_end else _UNSEEN,
+            size=size,
+            anchor=at_end and size > 0,
+        )
         if self._capped and not self._first_scan:
             self._lose(followed, size, OVER_MAX_FILES)
         self.files[identity] = followed
         # Those of the first scan are said together at its end (10,000 lines otherwise).
-        log.log(logging.DEBUG if self._first_scan else logging.INFO,
-                "following usage file %s from its %s", path, "end" if at_end else "start")
+        log.log(
+            logging.DEBUG if self._first_scan else logging.INFO,
+            "following usage file %s from its %s",
+            path,
+            "end" if at_end else "start",
+        )
         return followed
 
     def _end_scan(self) -> None:
         self._scan = None
         if self._first_scan:
-            log.info("following %d usage file(s) matching %s from their %s", len(self.files),
-                     " ".join(self.patterns), "start" if self.from_start else "end")
+            log.info(
+                "following %d usage file(s) matching %s from their %s",
+                len(self.files),
+                " ".join(self.patterns),
+                "start" if self.from_start else "end",
+            )
         self._first_scan = False
         self.over_limit = self._over
-        gone = [followed for identity, followed in self.files.items()
-                if identity not in self._seen]
+        gone = [followed for identity, followed in self.files.items() if identity not in self._seen]
         self._seen = set()
         still_open = []
         for followed in gone:
@@ -334,8 +350,9 @@ class FileFollower:
     def _lose(self, followed: _Followed, unread: int, reason: str) -> None:
         if unread > 0:
             self.lost_bytes[reason] += unread
-            log.warning("usage file %s: %d byte(s) were never read (%s)", followed.path,
-                        unread, reason)
+            log.warning(
+                "usage file %s: %d byte(s) were never read (%s)", followed.path, unread, reason
+            )
 
     # ---- opening and closing -------------------------------------------------------
 
@@ -364,13 +381,18 @@ class FileFollower:
         if evict and len(self._open) >= self.max_open:
             self._evict(identity)
         granted = len(self._open) < self.max_open and (
-            self._acquire is None or self._acquire()
-            or (evict and self._evict(identity) and self._acquire()))
+            self._acquire is None
+            or self._acquire()
+            or (evict and self._evict(identity) and self._acquire())
+        )
         if not granted:
             if evict:
                 self._waiting[identity] = None
-                self._warn_once("*", "a file waits for a descriptor: the followed files' "
-                                     "share of them is held by files being drained")
+                self._warn_once(
+                    "*",
+                    "a file waits for a descriptor: the followed files' "
+                    "share of them is held by files being drained",
+                )
             return False
         try:
             handle = os.open(followed.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -395,7 +417,8 @@ class FileFollower:
             followed.anchor = False
             if info.st_size >= followed.offset:
                 followed.fingerprint = self._pread(
-                    handle, max(0, followed.offset - FINGERPRINT_BYTES), followed.offset)
+                    handle, max(0, followed.offset - FINGERPRINT_BYTES), followed.offset
+                )
                 # Starting mid-line would read the tail of a line as an event.
                 followed.skip_to_newline = not followed.fingerprint.endswith(b"\n")
         return True
@@ -428,7 +451,8 @@ class FileFollower:
             followed.pending = b""
             try:
                 followed.fingerprint = self._pread(
-                    handle, max(0, followed.offset - FINGERPRINT_BYTES), followed.offset)
+                    handle, max(0, followed.offset - FINGERPRINT_BYTES), followed.offset
+                )
             except OSError:
                 followed.fingerprint = b""
         followed.handle = None
@@ -468,8 +492,9 @@ class FileFollower:
             size = os.fstat(handle).st_size
             if self._truncated(followed, handle, size):
                 self.truncations += 1
-                log.info("usage file %s was truncated; reading it again from its start",
-                         followed.path)
+                log.info(
+                    "usage file %s was truncated; reading it again from its start", followed.path
+                )
                 followed.offset = 0
                 followed.pending = b""
                 followed.fingerprint = b""
@@ -483,8 +508,10 @@ class FileFollower:
                 used += len(chunk)
                 self._lines(followed, chunk)
                 followed.fingerprint = (
-                    chunk[-FINGERPRINT_BYTES:] if len(chunk) >= FINGERPRINT_BYTES
-                    else (followed.fingerprint + chunk)[-FINGERPRINT_BYTES:])
+                    chunk[-FINGERPRINT_BYTES:]
+                    if len(chunk) >= FINGERPRINT_BYTES
+                    else (followed.fingerprint + chunk)[-FINGERPRINT_BYTES:]
+                )
         except OSError as err:
             # Keep the position: re-reading from 0 later would count events twice.
             self._warn_once(followed.path, f"read failed: {err.strerror}")
@@ -578,9 +605,12 @@ class FileFollower:
             self._drop(followed)
 
 
-async def follow(follower: FileFollower, poll_interval: float,
-                 clock: Callable[[], float] = time.monotonic,
-                 scan_share: float = SCAN_SHARE) -> None:
+async def follow(
+    follower: FileFollower,
+    poll_interval: float,
+    clock: Callable[[], float] = time.monotonic,
+    scan_share: float = SCAN_SHARE,
+) -> None:
     """Poll ``follower`` until cancelled, then close it: a round every ``poll_interval``
     seconds, a full scan at those rounds spaced so that scanning takes at most
     ``scan_share`` of the time (quick checks of the open files between), each step of a

@@ -9,5 +9,12 @@ current across reloads and plugs them into aiohttp, ``metrics`` shows the reload
 from exporter.web.config import WebConfig, WebConfigError, read_web_config
 from exporter.web.listener import ReloadStatus, WebListener, install_sighup, load
 
-__all__ = ["ReloadStatus", "WebConfig", "WebConfigError", "WebListener", "install_sighup",
-           "load", "read_web_config"]
+__all__ = [
+    "ReloadStatus",
+    "WebConfig",
+    "WebConfigError",
+    "WebListener",
+    "install_sighup",
+    "load",
+    "read_web_config",
+]

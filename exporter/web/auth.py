@@ -61,8 +61,12 @@ def parse_basic(header: str | None) -> tuple[bytes, bytes] | None:
 class PasswordVerifier:
     """Checks Basic credentials against a user table; one per listener, shared by reloads."""
 
-    def __init__(self, check: Callable[[bytes, bytes], bool] = bcrypt.checkpw,
-                 cache_size: int = CACHE_SIZE, max_waiting: int = MAX_WAITING) -> None:
+    def __init__(
+        self,
+        check: Callable[[bytes, bytes], bool] = bcrypt.checkpw,
+        cache_size: int = CACHE_SIZE,
+        max_waiting: int = MAX_WAITING,
+    ) -> None:
         self._check = check
         self._cache: OrderedDict[bytes, None] = OrderedDict()
         self._cache_size = cache_size
@@ -71,8 +75,7 @@ class PasswordVerifier:
         self._lock = asyncio.Lock()
         self.bcrypt_checks = 0  # how many bcrypt comparisons ran (the cache's proof)
 
-    async def verify(self, header: str | None,
-                     users: Sequence[tuple[str, bytes]]) -> Verdict:
+    async def verify(self, header: str | None, users: Sequence[tuple[str, bytes]]) -> Verdict:
         credentials = parse_basic(header)
         if credentials is None:
             return Verdict.DENIED
@@ -90,7 +93,8 @@ class PasswordVerifier:
         try:
             async with self._lock:
                 matches = await asyncio.get_running_loop().run_in_executor(
-                    None, self._compare, password, hashed)
+                    None, self._compare, password, hashed
+                )
         finally:
             self._waiting -= 1
         if not (matches and stored is not None):

@@ -60,8 +60,7 @@ GO_TO_OPENSSL_CIPHERS: Mapping[str, str] = {
     "TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-RSA-CHACHA20-POLY1305",
     "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256": "ECDHE-ECDSA-CHACHA20-POLY1305",
 }
-TLS13_CIPHERS = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384",
-                 "TLS_CHACHA20_POLY1305_SHA256")
+TLS13_CIPHERS = ("TLS_AES_128_GCM_SHA256", "TLS_AES_256_GCM_SHA384", "TLS_CHACHA20_POLY1305_SHA256")
 
 # The only response headers the toolkit lets the file set, with the values it allows
 # (None: any value). Names are matched exactly, as the toolkit matches them.
@@ -113,8 +112,7 @@ class TLSServerConfig:
     @property
     def files(self) -> tuple[str, ...]:
         """The files this configuration reads: a change to any of them is a reload."""
-        return tuple(path for path in (self.cert_file, self.key_file, self.client_ca_file)
-                     if path)
+        return tuple(path for path in (self.cert_file, self.key_file, self.client_ca_file) if path)
 
 
 @dataclass(frozen=True)
@@ -146,13 +144,13 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
         key = loader.construct_object(key_node, deep=True)
         if key in mapping:
             raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} is given twice", key_node.start_mark)
+                None, None, f"key {key!r} is given twice", key_node.start_mark
+            )
         mapping[key] = loader.construct_object(value_node, deep=True)
     return mapping
 
 
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-                              _construct_mapping)
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 def read_web_config(path: str) -> WebConfig:
@@ -185,10 +183,14 @@ def parse_web_config(text: str, path: str) -> WebConfig:
     if not isinstance(data, Mapping):
         raise WebConfigError(path, "", "must hold a mapping of settings")
     reader = _Reader(path)
-    reader.known_keys(data, "", ("tls_server_config", "http_server_config",
-                                 "basic_auth_users"),
-                      unsupported={"rate_limit": "not supported: rate limiting is not "
-                                                 "implemented by this server"})
+    reader.known_keys(
+        data,
+        "",
+        ("tls_server_config", "http_server_config", "basic_auth_users"),
+        unsupported={
+            "rate_limit": "not supported: rate limiting is not implemented by this server"
+        },
+    )
     tls = _tls_config(reader, reader.section(data, "tls_server_config"))
     headers = _http_config(reader, reader.section(data, "http_server_config"))
     users = _users(reader, data.get("basic_auth_users"))
@@ -205,8 +207,13 @@ class _Reader:
     def error(self, key: str, problem: str) -> WebConfigError:
         return WebConfigError(self.path, key, problem)
 
-    def known_keys(self, data: Mapping[Any, Any], prefix: str, known: tuple[str, ...],
-                   unsupported: Mapping[str, str] | None = None) -> None:
+    def known_keys(
+        self,
+        data: Mapping[Any, Any],
+        prefix: str,
+        known: tuple[str, ...],
+        unsupported: Mapping[str, str] | None = None,
+    ) -> None:
         for key in data:
             name = f"{prefix}{key}"
             if unsupported and key in unsupported:
@@ -254,16 +261,32 @@ class _Reader:
 
 
 def _type_name(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", bool: "a boolean", int: "a number",
-            float: "a number"}.get(type(value), type(value).__name__)
+    return {
+        dict: "a mapping",
+        list: "a list",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+    }.get(type(value), type(value).__name__)
 
 
-TLS_KEYS = ("cert_file", "key_file", "cert", "key", "client_auth_type", "client_ca_file",
-            "client_ca", "client_allowed_sans", "min_version", "max_version", "cipher_suites",
-            "prefer_server_cipher_suites")
+TLS_KEYS = (
+    "cert_file",
+    "key_file",
+    "cert",
+    "key",
+    "client_auth_type",
+    "client_ca_file",
+    "client_ca",
+    "client_allowed_sans",
+    "min_version",
+    "max_version",
+    "cipher_suites",
+    "prefer_server_cipher_suites",
+)
 TLS_UNSUPPORTED = {
     "curve_preferences": "not supported: Python's ssl cannot set a list of preferred "
-                         "curves; remove the key to use OpenSSL's defaults",
+    "curves; remove the key to use OpenSSL's defaults",
 }
 
 
@@ -281,37 +304,52 @@ def _tls_config(reader: _Reader, data: Mapping[Any, Any]) -> TLSServerConfig:
     client_ca_file = reader.file(data, "client_ca_file", name("client_ca_file"))
     client_ca = reader.string(data, "client_ca", name("client_ca"))
     client_auth = reader.string(data, "client_auth_type", name("client_auth_type"))
-    for first, second, (one, other) in ((cert_file, cert, ("cert_file", "cert")),
-                                        (key_file, key, ("key_file", "key")),
-                                        (client_ca_file, client_ca,
-                                         ("client_ca_file", "client_ca"))):
+    for first, second, (one, other) in (
+        (cert_file, cert, ("cert_file", "cert")),
+        (key_file, key, ("key_file", "key")),
+        (client_ca_file, client_ca, ("client_ca_file", "client_ca")),
+    ):
         if first and second:
             raise reader.error(name(other), f"cannot be given together with {one}")
 
     config = TLSServerConfig(
-        cert_file=cert_file, key_file=key_file, cert=cert, key=key,
+        cert_file=cert_file,
+        key_file=key_file,
+        cert=cert,
+        key=key,
         client_auth_type=_client_auth(reader, client_auth, name("client_auth_type")),
-        client_ca_file=client_ca_file, client_ca=client_ca,
+        client_ca_file=client_ca_file,
+        client_ca=client_ca,
         client_allowed_sans=_allowed_sans(reader, data, name("client_allowed_sans")),
         min_version=_version(reader, data, "min_version", name("min_version"), "TLS12"),
         max_version=_version(reader, data, "max_version", name("max_version"), "TLS13"),
         cipher_suites=_ciphers(reader, data, name("cipher_suites")),
         prefer_server_cipher_suites=reader.boolean(
-            data, "prefer_server_cipher_suites", name("prefer_server_cipher_suites"), True),
+            data, "prefer_server_cipher_suites", name("prefer_server_cipher_suites"), True
+        ),
     )
     _check_tls_consistency(reader, data, config, client_auth)
     return config
 
 
-def _check_tls_consistency(reader: _Reader, data: Mapping[Any, Any],
-                           config: TLSServerConfig, client_auth: str) -> None:
+def _check_tls_consistency(
+    reader: _Reader, data: Mapping[Any, Any], config: TLSServerConfig, client_auth: str
+) -> None:
     prefix = "tls_server_config."
-    asks_for_tls = config.enabled or config.key_file or config.key or config.client_ca_file \
-        or config.client_ca or client_auth
+    asks_for_tls = (
+        config.enabled
+        or config.key_file
+        or config.key
+        or config.client_ca_file
+        or config.client_ca
+        or client_auth
+    )
     if not asks_for_tls:
         if data:  # min_version & co. with no certificate: the toolkit would serve plain HTTP
-            raise reader.error(prefix + next(iter(data)),
-                               "TLS settings without cert_file/key_file: TLS would be off")
+            raise reader.error(
+                prefix + next(iter(data)),
+                "TLS settings without cert_file/key_file: TLS would be off",
+            )
         return
     if not config.enabled:
         raise reader.error(prefix + "cert_file", "missing one of cert or cert_file")
@@ -319,35 +357,42 @@ def _check_tls_consistency(reader: _Reader, data: Mapping[Any, Any],
         raise reader.error(prefix + "key_file", "missing one of key or key_file")
     has_ca = bool(config.client_ca_file or config.client_ca)
     if has_ca and config.client_auth_type == "NoClientCert":
-        raise reader.error(prefix + "client_auth_type",
-                           "client CAs are configured without a client auth policy")
+        raise reader.error(
+            prefix + "client_auth_type", "client CAs are configured without a client auth policy"
+        )
     if config.client_allowed_sans and config.client_auth_type not in VERIFYING_CLIENT_AUTH:
-        raise reader.error(prefix + "client_allowed_sans",
-                           "needs client_auth_type VerifyClientCertIfGiven or "
-                           "RequireAndVerifyClientCert")
+        raise reader.error(
+            prefix + "client_allowed_sans",
+            "needs client_auth_type VerifyClientCertIfGiven or RequireAndVerifyClientCert",
+        )
     if TLS_VERSIONS.index(config.min_version) > TLS_VERSIONS.index(config.max_version):
-        raise reader.error(prefix + "min_version",
-                           f"{config.min_version} is above max_version {config.max_version}")
+        raise reader.error(
+            prefix + "min_version",
+            f"{config.min_version} is above max_version {config.max_version}",
+        )
 
 
 def _client_auth(reader: _Reader, value: str, name: str) -> str:
     if value in ("", "NoClientCert"):
         return "NoClientCert"
     if value in UNVERIFIED_CLIENT_AUTH:
-        raise reader.error(name, f"{value} is not supported: Python's ssl verifies every "
-                                 "client certificate it asks for; use "
-                                 "VerifyClientCertIfGiven or RequireAndVerifyClientCert")
+        raise reader.error(
+            name,
+            f"{value} is not supported: Python's ssl verifies every "
+            "client certificate it asks for; use "
+            "VerifyClientCertIfGiven or RequireAndVerifyClientCert",
+        )
     if value not in CLIENT_AUTH_TYPES:
         raise reader.error(name, f"invalid client auth type {value!r}")
     return value
 
 
-def _version(reader: _Reader, data: Mapping[Any, Any], key: str, name: str,
-             default: str) -> str:
+def _version(reader: _Reader, data: Mapping[Any, Any], key: str, name: str, default: str) -> str:
     value = reader.string(data, key, name) or default
     if value not in TLS_VERSIONS:
-        raise reader.error(name, f"unknown TLS version {value!r} "
-                                 f"(one of {', '.join(TLS_VERSIONS)})")
+        raise reader.error(
+            name, f"unknown TLS version {value!r} (one of {', '.join(TLS_VERSIONS)})"
+        )
     return value
 
 
@@ -355,8 +400,11 @@ def _ciphers(reader: _Reader, data: Mapping[Any, Any], name: str) -> tuple[str, 
     names = reader.strings(data, "cipher_suites", name) or ()
     for cipher in names:
         if cipher in TLS13_CIPHERS:
-            raise reader.error(name, f"{cipher} is a TLS 1.3 suite: TLS 1.3 suites are not "
-                                     "configurable (all three are always on)")
+            raise reader.error(
+                name,
+                f"{cipher} is a TLS 1.3 suite: TLS 1.3 suites are not "
+                "configurable (all three are always on)",
+            )
         if cipher not in GO_TO_OPENSSL_CIPHERS:
             raise reader.error(name, f"unknown cipher {cipher!r}")
     return names
@@ -373,15 +421,19 @@ def _http_config(reader: _Reader, data: Mapping[Any, Any]) -> tuple[tuple[str, s
     prefix = "http_server_config."
     reader.known_keys(data, prefix, ("http2", "headers"))
     if reader.boolean(data, "http2", prefix + "http2", False):
-        raise reader.error(prefix + "http2", "true is not supported: this server speaks "
-                                             "HTTP/1.1 only; set false or remove the key")
+        raise reader.error(
+            prefix + "http2",
+            "true is not supported: this server speaks HTTP/1.1 only; set false or remove the key",
+        )
     headers = reader.section(data, "headers", prefix + "headers")
     out = []
     for header, value in headers.items():
         key = f"{prefix}headers.{header}"
         if header not in ALLOWED_HEADERS:
-            raise reader.error(key, "this HTTP header cannot be configured (allowed: "
-                                    f"{', '.join(ALLOWED_HEADERS)})")
+            raise reader.error(
+                key,
+                f"this HTTP header cannot be configured (allowed: {', '.join(ALLOWED_HEADERS)})",
+            )
         if not isinstance(value, str):
             raise reader.error(key, f"expected a string, got {_type_name(value)}")
         allowed = ALLOWED_HEADERS[header]
@@ -404,10 +456,10 @@ def _users(reader: _Reader, data: Any) -> tuple[tuple[str, bytes], ...]:
         if not isinstance(user, str):
             raise reader.error(key, f"user name {user!r} must be a string (quote it)")
         if not isinstance(hashed, str) or not BCRYPT_HASH.match(hashed):
-            raise reader.error(f"{key}.{user}", "not a bcrypt hash (htpasswd -nBC 10 USER "
-                                                "writes one)")
+            raise reader.error(
+                f"{key}.{user}", "not a bcrypt hash (htpasswd -nBC 10 USER writes one)"
+            )
         if ":" in user:  # Basic credentials split at the first colon
             raise reader.error(f"{key}.{user}", "a user name cannot contain ':'")
         users.append((user, hashed.encode("ascii")))
     return tuple(users)
-

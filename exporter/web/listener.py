@@ -90,18 +90,28 @@ def load(path: str, *, allow_basic_auth: bool = True) -> tuple[WebConfig, ssl.SS
 
 def _materialize(config: WebConfig, allow_basic_auth: bool) -> ServerTLS | None:
     if config.users and not allow_basic_auth:
-        raise WebConfigError(config.path, "basic_auth_users",
-                             "not supported on this listener: its clients' Authorization "
-                             "header is their API key, forwarded to vLLM")
+        raise WebConfigError(
+            config.path,
+            "basic_auth_users",
+            "not supported on this listener: its clients' Authorization "
+            "header is their API key, forwarded to vLLM",
+        )
     return build_server_tls(config.tls, config.path) if config.tls.enabled else None
 
 
 class WebListener:
     """The web config of one listener, kept current. Build it with ``WebListener.open``."""
 
-    def __init__(self, path: str, name: str, active: _Active, *, allow_basic_auth: bool,
-                 wall_clock: Callable[[], float],
-                 on_reload: Callable[[ReloadStatus], None] | None) -> None:
+    def __init__(
+        self,
+        path: str,
+        name: str,
+        active: _Active,
+        *,
+        allow_basic_auth: bool,
+        wall_clock: Callable[[], float],
+        on_reload: Callable[[ReloadStatus], None] | None,
+    ) -> None:
         self.path = path
         self.name = name
         self._active = active
@@ -114,23 +124,40 @@ class WebListener:
         self._failures = 0
         self._last_success = wall_clock()
         self.verifier = PasswordVerifier()
-        self._server_context = (FollowingContext(self.current_ssl_context)
-                                if active.ssl_context is not None else None)
+        self._server_context = (
+            FollowingContext(self.current_ssl_context) if active.ssl_context is not None else None
+        )
         self._expiry_said: tuple[float | None, str] = (None, "valid")
         self._check_expiry()
 
     @classmethod
-    def open(cls, path: str, name: str, *, allow_basic_auth: bool = True,
-             wall_clock: Callable[[], float] = time.time,
-             on_reload: Callable[[ReloadStatus], None] | None = None) -> WebListener:
+    def open(
+        cls,
+        path: str,
+        name: str,
+        *,
+        allow_basic_auth: bool = True,
+        wall_clock: Callable[[], float] = time.time,
+        on_reload: Callable[[ReloadStatus], None] | None = None,
+    ) -> WebListener:
         """Load ``path`` (raises WebConfigError: the process should not start)."""
         config = read_web_config(path)
         tls = _materialize(config, allow_basic_auth)
-        log.info("%s: TLS is %s, basic auth is %s (%s)", name,
-                 "on" if tls is not None else "off",
-                 "on" if config.users else "off", path)
-        return cls(path, name, _Active.of(config, tls), allow_basic_auth=allow_basic_auth,
-                   wall_clock=wall_clock, on_reload=on_reload)
+        log.info(
+            "%s: TLS is %s, basic auth is %s (%s)",
+            name,
+            "on" if tls is not None else "off",
+            "on" if config.users else "off",
+            path,
+        )
+        return cls(
+            path,
+            name,
+            _Active.of(config, tls),
+            allow_basic_auth=allow_basic_auth,
+            wall_clock=wall_clock,
+            on_reload=on_reload,
+        )
 
     # --- what the server uses -------------------------------------------------------------
 
@@ -152,8 +179,14 @@ class WebListener:
         return context
 
     def status(self) -> ReloadStatus:
-        return ReloadStatus(self.name, self._successes, self._failures, self._last_success,
-                            self._active.ssl_context is not None, self._active.not_after)
+        return ReloadStatus(
+            self.name,
+            self._successes,
+            self._failures,
+            self._last_success,
+            self._active.ssl_context is not None,
+            self._active.not_after,
+        )
 
     def _check_expiry(self) -> None:
         """Warn once per certificate and state when the one served is expired or expires
@@ -162,19 +195,28 @@ class WebListener:
         if not_after is None:
             return
         left = not_after - self._wall_clock()
-        state = ("expired" if left <= 0 else "expiring" if left < EXPIRY_WARNING_SECONDS
-                 else "valid")
+        state = "expired" if left <= 0 else "expiring" if left < EXPIRY_WARNING_SECONDS else "valid"
         if (not_after, state) == self._expiry_said:
             return
         self._expiry_said = (not_after, state)
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(not_after))
         if state == "expired":
-            log.warning("%s: the TLS certificate served expired at %s (%.1f days ago); "
-                        "clients that verify it will refuse the connection: replace it (%s)",
-                        self.name, when, -left / 86400, self.path)
+            log.warning(
+                "%s: the TLS certificate served expired at %s (%.1f days ago); "
+                "clients that verify it will refuse the connection: replace it (%s)",
+                self.name,
+                when,
+                -left / 86400,
+                self.path,
+            )
         elif state == "expiring":
-            log.warning("%s: the TLS certificate served expires at %s, in %.1f days: "
-                        "renew it (%s)", self.name, when, left / 86400, self.path)
+            log.warning(
+                "%s: the TLS certificate served expires at %s, in %.1f days: renew it (%s)",
+                self.name,
+                when,
+                left / 86400,
+                self.path,
+            )
 
     # --- reloading ------------------------------------------------------------------------
 
@@ -192,14 +234,14 @@ class WebListener:
             named = config.files
             tls = _materialize(config, self._allow_basic_auth)
             if (tls is None) != (self._active.ssl_context is None):
-                raise WebConfigError(self.path, "tls_server_config",
-                                     "turning TLS on or off needs a restart")
+                raise WebConfigError(
+                    self.path, "tls_server_config", "turning TLS on or off needs a restart"
+                )
         except WebConfigError as err:
             # Watch what the failed file names too, so that adding a missing file is seen.
             self._watch(self.path, *self._active.config.files, *named)
             self._failures += 1
-            log.error("%s: web config reload failed, keeping the previous one: %s",
-                      self.name, err)
+            log.error("%s: web config reload failed, keeping the previous one: %s", self.name, err)
             self._notify()
             return False
         self._active = _Active.of(config, tls)
@@ -221,32 +263,40 @@ class WebListener:
 
     # --- aiohttp ----------------------------------------------------------------------------
 
-    def install(self, app: web.Application, *, open_paths: Iterable[str] = (),
-                bearer_paths: Iterable[str] = ()) -> None:
+    def install(
+        self,
+        app: web.Application,
+        *,
+        open_paths: Iterable[str] = (),
+        bearer_paths: Iterable[str] = (),
+    ) -> None:
         """Add basic auth, allowed-SAN checks and the configured headers to ``app``
         (before it starts). ``open_paths`` skip basic auth; so do ``bearer_paths``, which
         check their own bearer token."""
         skip_auth = frozenset(open_paths) | frozenset(bearer_paths)
 
         @web.middleware
-        async def guard(request: web.Request,
-                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                        ) -> web.StreamResponse:
+        async def guard(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
             self.refresh()
             config = self._active.config
             if config.tls.client_allowed_sans and not _client_san_allowed(
-                    request, config.tls.client_allowed_sans):
-                return web.Response(status=403, text="Forbidden\n",
-                                    headers={"Connection": "close"})
+                request, config.tls.client_allowed_sans
+            ):
+                return web.Response(status=403, text="Forbidden\n", headers={"Connection": "close"})
             if config.users and request.path not in skip_auth:
-                verdict = await self.verifier.verify(request.headers.get("Authorization"),
-                                                     config.users)
+                verdict = await self.verifier.verify(
+                    request.headers.get("Authorization"), config.users
+                )
                 if verdict is Verdict.BUSY:
-                    return web.Response(status=429, text="Too Many Requests\n",
-                                        headers={"Retry-After": "1"})
+                    return web.Response(
+                        status=429, text="Too Many Requests\n", headers={"Retry-After": "1"}
+                    )
                 if verdict is Verdict.DENIED:
-                    return web.Response(status=401, text="Unauthorized\n",
-                                        headers={"WWW-Authenticate": "Basic"})
+                    return web.Response(
+                        status=401, text="Unauthorized\n", headers={"WWW-Authenticate": "Basic"}
+                    )
             return await handler(request)
 
         async def add_headers(_request: web.Request, response: web.StreamResponse) -> None:
@@ -290,8 +340,9 @@ def _fingerprint(files: Iterable[str]) -> Fingerprint:
         except OSError:
             out.append((path, None))
             continue
-        out.append((path, (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns,
-                           info.st_ctime_ns)))
+        out.append(
+            (path, (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+        )
     return tuple(out)
 
 

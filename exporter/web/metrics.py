@@ -33,11 +33,11 @@ class WebConfigCollector(Collector):
         yield from self._families(tuple(self._statuses()))
 
     @staticmethod
-    def _families(statuses: Iterable[ReloadStatus],
-                  ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def _families(
+        statuses: Iterable[ReloadStatus],
+    ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         reloads = families.counter(families.EXPORTER_WEB_CONFIG_RELOADS)
-        last = families.gauge(
-            families.EXPORTER_WEB_CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP_SECONDS)
+        last = families.gauge(families.EXPORTER_WEB_CONFIG_LAST_RELOAD_SUCCESS_TIMESTAMP_SECONDS)
         not_after = families.gauge(families.EXPORTER_TLS_CERTIFICATE_NOT_AFTER_TIMESTAMP_SECONDS)
         for status in statuses:
             reloads.add_metric([status.listener, "success"], status.successes)

@@ -71,15 +71,18 @@ def build_server_tls(tls: TLSServerConfig, path: str) -> ServerTLS:
             context.minimum_version = VERSIONS[tls.min_version]
             context.maximum_version = VERSIONS[tls.max_version]
     except (ValueError, ssl.SSLError) as err:
-        raise WebConfigError(path, "tls_server_config.min_version",
-                             f"this OpenSSL cannot use it: {err}") from None
+        raise WebConfigError(
+            path, "tls_server_config.min_version", f"this OpenSSL cannot use it: {err}"
+        ) from None
     if tls.cipher_suites:
         try:
-            context.set_ciphers(":".join(GO_TO_OPENSSL_CIPHERS[name]
-                                         for name in tls.cipher_suites))
+            context.set_ciphers(":".join(GO_TO_OPENSSL_CIPHERS[name] for name in tls.cipher_suites))
         except ssl.SSLError:
-            raise WebConfigError(path, "tls_server_config.cipher_suites",
-                                 "none of these suites is available in this OpenSSL") from None
+            raise WebConfigError(
+                path,
+                "tls_server_config.cipher_suites",
+                "none of these suites is available in this OpenSSL",
+            ) from None
     if tls.prefer_server_cipher_suites:
         context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     else:
@@ -130,13 +133,15 @@ def _load_certificate(context: ssl.SSLContext, tls: TLSServerConfig, path: str) 
             problem = f"cannot load the certificate and key: {reason}"
         raise WebConfigError(path, cert_key, problem) from None
     except OSError as err:  # no in-memory file and no writable temporary folder
-        raise WebConfigError(path, cert_key, f"cannot hand the certificate to OpenSSL: "
-                                             f"{err.strerror or err}") from None
+        raise WebConfigError(
+            path, cert_key, f"cannot hand the certificate to OpenSSL: {err.strerror or err}"
+        ) from None
     return cert_pem
 
 
 _PEM_CERTIFICATE = re.compile(
-    rb"-----BEGIN CERTIFICATE-----([A-Za-z0-9+/=\s]+?)-----END CERTIFICATE-----")
+    rb"-----BEGIN CERTIFICATE-----([A-Za-z0-9+/=\s]+?)-----END CERTIFICATE-----"
+)
 
 
 def chain_not_after(pem: bytes) -> float | None:
@@ -168,8 +173,10 @@ def _not_after(der: bytes) -> float:
         raise ValueError("not a time")
     if not re.fullmatch(r"\d{14}Z", text):
         raise ValueError("not a DER time")
-    fields = [int(text[start:start + size]) for start, size in
-              ((0, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 2))]
+    fields = [
+        int(text[start : start + size])
+        for start, size in ((0, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 2))
+    ]
     return float(calendar.timegm((*fields, 0, 0, 0)))
 
 
@@ -181,7 +188,7 @@ def _tlv(data: bytes, at: int) -> tuple[int, bytes, int]:
         count = length & 0x7F
         if not 0 < count <= 4:
             raise ValueError("bad DER length")
-        length = int.from_bytes(data[at:at + count], "big")
+        length = int.from_bytes(data[at : at + count], "big")
         at += count
     end = at + length
     if end > len(data):
@@ -198,8 +205,7 @@ def _children(data: bytes) -> list[tuple[int, bytes]]:
     return out
 
 
-def _load_client_verification(context: ssl.SSLContext, tls: TLSServerConfig,
-                              path: str) -> None:
+def _load_client_verification(context: ssl.SSLContext, tls: TLSServerConfig, path: str) -> None:
     context.verify_mode = CLIENT_AUTH_MODES[tls.client_auth_type]
     if tls.client_auth_type == "NoClientCert":
         return
@@ -252,17 +258,36 @@ class FollowingContext(ssl.SSLContext):
     def __init__(self, current: Callable[[], ssl.SSLContext]) -> None:
         pass  # set up in __new__: SSLContext is built there
 
-    def wrap_bio(self, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO,
-                 server_side: bool = False, server_hostname: str | bytes | None = None,
-                 session: ssl.SSLSession | None = None) -> ssl.SSLObject:
-        return self._current().wrap_bio(incoming, outgoing, server_side=server_side,
-                                        server_hostname=server_hostname, session=session)
+    def wrap_bio(
+        self,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        server_side: bool = False,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLObject:
+        return self._current().wrap_bio(
+            incoming,
+            outgoing,
+            server_side=server_side,
+            server_hostname=server_hostname,
+            session=session,
+        )
 
-    def wrap_socket(self, sock: Any, server_side: bool = False,  # type: ignore[override]
-                    do_handshake_on_connect: bool = True, suppress_ragged_eofs: bool = True,
-                    server_hostname: str | bytes | None = None,
-                    session: ssl.SSLSession | None = None) -> ssl.SSLSocket:
+    def wrap_socket(
+        self,
+        sock: Any,
+        server_side: bool = False,  # type: ignore[override]
+        do_handshake_on_connect: bool = True,
+        suppress_ragged_eofs: bool = True,
+        server_hostname: str | bytes | None = None,
+        session: ssl.SSLSession | None = None,
+    ) -> ssl.SSLSocket:
         return self._current().wrap_socket(
-            sock, server_side=server_side, do_handshake_on_connect=do_handshake_on_connect,
-            suppress_ragged_eofs=suppress_ragged_eofs, server_hostname=server_hostname,
-            session=session)
+            sock,
+            server_side=server_side,
+            do_handshake_on_connect=do_handshake_on_connect,
+            suppress_ragged_eofs=suppress_ragged_eofs,
+            server_hostname=server_hostname,
+            session=session,
+        )

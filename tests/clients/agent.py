@@ -25,13 +25,36 @@ import anthropic
 import openai
 
 MODEL = "tiny-llama"
-WORDS = ["kalo", "miren", "tasvu", "pedor", "silny", "quabex", "torela", "fingru", "hapjis",
-         "kelmon", "renvu", "dorsil", "nyqua", "bexela", "grufin", "jiskel"]
+WORDS = [
+    "kalo",
+    "miren",
+    "tasvu",
+    "pedor",
+    "silny",
+    "quabex",
+    "torela",
+    "fingru",
+    "hapjis",
+    "kelmon",
+    "renvu",
+    "dorsil",
+    "nyqua",
+    "bexela",
+    "grufin",
+    "jiskel",
+]
 MAX_TOKENS = 8
 TOOL_MAX_TOKENS = 24
-TOOLS = [{"type": "function", "function": {
-    "name": "lookup", "description": "Looks a word up.",
-    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Looks a word up.",
+            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+        },
+    }
+]
 TIMEOUT = 120.0
 
 
@@ -50,8 +73,12 @@ class OpenAIAgent:
     def __init__(self, plan: dict[str, Any]) -> None:
         self.kind = plan["kind"]
         self.user = plan.get("user")
-        common = {"base_url": plan["base_url"] + "/v1", "api_key": plan["api_key"],
-                  "max_retries": 0, "timeout": TIMEOUT}
+        common = {
+            "base_url": plan["base_url"] + "/v1",
+            "api_key": plan["api_key"],
+            "max_retries": 0,
+            "timeout": TIMEOUT,
+        }
         self.client = openai.OpenAI(**common)
         self.new_async_client = lambda: openai.AsyncOpenAI(**common)
 
@@ -63,8 +90,14 @@ class OpenAIAgent:
         messages = [{"role": "system", "content": system}, *turns]
         if kind == "chat_n2":  # two sequences of one prompt
             answer = self.client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=1.0, n=2,
-                seed=7, **self.extra())
+                model=MODEL,
+                messages=messages,
+                max_tokens=MAX_TOKENS,
+                temperature=1.0,
+                n=2,
+                seed=7,
+                **self.extra(),
+            )
             return dump(answer), answer.choices[0].message.content or "", dump(answer.usage)
         if kind.startswith("chat"):
             stream = "stream" in kind
@@ -73,15 +106,24 @@ class OpenAIAgent:
                 return asyncio.run(self.chat_async(messages, options))
             return self.chat(messages, stream, options)
         if kind.startswith("tools"):
-            choice: Any = {"tools_required": "required", "tools_auto": "auto",
-                           "tools_named": {"type": "function",
-                                           "function": {"name": "lookup"}}}[kind]
+            choice: Any = {
+                "tools_required": "required",
+                "tools_auto": "auto",
+                "tools_named": {"type": "function", "function": {"name": "lookup"}},
+            }[kind]
             answer = self.client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=TOOL_MAX_TOKENS, temperature=0.0,
-                tools=TOOLS, tool_choice=choice, **self.extra())
+                model=MODEL,
+                messages=messages,
+                max_tokens=TOOL_MAX_TOKENS,
+                temperature=0.0,
+                tools=TOOLS,
+                tool_choice=choice,
+                **self.extra(),
+            )
             message = answer.choices[0].message
             text = message.content or "".join(
-                call.function.arguments for call in message.tool_calls or [])
+                call.function.arguments for call in message.tool_calls or []
+            )
             return dump(answer), text, dump(answer.usage)
         if kind.startswith("completions"):
             prompt = system + "\n" + "\n".join(turn["content"] for turn in turns) + "\n"
@@ -90,30 +132,44 @@ class OpenAIAgent:
             return self.response(messages)
         raise ValueError(f"unknown kind {kind}")
 
-    def chat(self, messages: list[dict[str, str]], stream: bool,
-             options: dict[str, Any]) -> Call:
+    def chat(self, messages: list[dict[str, str]], stream: bool, options: dict[str, Any]) -> Call:
         if not stream:
             answer = self.client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
-                **self.extra())
+                model=MODEL,
+                messages=messages,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                **self.extra(),
+            )
             return dump(answer), answer.choices[0].message.content or "", dump(answer.usage)
         chunks, text, usage = [], "", None
         for chunk in self.client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
-                stream=True, **options, **self.extra()):
+            model=MODEL,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=True,
+            **options,
+            **self.extra(),
+        ):
             chunks.append(dump(chunk))
             text += "".join(choice.delta.content or "" for choice in chunk.choices)
             if chunk.usage is not None:
                 usage = dump(chunk.usage)
         return chunks, text, usage
 
-    async def chat_async(self, messages: list[dict[str, str]],
-                         options: dict[str, Any]) -> Call:
+    async def chat_async(self, messages: list[dict[str, str]], options: dict[str, Any]) -> Call:
         chunks, text, usage = [], "", None
         async with self.new_async_client() as client:  # one event loop per call
             stream = await client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
-                stream=True, **options, **self.extra())
+                model=MODEL,
+                messages=messages,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                stream=True,
+                **options,
+                **self.extra(),
+            )
             async for chunk in stream:
                 chunks.append(dump(chunk))
                 text += "".join(choice.delta.content or "" for choice in chunk.choices)
@@ -125,18 +181,32 @@ class OpenAIAgent:
         kind = self.kind
         if kind in ("completions_whole", "completions_echo"):
             answer = self.client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-                echo=kind == "completions_echo", **self.extra())
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                echo=kind == "completions_echo",
+                **self.extra(),
+            )
             text = answer.choices[0].text
             if kind == "completions_echo":
-                text = text[len(prompt):]
+                text = text[len(prompt) :]
             return dump(answer), text, dump(answer.usage)
-        options = ({"stream_options": {"include_usage": True}}
-                   if kind == "completions_stream_usage" else {})
+        options = (
+            {"stream_options": {"include_usage": True}}
+            if kind == "completions_stream_usage"
+            else {}
+        )
         chunks, text, usage = [], "", None
         for chunk in self.client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-                stream=True, **options, **self.extra()):
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=True,
+            **options,
+            **self.extra(),
+        ):
             chunks.append(dump(chunk))
             text += "".join(choice.text for choice in chunk.choices)
             if chunk.usage is not None:
@@ -146,13 +216,22 @@ class OpenAIAgent:
     def response(self, messages: list[dict[str, str]]) -> Call:
         if self.kind == "responses_whole":
             answer = self.client.responses.create(
-                model=MODEL, input=messages, max_output_tokens=MAX_TOKENS, temperature=0.0,
-                **self.extra())
+                model=MODEL,
+                input=messages,
+                max_output_tokens=MAX_TOKENS,
+                temperature=0.0,
+                **self.extra(),
+            )
             return dump(answer), answer.output_text, dump(answer.usage)
         events, text, usage = [], "", None
         for event in self.client.responses.create(
-                model=MODEL, input=messages, max_output_tokens=MAX_TOKENS, temperature=0.0,
-                stream=True, **self.extra()):
+            model=MODEL,
+            input=messages,
+            max_output_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=True,
+            **self.extra(),
+        ):
             events.append(dump(event))
             if event.type == "response.output_text.delta":
                 text += event.delta
@@ -165,8 +244,9 @@ class AnthropicAgent:
     def __init__(self, plan: dict[str, Any]) -> None:
         self.kind = plan["kind"]
         self.user = plan.get("user")
-        self.client = anthropic.Anthropic(base_url=plan["base_url"], api_key=plan["api_key"],
-                                          max_retries=0, timeout=TIMEOUT)
+        self.client = anthropic.Anthropic(
+            base_url=plan["base_url"], api_key=plan["api_key"], max_retries=0, timeout=TIMEOUT
+        )
 
     def call(self, system: str, turns: list[dict[str, str]]) -> Call:
         # This SDK release has no temperature argument; vLLM reads it from the body.
@@ -175,13 +255,14 @@ class AnthropicAgent:
             extra["metadata"] = {"user_id": self.user}
         if self.kind == "messages_whole":
             answer = self.client.messages.create(
-                model=MODEL, system=system, messages=turns, max_tokens=MAX_TOKENS, **extra)
+                model=MODEL, system=system, messages=turns, max_tokens=MAX_TOKENS, **extra
+            )
             text = "".join(block.text for block in answer.content if block.type == "text")
             return dump(answer), text, dump(answer.usage)
         events, text, usage = [], "", None
         for event in self.client.messages.create(
-                model=MODEL, system=system, messages=turns, max_tokens=MAX_TOKENS,
-                stream=True, **extra):
+            model=MODEL, system=system, messages=turns, max_tokens=MAX_TOKENS, stream=True, **extra
+        ):
             events.append(dump(event))
             if event.type == "content_block_delta" and event.delta.type == "text_delta":
                 text += event.delta.text
@@ -190,8 +271,9 @@ class AnthropicAgent:
         return events, text, usage
 
 
-def conversation(call: Callable[[str, list[dict[str, str]]], Call], seed: int,
-                 turns: int) -> list[dict[str, Any]]:
+def conversation(
+    call: Callable[[str, list[dict[str, str]]], Call], seed: int, turns: int
+) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     system = prose(rng, 250)
     history: list[dict[str, str]] = []
@@ -206,8 +288,7 @@ def conversation(call: Callable[[str, list[dict[str, str]]], Call], seed: int,
 
 def main() -> int:
     plan = json.loads(sys.argv[1])
-    agent = (AnthropicAgent(plan) if plan["kind"].startswith("messages")
-             else OpenAIAgent(plan))
+    agent = AnthropicAgent(plan) if plan["kind"].startswith("messages") else OpenAIAgent(plan)
     calls = []
     for seed in plan["seeds"]:
         calls.extend(conversation(agent.call, seed, plan["turns"]))

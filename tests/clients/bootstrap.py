@@ -22,12 +22,16 @@ OPENAI_VERSION = "3.57.0"
 ANTHROPIC_VERSION = "2.15.0"
 CLIENTS = PinnedVenv(
     requirements=(f"openai=={OPENAI_VERSION}", f"anthropic=={ANTHROPIC_VERSION}"),
-    env_var="VLLM_CACHE_EXPORTER_CLIENTS_VENV", default_name=".venv-clients",
+    env_var="VLLM_CACHE_EXPORTER_CLIENTS_VENV",
+    default_name=".venv-clients",
     check=f"""
 import importlib.metadata as metadata
 assert metadata.version("openai") == {OPENAI_VERSION!r}, metadata.version("openai")
 assert metadata.version("anthropic") == {ANTHROPIC_VERSION!r}, metadata.version("anthropic")
-""", size="110 MB", seconds=20)
+""",
+    size="110 MB",
+    seconds=20,
+)
 
 __all__ = ["CLIENTS", "BootstrapError", "ensure_clients"]
 

@@ -32,19 +32,46 @@ CREATED = "1.7644608e+09"
 INSERT_BEFORE = "# HELP vllm:cache_config_info "
 
 # vllm/v1/metrics/buckets.py KV_CACHE_RESIDENCY_BUCKETS (0.32.0 and 0.33.0)
-KV_CACHE_RESIDENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10,
-                              20, 30, 60, 120, 300, 600, 1200, 1800)
+KV_CACHE_RESIDENCY_BUCKETS = (
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    5,
+    10,
+    20,
+    30,
+    60,
+    120,
+    300,
+    600,
+    1200,
+    1800,
+)
 FAMILIES = (
-    ("vllm:kv_block_lifetime_seconds",
-     "Histogram of KV cache block lifetime from allocation to eviction. "
-     "Sampled metrics (controlled by --kv-cache-metrics-sample)."),
-    ("vllm:kv_block_idle_before_evict_seconds",
-     "Histogram of idle time before KV cache block eviction. "
-     "Sampled metrics (controlled by --kv-cache-metrics-sample)."),
-    ("vllm:kv_block_reuse_gap_seconds",
-     "Histogram of time gaps between consecutive KV cache block accesses. Only the most "
-     "recent accesses are recorded (ring buffer). Sampled metrics (controlled by "
-     "--kv-cache-metrics-sample)."),
+    (
+        "vllm:kv_block_lifetime_seconds",
+        "Histogram of KV cache block lifetime from allocation to eviction. "
+        "Sampled metrics (controlled by --kv-cache-metrics-sample).",
+    ),
+    (
+        "vllm:kv_block_idle_before_evict_seconds",
+        "Histogram of idle time before KV cache block eviction. "
+        "Sampled metrics (controlled by --kv-cache-metrics-sample).",
+    ),
+    (
+        "vllm:kv_block_reuse_gap_seconds",
+        "Histogram of time gaps between consecutive KV cache block accesses. Only the most "
+        "recent accesses are recorded (ring buffer). Sampled metrics (controlled by "
+        "--kv-cache-metrics-sample).",
+    ),
 )
 EVICTIONS = 150
 
@@ -52,9 +79,15 @@ EVICTIONS = 150
 def residency_families() -> str:
     registry = CollectorRegistry()
     lifetime, idle, gap = (
-        Histogram(name, documentation, ["model_name", "engine"],
-                  buckets=KV_CACHE_RESIDENCY_BUCKETS, registry=registry).labels(MODEL, "0")
-        for name, documentation in FAMILIES)
+        Histogram(
+            name,
+            documentation,
+            ["model_name", "engine"],
+            buckets=KV_CACHE_RESIDENCY_BUCKETS,
+            registry=registry,
+        ).labels(MODEL, "0")
+        for name, documentation in FAMILIES
+    )
     rng = random.Random(330)
     for _ in range(EVICTIONS):
         # vLLM's KVCacheMetricsCollector: reuse gaps between the last 4 accesses, idle time

@@ -14,18 +14,27 @@ ROW = {"model_name": "tiny-llama", "engine": "0"}
 
 
 def engine_series(text: str, target: str) -> list[str]:
-    return [line for line in text.splitlines()
-            if line.startswith("vllm_cache_engine_") and f'target="{target}"' in line
-            and not line.startswith(("vllm_cache_engine_up", "vllm_cache_engine_scrape_",
-                                     "vllm_cache_engine_restarts", "vllm_cache_engine_invalid",
-                                     "vllm_cache_engine_samples_folded"))]
+    return [
+        line
+        for line in text.splitlines()
+        if line.startswith("vllm_cache_engine_")
+        and f'target="{target}"' in line
+        and not line.startswith(
+            (
+                "vllm_cache_engine_up",
+                "vllm_cache_engine_scrape_",
+                "vllm_cache_engine_restarts",
+                "vllm_cache_engine_invalid",
+                "vllm_cache_engine_samples_folded",
+            )
+        )
+    ]
 
 
 async def assert_down(client, target: str, reason: str) -> str:
     text = await scrape(client)
     assert value(text, "vllm_cache_engine_up", target=target) == 0
-    assert value(text, "vllm_cache_engine_scrape_errors_total", target=target,
-                 reason=reason) == 1
+    assert value(text, "vllm_cache_engine_scrape_errors_total", target=target, reason=reason) == 1
     assert value(text, "vllm_cache_engine_scrape_duration_seconds", target=target) is not None
     assert engine_series(text, target) == []
     return text
@@ -47,8 +56,7 @@ async def test_slower_than_timeout(fake_vllm, exporter_for):
     fake_vllm.hang = True
     client = await exporter_for(fake_vllm.url, vllm_timeout=0.2)
     text = await assert_down(client, fake_vllm.url, "timeout")
-    assert value(text, "vllm_cache_engine_scrape_duration_seconds",
-                 target=fake_vllm.url) < 5
+    assert value(text, "vllm_cache_engine_scrape_duration_seconds", target=fake_vllm.url) < 5
 
 
 async def test_prometheus_scrape_timeout_bounds_the_read(fake_vllm, exporter_for):
@@ -59,8 +67,10 @@ async def test_prometheus_scrape_timeout_bounds_the_read(fake_vllm, exporter_for
     started = loop.time()
     text = await scrape(client, headers={"X-Prometheus-Scrape-Timeout-Seconds": "0.5"})
     assert loop.time() - started < 2.0
-    assert value(text, "vllm_cache_engine_scrape_errors_total", target=fake_vllm.url,
-                 reason="timeout") == 1
+    assert (
+        value(text, "vllm_cache_engine_scrape_errors_total", target=fake_vllm.url, reason="timeout")
+        == 1
+    )
 
 
 async def test_truncated_body(exporter_for):
@@ -69,8 +79,11 @@ async def test_truncated_body(exporter_for):
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 2])
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[: len(body) // 2]
+        )
         await writer.drain()
         writer.close()
 
@@ -106,19 +119,32 @@ async def test_body_cut_mid_line_is_rejected_whole(fake_vllm, exporter_for):
 
 async def test_lying_values_are_dropped_not_exported(fake_vllm, exporter_for):
     text = fixture_text("vllm-0.32.0-cpu/metrics_after.prom")
-    fake_vllm.body = (text
-                      .replace('vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 0.0',
-                               'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} -5')
-                      .replace('vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.0',
-                               'vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} NaN'))
+    fake_vllm.body = text.replace(
+        'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 0.0',
+        'vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} -5',
+    ).replace(
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} NaN',
+    )
     client = await exporter_for(fake_vllm.url)
     out = await scrape(client)
     row = {"target": fake_vllm.url, **ROW}
     assert value(out, "vllm_cache_engine_up", target=fake_vllm.url) == 1
-    assert value(out, "vllm_cache_engine_invalid_samples_total", target=fake_vllm.url,
-                 reason="negative") == 1
-    assert value(out, "vllm_cache_engine_invalid_samples_total", target=fake_vllm.url,
-                 reason="not_finite") == 1
+    assert (
+        value(
+            out, "vllm_cache_engine_invalid_samples_total", target=fake_vllm.url, reason="negative"
+        )
+        == 1
+    )
+    assert (
+        value(
+            out,
+            "vllm_cache_engine_invalid_samples_total",
+            target=fake_vllm.url,
+            reason="not_finite",
+        )
+        == 1
+    )
     assert value(out, "vllm_cache_engine_preemptions_total", **row) is None
     assert value(out, "vllm_cache_engine_kv_usage_ratio", **row) is None
     assert value(out, "vllm_cache_engine_prefix_cache_hits_tokens_total", **row) == 6784
@@ -130,16 +156,22 @@ async def test_one_bad_target_costs_the_others_nothing(fake_vllm, exporter_for, 
     text = await scrape(client)
     assert value(text, "vllm_cache_engine_up", target=dead) == 0
     assert value(text, "vllm_cache_engine_up", target=fake_vllm.url) == 1
-    assert value(text, "vllm_cache_engine_prefix_cache_hits_tokens_total",
-                 target=fake_vllm.url, **ROW) == 6784
+    assert (
+        value(text, "vllm_cache_engine_prefix_cache_hits_tokens_total", target=fake_vllm.url, **ROW)
+        == 6784
+    )
 
 
 def _with_counters(text: str, queries: float, hits: float, created: str | None = None) -> str:
     labels = '{engine="0",model_name="tiny-llama"}'
-    text = text.replace(f"vllm:prefix_cache_queries_total{labels} 9914.0",
-                        f"vllm:prefix_cache_queries_total{labels} {queries}")
-    text = text.replace(f"vllm:prefix_cache_hits_total{labels} 6784.0",
-                        f"vllm:prefix_cache_hits_total{labels} {hits}")
+    text = text.replace(
+        f"vllm:prefix_cache_queries_total{labels} 9914.0",
+        f"vllm:prefix_cache_queries_total{labels} {queries}",
+    )
+    text = text.replace(
+        f"vllm:prefix_cache_hits_total{labels} 6784.0",
+        f"vllm:prefix_cache_hits_total{labels} {hits}",
+    )
     if created is not None:
         text = text.replace("1.7959921637417994e+09", created)
     return text
@@ -147,8 +179,12 @@ def _with_counters(text: str, queries: float, hits: float, created: str | None =
 
 def restarted(text: str, seconds: float = 3600.0) -> str:
     """The exposition of a vLLM started ``seconds`` later: every _created time moved."""
-    return re.sub(r"^(\S+_created(?:\{[^}]*\})?) (\S+)$",
-                  lambda m: f"{m.group(1)} {float(m.group(2)) + seconds!r}", text, flags=re.M)
+    return re.sub(
+        r"^(\S+_created(?:\{[^}]*\})?) (\S+)$",
+        lambda m: f"{m.group(1)} {float(m.group(2)) + seconds!r}",
+        text,
+        flags=re.M,
+    )
 
 
 def without_created(text: str) -> str:
@@ -208,8 +244,15 @@ async def test_target_that_comes_back(fake_vllm, exporter_for):
     back = await scrape(client)
     assert value(back, "vllm_cache_engine_up", target=fake_vllm.url) == 1
     assert value(back, "vllm_cache_engine_prefix_cache_hits_tokens_total", **row) == 6784
-    assert value(back, "vllm_cache_engine_scrape_errors_total", target=fake_vllm.url,
-                 reason="http_status") == 1
+    assert (
+        value(
+            back,
+            "vllm_cache_engine_scrape_errors_total",
+            target=fake_vllm.url,
+            reason="http_status",
+        )
+        == 1
+    )
 
 
 async def test_concurrent_scrapes_share_one_read(fake_vllm, exporter_for):
@@ -221,5 +264,4 @@ async def test_concurrent_scrapes_share_one_read(fake_vllm, exporter_for):
     fake_vllm.release.set()
     results = await asyncio.gather(*pending)
     assert fake_vllm.requests == 1
-    assert all(value(text, "vllm_cache_engine_up", target=fake_vllm.url) == 1
-               for text in results)
+    assert all(value(text, "vllm_cache_engine_up", target=fake_vllm.url) == 1 for text in results)

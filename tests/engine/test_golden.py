@@ -31,8 +31,12 @@ def engine_exposition(text: str, target: str) -> str:
     for line in text.splitlines():
         if "scrape_duration_seconds" in line:
             continue
-        if ("vllm_cache_engine_" in line or "vllm_cache_exporter_" in line
-                or " process_" in line or line.startswith("process_")):
+        if (
+            "vllm_cache_engine_" in line
+            or "vllm_cache_exporter_" in line
+            or " process_" in line
+            or line.startswith("process_")
+        ):
             keep.append(line.replace(target, STABLE_TARGET))
     return "\n".join(keep) + "\n"
 
@@ -74,16 +78,22 @@ async def test_old_names_read_as_the_same_signals(fake_vllm, exporter_for):
     assert value(text, "vllm_cache_engine_kv_pool_tokens", **row) == 32768 * 32
     # prompt_tokens_cached does not exist before 0.16: absent and said so, never a 0.
     assert value(text, "vllm_cache_engine_prompt_tokens_cached_total", **row) is None
-    assert value(text, "vllm_cache_engine_metric_present", target=fake_vllm.url,
-                 signal="prompt_tokens_cached") == 0
+    assert (
+        value(
+            text,
+            "vllm_cache_engine_metric_present",
+            target=fake_vllm.url,
+            signal="prompt_tokens_cached",
+        )
+        == 0
+    )
 
 
 async def test_033_sample_kv_used_tokens(fake_vllm, exporter_for):
     fake_vllm.body = fixture_text("vllm-0.33.0-sample.prom")
     client = await exporter_for(fake_vllm.url)
     text = await scrape(client)
-    row = {"target": fake_vllm.url, "model_name": "meta-llama/Llama-3.1-8B-Instruct",
-           "engine": "0"}
+    row = {"target": fake_vllm.url, "model_name": "meta-llama/Llama-3.1-8B-Instruct", "engine": "0"}
     assert value(text, "vllm_cache_engine_kv_pool_tokens", **row) == 845_552
     assert value(text, "vllm_cache_engine_kv_usage_ratio", **row) == pytest.approx(0.31876)
     assert value(text, "vllm_cache_engine_kv_used_tokens", **row) == round(0.31876 * 845_552)
@@ -101,8 +111,9 @@ async def test_promtool_check_metrics(case, fake_vllm, exporter_for, tmp_path):
     fake_vllm.body = fixture_text(CASES[case])
     client = await exporter_for(fake_vllm.url)
     text = await scrape(client)
-    result = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
-                            capture_output=True, timeout=30)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30
+    )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
 
 

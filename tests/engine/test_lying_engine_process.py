@@ -20,14 +20,14 @@ HUGE = "x" * 1_000_000
 
 
 def lying_body() -> str:
-    config = next(line for line in BASE.splitlines()
-                  if line.startswith("vllm:cache_config_info"))
+    config = next(line for line in BASE.splitlines() if line.startswith("vllm:cache_config_info"))
     lines = [BASE.rstrip("\n")]
     for index in range(2_000):
         lines.append(f'vllm:prefix_cache_queries_total{{engine="0",model_name="m-{index}"}} 1.0')
     for index in range(1, 10_001):
-        lines.append(f'vllm:prefix_cache_hits_total{{engine="{index}",model_name="tiny-llama"}}'
-                     " 1.0")
+        lines.append(
+            f'vllm:prefix_cache_hits_total{{engine="{index}",model_name="tiny-llama"}} 1.0'
+        )
     lines.extend(config.replace('engine="0"', f'engine="c{index}"') for index in range(5_000))
     lines.append(f'vllm:num_preemptions_total{{engine="0",model_name="{HUGE}"}} 1.0')
     lines.append(f'vllm:num_requests_running{{engine="0",model_name="{HUGE}"}} 1.0')
@@ -76,15 +76,22 @@ async def test_a_lying_vllm_costs_neither_health_nor_a_big_body():
         assert reads >= 4
         assert value(text, "vllm_cache_engine_up", target=target) == 1
         for reason in ("model_name_cap", "engine_cap", "too_long"):
-            assert value(text, "vllm_cache_engine_samples_folded_total", target=target,
-                         reason=reason) > 0, reason
+            assert (
+                value(text, "vllm_cache_engine_samples_folded_total", target=target, reason=reason)
+                > 0
+            ), reason
         assert HUGE[:1000] not in text
-        models = {line.split('model_name="', 1)[1].split('"', 1)[0]
-                  for line in text.splitlines() if 'model_name="' in line
-                  and line.startswith("vllm_cache_engine_")}
+        models = {
+            line.split('model_name="', 1)[1].split('"', 1)[0]
+            for line in text.splitlines()
+            if 'model_name="' in line and line.startswith("vllm_cache_engine_")
+        }
         assert len(models) <= MAX_MODEL_NAMES + 1
-        rows = {line.split("{", 1)[1] for line in text.splitlines()
-                if line.startswith("vllm_cache_engine_prefix_cache_hits_tokens_total{")}
+        rows = {
+            line.split("{", 1)[1]
+            for line in text.splitlines()
+            if line.startswith("vllm_cache_engine_prefix_cache_hits_tokens_total{")
+        }
         assert len(rows) <= MAX_ROWS + 1
         # About what the real fixture alone gives, not megabytes (measured: 49 KB from an
         # 8.2 MB lie; /-/healthy at most 47 ms, the read 0.38 s).

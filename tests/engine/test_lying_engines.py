@@ -45,8 +45,10 @@ def test_the_carrier_counts_every_reason_the_parser_gives():
 
 # --- fail 7: finite but absurd readings ------------------------------------------------------
 
-async def test_absurd_finite_readings_leave_the_totals_finite_and_as_they_were(fake_vllm,
-                                                                               exporter_for):
+
+async def test_absurd_finite_readings_leave_the_totals_finite_and_as_they_were(
+    fake_vllm, exporter_for
+):
     """1e308, then 1.7e308 after a fall: before, the carried totals went to +Inf for good."""
     client = await exporter_for(fake_vllm.url)
     row = {"target": fake_vllm.url, **ROW}
@@ -61,8 +63,11 @@ async def test_absurd_finite_readings_leave_the_totals_finite_and_as_they_were(f
     # Dropped like a NaN: absent for those reads, never +Inf.
     assert value(lied, HITS, **row) is None and value(lied, QUERIES, **row) is None
     assert invalid(lied, fake_vllm.url, "too_large") == 4
-    assert all(math.isfinite(float(line.rsplit(" ", 1)[1]))
-               for line in lied.splitlines() if line.startswith("vllm_cache_engine_"))
+    assert all(
+        math.isfinite(float(line.rsplit(" ", 1)[1]))
+        for line in lied.splitlines()
+        if line.startswith("vllm_cache_engine_")
+    )
     fake_vllm.body = _with_counters(BASE, 10_000, 6800)  # vLLM's own next reading
     honest = await scrape(client)
     assert value(honest, HITS, **row) == 6800 and value(honest, QUERIES, **row) == 10_000
@@ -70,9 +75,9 @@ async def test_absurd_finite_readings_leave_the_totals_finite_and_as_they_were(f
 
 
 def test_a_sample_above_2_to_the_53_is_dropped_and_one_at_it_is_kept():
-    at = read(_with_counters(BASE, float(2 ** 53), 1.0))
-    past = read(_with_counters(BASE, float(2 ** 53) * 2, 1.0))
-    assert at.snapshot.engines[("tiny-llama", "0")].values[PREFIX_CACHE_QUERIES] == 2 ** 53
+    at = read(_with_counters(BASE, float(2**53), 1.0))
+    past = read(_with_counters(BASE, float(2**53) * 2, 1.0))
+    assert at.snapshot.engines[("tiny-llama", "0")].values[PREFIX_CACHE_QUERIES] == 2**53
     assert PREFIX_CACHE_QUERIES not in past.snapshot.engines[("tiny-llama", "0")].values
     assert past.invalid == {"too_large": 1} and at.invalid == {}
 
@@ -96,8 +101,10 @@ def test_an_increase_past_the_per_second_bound_is_ignored_until_time_explains_it
 
 # --- falls that are not restarts -------------------------------------------------------------
 
-async def test_a_fall_under_the_same_created_time_is_a_glitch_not_a_restart(fake_vllm,
-                                                                            exporter_for):
+
+async def test_a_fall_under_the_same_created_time_is_a_glitch_not_a_restart(
+    fake_vllm, exporter_for
+):
     client = await exporter_for(fake_vllm.url)
     row = {"target": fake_vllm.url, **ROW}
     fake_vllm.body = BASE
@@ -112,15 +119,20 @@ async def test_a_fall_under_the_same_created_time_is_a_glitch_not_a_restart(fake
     assert value(later, HITS, **row) == 6884 and value(later, QUERIES, **row) == 10_014
 
 
-async def test_two_replicas_answering_in_turn_are_not_counted_three_times(fake_vllm,
-                                                                          exporter_for):
+async def test_two_replicas_answering_in_turn_are_not_counted_three_times(fake_vllm, exporter_for):
     """Behind one URL, an older and a newer vLLM answer in turn: the newer _created is one
     restart, each return of the older is a glitch, and the total follows the newer one."""
     client = await exporter_for(fake_vllm.url)
     row = {"target": fake_vllm.url, **ROW}
     older, newer = BASE, restarted(BASE)
-    reads = [(older, 9914, 6784), (newer, 2000, 1000), (older, 9924, 6790),
-             (newer, 2100, 1100), (older, 9934, 6800), (newer, 2200, 1200)]
+    reads = [
+        (older, 9914, 6784),
+        (newer, 2000, 1000),
+        (older, 9924, 6790),
+        (newer, 2100, 1100),
+        (older, 9934, 6800),
+        (newer, 2200, 1200),
+    ]
     for body, queries, hits in reads:
         fake_vllm.body = _with_counters(body, queries, hits)
         text = await scrape(client)
@@ -145,8 +157,10 @@ async def test_one_family_falling_while_another_rises_is_a_glitch(fake_vllm, exp
 
 # --- a series sent twice ---------------------------------------------------------------------
 
-async def test_a_series_sent_twice_fails_the_read_and_costs_no_false_restart(fake_vllm,
-                                                                             exporter_for):
+
+async def test_a_series_sent_twice_fails_the_read_and_costs_no_false_restart(
+    fake_vllm, exporter_for
+):
     """As Prometheus does ("duplicate sample for timestamp"), the whole read is refused: no
     hits above queries, and the next honest read is no restart."""
     client = await exporter_for(fake_vllm.url)
@@ -157,8 +171,10 @@ async def test_a_series_sent_twice_fails_the_read_and_costs_no_false_restart(fak
     fake_vllm.body = BASE.replace(hits_line, f"{hits_line}\n{hits_line}")
     twice = await scrape(client)
     assert value(twice, "vllm_cache_engine_up", target=fake_vllm.url) == 0
-    assert value(twice, "vllm_cache_engine_scrape_errors_total", target=fake_vllm.url,
-                 reason="parse") == 1
+    assert (
+        value(twice, "vllm_cache_engine_scrape_errors_total", target=fake_vllm.url, reason="parse")
+        == 1
+    )
     # The same labels in another order are the same series.
     reordered = 'vllm:prefix_cache_hits_total{model_name="tiny-llama",engine="0"} 1.0'
     fake_vllm.body = BASE.replace(hits_line, f"{hits_line}\n{reordered}")
@@ -167,8 +183,10 @@ async def test_a_series_sent_twice_fails_the_read_and_costs_no_false_restart(fak
     honest = await scrape(client)
     assert value(honest, HITS, **row) == 6800
     assert value(honest, "vllm_cache_engine_restarts_total", target=fake_vllm.url) == 0
-    assert value(honest, "vllm_cache_engine_scrape_errors_total", target=fake_vllm.url,
-                 reason="parse") == 2
+    assert (
+        value(honest, "vllm_cache_engine_scrape_errors_total", target=fake_vllm.url, reason="parse")
+        == 2
+    )
 
 
 def test_the_duplicate_is_named_in_the_error():
@@ -184,10 +202,13 @@ def test_the_duplicate_is_named_in_the_error():
 
 # --- label values past the caps --------------------------------------------------------------
 
+
 def counter_lines(model_name: str, engine: str, queries: float = 10.0) -> str:
     labels = f'{{engine="{engine}",model_name="{model_name}"}}'
-    return (f"vllm:prefix_cache_queries_total{labels} {queries}\n"
-            f"vllm:prefix_cache_hits_total{labels} {queries / 2}\n")
+    return (
+        f"vllm:prefix_cache_queries_total{labels} {queries}\n"
+        f"vllm:prefix_cache_hits_total{labels} {queries / 2}\n"
+    )
 
 
 def test_model_names_past_the_cap_are_summed_into_other():
@@ -206,28 +227,31 @@ def test_model_names_past_the_cap_are_summed_into_other():
 
 
 def test_engines_and_rows_past_their_caps_are_folded():
-    parsed = read(BASE + "".join(counter_lines("tiny-llama", str(index))
-                                 for index in range(1, 10_001)))
+    parsed = read(
+        BASE + "".join(counter_lines("tiny-llama", str(index)) for index in range(1, 10_001))
+    )
     rows = parsed.snapshot.engines
     assert len(rows) == MAX_ROWS + 1
     assert len({engine for _model, engine in rows}) <= MAX_ENGINES + 1
-    assert sum(values.values[PREFIX_CACHE_QUERIES] for values in rows.values()) == \
-        9914 + 10.0 * 10_000
+    assert (
+        sum(values.values[PREFIX_CACHE_QUERIES] for values in rows.values()) == 9914 + 10.0 * 10_000
+    )
     # Engine "0" comes with every family of the fixture; each other engine with two samples.
     assert parsed.folded == {"engine_cap": 2 * (10_000 + 1 - MAX_ENGINES)}
 
 
 def test_cache_config_rows_past_the_engine_cap_are_dropped_and_counted():
-    config = next(line for line in BASE.splitlines()
-                  if line.startswith("vllm:cache_config_info"))
-    extra = "\n".join(config.replace('engine="0"', f'engine="{index}"')
-                      for index in range(1, 5_000))
+    config = next(line for line in BASE.splitlines() if line.startswith("vllm:cache_config_info"))
+    extra = "\n".join(
+        config.replace('engine="0"', f'engine="{index}"') for index in range(1, 5_000)
+    )
     parsed = read(BASE + extra + "\n")
     assert len(parsed.snapshot.cache_configs) == MAX_ENGINES
     assert parsed.folded == {"engine_cap": 5_000 - MAX_ENGINES}
     # Of a row with thousands of labels, the allow-listed ones and others up to the cap.
-    wide = config.replace('engine="0"', 'engine="0",' + ",".join(
-        f'extra_{index}="1"' for index in range(5_000)))
+    wide = config.replace(
+        'engine="0"', 'engine="0",' + ",".join(f'extra_{index}="1"' for index in range(5_000))
+    )
     fields = read(BASE.replace(config, wide)).snapshot.cache_configs["0"].fields
     assert len(fields) == engine_parse.MAX_CONFIG_LABELS
     assert set(engine_parse.CACHE_CONFIG_KEYS) <= set(fields)
@@ -241,8 +265,9 @@ def test_a_label_value_of_a_megabyte_is_never_copied_into_a_series():
     assert set(parsed.snapshot.engines) == {(OVERFLOW_VALUE, "0")}
     assert parsed.snapshot.cache_configs["0"].fields["cache_dtype"] == OVERFLOW_VALUE
     assert parsed.folded["too_long"] > 0
-    at_limit = read(BASE.replace('model_name="tiny-llama"',
-                                 f'model_name="{"z" * MAX_LABEL_VALUE_CHARS}"'))
+    at_limit = read(
+        BASE.replace('model_name="tiny-llama"', f'model_name="{"z" * MAX_LABEL_VALUE_CHARS}"')
+    )
     assert {model for model, _ in at_limit.snapshot.engines} == {"z" * MAX_LABEL_VALUE_CHARS}
 
 
@@ -250,10 +275,17 @@ async def test_folds_are_counted_per_target_and_served(fake_vllm, exporter_for):
     fake_vllm.body = BASE + "".join(counter_lines(f"m-{index}", "0") for index in range(100))
     client = await exporter_for(fake_vllm.url)
     text = await scrape(client)
-    folded = value(text, "vllm_cache_engine_samples_folded_total", target=fake_vllm.url,
-                   reason="model_name_cap")
+    folded = value(
+        text,
+        "vllm_cache_engine_samples_folded_total",
+        target=fake_vllm.url,
+        reason="model_name_cap",
+    )
     assert folded == 2 * (100 + 1 - MAX_MODEL_NAMES)
     served = {match for match in re.findall(r'model_name="([^"]*)"', text)}
     assert len(served) == MAX_MODEL_NAMES + 1
-    assert all(math.isfinite(float(line.rsplit(" ", 1)[1]))
-               for line in text.splitlines() if line.startswith("vllm_cache_engine_"))
+    assert all(
+        math.isfinite(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith("vllm_cache_engine_")
+    )

@@ -19,8 +19,9 @@ def escape(value: str) -> str:
 
 @given(st.dictionaries(NAMES, VALUES, min_size=1, max_size=6))
 def test_fast_path_agrees_with_the_general_parser(labels: dict[str, str]) -> None:
-    line = ("vllm:x{" + ",".join(f'{key}="{escape(value)}"' for key, value in labels.items())
-            + "} 1.0")
+    line = (
+        "vllm:x{" + ",".join(f'{key}="{escape(value)}"' for key, value in labels.items()) + "} 1.0"
+    )
     start = line.index("{")
     general = _parse_labels_escaped(line, start, 1)
     assert general == (labels, line.index("} 1.0") + 1)
@@ -31,8 +32,9 @@ def test_fast_path_agrees_with_the_general_parser(labels: dict[str, str]) -> Non
         assert fast == general  # the common case takes the fast path
 
 
-@pytest.mark.parametrize("labels", ['{a=1,b="2"}', '{a="1"b="2"}', '{a="1",}', '{1a="x"}',
-                                    '{a-b="x"}', '{="x"}'])
+@pytest.mark.parametrize(
+    "labels", ['{a=1,b="2"}', '{a="1"b="2"}', '{a="1",}', '{1a="x"}', '{a-b="x"}', '{="x"}']
+)
 def test_fast_path_never_accepts_a_malformed_set(labels: str) -> None:
     line = f"vllm:x{labels} 1.0"
     assert _simple_labels(line, line.index("{")) is None

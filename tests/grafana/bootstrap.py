@@ -36,8 +36,10 @@ LOG = HERE / "install.log"
 STAMP = NODE_MODULES / ".vllm-cache-exporter-stamp"
 UI_PACKAGE = f"@grafana/ui@{GRAFANA_VERSION}"
 # `npm view @grafana/ui@12.1.1 dist.integrity`; change with GRAFANA_VERSION.
-UI_INTEGRITY = ("sha512-qdN0tYcAddb8qRWlon0aseeKUFoxc3ZFPawKPXCUdFv1B5PxvtYS2vIwy3XBzFQmkxRY"
-                "+ts97+qUYp1WI28iQQ==")
+UI_INTEGRITY = (
+    "sha512-qdN0tYcAddb8qRWlon0aseeKUFoxc3ZFPawKPXCUdFv1B5PxvtYS2vIwy3XBzFQmkxRY"
+    "+ts97+qUYp1WI28iQQ=="
+)
 UI_MEMBER = "package/dist/esm/components/SingleStatShared/SingleStatBaseOptions.mjs"
 UI_MODULE = VENDOR / f"grafana-ui-{GRAFANA_VERSION}" / "SingleStatBaseOptions.mjs"
 HARNESS = HERE / "load_dashboards.mjs"
@@ -58,15 +60,16 @@ def _stamp() -> str:
 
 
 def is_ready() -> bool:
-    return (STAMP.exists() and STAMP.read_text(encoding="utf-8") == _stamp()
-            and UI_MODULE.exists())
+    return STAMP.exists() and STAMP.read_text(encoding="utf-8") == _stamp() and UI_MODULE.exists()
 
 
 def node() -> str:
     path = shutil.which("node")
     if path is None or shutil.which("npm") is None:
-        raise NodeMissing("node and npm are needed to load the dashboards with Grafana's code "
-                          "(Debian: apt-get install nodejs npm)")
+        raise NodeMissing(
+            "node and npm are needed to load the dashboards with Grafana's code "
+            "(Debian: apt-get install nodejs npm)"
+        )
     return path
 
 
@@ -74,23 +77,31 @@ def _run(command: list[str], what: str, cwd: Path = HERE) -> str:
     with LOG.open("a", encoding="utf-8") as log:
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
-        result = subprocess.run(command, cwd=cwd, stdout=subprocess.PIPE, stderr=log,
-                                text=True, timeout=TIMEOUT_SECONDS)
+        result = subprocess.run(
+            command, cwd=cwd, stdout=subprocess.PIPE, stderr=log, text=True, timeout=TIMEOUT_SECONDS
+        )
         log.write(result.stdout)
     if result.returncode != 0:
         tail = "\n".join(LOG.read_text(encoding="utf-8", errors="replace").splitlines()[-30:])
-        raise BootstrapError(f"{what} failed (exit {result.returncode}); last lines of {LOG}:"
-                             f"\n{tail}")
+        raise BootstrapError(
+            f"{what} failed (exit {result.returncode}); last lines of {LOG}:\n{tail}"
+        )
     return result.stdout
 
 
 def _fetch_ui_module() -> None:
     with tempfile.TemporaryDirectory() as scratch:
-        packed = json.loads(_run(["npm", "pack", UI_PACKAGE, "--json", "--pack-destination",
-                                  scratch], f"npm pack {UI_PACKAGE}"))
+        packed = json.loads(
+            _run(
+                ["npm", "pack", UI_PACKAGE, "--json", "--pack-destination", scratch],
+                f"npm pack {UI_PACKAGE}",
+            )
+        )
         if packed[0]["integrity"] != UI_INTEGRITY:
-            raise BootstrapError(f"{UI_PACKAGE} from the registry has integrity "
-                                 f"{packed[0]['integrity']}, expected the pinned {UI_INTEGRITY}")
+            raise BootstrapError(
+                f"{UI_PACKAGE} from the registry has integrity "
+                f"{packed[0]['integrity']}, expected the pinned {UI_INTEGRITY}"
+            )
         with tarfile.open(Path(scratch) / packed[0]["filename"]) as tarball:
             member = tarball.extractfile(UI_MEMBER)
             if member is None:
@@ -109,9 +120,11 @@ def ensure_installed(announce: Callable[[str], None] = _print) -> Path:
     node()
     if is_ready():
         return HARNESS
-    announce(f"tests/grafana: installing Grafana {GRAFANA_VERSION}'s panel code from npm "
-             f"(@grafana/data, @grafana/schema: npm ci, ~120 MB, about a minute; one module of "
-             f"{UI_PACKAGE}: npm pack, 2.4 MB) into {HERE}; log: {LOG}")
+    announce(
+        f"tests/grafana: installing Grafana {GRAFANA_VERSION}'s panel code from npm "
+        f"(@grafana/data, @grafana/schema: npm ci, ~120 MB, about a minute; one module of "
+        f"{UI_PACKAGE}: npm pack, 2.4 MB) into {HERE}; log: {LOG}"
+    )
     LOG.write_text(f"installing Grafana {GRAFANA_VERSION}'s panel code\n", encoding="utf-8")
     _run(["npm", "ci", "--no-audit", "--no-fund", "--ignore-scripts"], "npm ci")
     _fetch_ui_module()

@@ -49,7 +49,11 @@ def load_with_grafana(pytestconfig: pytest.Config) -> Callable[..., LoadReport]:
     def load(*paths: Path) -> LoadReport:
         result = subprocess.run(
             [node(), str(harness), GRAFANA_VERSION, str(UI_MODULE), *map(str, paths)],
-            cwd=harness.parent, capture_output=True, text=True, timeout=120)
+            cwd=harness.parent,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads(result.stdout)
 

@@ -61,14 +61,28 @@ def legacy_overview() -> dict[str, Any]:
     bar_gauge = next(p for p in data_panels(dashboard) if p["title"] == "KV pool in use")
     bar_gauge["options"]["fieldOptions"] = {
         "calcs": ["mean"],
-        "defaults": {"decimals": None, "links": [], "max": 1.0, "min": 0, "title": None,
-                     "unit": "percentunit"},
-        "limit": None, "mappings": [], "override": {}, "values": False,
+        "defaults": {
+            "decimals": None,
+            "links": [],
+            "max": 1.0,
+            "min": 0,
+            "title": None,
+            "unit": "percentunit",
+        },
+        "limit": None,
+        "mappings": [],
+        "override": {},
+        "values": False,
         "thresholds": [
-            {"color": "green", "index": 0, "line": True, "op": "gt", "value": "null",
-             "yaxis": "left"},
-            {"color": "red", "index": 1, "line": True, "op": "gt", "value": 80.0,
-             "yaxis": "left"},
+            {
+                "color": "green",
+                "index": 0,
+                "line": True,
+                "op": "gt",
+                "value": "null",
+                "yaxis": "left",
+            },
+            {"color": "red", "index": 1, "line": True, "op": "gt", "value": 80.0, "yaxis": "left"},
         ],
     }
     return dashboard
@@ -96,8 +110,9 @@ def test_a_legacy_panel_is_caught(load_with_grafana: Loader, tmp_path: Path) -> 
     bar_gauge = changes_of(legacy_report, "KV pool in use")
     assert bar_gauge["reduction"]["before"]["calcs"] == ["lastNotNull"]
     assert bar_gauge["reduction"]["after"]["calcs"] == ["mean"]
-    assert [(step["color"], step["value"]) for step in bar_gauge["thresholds"]["after"]["steps"]] \
-        == [("green", None), ("red", 80)]
+    assert [
+        (step["color"], step["value"]) for step in bar_gauge["thresholds"]["after"]["steps"]
+    ] == [("green", None), ("red", 80)]
     # Without a pluginVersion a percent stat is taken for a pre-8 panel and gets min/max.
     stat = changes_of(legacy_report, "Engine hit ratio")
     assert (stat["min"]["after"], stat["max"]["after"]) == (0, 1)

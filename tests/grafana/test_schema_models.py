@@ -19,8 +19,9 @@ import pytest
 
 from tests.monitoring.common import DASHBOARD_DIR
 
-sdk_dashboard = pytest.importorskip("grafana_foundation_sdk.models.dashboard",
-                                    reason="grafana-foundation-sdk needs Python 3.11+")
+sdk_dashboard = pytest.importorskip(
+    "grafana_foundation_sdk.models.dashboard", reason="grafana-foundation-sdk needs Python 3.11+"
+)
 from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: E402
 from grafana_foundation_sdk.cog.plugins import register_default_plugins  # noqa: E402
 
@@ -36,12 +37,21 @@ def round_trip(dashboard: dict[str, Any]) -> dict[str, Any]:
 def lost(saved: Any, read: Any, path: str = "") -> list[str]:
     """Where ``read`` drops or changes something ``saved`` has (added keys are fine)."""
     if isinstance(saved, dict) and isinstance(read, dict):
-        return [problem for key, value in saved.items()
-                for problem in (lost(value, read[key], f"{path}/{key}") if key in read
-                                else [f"{path}/{key}: dropped"])]
+        return [
+            problem
+            for key, value in saved.items()
+            for problem in (
+                lost(value, read[key], f"{path}/{key}")
+                if key in read
+                else [f"{path}/{key}: dropped"]
+            )
+        ]
     if isinstance(saved, list) and isinstance(read, list) and len(saved) == len(read):
-        return [problem for index, (item, again) in enumerate(zip(saved, read, strict=True))
-                for problem in lost(item, again, f"{path}[{index}]")]
+        return [
+            problem
+            for index, (item, again) in enumerate(zip(saved, read, strict=True))
+            for problem in lost(item, again, f"{path}[{index}]")
+        ]
     return [] if saved == read else [f"{path}: {saved!r} became {read!r}"]
 
 
@@ -60,5 +70,7 @@ def test_a_legacy_key_is_noticed() -> None:
     bar_gauge["targets"][0]["step"] = 10
     where = f"/panels[{dashboard['panels'].index(bar_gauge)}]"
     assert sorted(lost(dashboard, round_trip(dashboard))) == [
-        f"{where}/options/fieldOptions: dropped", f"{where}/targets[0]/step: dropped",
-        "/rows: dropped"]
+        f"{where}/options/fieldOptions: dropped",
+        f"{where}/targets[0]/step: dropped",
+        "/rows: dropped",
+    ]

@@ -23,20 +23,24 @@ LITELLM_REQUIREMENT = f"litellm[proxy]=={LITELLM_VERSION}"
 # Checks without importing litellm (its proxy takes 20-60 s to import on two busy cores):
 # the distribution and its version, the proxy's server stack, the console script.
 LITELLM = PinnedVenv(
-    requirements=(LITELLM_REQUIREMENT,), env_var="VLLM_CACHE_EXPORTER_LITELLM_VENV",
-    default_name=".venv-litellm", check=f"""
+    requirements=(LITELLM_REQUIREMENT,),
+    env_var="VLLM_CACHE_EXPORTER_LITELLM_VENV",
+    default_name=".venv-litellm",
+    check=f"""
 import importlib.metadata as metadata, importlib.util as util, pathlib, sys
 assert metadata.version("litellm") == {LITELLM_VERSION!r}, metadata.version("litellm")
 for name in ("litellm", "fastapi", "uvicorn", "httpx", "yaml"):
     assert util.find_spec(name) is not None, name + " missing"
 assert (pathlib.Path(sys.executable).parent / "litellm").exists(), "no litellm script"
-""", size="760 MB", seconds=150)
+""",
+    size="760 MB",
+    seconds=150,
+)
 
 __all__ = ["LITELLM", "BootstrapError", "ensure_litellm"]
 
 
-def ensure_litellm(venv: Path | None = None,
-                   announce: Callable[[str], None] = print) -> Path:
+def ensure_litellm(venv: Path | None = None, announce: Callable[[str], None] = print) -> Path:
     """The venv of a ready LiteLLM proxy, installing it first (and saying so) if needed."""
     return LITELLM.ensure(venv, announce)
 

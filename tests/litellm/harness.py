@@ -19,8 +19,24 @@ from exporter.sim.server import build_simulator, create_sim_app, start_site
 from tests.helpers import value
 from tests.litellm.proxy import free_port
 
-WORDS = ["kalo", "miren", "tasvu", "pedor", "silny", "quabex", "torela", "fingru", "hapjis",
-         "kelmon", "renvu", "dorsil", "nyqua", "bexela", "grufin", "jiskel"]
+WORDS = [
+    "kalo",
+    "miren",
+    "tasvu",
+    "pedor",
+    "silny",
+    "quabex",
+    "torela",
+    "fingru",
+    "hapjis",
+    "kelmon",
+    "renvu",
+    "dorsil",
+    "nyqua",
+    "bexela",
+    "grufin",
+    "jiskel",
+]
 # A simulator token is a word of up to 8 characters; every word above is one token.
 USER_TURN_WORDS = 48
 # The simulator's block size, given to the exporter as G: no learning, no provisional G.
@@ -41,21 +57,29 @@ class Servers:
 
 
 async def start_servers(served_model_name: str, usage_token: str) -> Servers:
-    sim = build_simulator(EngineConfig(served_model_name=served_model_name,
-                                       block_size=BLOCK_SIZE,
-                                       enable_prompt_tokens_details=True,
-                                       enable_per_request_metrics=True))
+    sim = build_simulator(
+        EngineConfig(
+            served_model_name=served_model_name,
+            block_size=BLOCK_SIZE,
+            enable_prompt_tokens_details=True,
+            enable_per_request_metrics=True,
+        )
+    )
     sim_runner, sim_port = await start_site(create_sim_app(sim), "127.0.0.1", 0)
     simulator_url = f"http://127.0.0.1:{sim_port}"
     exporter_port = free_port()
-    config = Config(web_listen_address=f"127.0.0.1:{exporter_port}",
-                    vllm_url=(simulator_url,), usage_ingest_token=usage_token,
-                    signals_granularity=BLOCK_SIZE)
+    config = Config(
+        web_listen_address=f"127.0.0.1:{exporter_port}",
+        vllm_url=(simulator_url,),
+        usage_ingest_token=usage_token,
+        signals_granularity=BLOCK_SIZE,
+    )
     exporter_runner = web.AppRunner(create_app(config), access_log=None)
     await exporter_runner.setup()
     await web.TCPSite(exporter_runner, "127.0.0.1", exporter_port).start()
-    return Servers(simulator_url, f"http://127.0.0.1:{exporter_port}",
-                   [sim_runner, exporter_runner])
+    return Servers(
+        simulator_url, f"http://127.0.0.1:{exporter_port}", [sim_runner, exporter_runner]
+    )
 
 
 async def metrics_text(session: aiohttp.ClientSession, base_url: str) -> str:
@@ -122,33 +146,46 @@ class Conversation:
     def prose(self, words: int) -> str:
         return " ".join(self.rng.choice(WORDS) for _ in range(words)) + "."
 
-    async def turn(self, session: aiohttp.ClientSession, proxy_url: str, model: str,
-                   index: int) -> None:
-        self.messages.append({"role": "user",
-                              "content": f"step {index}: " + self.prose(USER_TURN_WORDS)})
+    async def turn(
+        self, session: aiohttp.ClientSession, proxy_url: str, model: str, index: int
+    ) -> None:
+        self.messages.append(
+            {"role": "user", "content": f"step {index}: " + self.prose(USER_TURN_WORDS)}
+        )
         answer, metrics = await chat(session, proxy_url, model, self, self.modes[index])
         if metrics is not None:
             self.whole_metrics.append(metrics)
         self.messages.append({"role": "assistant", "content": answer})
 
 
-async def chat(session: aiohttp.ClientSession, proxy_url: str, model: str,
-               conversation: Conversation, mode: str) -> tuple[str, dict[str, Any] | None]:
+async def chat(
+    session: aiohttp.ClientSession,
+    proxy_url: str,
+    model: str,
+    conversation: Conversation,
+    mode: str,
+) -> tuple[str, dict[str, Any] | None]:
     """One call through LiteLLM; the assistant's text, and vLLM's per-request metrics when
     the client got them (a whole answer)."""
     caller = conversation.caller
-    extra_body, session_headers = session_fields(conversation.session_method,
-                                                 conversation.session_id)
-    body: dict[str, Any] = {"model": model, "messages": conversation.messages, "max_tokens": 4,
-                            **caller.body, **extra_body}
+    extra_body, session_headers = session_fields(
+        conversation.session_method, conversation.session_id
+    )
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": conversation.messages,
+        "max_tokens": 4,
+        **caller.body,
+        **extra_body,
+    }
     if mode != "whole":
         body["stream"] = True
     if mode == "stream_usage":
         body["stream_options"] = {"include_usage": True}
-    headers = {"Authorization": f"Bearer {caller.api_key}", **caller.headers,
-               **session_headers}
-    async with session.post(proxy_url + "/v1/chat/completions", json=body,
-                            headers=headers) as response:
+    headers = {"Authorization": f"Bearer {caller.api_key}", **caller.headers, **session_headers}
+    async with session.post(
+        proxy_url + "/v1/chat/completions", json=body, headers=headers
+    ) as response:
         raw = await response.read()
         assert response.status == 200, raw[:500]
     if mode == "whole":
@@ -157,14 +194,15 @@ async def chat(session: aiohttp.ClientSession, proxy_url: str, model: str,
     text = ""
     for event in raw.split(b"\n\n"):
         if event.startswith(b"data: {"):
-            for choice in json.loads(event[len(b"data: "):]).get("choices") or []:
+            for choice in json.loads(event[len(b"data: ") :]).get("choices") or []:
                 text += (choice.get("delta") or {}).get("content") or ""
     assert raw.rstrip().endswith(b"data: [DONE]"), raw[-200:]
     return text, None
 
 
-async def interleaved(session: aiohttp.ClientSession, proxy_url: str, model: str,
-                      conversations: list[Conversation]) -> None:
+async def interleaved(
+    session: aiohttp.ClientSession, proxy_url: str, model: str, conversations: list[Conversation]
+) -> None:
     """Turn 1 of each conversation, then turn 2 of each, ...: one caller's conversations
     take turns, so a caller's previous call is always another conversation's."""
     for index in range(len(conversations[0].modes)):

@@ -71,8 +71,7 @@ def _literal(text: str) -> str:
     return text.replace("\\", "\\\\")
 
 
-def readme_environment(command_output: dict[str, str],
-                       readme: str | None = None) -> dict[str, str]:
+def readme_environment(command_output: dict[str, str], readme: str | None = None) -> dict[str, str]:
     """The variables the README's start-up block exports, each ``$(...)`` in a value replaced
     by ``command_output[NAME]`` (the test's stand-in for ``openssl`` or a secret file)."""
     environment = {}
@@ -93,16 +92,21 @@ def proxy_config(vllm_url: str, exporter_url: str, readme: str | None = None) ->
     for placeholder in (VLLM_PLACEHOLDER, EXPORTER_PLACEHOLDER):
         if text.count(placeholder) != 1:
             raise ValueError(f"the README's LiteLLM config must name {placeholder} once")
-    text = text.replace(VLLM_PLACEHOLDER, vllm_url).replace(EXPORTER_PLACEHOLDER,
-                                                            exporter_url)
+    text = text.replace(VLLM_PLACEHOLDER, vllm_url).replace(EXPORTER_PLACEHOLDER, exporter_url)
     return yaml.safe_load(text)
 
 
 class LiteLLMProxy:
     """``litellm --config`` on a loopback port, stopped with its whole process group."""
 
-    def __init__(self, venv: Path, config: dict, workdir: Path,
-                 environment: dict[str, str], port: int | None = None) -> None:
+    def __init__(
+        self,
+        venv: Path,
+        config: dict,
+        workdir: Path,
+        environment: dict[str, str],
+        port: int | None = None,
+    ) -> None:
         self.venv = venv
         self.config = config
         self.workdir = workdir
@@ -117,28 +121,42 @@ class LiteLLMProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        return [str(self.venv / "bin" / "litellm"), "--config", str(self.config_path),
-                "--host", "127.0.0.1", "--port", str(self.port)]
+        return [
+            str(self.venv / "bin" / "litellm"),
+            "--config",
+            str(self.config_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            # No network here but the package registries: use the cost map LiteLLM ships.
-            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-            "XDG_CACHE_HOME": str(self.workdir / "cache"),
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                # No network here but the package registries: use the cost map LiteLLM ships.
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                "XDG_CACHE_HOME": str(self.workdir / "cache"),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.update(self.environment_overrides)
         return env
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False),
-                                    encoding="utf-8")
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False), encoding="utf-8")
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), cwd=self.workdir, start_new_session=True)
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                cwd=self.workdir,
+                start_new_session=True,
+            )
 
     def wait_ready(self, deadline_seconds: float = BOOT_DEADLINE_SECONDS) -> float:
         """Poll /health/liveliness (LiteLLM offers no readiness event); the seconds it took."""
@@ -146,18 +164,18 @@ class LiteLLMProxy:
         started = time.monotonic()
         while time.monotonic() - started < deadline_seconds:
             if self.process.poll() is not None:
-                raise LiteLLMFailed(f"LiteLLM exited with {self.process.returncode} while "
-                                    f"starting:\n{self.log_tail()}")
+                raise LiteLLMFailed(
+                    f"LiteLLM exited with {self.process.returncode} while "
+                    f"starting:\n{self.log_tail()}"
+                )
             try:
-                with urllib.request.urlopen(self.url + "/health/liveliness",
-                                            timeout=2) as response:
+                with urllib.request.urlopen(self.url + "/health/liveliness", timeout=2) as response:
                     if response.status == 200:
                         return time.monotonic() - started
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
-        raise LiteLLMFailed(f"LiteLLM not live after {deadline_seconds:.0f}s:\n"
-                            f"{self.log_tail()}")
+        raise LiteLLMFailed(f"LiteLLM not live after {deadline_seconds:.0f}s:\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

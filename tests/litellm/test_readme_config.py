@@ -33,10 +33,13 @@ def test_readme_litellm_config_has_what_the_proxy_needs():
 
 
 def test_readme_litellm_environment_carries_the_token_and_a_master_key():
-    environment = readme_environment({"LITELLM_MASTER_KEY": "abc",
-                                      "GENERIC_LOGGER_HEADERS": "the-token"})
-    assert environment == {"LITELLM_MASTER_KEY": "sk-abc",
-                           "GENERIC_LOGGER_HEADERS": "Authorization=Bearer the-token"}
+    environment = readme_environment(
+        {"LITELLM_MASTER_KEY": "abc", "GENERIC_LOGGER_HEADERS": "the-token"}
+    )
+    assert environment == {
+        "LITELLM_MASTER_KEY": "sk-abc",
+        "GENERIC_LOGGER_HEADERS": "Authorization=Bearer the-token",
+    }
 
 
 def test_readme_names_the_tested_litellm_version():
@@ -48,7 +51,8 @@ def test_readme_names_the_tested_litellm_version():
 def test_a_readme_config_without_the_placeholder_is_refused():
     """Else the test would point LiteLLM at a host that only exists in docs/usage.md."""
     section = README.read_text(encoding="utf-8").split("<!-- litellm:begin -->", 1)[1]
-    edited = "<!-- litellm:begin -->" + section.replace(EXPORTER_PLACEHOLDER,
-                                                        "http://exporter:10123")
+    edited = "<!-- litellm:begin -->" + section.replace(
+        EXPORTER_PLACEHOLDER, "http://exporter:10123"
+    )
     with pytest.raises(ValueError, match="vllm-cache-exporter:10123"):
         proxy_config("http://127.0.0.1:1", "http://127.0.0.1:2", readme=edited)

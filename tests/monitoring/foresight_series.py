@@ -79,7 +79,8 @@ def exporter_series(name: str, config: Config | None = None) -> Played:
 
     def sampler(when: float, sim: Simulator) -> None:
         if math.isclose(when % STEP_SECONDS, 0.0, abs_tol=1e-6) or math.isclose(
-                when % STEP_SECONDS, STEP_SECONDS, abs_tol=1e-6):
+            when % STEP_SECONDS, STEP_SECONDS, abs_tol=1e-6
+        ):
             scrapes.append((when, sim.render_metrics().decode()))
 
     run = play(scenario, sampler=sampler, sample_every=STEP_SECONDS)
@@ -110,8 +111,9 @@ def _read(registry: Any, played: Played, step: int) -> None:
         for sample in family.samples:
             if sample.name not in SERIES:
                 continue
-            values = played.series.setdefault(_name(sample.name, sample.labels),
-                                              [None] * (played.steps + 1))
+            values = played.series.setdefault(
+                _name(sample.name, sample.labels), [None] * (played.steps + 1)
+            )
             values[step] = round(sample.value)
 
 
@@ -124,8 +126,7 @@ HEALTHY = ("two-agents-fit", "fanout-order", "details-off", "prefix-caching-off"
 # Scenarios whose conversations do not fit: their files' assertions are written by hand.
 OVERFLOWING = ("two-agents-collapse", "overload-preempt")
 SCENARIOS: dict[str, Callable[[], Played]] = {
-    filename(name): (lambda name=name: exporter_series(name)) for name in (*OVERFLOWING,
-                                                                           *HEALTHY)
+    filename(name): (lambda name=name: exporter_series(name)) for name in (*OVERFLOWING, *HEALTHY)
 }
 
 _INPUT_BLOCK = re.compile(r"(?m)^    input_series:\n(?:      .*\n)+")
@@ -165,13 +166,22 @@ tests:
 def healthy_file(scenario: str, played: Played) -> str:
     """The whole promtool file of a healthy scenario: its assertions are mechanical."""
     loaded = scenarios.load(scenario)
-    active = next(values for name, values in played.series.items()
-                  if name.startswith("vllm_cache_engine_conversations_active{"))
+    active = next(
+        values
+        for name, values in played.series.items()
+        if name.startswith("vllm_cache_engine_conversations_active{")
+    )
     return _HEALTHY_FILE.format(
-        scenario=scenario, title=loaded.title, tail=TAIL_SECONDS // 60, step=STEP_SECONDS,
-        inputs=input_block(played.encoded()), end=played.steps * STEP_SECONDS,
-        model=loaded.engine_config().served_model_name, target=TARGET,
-        most_active=max(value or 0 for value in active))
+        scenario=scenario,
+        title=loaded.title,
+        tail=TAIL_SECONDS // 60,
+        step=STEP_SECONDS,
+        inputs=input_block(played.encoded()),
+        end=played.steps * STEP_SECONDS,
+        model=loaded.engine_config().served_model_name,
+        target=TARGET,
+        most_active=max(value or 0 for value in active),
+    )
 
 
 def render(name: str, text: str) -> str:
@@ -199,4 +209,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

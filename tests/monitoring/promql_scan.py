@@ -12,10 +12,34 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
-            "unless", "bool", "offset", "atan2"}
-AGGREGATIONS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count",
-                "count_values", "bottomk", "topk", "quantile"}
+KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "atan2",
+}
+AGGREGATIONS = {
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+}
 LABEL_LISTS = {"by", "without", "on", "ignoring", "group_left", "group_right"}
 IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 NUMBER = re.compile(r"(?:\d+\.?\d*(?:e[+-]?\d+)?|\.\d+)", re.IGNORECASE)
@@ -48,7 +72,7 @@ def _skip_balanced(text: str, i: int, open_char: str, close_char: str) -> tuple[
         elif char == close_char:
             depth -= 1
             if depth == 0:
-                return i + 1, text[start + 1:i]
+                return i + 1, text[start + 1 : i]
         i += 1
     raise ValueError(f"unbalanced {open_char!r} in {text!r}")
 
@@ -78,8 +102,9 @@ def scan(expr: str) -> tuple[list[Selector], list[str]]:
             match = NUMBER.match(expr, i)
             i = match.end() if match else i + 1
             duration = IDENT.match(expr, i)  # the unit of 5m, 1h30m
-            if duration and re.fullmatch(r"(ms|s|m|h|d|w|y)([0-9]+(ms|s|m|h|d|w|y))*",
-                                         duration.group(0)):
+            if duration and re.fullmatch(
+                r"(ms|s|m|h|d|w|y)([0-9]+(ms|s|m|h|d|w|y))*", duration.group(0)
+            ):
                 i = duration.end()
         elif IDENT.match(expr, i) and (i == 0 or not (expr[i - 1].isalnum() or expr[i - 1] == "$")):
             word = IDENT.match(expr, i).group(0)  # type: ignore[union-attr]
@@ -121,5 +146,7 @@ def metric_names(expr: str) -> set[str]:
 
 def rate_windows(expr: str) -> list[str]:
     """The range of every rate()/irate()/increase() call."""
-    return [m.group(2).strip() for m in
-            re.finditer(r"\b(rate|irate|increase)\s*\([^\[]*\[([^\]]*)\]", expr)]
+    return [
+        m.group(2).strip()
+        for m in re.finditer(r"\b(rate|irate|increase)\s*\([^\[]*\[([^\]]*)\]", expr)
+    ]

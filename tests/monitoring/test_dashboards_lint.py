@@ -153,8 +153,11 @@ def test_stable_uid_ids_and_layout(path: Path) -> None:
     for panel in panels(dashboard):
         pos = panel["gridPos"]
         assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
-        area = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"])
-                for y in range(pos["y"], pos["y"] + pos["h"])}
+        area = {
+            (x, y)
+            for x in range(pos["x"], pos["x"] + pos["w"])
+            for y in range(pos["y"], pos["y"] + pos["h"])
+        }
         assert not area & cells, f"{panel['title']} overlaps another panel"
         cells |= area
 
@@ -174,12 +177,19 @@ def test_overview_and_caller_cover_the_issue() -> None:
         read.append(expr)
         pending.extend(recorded.pop(name) for name in metric_names(expr) if name in recorded)
     overview = " ".join(read)
-    for series in ("vllm_cache_engine_prefix_cache_hits_tokens_total",
-                   "vllm_cache_cached_tokens_total", "vllm_cache_ttft_seconds_bucket",
-                   "vllm_cache_requests_total", "vllm_cache_engine_kv_used_tokens",
-                   "vllm_cache_engine_kv_pool_tokens", "vllm_cache_engine_preemptions_total",
-                   "vllm_cache_engine_requests_running", "vllm_cache_engine_requests_waiting",
-                   "vllm_cache_engine_prefix_caching_enabled", "vllm_cache_granularity_tokens"):
+    for series in (
+        "vllm_cache_engine_prefix_cache_hits_tokens_total",
+        "vllm_cache_cached_tokens_total",
+        "vllm_cache_ttft_seconds_bucket",
+        "vllm_cache_requests_total",
+        "vllm_cache_engine_kv_used_tokens",
+        "vllm_cache_engine_kv_pool_tokens",
+        "vllm_cache_engine_preemptions_total",
+        "vllm_cache_engine_requests_running",
+        "vllm_cache_engine_requests_waiting",
+        "vllm_cache_engine_prefix_caching_enabled",
+        "vllm_cache_granularity_tokens",
+    ):
         assert series in overview, series
     caller = load(DASHBOARD_DIR / "vllm-cache-caller.json")
     assert {v["name"] for v in caller["templating"]["list"]} >= {"datasource", "caller"}

@@ -99,8 +99,13 @@ class Processes:
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         log = self.workdir / f"{name}.log"
         with open(log, "wb") as handle:
-            process = subprocess.Popen(list(args), stdout=handle, stderr=subprocess.STDOUT,
-                                       cwd=self.workdir, start_new_session=True)
+            process = subprocess.Popen(
+                list(args),
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                start_new_session=True,
+            )
         self.started.append((name, process, log))
         return process
 
@@ -155,8 +160,12 @@ class Receiver:
         return web.Response(text="ok")
 
     def alerts(self, path: str | None = None) -> list[dict[str, Any]]:
-        return [alert for where, body in self.notifications if path in (None, where)
-                for alert in body["alerts"]]
+        return [
+            alert
+            for where, body in self.notifications
+            if path in (None, where)
+            for alert in body["alerts"]
+        ]
 
     async def wait_for(self, predicate, deadline: float) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         loop = asyncio.get_running_loop()
@@ -222,8 +231,9 @@ def write_rules_and_dashboards(workdir: Path) -> dict[str, str]:
 # --- HTTP helpers ---------------------------------------------------------------------------
 
 
-async def wait_http_ok(session: aiohttp.ClientSession, url: str, processes: Processes,
-                       timeout: float = 60.0) -> None:
+async def wait_http_ok(
+    session: aiohttp.ClientSession, url: str, processes: Processes, timeout: float = 60.0
+) -> None:
     """No event crosses a process boundary: poll readiness with a deadline."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -240,16 +250,23 @@ async def wait_http_ok(session: aiohttp.ClientSession, url: str, processes: Proc
         await asyncio.sleep(0.2)
 
 
-async def instant_query(session: aiohttp.ClientSession, prometheus: str,
-                        expr: str) -> list[dict[str, Any]]:
+async def instant_query(
+    session: aiohttp.ClientSession, prometheus: str, expr: str
+) -> list[dict[str, Any]]:
     async with session.post(f"http://{prometheus}/api/v1/query", data={"query": expr}) as resp:
         body = await resp.json()
     assert body["status"] == "success", (expr, body)
     return body["data"]["result"]
 
 
-async def poll_until(session: aiohttp.ClientSession, prometheus: str, processes: Processes,
-                     expr: str, present: bool = True, timeout: float = 60.0) -> None:
+async def poll_until(
+    session: aiohttp.ClientSession,
+    prometheus: str,
+    processes: Processes,
+    expr: str,
+    present: bool = True,
+    timeout: float = 60.0,
+) -> None:
     """Wait until ``expr`` has (or no longer has) a result: Prometheus offers no event."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -276,41 +293,88 @@ def finite(results: list[dict[str, Any]]) -> bool:
 
 
 async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
-        tmp_path: Path, processes: Processes, receiver: tuple[Receiver, str]) -> None:
+    tmp_path: Path, processes: Processes, receiver: tuple[Receiver, str]
+) -> None:
     prometheus_bin = require_tool("prometheus")
     alertmanager_bin = require_tool("prometheus-alertmanager", "alertmanager")
     hook, hook_address = receiver
-    ports = {name: free_port() for name in (
-        "prometheus", "alertmanager", "sim-collapse", "sim-fit", "exp-collapse", "exp-fit",
-        "tap-fit", "tap-collapse")}
+    ports = {
+        name: free_port()
+        for name in (
+            "prometheus",
+            "alertmanager",
+            "sim-collapse",
+            "sim-fit",
+            "exp-collapse",
+            "exp-fit",
+            "tap-fit",
+            "tap-collapse",
+        )
+    }
     addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
 
     files = write_rules_and_dashboards(tmp_path)
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(
-        [addr["exp-collapse"], addr["exp-fit"]], addr["alertmanager"])), "utf-8")
+    (tmp_path / "prometheus.yml").write_text(
+        yaml.safe_dump(
+            prometheus_config([addr["exp-collapse"], addr["exp-fit"]], addr["alertmanager"])
+        ),
+        "utf-8",
+    )
     (tmp_path / "alertmanager.yml").write_text(
-        yaml.safe_dump(alertmanager_config(hook_address)), "utf-8")
+        yaml.safe_dump(alertmanager_config(hook_address)), "utf-8"
+    )
 
-    processes.start("alertmanager", alertmanager_bin,
-                    f"--config.file={tmp_path / 'alertmanager.yml'}",
-                    f"--storage.path={tmp_path / 'am-data'}",
-                    f"--web.listen-address={addr['alertmanager']}",
-                    "--cluster.listen-address=")  # no gossip port: a single instance
-    processes.start("prometheus", prometheus_bin,
-                    f"--config.file={tmp_path / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={tmp_path / 'prom-data'}",
-                    f"--web.listen-address={addr['prometheus']}")
+    processes.start(
+        "alertmanager",
+        alertmanager_bin,
+        f"--config.file={tmp_path / 'alertmanager.yml'}",
+        f"--storage.path={tmp_path / 'am-data'}",
+        f"--web.listen-address={addr['alertmanager']}",
+        "--cluster.listen-address=",
+    )  # no gossip port: a single instance
+    processes.start(
+        "prometheus",
+        prometheus_bin,
+        f"--config.file={tmp_path / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+        f"--web.listen-address={addr['prometheus']}",
+    )
     for scenario, key in ((COLLAPSE, "collapse"), (FIT, "fit")):
-        processes.start(f"simulator-{key}", *exporter_command(
-            "simulate", "--scenario", scenario, "--sim.listen-address", addr[f"sim-{key}"],
-            "--speed", str(SPEED[scenario]), "--log.level", "warning"))
+        processes.start(
+            f"simulator-{key}",
+            *exporter_command(
+                "simulate",
+                "--scenario",
+                scenario,
+                "--sim.listen-address",
+                addr[f"sim-{key}"],
+                "--speed",
+                str(SPEED[scenario]),
+                "--log.level",
+                "warning",
+            ),
+        )
         # The fit's exporter is a tap deployment: its clients go through the tap. The
         # collapse's runs one too, for the stamped fan-out only.
-        tap = ["--tap.listen-address", addr[f"tap-{key}"], "--tap.upstream",
-               f"http://{addr[f'sim-{key}']}"]
-        processes.start(f"exporter-{key}", *exporter_command(
-            "run", "--vllm.url", f"http://{addr[f'sim-{key}']}",
-            "--web.listen-address", addr[f"exp-{key}"], "--log.level", "warning", *tap))
+        tap = [
+            "--tap.listen-address",
+            addr[f"tap-{key}"],
+            "--tap.upstream",
+            f"http://{addr[f'sim-{key}']}",
+        ]
+        processes.start(
+            f"exporter-{key}",
+            *exporter_command(
+                "run",
+                "--vllm.url",
+                f"http://{addr[f'sim-{key}']}",
+                "--web.listen-address",
+                addr[f"exp-{key}"],
+                "--log.level",
+                "warning",
+                *tap,
+            ),
+        )
 
     target = {key: f"http://{addr[f'sim-{key}']}/metrics" for key in ("collapse", "fit")}
     loop = asyncio.get_running_loop()
@@ -320,22 +384,53 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         for key in ("collapse", "fit"):
             await wait_http_ok(session, f"http://{addr[f'exp-{key}']}/-/ready", processes)
         # Both exporters are scraped, and the rules evaluated, before any traffic starts.
-        await poll_until(session, addr["prometheus"], processes,
-                         f'count(up{{job="{JOB}"}} == 1) == 2')
-        await poll_until(session, addr["prometheus"], processes,
-                         'count(target_model:vllm_cache_engine_kv_used:ratio) == 2')
+        await poll_until(
+            session, addr["prometheus"], processes, f'count(up{{job="{JOB}"}} == 1) == 2'
+        )
+        await poll_until(
+            session,
+            addr["prometheus"],
+            processes,
+            "count(target_model:vllm_cache_engine_kv_used:ratio) == 2",
+        )
 
         drivers = {}
         # The collapse's driver reports each request itself (with the metrics vLLM sent), as
         # a proxy of one's own would; the fit's goes through the tap, which records them.
-        drivers["collapse"] = processes.start("driver-collapse", *exporter_command(
-            "drive", "--scenario", COLLAPSE, "--drive.base-url",
-            f"http://{addr['sim-collapse']}", "--drive.exporter-url",
-            f"http://{addr['exp-collapse']}", "--speed", str(SPEED[COLLAPSE]), "--seed", "5",
-            "--log.level", "warning"))
-        drivers["fit"] = processes.start("driver-fit", *exporter_command(
-            "drive", "--scenario", FIT, "--drive.base-url", f"http://{addr['tap-fit']}",
-            "--speed", str(SPEED[FIT]), "--seed", "5", "--log.level", "warning"))
+        drivers["collapse"] = processes.start(
+            "driver-collapse",
+            *exporter_command(
+                "drive",
+                "--scenario",
+                COLLAPSE,
+                "--drive.base-url",
+                f"http://{addr['sim-collapse']}",
+                "--drive.exporter-url",
+                f"http://{addr['exp-collapse']}",
+                "--speed",
+                str(SPEED[COLLAPSE]),
+                "--seed",
+                "5",
+                "--log.level",
+                "warning",
+            ),
+        )
+        drivers["fit"] = processes.start(
+            "driver-fit",
+            *exporter_command(
+                "drive",
+                "--scenario",
+                FIT,
+                "--drive.base-url",
+                f"http://{addr['tap-fit']}",
+                "--speed",
+                str(SPEED[FIT]),
+                "--seed",
+                "5",
+                "--log.level",
+                "warning",
+            ),
+        )
         started = loop.time()
         await post_gated_turn(session, addr["exp-collapse"])
         await post_litellm_batch(session, addr["exp-collapse"])
@@ -343,29 +438,45 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
 
         # 0. A tap deployment's timing panels, while the fit's turns go through the tap (they
         # are over before the collapse pages).
-        await check_timing_panels(session, addr["prometheus"], processes, files,
-                                  "agent-a|agent-b", f'instance="{addr["exp-fit"]}"')
+        await check_timing_panels(
+            session,
+            addr["prometheus"],
+            processes,
+            files,
+            "agent-a|agent-b",
+            f'instance="{addr["exp-fit"]}"',
+        )
 
         # 1. The collapse pages: delivered by Alertmanager on the critical route.
         def collapse_page(alert: dict[str, Any]) -> bool:
             labels = alert["labels"]
-            return (alert["status"] == "firing"
-                    and labels["alertname"] == "VllmCachePrefixCollapse"
-                    and labels.get("scope") == "engine" and labels["target"] == target["collapse"])
+            return (
+                alert["status"] == "firing"
+                and labels["alertname"] == "VllmCachePrefixCollapse"
+                and labels.get("scope") == "engine"
+                and labels["target"] == target["collapse"]
+            )
+
         try:
             page = await hook.wait_for(collapse_page, started + PAGE_DEADLINE)
         except TimeoutError:
             raise AssertionError(
                 f"no VllmCachePrefixCollapse page within {PAGE_DEADLINE}s; received "
-                f"{json.dumps(hook.notifications)[:2000]}\n{processes.logs()}") from None
+                f"{json.dumps(hook.notifications)[:2000]}\n{processes.logs()}"
+            ) from None
         paged_after = loop.time() - started
+
         # ...and per caller: agent-a, whose warm baseline was lost. agent-b arrived into the
         # collapse and never had a cache to lose, so it never pages.
         def caller_page(alert: dict[str, Any]) -> bool:
             labels = alert["labels"]
-            return (alert["status"] == "firing" and labels.get("scope") == "caller"
-                    and labels["alertname"] == "VllmCachePrefixCollapse"
-                    and labels["instance"] == addr["exp-collapse"])
+            return (
+                alert["status"] == "firing"
+                and labels.get("scope") == "caller"
+                and labels["alertname"] == "VllmCachePrefixCollapse"
+                and labels["instance"] == addr["exp-collapse"]
+            )
+
         try:
             caller = await hook.wait_for(caller_page, started + PAGE_DEADLINE)
         except TimeoutError:
@@ -390,21 +501,40 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         await post_litellm_batch(session, addr["exp-collapse"])
         await post_stamped_fanout(session, addr["tap-collapse"], 1)
         for caller, source in (("gated-agent", "proxy"), (LITELLM_CALLER, "engine")):
-            await poll_until(session, addr["prometheus"], processes, (
-                f'sum(rate(vllm_cache_queue_wait_seconds_count{{caller="{caller}", '
-                f'source="{source}"}}[1m])) > 0'))
-        await poll_until(session, addr["prometheus"], processes, (
-            f'sum(rate(vllm_cache_prompt_order_variable_top_total{{caller="{STAMPED_CALLER}"}}'
-            f'[1m])) > 0'))
+            await poll_until(
+                session,
+                addr["prometheus"],
+                processes,
+                (
+                    f'sum(rate(vllm_cache_queue_wait_seconds_count{{caller="{caller}", '
+                    f'source="{source}"}}[1m])) > 0'
+                ),
+            )
+        await poll_until(
+            session,
+            addr["prometheus"],
+            processes,
+            (
+                f'sum(rate(vllm_cache_prompt_order_variable_top_total{{caller="{STAMPED_CALLER}"}}'
+                f"[1m])) > 0"
+            ),
+        )
         run_seconds = math.ceil(loop.time() - started) + 5
         await check_dashboards(session, addr["prometheus"], files, run_seconds)
         for callers in (LITELLM_CALLER, "agent-a|agent-b"):
-            await check_timing_panels(session, addr["prometheus"], processes, files, callers,
-                                      f'instance="{addr["exp-collapse"]}"')
+            await check_timing_panels(
+                session,
+                addr["prometheus"],
+                processes,
+                files,
+                callers,
+                f'instance="{addr["exp-collapse"]}"',
+            )
 
         # 3. Every recorded series is what its expression gives on the raw samples.
-        await check_recording_rules(session, addr["prometheus"], files,
-                                    math.ceil(loop.time() - started) + 5)
+        await check_recording_rules(
+            session, addr["prometheus"], files, math.ceil(loop.time() - started) + 5
+        )
 
         # 4. The healthy scenario ran its course without a page.
         while drivers["fit"].poll() is None:
@@ -414,50 +544,81 @@ async def test_collapse_pages_fit_does_not_and_every_dashboard_query_has_data(
         assert drivers["fit"].returncode == 0, processes.logs()
         # Once the fit's traffic has left the short window nothing more can fire for it:
         # Prometheus' ALERTS history (pending included) then covers its whole run.
-        await poll_until(session, addr["prometheus"], processes, (
-            f'target_model:vllm_cache_engine_prefix_cache_queries_tokens:rate15s{{'
-            f'target="{target["fit"]}"}} > 0'), present=False)
-        fit_pages = [a for a in hook.alerts() if a["labels"].get("severity") == "critical"
-                     and (a["labels"].get("target") == target["fit"]
-                          or a["labels"].get("instance") == addr["exp-fit"])]
+        await poll_until(
+            session,
+            addr["prometheus"],
+            processes,
+            (
+                f"target_model:vllm_cache_engine_prefix_cache_queries_tokens:rate15s{{"
+                f'target="{target["fit"]}"}} > 0'
+            ),
+            present=False,
+        )
+        fit_pages = [
+            a
+            for a in hook.alerts()
+            if a["labels"].get("severity") == "critical"
+            and (
+                a["labels"].get("target") == target["fit"]
+                or a["labels"].get("instance") == addr["exp-fit"]
+            )
+        ]
         assert fit_pages == [], fit_pages
-        assert [a for a in hook.alerts() if a["labels"].get("caller") == "agent-b"
-                and a["labels"].get("severity") == "critical"] == []
+        assert [
+            a
+            for a in hook.alerts()
+            if a["labels"].get("caller") == "agent-b" and a["labels"].get("severity") == "critical"
+        ] == []
         # Not even pending in Prometheus at any point.
-        fit_alerts = await instant_query(session, addr["prometheus"],
-                                         f'max_over_time(ALERTS{{severity="critical", '
-                                         f'instance="{addr["exp-fit"]}"}}[5m]) or max_over_time('
-                                         f'ALERTS{{severity="critical", target="{target["fit"]}"}}'
-                                         f'[5m])')
+        fit_alerts = await instant_query(
+            session,
+            addr["prometheus"],
+            f'max_over_time(ALERTS{{severity="critical", '
+            f'instance="{addr["exp-fit"]}"}}[5m]) or max_over_time('
+            f'ALERTS{{severity="critical", target="{target["fit"]}"}}'
+            f"[5m])",
+        )
         assert fit_alerts == [], fit_alerts
         # The fit scenario really was healthy and really was seen: warm, high hit ratio.
-        fit_ratio = await instant_query(session, addr["prometheus"], (
-            f'max_over_time(target_model:vllm_cache_engine_hit_ratio:rate2m{{'
-            f'target="{target["fit"]}"}}[5m])'))
+        fit_ratio = await instant_query(
+            session,
+            addr["prometheus"],
+            (
+                f"max_over_time(target_model:vllm_cache_engine_hit_ratio:rate2m{{"
+                f'target="{target["fit"]}"}}[5m])'
+            ),
+        )
         assert fit_ratio and float(fit_ratio[0]["value"][1]) > 0.6, fit_ratio
     print(f"collapse paged {paged_after:.1f}s after the drivers started")
 
 
-async def query_at(session: aiohttp.ClientSession, prometheus: str, expr: str,
-                   time: float) -> list[dict[str, Any]]:
-    async with session.post(f"http://{prometheus}/api/v1/query",
-                            data={"query": expr, "time": repr(time)}) as response:
+async def query_at(
+    session: aiohttp.ClientSession, prometheus: str, expr: str, time: float
+) -> list[dict[str, Any]]:
+    async with session.post(
+        f"http://{prometheus}/api/v1/query", data={"query": expr, "time": repr(time)}
+    ) as response:
         body = await response.json()
     assert body["status"] == "success", (expr, body)
     return body["data"]["result"]
 
 
 def by_labels(results: list[dict[str, Any]]) -> dict[frozenset[tuple[str, str]], float]:
-    return {frozenset((k, v) for k, v in item["metric"].items() if k != "__name__"):
-            float(item["value"][1]) for item in results}
+    return {
+        frozenset((k, v) for k, v in item["metric"].items() if k != "__name__"): float(
+            item["value"][1]
+        )
+        for item in results
+    }
 
 
 # After a scrape's request ends, Prometheus still parses and appends its samples.
 APPEND_SECONDS = 0.05
 
 
-async def check_recording_rules(session: aiohttp.ClientSession, prometheus: str,
-                                files: dict[str, str], run_seconds: int) -> None:
+async def check_recording_rules(
+    session: aiohttp.ClientSession, prometheus: str, files: dict[str, str], run_seconds: int
+) -> None:
     """Recompute every recording rule from the raw scraped samples, at instants Prometheus
     evaluated it (seconds ago, so that every scrape of those instants has landed), and
     compare: the recorded series and the expression agree to 1e-9, label set by label set.
@@ -475,23 +636,27 @@ async def check_recording_rules(session: aiohttp.ClientSession, prometheus: str,
     a loaded machine): a wrong expression agrees at none. A rule over a series that only
     comes in bursts is checked at its last recorded instants since the drivers started."""
     groups = yaml.safe_load(files["alerts/vllm-cache-rules.yaml"])["groups"]
-    scrapes = await instant_query(session, prometheus,
-                                  f'scrape_duration_seconds{{job="{JOB}"}}[{run_seconds + 60}s]')
-    in_flight = [(float(start), float(start) + float(seconds) + APPEND_SECONDS)
-                 for series in scrapes for start, seconds in series["values"]]
+    scrapes = await instant_query(
+        session, prometheus, f'scrape_duration_seconds{{job="{JOB}"}}[{run_seconds + 60}s]'
+    )
+    in_flight = [
+        (float(start), float(start) + float(seconds) + APPEND_SECONDS)
+        for series in scrapes
+        for start, seconds in series["values"]
+    ]
     checked = 0
     for group in groups:
         for rule in group["rules"]:
             lookback = run_seconds if any(burst in rule["expr"] for burst in BURSTS) else 60
-            raw = await instant_query(session, prometheus,
-                                      f"{rule['record']}[{lookback}s] offset 5s")
+            raw = await instant_query(
+                session, prometheus, f"{rule['record']}[{lookback}s] offset 5s"
+            )
             stamps = sorted({float(time) for series in raw for time, _ in series["values"]})
             if not stamps:
                 continue  # nothing recorded yet (e.g. a baseline over a longer window)
             agreed, clear, agreed_clear, differences = 0, 0, 0, []
             for stamp in stamps[-20:]:
-                recorded = by_labels(await query_at(session, prometheus, rule["record"],
-                                                    stamp))
+                recorded = by_labels(await query_at(session, prometheus, rule["record"], stamp))
                 computed = by_labels(await query_at(session, prometheus, rule["expr"], stamp))
                 difference = recording_difference(recorded, computed)
                 excused = any(start <= stamp < end for start, end in in_flight)
@@ -502,8 +667,11 @@ async def check_recording_rules(session: aiohttp.ClientSession, prometheus: str,
                 elif not excused:
                     differences.append((stamp, difference))
             assert agreed >= min(3, clear) and agreed_clear * 2 > clear - (clear == 0), (
-                rule["record"], f"agreed at {agreed} of {min(len(stamps), 20)} instants, "
-                f"{agreed_clear} of the {clear} with no scrape in flight", differences)
+                rule["record"],
+                f"agreed at {agreed} of {min(len(stamps), 20)} instants, "
+                f"{agreed_clear} of the {clear} with no scrape in flight",
+                differences,
+            )
             checked += agreed
     rule_count = sum(len(group["rules"]) for group in groups)
     assert checked >= 3 * (rule_count - 3), f"only {checked} checks for {rule_count} rules"
@@ -512,8 +680,10 @@ async def check_recording_rules(session: aiohttp.ClientSession, prometheus: str,
 def recording_difference(recorded: dict, computed: dict) -> object:
     """None when a recorded instant equals its recomputation, else what differs."""
     if recorded.keys() != computed.keys():
-        return {"only recorded": [dict(k) for k in recorded.keys() - computed.keys()],
-                "only computed": [dict(k) for k in computed.keys() - recorded.keys()]}
+        return {
+            "only recorded": [dict(k) for k in recorded.keys() - computed.keys()],
+            "only computed": [dict(k) for k in computed.keys() - recorded.keys()],
+        }
     for labels, value in recorded.items():
         expected = computed[labels]
         if value != pytest.approx(expected, rel=1e-9, abs=1e-12):
@@ -523,15 +693,24 @@ def recording_difference(recorded: dict, computed: dict) -> object:
 
 async def post_gated_turn(session: aiohttp.ClientSession, exporter: str) -> None:
     """One usage record as an admission-gating proxy would POST it."""
-    async with session.post(f"http://{exporter}/v1/usage", json={
-            "caller": "gated-agent", "model": "qwen3.8-27b", "prompt_tokens": 4096,
-            "cached_tokens": 2048, "ttft_seconds": 3.5, "queue_seconds": 1.2}) as response:
+    async with session.post(
+        f"http://{exporter}/v1/usage",
+        json={
+            "caller": "gated-agent",
+            "model": "qwen3.8-27b",
+            "prompt_tokens": 4096,
+            "cached_tokens": 2048,
+            "ttft_seconds": 3.5,
+            "queue_seconds": 1.2,
+        },
+    ) as response:
         assert response.status < 300, await response.text()
 
 
 STAMPED_CALLER = "stamped-fanout"
-STAMPED_SHARED = " ".join(f"Evidence {line}: the ledger of account {line * 37} balances."
-                          for line in range(48))
+STAMPED_SHARED = " ".join(
+    f"Evidence {line}: the ledger of account {line * 37} balances." for line in range(48)
+)
 
 
 async def post_stamped_fanout(session: aiohttp.ClientSession, tap: str, round_: int) -> None:
@@ -540,12 +719,22 @@ async def post_stamped_fanout(session: aiohttp.ClientSession, tap: str, round_: 
     its text with an earlier one but not its beginning. One after the other, so that each is
     compared."""
     for agent in range(4):
-        body = {"model": "qwen3.8-27b", "max_tokens": 4, "messages": [
-            {"role": "system",
-             "content": f"Current time: 2026-11-30T15:{round_:02d}:0{agent}Z\n{STAMPED_SHARED}"},
-            {"role": "user", "content": f"Agent {agent}: summarise the evidence."}]}
-        async with session.post(f"http://{tap}/v1/chat/completions", json=body,
-                                headers={"X-Caller": STAMPED_CALLER}) as response:
+        body = {
+            "model": "qwen3.8-27b",
+            "max_tokens": 4,
+            "messages": [
+                {
+                    "role": "system",
+                    "content": (
+                        f"Current time: 2026-11-30T15:{round_:02d}:0{agent}Z\n{STAMPED_SHARED}"
+                    ),
+                },
+                {"role": "user", "content": f"Agent {agent}: summarise the evidence."},
+            ],
+        }
+        async with session.post(
+            f"http://{tap}/v1/chat/completions", json=body, headers={"X-Caller": STAMPED_CALLER}
+        ) as response:
             assert response.status == 200, await response.text()
             await response.read()
 
@@ -566,15 +755,24 @@ def litellm_batch() -> bytes:
 
 
 async def post_litellm_batch(session: aiohttp.ClientSession, exporter: str) -> None:
-    async with session.post(f"http://{exporter}/v1/usage?format=litellm", data=litellm_batch(),
-                            headers={"Content-Type": "application/json"}) as response:
+    async with session.post(
+        f"http://{exporter}/v1/usage?format=litellm",
+        data=litellm_batch(),
+        headers={"Content-Type": "application/json"},
+    ) as response:
         reply = await response.json()
         assert response.status == 200 and reply["accepted"] == 2, reply
 
 
-async def check_timing_panels(session: aiohttp.ClientSession, prometheus: str,
-                              processes: Processes, files: dict[str, str], callers: str,
-                              matcher: str, timeout: float = 60.0) -> None:
+async def check_timing_panels(
+    session: aiohttp.ClientSession,
+    prometheus: str,
+    processes: Processes,
+    files: dict[str, str],
+    callers: str,
+    matcher: str,
+    timeout: float = 60.0,
+) -> None:
     """The caller dashboard's queue-wait and TTFT panels, for one deployment's callers (the
     caller variable set to them, plus a matcher that picks the deployment), show vLLM's own
     figures: every target has a finite series with source="engine". Polled: each needs two
@@ -587,30 +785,36 @@ async def check_timing_panels(session: aiohttp.ClientSession, prometheus: str,
     for panel in panels:
         for target in panel["targets"]:
             assert 'caller=~"$caller"' in target["expr"]
-            expr = substitute(target["expr"].replace(
-                'caller=~"$caller"', f'caller=~"{callers}", {matcher}'))
+            expr = substitute(
+                target["expr"].replace('caller=~"$caller"', f'caller=~"{callers}", {matcher}')
+            )
             while True:
                 results = await instant_query(session, prometheus, expr)
-                engine = [item for item in results
-                          if item["metric"].get("source") == "engine"]
+                engine = [item for item in results if item["metric"].get("source") == "engine"]
                 if finite(engine):
                     break
                 processes.assert_alive()
                 assert loop.time() < deadline, (panel["title"], callers, matcher, results)
                 await asyncio.sleep(0.5)
-async def range_has_data(session: aiohttp.ClientSession, prometheus: str, expr: str,
-                         seconds: int) -> bool:
+
+
+async def range_has_data(
+    session: aiohttp.ClientSession, prometheus: str, expr: str, seconds: int
+) -> bool:
     """Whether a panel of non-negative values over the last ``seconds`` would draw anything,
     as Grafana asks (NaN, a quantile without observations, is nothing)."""
-    async with session.post(f"http://{prometheus}/api/v1/query", data={
-            "query": f"count_over_time((({expr}) >= 0)[{seconds}s:1s])"}) as response:
+    async with session.post(
+        f"http://{prometheus}/api/v1/query",
+        data={"query": f"count_over_time((({expr}) >= 0)[{seconds}s:1s])"},
+    ) as response:
         body = await response.json()
     assert body["status"] == "success", (expr, body)
     return bool(body["data"]["result"])
 
 
-async def check_dashboards(session: aiohttp.ClientSession, prometheus: str,
-                           files: dict[str, str], run_seconds: int) -> None:
+async def check_dashboards(
+    session: aiohttp.ClientSession, prometheus: str, files: dict[str, str], run_seconds: int
+) -> None:
     default_files = prometheus_files(config_from_mapping({}))
     checked = 0
     for relative, content in files.items():
@@ -620,8 +824,9 @@ async def check_dashboards(session: aiohttp.ClientSession, prometheus: str,
         # The same dashboards as committed, but for the recorded rules' window names.
         committed = json.loads((DASHBOARD_DIR / Path(relative).name).read_text("utf-8"))
         assert committed == json.loads(default_files[relative])
-        assert [len(p.get("targets", [])) for p in dashboard["panels"]] == \
-            [len(p.get("targets", [])) for p in committed["panels"]]
+        assert [len(p.get("targets", [])) for p in dashboard["panels"]] == [
+            len(p.get("targets", [])) for p in committed["panels"]
+        ]
         empty = []
         for panel in dashboard["panels"]:
             for target in panel.get("targets", []):
@@ -638,10 +843,12 @@ async def check_dashboards(session: aiohttp.ClientSession, prometheus: str,
             if variable["type"] != "query":
                 continue
             match = re.fullmatch(r"label_values\((.*), *(\w+)\)", variable["query"])
-            expr = (f"group by ({match.group(2)}) ({match.group(1)})" if match
-                    else re.fullmatch(r"query_result\((.*)\)", variable["query"]).group(1))
+            expr = (
+                f"group by ({match.group(2)}) ({match.group(1)})"
+                if match
+                else re.fullmatch(r"query_result\((.*)\)", variable["query"]).group(1)
+            )
             if not await instant_query(session, prometheus, substitute(expr)):
                 empty.append(f"{dashboard['title']} / variable {variable['name']}: {expr}")
         assert empty == [], "dashboard queries without data:\n" + "\n".join(empty)
     assert checked > 40
-

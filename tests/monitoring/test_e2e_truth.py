@@ -39,79 +39,131 @@ TURNS = [(60_000, 0)] + [(60_000 + 2_500 * turn, 57_344 + 2_048 * turn) for turn
 
 def prometheus_config(exporter: str, replica: str) -> dict[str, Any]:
     return {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s",
-                   "external_labels": {"replica": replica}},
+        "global": {
+            "scrape_interval": "1s",
+            "evaluation_interval": "1s",
+            "external_labels": {"replica": replica},
+        },
         "rule_files": [str(ALERTS_DIR / "vllm-cache-rules.yaml")],
         "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": [exporter]}]}],
     }
 
 
-async def query_at(session: aiohttp.ClientSession, prometheus: str, expr: str,
-                   time: float) -> list[dict[str, Any]]:
-    async with session.post(f"http://{prometheus}/api/v1/query",
-                            data={"query": expr, "time": repr(time)}) as response:
+async def query_at(
+    session: aiohttp.ClientSession, prometheus: str, expr: str, time: float
+) -> list[dict[str, Any]]:
+    async with session.post(
+        f"http://{prometheus}/api/v1/query", data={"query": expr, "time": repr(time)}
+    ) as response:
         body = await response.json()
     assert body["status"] == "success", (expr, body)
     return body["data"]["result"]
 
 
-async def test_both_replicas_count_every_turn_of_a_new_caller(tmp_path: Path,
-                                                              processes: Processes) -> None:  # noqa: F811
+async def test_both_replicas_count_every_turn_of_a_new_caller(
+    tmp_path: Path,
+    processes: Processes,  # noqa: F811
+) -> None:
     prometheus_bin = require_tool("prometheus")
     exporter = f"127.0.0.1:{free_port()}"
     servers = {replica: f"127.0.0.1:{free_port()}" for replica in ("a", "b")}
-    processes.start("exporter", sys.executable, "-m", "exporter", "run",
-                    "--web.listen-address", exporter, "--log.level", "warning",
-                    "--usage.new-series-hold", str(HOLD_SECONDS),
-                    "--signals.granularity", "2048")
+    processes.start(
+        "exporter",
+        sys.executable,
+        "-m",
+        "exporter",
+        "run",
+        "--web.listen-address",
+        exporter,
+        "--log.level",
+        "warning",
+        "--usage.new-series-hold",
+        str(HOLD_SECONDS),
+        "--signals.granularity",
+        "2048",
+    )
     for replica, address in servers.items():
         config = tmp_path / f"prometheus-{replica}.yml"
         config.write_text(yaml.safe_dump(prometheus_config(exporter, replica)), "utf-8")
-        processes.start(f"prometheus-{replica}", prometheus_bin, f"--config.file={config}",
-                        f"--storage.tsdb.path={tmp_path / f'data-{replica}'}",
-                        f"--web.listen-address={address}")
+        processes.start(
+            f"prometheus-{replica}",
+            prometheus_bin,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / f'data-{replica}'}",
+            f"--web.listen-address={address}",
+        )
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         await wait_http_ok(session, f"http://{exporter}/-/healthy", processes)
         for address in servers.values():
             await wait_http_ok(session, f"http://{address}/-/ready", processes)
-            await poll_until(session, address, processes,
-                             f'count_over_time(up{{job="{JOB}"}}[1m]) >= 2')
-        events = [{"caller": "fresh-agent", "model": MODEL, "session": "conv-1",
-                   "prompt_tokens": prompt, "cached_tokens": cached, "ttft_seconds": 1.0}
-                  for prompt, cached in TURNS]
+            await poll_until(
+                session, address, processes, f'count_over_time(up{{job="{JOB}"}}[1m]) >= 2'
+            )
+        events = [
+            {
+                "caller": "fresh-agent",
+                "model": MODEL,
+                "session": "conv-1",
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+                "ttft_seconds": 1.0,
+            }
+            for prompt, cached in TURNS
+        ]
         async with session.post(f"http://{exporter}/v1/usage", json=events) as response:
             assert (await response.json())["accepted"] == len(TURNS)
         selector = f'job="{JOB}", caller="fresh-agent", model="{MODEL}"'
         for address in servers.values():
-            await poll_until(session, address, processes,
-                             f'vllm_cache_requests_total{{{selector}, state="warm"}} == 5')
+            await poll_until(
+                session,
+                address,
+                processes,
+                f'vllm_cache_requests_total{{{selector}, state="warm"}} == 5',
+            )
             # Two more scrapes (and rule evaluations) after the final values arrived.
-            await poll_until(session, address, processes,
-                             f'min_over_time(vllm_cache_requests_total{{{selector}, '
-                             f'state="warm"}}[2500ms]) == 5')
+            await poll_until(
+                session,
+                address,
+                processes,
+                f"min_over_time(vllm_cache_requests_total{{{selector}, "
+                f'state="warm"}}[2500ms]) == 5',
+            )
         sent_ratio = sum(cached for _, cached in TURNS) / sum(prompt for prompt, _ in TURNS)
         for replica, address in servers.items():
             # Evaluated at the last scrape, so that nothing is extrapolated past the data.
-            stamp = await instant_query(session, address,
-                                        f'timestamp(vllm_cache_requests_total{{{selector}, '
-                                        f'state="warm"}})')
+            stamp = await instant_query(
+                session,
+                address,
+                f'timestamp(vllm_cache_requests_total{{{selector}, state="warm"}})',
+            )
             last = float(stamp[0]["value"][1])
-            seen_at_zero = await query_at(session, address, (
-                f'min_over_time(vllm_cache_requests_total{{{selector}, state="cold"}}[10m])'),
-                last)
+            seen_at_zero = await query_at(
+                session,
+                address,
+                (f'min_over_time(vllm_cache_requests_total{{{selector}, state="cold"}}[10m])'),
+                last,
+            )
             assert seen_at_zero and float(seen_at_zero[0]["value"][1]) == 0, replica
             for state_name, expected in (("cold", 1), ("warm", 5), ("partial", 0)):
-                result = await query_at(session, address, (
-                    f'increase(vllm_cache_requests_total{{{selector}, '
-                    f'state="{state_name}"}}[10m])'), last)
+                result = await query_at(
+                    session,
+                    address,
+                    (
+                        f"increase(vllm_cache_requests_total{{{selector}, "
+                        f'state="{state_name}"}}[10m])'
+                    ),
+                    last,
+                )
                 assert float(result[0]["value"][1]) == pytest.approx(expected, abs=1e-9), (
-                    replica, state_name, result)
+                    replica,
+                    state_name,
+                    result,
+                )
             ratio = await poll_ratio(session, address, processes)
             assert ratio == pytest.approx(sent_ratio, rel=0.01), (replica, ratio, sent_ratio)
 
 
-async def poll_ratio(session: aiohttp.ClientSession, address: str,
-                     started: Processes) -> float:
+async def poll_ratio(session: aiohttp.ClientSession, address: str, started: Processes) -> float:
     """The recorded 1h hit ratio once a rule evaluation has seen every turn."""
     expr = 'caller_model:vllm_cache_hit_ratio:rate1h{caller="fresh-agent"}'
     loop = asyncio.get_running_loop()

@@ -25,8 +25,24 @@ from tests.monitoring import foresight_series
 from tests.monitoring.common import load_yaml
 
 COLLAPSE_FILE = foresight_series.ALERTS_TESTS / foresight_series.filename("two-agents-collapse")
-NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
-                "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen")
+NUMBER_WORDS = (
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+)
 
 
 @pytest.mark.parametrize("filename", sorted(foresight_series.SCENARIOS))
@@ -36,7 +52,8 @@ def test_committed_input_series_are_what_the_exporter_served(filename: str) -> N
     assert foresight_series.render(filename, text) == text, (
         f"{path.name} drifted from what the simulator and the exporter produce: run "
         "`python -m tests.monitoring.foresight_series` and review the diff (and the "
-        "hand-written assertions of the overflowing scenarios)")
+        "hand-written assertions of the overflowing scenarios)"
+    )
 
 
 def test_every_scenario_file_runs_the_series_through_the_shipped_rules() -> None:
@@ -58,9 +75,14 @@ def test_the_collapse_is_seen_in_the_demand_before_the_hit_ratio() -> None:
     demand = series["vllm_cache_engine_conversations_demand_tokens"]
     active = series["vllm_cache_engine_conversations_active"]
     budget = series["vllm_cache_engine_admission_budget_tokens"]
-    over = [step for step in range(played.steps + 1)
-            if demand[step] is not None and active[step] is not None and active[step] >= 2
-            and demand[step] > budget[step]]
+    over = [
+        step
+        for step in range(played.steps + 1)
+        if demand[step] is not None
+        and active[step] is not None
+        and active[step] >= 2
+        and demand[step] > budget[step]
+    ]
     assert over[0] * foresight_series.STEP_SECONDS == 4 * 60 + 45
     hits = series["vllm_cache_engine_prefix_cache_hits_tokens_total"]
     queries = series["vllm_cache_engine_prefix_cache_queries_tokens_total"]
@@ -72,8 +94,12 @@ def test_the_collapse_is_seen_in_the_demand_before_the_hit_ratio() -> None:
 
 def test_the_promtool_files_quote_the_shipped_alert() -> None:
     """The expression the files exercise is the generated one (no copy to drift)."""
-    rules = [rule for group in alert_rule_groups(MonitoringConfig()) for rule in group["rules"]
-             if rule.get("alert") == "VllmCacheConversationsExceedKVPool"]
+    rules = [
+        rule
+        for group in alert_rule_groups(MonitoringConfig())
+        for rule in group["rules"]
+        if rule.get("alert") == "VllmCacheConversationsExceedKVPool"
+    ]
     assert len(rules) == 1 and rules[0]["for"] == "2m"
 
 
@@ -90,12 +116,16 @@ def _warning_and_page() -> tuple[int, int]:
     and when VllmCachePrefixCollapse first fires; each checked against the evaluation before
     it, which must show neither."""
     (test,) = load_yaml(COLLAPSE_FILE)["tests"]
-    pending = sorted((_seconds(item["eval_time"]), bool(item["exp_samples"]))
-                     for item in test["promql_expr_test"]
-                     if item["expr"] == 'ALERTS{alertname="VllmCacheConversationsExceedKVPool"}')
-    pages = sorted((_seconds(item["eval_time"]), bool(item["exp_alerts"]))
-                   for item in test["alert_rule_test"]
-                   if item["alertname"] == "VllmCachePrefixCollapse")
+    pending = sorted(
+        (_seconds(item["eval_time"]), bool(item["exp_samples"]))
+        for item in test["promql_expr_test"]
+        if item["expr"] == 'ALERTS{alertname="VllmCacheConversationsExceedKVPool"}'
+    )
+    pages = sorted(
+        (_seconds(item["eval_time"]), bool(item["exp_alerts"]))
+        for item in test["alert_rule_test"]
+        if item["alertname"] == "VllmCachePrefixCollapse"
+    )
     times = []
     for checks in (pending, pages):
         first = next(index for index, (_, seen) in enumerate(checks) if seen)
@@ -115,13 +145,17 @@ def test_the_minutes_before_the_page_that_the_docs_quote_are_measured():
     series = {name.split("{")[0]: values for name, values in played.series.items()}
     demand = series["vllm_cache_engine_conversations_demand_tokens"]
     budget = series["vllm_cache_engine_admission_budget_tokens"]
-    first = next(step for step, value in enumerate(demand)
-                 if value is not None and value > (budget[step] or 0))
+    first = next(
+        step
+        for step, value in enumerate(demand)
+        if value is not None and value > (budget[step] or 0)
+    )
     assert first * foresight_series.STEP_SECONDS == warning
     words = NUMBER_WORDS[(page - warning) // 60]
     readme = " ".join((ROOT / "docs" / "monitoring.md").read_text(encoding="utf-8").split())
-    assert f"its expression is true {words} minutes before `VllmCachePrefixCollapse` pages" \
-        in readme
+    assert (
+        f"its expression is true {words} minutes before `VllmCachePrefixCollapse` pages" in readme
+    )
     runbook = " ".join((ROOT / "docs" / "runbook.md").read_text(encoding="utf-8").split())
     assert f"stays true the {words} minutes until `VllmCachePrefixCollapse` pages" in runbook
     header = COLLAPSE_FILE.read_text(encoding="utf-8")
@@ -134,24 +168,29 @@ def test_compose_and_the_demo_give_the_same_fit_signal():
     (those of the committed promtool file) on the scenario compose's simulator plays."""
     services = resolved_compose()["services"]
     exporter = services["exporter"]
-    compose = build_config(parse(command_args(exporter)), environ=exporter.get("environment")
-                           or {})
+    compose = build_config(parse(command_args(exporter)), environ=exporter.get("environment") or {})
     name = flag_value(command_args(services["simulator"]), "--scenario") or ""
     demo = exporter_config(scenarios.load(name), "http://127.0.0.1:8000")
     assert foresight_settings(compose) == foresight_settings(demo)
     assert compose.signals_state_tokens == ()
     for setting in ("granularity", "warm_tail_granules", "missing_cached_as_zero"):
-        assert getattr(usage_settings(compose), setting) == getattr(usage_settings(demo),
-                                                                     setting)
-    served = {config_name: foresight_series.exporter_series(name, config).series
-              for config_name, config in (("compose", compose), ("demo", demo))}
-    keep = ("vllm_cache_engine_conversations_demand_tokens",
-            "vllm_cache_engine_conversations_active", "vllm_cache_engine_kv_pool_tokens")
-    picked = {config_name: {key: values for key, values in series.items()
-                            if key.startswith(keep)}
-              for config_name, series in served.items()}
+        assert getattr(usage_settings(compose), setting) == getattr(usage_settings(demo), setting)
+    served = {
+        config_name: foresight_series.exporter_series(name, config).series
+        for config_name, config in (("compose", compose), ("demo", demo))
+    }
+    keep = (
+        "vllm_cache_engine_conversations_demand_tokens",
+        "vllm_cache_engine_conversations_active",
+        "vllm_cache_engine_kv_pool_tokens",
+    )
+    picked = {
+        config_name: {key: values for key, values in series.items() if key.startswith(keep)}
+        for config_name, series in served.items()
+    }
     assert picked["compose"] == picked["demo"] and len(picked["demo"]) == 3
     if name == "two-agents-collapse":
         committed = foresight_series.exporter_series(name).series
-        assert {key: values for key, values in committed.items()
-                if key.startswith(keep)} == picked["demo"]
+        assert {key: values for key, values in committed.items() if key.startswith(keep)} == picked[
+            "demo"
+        ]

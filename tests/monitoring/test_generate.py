@@ -41,8 +41,7 @@ def generated_exprs(files: dict[str, str]) -> list[str]:
 
 def test_committed_files_are_what_the_generators_produce(capsys) -> None:
     """What CI runs: a hand edit or a forgotten regeneration fails here."""
-    assert main(["generate", "--check", "--output-dir", str(ROOT)]) == 0, \
-        capsys.readouterr().err
+    assert main(["generate", "--check", "--output-dir", str(ROOT)]) == 0, capsys.readouterr().err
 
 
 def test_output_is_deterministic() -> None:
@@ -81,20 +80,23 @@ def test_check_reports_every_kind_of_drift(tmp_path: Path, capsys) -> None:
 
 
 def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
-    path = write_config(tmp_path, {
-        "selector": 'job="llm-cache", cluster="eu-1"',
-        "extra_group_labels": ["namespace"],
-        "short_window": "10m",
-        "long_window": "2h",
-        "baseline_window": "7d",
-        "collapse_severity": "warning",
-        "collapse_for": "15m",
-        "collapse_keep_firing_for": "0s",
-        "warm_ttft_keep_firing_for": "20m",
-        "runbook_url": "https://runbooks.example/vllm.md",
-        "dashboard_url": "https://grafana.example/",
-        "caller_uid": "my-callers",
-    })
+    path = write_config(
+        tmp_path,
+        {
+            "selector": 'job="llm-cache", cluster="eu-1"',
+            "extra_group_labels": ["namespace"],
+            "short_window": "10m",
+            "long_window": "2h",
+            "baseline_window": "7d",
+            "collapse_severity": "warning",
+            "collapse_for": "15m",
+            "collapse_keep_firing_for": "0s",
+            "warm_ttft_keep_firing_for": "20m",
+            "runbook_url": "https://runbooks.example/vllm.md",
+            "dashboard_url": "https://grafana.example/",
+            "caller_uid": "my-callers",
+        },
+    )
     config = load_config(path)
     files = prometheus_files(config)
     exprs = generated_exprs(files)
@@ -109,13 +111,17 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
     # Rules keep the selector's labels and the extra ones in every aggregation, so two
     # clusters are never summed into one ratio.
     rule_exprs = generated_exprs({k: v for k, v in files.items() if k.startswith("alerts/")})
-    groupings = [set(map(str.strip, g.split(",")))
-                 for expr in rule_exprs for g in re.findall(r"\bby \(([^)]*)\)", expr)]
+    groupings = [
+        set(map(str.strip, g.split(",")))
+        for expr in rule_exprs
+        for g in re.findall(r"\bby \(([^)]*)\)", expr)
+    ]
     assert groupings
     for grouping in groupings:
         assert {"job", "cluster", "namespace"} <= grouping, grouping
-    alerts = [rule for group in yaml.safe_load(files[ALERTS_PATH])["groups"]
-              for rule in group["rules"]]
+    alerts = [
+        rule for group in yaml.safe_load(files[ALERTS_PATH])["groups"] for rule in group["rules"]
+    ]
     collapse = [rule for rule in alerts if rule["alert"] == "VllmCachePrefixCollapse"]
     assert {rule["labels"]["severity"] for rule in collapse} == {"warning"}
     assert {rule["for"] for rule in collapse} == {"15m"}
@@ -125,41 +131,54 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
     assert all("keep_firing_for" not in rule for rule in collapse)
     (warm_ttft,) = [rule for rule in alerts if rule["alert"] == "VllmCacheWarmTTFTCollapse"]
     assert warm_ttft["keep_firing_for"] == "20m"
-    assert [rule["alert"] for rule in alerts if "keep_firing_for" in rule] == \
-        ["VllmCacheWarmTTFTCollapse"]
+    assert [rule["alert"] for rule in alerts if "keep_firing_for" in rule] == [
+        "VllmCacheWarmTTFTCollapse"
+    ]
     for rule in alerts:
         assert rule["annotations"]["runbook_url"].startswith("https://runbooks.example/vllm.md#")
         assert rule["annotations"]["dashboard_url"].startswith("https://grafana.example/d/")
     assert collapse[1]["annotations"]["dashboard_url"].startswith(
-        "https://grafana.example/d/my-callers?")
+        "https://grafana.example/d/my-callers?"
+    )
     assert json.loads(files["dashboards/vllm-cache-caller.json"])["uid"] == "my-callers"
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    ({"colapse_for": "5m"}, "colapse_for: unknown setting"),
-    ({"collapse_for": "five minutes"}, "collapse_for: expected a Prometheus duration"),
-    ({"collapse_severity": "page"}, "collapse_severity: must be one of critical, warning, info"),
-    ({"short_window": "2h"}, "short_window: must be shorter than long_window"),
-    ({"baseline_window": "30m"}, "long_window: must be shorter than baseline_window"),
-    ({"collapse_keep_firing_for": "soon"},
-     "collapse_keep_firing_for: expected a Prometheus duration"),
-    ({"collapse_drop_factor": 2}, "collapse_drop_factor: must be in (0, 1]"),
-    ({"collapse_drop_factor": "half"}, "collapse_drop_factor: expected a number"),
-    ({"selector": "job=vllm"}, "selector: expected label matchers"),
-    ({"extra_group_labels": ["bad-label"]}, "extra_group_labels: 'bad-label' is not a label"),
-    ({"caller_uid": "vllm-cache-overview"}, "caller_uid: must differ from overview_uid"),
-    ({"dashboard_url": "grafana:3000"}, "dashboard_url: must be an http(s) URL"),
-    ({"required_signals": []}, "required_signals: must name at least one signal"),
-    ({"hit_ratio_good": 0.2}, "hit_ratio_good: must be above hit_ratio_fair (0.3)"),
-    ({"warm_share_fair": 0}, "warm_share_fair: must be in (0, 1]"),
-    ({"conversations_headroom_tokens": 8192},
-     "conversations_headroom_tokens: removed: VllmCacheConversationsExceedKVPool reads the "
-     "exporter's vllm_cache_engine_admission_budget_tokens"),
-    ("- a list\n", "must hold a mapping of settings"),
-    ("key: [unclosed\n", "not valid YAML at line"),
-])
-def test_bad_config_is_one_clear_line_and_exit_2(tmp_path: Path, capsys, data: object,
-                                                message: str) -> None:
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"colapse_for": "5m"}, "colapse_for: unknown setting"),
+        ({"collapse_for": "five minutes"}, "collapse_for: expected a Prometheus duration"),
+        (
+            {"collapse_severity": "page"},
+            "collapse_severity: must be one of critical, warning, info",
+        ),
+        ({"short_window": "2h"}, "short_window: must be shorter than long_window"),
+        ({"baseline_window": "30m"}, "long_window: must be shorter than baseline_window"),
+        (
+            {"collapse_keep_firing_for": "soon"},
+            "collapse_keep_firing_for: expected a Prometheus duration",
+        ),
+        ({"collapse_drop_factor": 2}, "collapse_drop_factor: must be in (0, 1]"),
+        ({"collapse_drop_factor": "half"}, "collapse_drop_factor: expected a number"),
+        ({"selector": "job=vllm"}, "selector: expected label matchers"),
+        ({"extra_group_labels": ["bad-label"]}, "extra_group_labels: 'bad-label' is not a label"),
+        ({"caller_uid": "vllm-cache-overview"}, "caller_uid: must differ from overview_uid"),
+        ({"dashboard_url": "grafana:3000"}, "dashboard_url: must be an http(s) URL"),
+        ({"required_signals": []}, "required_signals: must name at least one signal"),
+        ({"hit_ratio_good": 0.2}, "hit_ratio_good: must be above hit_ratio_fair (0.3)"),
+        ({"warm_share_fair": 0}, "warm_share_fair: must be in (0, 1]"),
+        (
+            {"conversations_headroom_tokens": 8192},
+            "conversations_headroom_tokens: removed: VllmCacheConversationsExceedKVPool reads the "
+            "exporter's vllm_cache_engine_admission_budget_tokens",
+        ),
+        ("- a list\n", "must hold a mapping of settings"),
+        ("key: [unclosed\n", "not valid YAML at line"),
+    ],
+)
+def test_bad_config_is_one_clear_line_and_exit_2(
+    tmp_path: Path, capsys, data: object, message: str
+) -> None:
     path = write_config(tmp_path, data)
     assert main(["generate", "--monitoring.config-file", path, "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -197,19 +216,31 @@ def test_prometheus_operator_manifest(tmp_path: Path, capsys) -> None:
     assert manifest["kind"] == "PrometheusRule"
     assert manifest["metadata"]["name"] == "vllm-cache-exporter"
     files = prometheus_files(MonitoringConfig())
-    expected = (yaml.safe_load(files[RULES_PATH])["groups"]
-                + yaml.safe_load(files[ALERTS_PATH])["groups"])
+    expected = (
+        yaml.safe_load(files[RULES_PATH])["groups"] + yaml.safe_load(files[ALERTS_PATH])["groups"]
+    )
     assert manifest["spec"]["groups"] == expected
 
-    config = write_config(tmp_path, {"prometheus_rule_namespace": "llm",
-                                     "prometheus_rule_labels": {"release": "kps"}})
+    config = write_config(
+        tmp_path, {"prometheus_rule_namespace": "llm", "prometheus_rule_labels": {"release": "kps"}}
+    )
     output = tmp_path / "rule.yaml"
-    args = ["generate", "--format", "prometheus-operator", "--monitoring.config-file", config,
-            "--output", str(output)]
+    args = [
+        "generate",
+        "--format",
+        "prometheus-operator",
+        "--monitoring.config-file",
+        config,
+        "--output",
+        str(output),
+    ]
     assert main(args) == 0
     written = yaml.safe_load(output.read_text("utf-8"))
-    assert written["metadata"] == {"name": "vllm-cache-exporter", "namespace": "llm",
-                                   "labels": {"release": "kps"}}
+    assert written["metadata"] == {
+        "name": "vllm-cache-exporter",
+        "namespace": "llm",
+        "labels": {"release": "kps"},
+    }
     assert main([*args, "--check"]) == 0
     output.write_text("stale\n", "utf-8")
     assert main([*args, "--check"]) == 1

@@ -48,8 +48,9 @@ def dashboard_expressions(config: MonitoringConfig) -> list[str]:
         exprs.extend(target["expr"] for panel in panels for target in panel.get("targets", []))
         for variable in dashboard["templating"]["list"]:
             if variable["type"] == "query":
-                inner = re.fullmatch(r"(?:label_values|query_result)\((.*?)(?:, *\w+)?\)",
-                                     variable["query"])
+                inner = re.fullmatch(
+                    r"(?:label_values|query_result)\((.*?)(?:, *\w+)?\)", variable["query"]
+                )
                 assert inner, variable["query"]
                 exprs.append(inner.group(1))
     return exprs
@@ -57,8 +58,9 @@ def dashboard_expressions(config: MonitoringConfig) -> list[str]:
 
 def unknown_names(config: MonitoringConfig, known: set[str]) -> dict[str, list[str]]:
     """Name -> the expressions that read it, for every name neither served nor recorded."""
-    recorded = {rule["record"] for group in recording_rule_groups(config)
-                for rule in group["rules"]}
+    recorded = {
+        rule["record"] for group in recording_rule_groups(config) for rule in group["rules"]
+    }
     unknown: dict[str, list[str]] = {}
     for expr in rule_expressions(config) + dashboard_expressions(config):
         names = metric_names(expr)

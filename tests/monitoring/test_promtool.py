@@ -64,13 +64,23 @@ def test_freshly_generated_rules_pass_promtool(tmp_path: Path) -> None:
         path.write_text(content, encoding="utf-8")
     shutil.copytree(ALERTS_DIR / "tests", tmp_path / "alerts" / "tests")
     generated = tmp_path / "alerts"
-    check = run(promtool, "check", "rules", str(generated / RULES_FILE.name),
-                str(generated / ALERTS_FILE.name))
+    check = run(
+        promtool,
+        "check",
+        "rules",
+        str(generated / RULES_FILE.name),
+        str(generated / ALERTS_FILE.name),
+    )
     assert check.returncode == 0, check.stdout + check.stderr
-    unchanged = all(files[relative] == (ROOT / relative).read_text(encoding="utf-8")
-                    for relative in (RULES_PATH, ALERTS_PATH))
-    tests = sorted(str(path) for path in (generated / "tests").glob("*.yaml")
-                   if not (unchanged and path.name in DAY_LONG_SCENARIOS))
+    unchanged = all(
+        files[relative] == (ROOT / relative).read_text(encoding="utf-8")
+        for relative in (RULES_PATH, ALERTS_PATH)
+    )
+    tests = sorted(
+        str(path)
+        for path in (generated / "tests").glob("*.yaml")
+        if not (unchanged and path.name in DAY_LONG_SCENARIOS)
+    )
     assert tests
     result = run(promtool, "test", "rules", *tests, cwd=generated)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -85,21 +95,24 @@ def test_promtool_tests_catch_a_broken_alert(tmp_path: Path) -> None:
     broken = text.replace("> 0.3\n", "> 1.5\n")  # no baseline is ever above 150%
     assert broken != text
     alerts.write_text(broken, encoding="utf-8")
-    result = run(promtool, "test", "rules", "tests/prefix_collapse.yaml",
-                 cwd=tmp_path / "alerts")
+    result = run(promtool, "test", "rules", "tests/prefix_collapse.yaml", cwd=tmp_path / "alerts")
     assert result.returncode != 0
     assert "VllmCachePrefixCollapse" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize(("override", "fails_at"), [
-    # A baseline that remembers only 90 minutes becomes the collapse, as the 1h one did:
-    # the pages resolve while the cache is still broken.
-    ({"baseline_window": "90m"}, "time: 4h59m"),
-    # Without keep_firing_for, B's pause resolves the pages and they page again after it.
-    ({"collapse_keep_firing_for": "0s", "warm_ttft_keep_firing_for": "0s"}, "time: 3h25m"),
-])
+@pytest.mark.parametrize(
+    ("override", "fails_at"),
+    [
+        # A baseline that remembers only 90 minutes becomes the collapse, as the 1h one did:
+        # the pages resolve while the cache is still broken.
+        ({"baseline_window": "90m"}, "time: 4h59m"),
+        # Without keep_firing_for, B's pause resolves the pages and they page again after it.
+        ({"collapse_keep_firing_for": "0s", "warm_ttft_keep_firing_for": "0s"}, "time: 3h25m"),
+    ],
+)
 def test_long_collapse_test_fails_without_the_pinned_baseline_or_keep_firing_for(
-        tmp_path: Path, override: dict[str, str], fails_at: str) -> None:
+    tmp_path: Path, override: dict[str, str], fails_at: str
+) -> None:
     """alerts/tests/long_collapse.yaml holds the rules to what the issue asked for: each
     half of the design is needed for it to pass."""
     promtool = require_tool("promtool")
@@ -113,8 +126,11 @@ def test_long_collapse_test_fails_without_the_pinned_baseline_or_keep_firing_for
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     # Not firing at all at that point of the collapse (not merely other annotation text).
-    not_firing = re.compile(rf"alertname: VllmCachePrefixCollapse, {fails_at}, \n"
-                            rf"\s+exp:\[(?:(?!alertname: ).)*?\], \n\s+got:\[\]\n", re.S)
+    not_firing = re.compile(
+        rf"alertname: VllmCachePrefixCollapse, {fails_at}, \n"
+        rf"\s+exp:\[(?:(?!alertname: ).)*?\], \n\s+got:\[\]\n",
+        re.S,
+    )
     assert not_firing.search(output), output
 
 
@@ -135,8 +151,10 @@ def test_deploy_configs_are_valid(tmp_path: Path) -> None:
 def _budget_alert_test(headroom: int) -> dict[str, object]:
     """Two conversations needing 90,000 tokens of a 100,000-token pool, with the admission
     budget the exporter serves for ``headroom`` (its --signals.admission-headroom)."""
-    labels = ('job="vllm-cache-exporter", instance="exporter:10123", '
-              'target="http://vllm:8000/metrics", model_name="m"')
+    labels = (
+        'job="vllm-cache-exporter", instance="exporter:10123", '
+        'target="http://vllm:8000/metrics", model_name="m"'
+    )
     budget = admission_budget(100_000, headroom)
     series = {
         "vllm_cache_engine_kv_pool_tokens": 100_000,
@@ -146,19 +164,32 @@ def _budget_alert_test(headroom: int) -> dict[str, object]:
         "vllm_cache_engine_conversations_demand_tokens": 90_000,
     }
     per_engine = ("pool_tokens", "pool_min_tokens", "budget_tokens")
-    return {"interval": "15s", "input_series": [
-        {"series": f"{name}{{{labels}" + (', engine="0"' if name.endswith(per_engine) else "")
-                   + "}", "values": f"{value}x40"} for name, value in series.items()],
-        "promql_expr_test": [{
-            "expr": 'count(ALERTS{alertname="VllmCacheConversationsExceedKVPool", '
-                    'alertstate="firing"}) or vector(0)',
-            "eval_time": "5m", "exp_samples": [{"labels": "{}", "value": 1 if budget < 90_000
-                                                 else 0}]}]}
+    return {
+        "interval": "15s",
+        "input_series": [
+            {
+                "series": f"{name}{{{labels}"
+                + (', engine="0"' if name.endswith(per_engine) else "")
+                + "}",
+                "values": f"{value}x40",
+            }
+            for name, value in series.items()
+        ],
+        "promql_expr_test": [
+            {
+                "expr": 'count(ALERTS{alertname="VllmCacheConversationsExceedKVPool", '
+                'alertstate="firing"}) or vector(0)',
+                "eval_time": "5m",
+                "exp_samples": [{"labels": "{}", "value": 1 if budget < 90_000 else 0}],
+            }
+        ],
+    }
 
 
 @pytest.mark.parametrize("headroom", [4_096, 20_000])
 def test_the_demand_alert_fires_where_the_exporter_s_headroom_puts_the_budget(
-        tmp_path: Path, headroom: int) -> None:
+    tmp_path: Path, headroom: int
+) -> None:
     """VllmCacheConversationsExceedKVPool reads the exporter's own admission budget: the same
     demand and pool stay silent under the default headroom (budget 95,904) and fire under a
     headroom of 20,000 (budget 80,000), with no change to the monitoring config."""
@@ -169,9 +200,16 @@ def test_the_demand_alert_fires_where_the_exporter_s_headroom_puts_the_budget(
         if relative in (RULES_PATH, ALERTS_PATH):
             (tmp_path / relative).write_text(content, encoding="utf-8")
     test_file = alerts_dir / "tests" / "budget.yaml"
-    test_file.write_text(yaml.safe_dump({
-        "rule_files": ["../vllm-cache-rules.yaml", "../vllm-cache-alerts.yaml"],
-        "evaluation_interval": "15s", "tests": [_budget_alert_test(headroom)]}), "utf-8")
+    test_file.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": ["../vllm-cache-rules.yaml", "../vllm-cache-alerts.yaml"],
+                "evaluation_interval": "15s",
+                "tests": [_budget_alert_test(headroom)],
+            }
+        ),
+        "utf-8",
+    )
     result = run(promtool, "test", "rules", "tests/budget.yaml", cwd=alerts_dir)
     assert result.returncode == 0, result.stdout + result.stderr
     # And the other expectation fails: the test tells the two budgets apart.

@@ -22,18 +22,29 @@ from tests.monitoring.common import (
 from tests.monitoring.promql_scan import scan
 
 ISSUE_ALERTS = {
-    "VllmCachePrefixCollapse", "VllmCacheWarmTTFTCollapse", "VllmCachePrefixCachingDisabled",
-    "VllmCacheCachedTokensNotReported", "VllmCachePreemptions", "VllmCacheKVPoolNearFull",
-    "VllmCacheEngineDown", "VllmCacheEngineMetricAbsent",
+    "VllmCachePrefixCollapse",
+    "VllmCacheWarmTTFTCollapse",
+    "VllmCachePrefixCachingDisabled",
+    "VllmCacheCachedTokensNotReported",
+    "VllmCachePreemptions",
+    "VllmCacheKVPoolNearFull",
+    "VllmCacheEngineDown",
+    "VllmCacheEngineMetricAbsent",
     # foresight: the collapse seen coming
     "VllmCacheConversationsExceedKVPool",
     # prompt order: something variable at the top of the prompt (the tap)
     "VllmCachePromptVariableTop",
 }
 # Alerts whose expression's value is a number worth reading (the others are 0/1 states).
-VALUED = {"VllmCachePrefixCollapse", "VllmCacheWarmTTFTCollapse",
-          "VllmCacheCachedTokensNotReported", "VllmCachePreemptions", "VllmCacheKVPoolNearFull",
-          "VllmCacheConversationsExceedKVPool", "VllmCachePromptVariableTop"}
+VALUED = {
+    "VllmCachePrefixCollapse",
+    "VllmCacheWarmTTFTCollapse",
+    "VllmCacheCachedTokensNotReported",
+    "VllmCachePreemptions",
+    "VllmCacheKVPoolNearFull",
+    "VllmCacheConversationsExceedKVPool",
+    "VllmCachePromptVariableTop",
+}
 
 
 def alerts() -> list[dict]:
@@ -53,8 +64,11 @@ def test_collapse_is_the_page() -> None:
         expected = "critical" if rule["alert"] == "VllmCachePrefixCollapse" else "warning"
         assert rule["labels"]["severity"] == expected, rule["alert"]
         assert rule["labels"]["severity"] in SEVERITIES
-    scopes = {rule["labels"].get("scope") for rule in alerts()
-              if rule["alert"] == "VllmCachePrefixCollapse"}
+    scopes = {
+        rule["labels"].get("scope")
+        for rule in alerts()
+        if rule["alert"] == "VllmCachePrefixCollapse"
+    }
     assert scopes == {"engine", "caller"}
 
 
@@ -96,8 +110,7 @@ def test_ratios_are_guarded_against_zero_denominators() -> None:
         if not re.search(r"(ratio|share)", name):
             continue
         if "/" not in expr:  # a baseline: a quantile over time of a ratio recorded before it
-            source = re.fullmatch(r"quantile_over_time\([0-9.]+, ([\w:]+)\{[^}]*\}\[\w+\]\)",
-                                  expr)
+            source = re.fullmatch(r"quantile_over_time\([0-9.]+, ([\w:]+)\{[^}]*\}\[\w+\]\)", expr)
             assert source and source.group(1) in recorded, name
             assert list(recorded).index(source.group(1)) < list(recorded).index(name), name
             expr = recorded[source.group(1)]

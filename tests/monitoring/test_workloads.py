@@ -24,12 +24,14 @@ def test_committed_input_series_are_the_builders_output(filename: str) -> None:
     turns, minutes = workloads.SCENARIOS[filename]()
     assert committed == workloads.counters(turns, minutes), (
         f"{path.name} drifted from tests/monitoring/workloads.py: run "
-        "`python -m tests.monitoring.workloads` and review the diff")
-    assert workloads.render(filename, path.read_text(encoding="utf-8")) == \
-        path.read_text(encoding="utf-8")
+        "`python -m tests.monitoring.workloads` and review the diff"
+    )
+    assert workloads.render(filename, path.read_text(encoding="utf-8")) == path.read_text(
+        encoding="utf-8"
+    )
 
 
-@given(st.lists(st.one_of(st.none(), st.integers(-10**9, 10**9)), max_size=60))
+@given(st.lists(st.one_of(st.none(), st.integers(-(10**9), 10**9)), max_size=60))
 def test_encode_is_promtool_notation_that_reads_back(samples: list[int | None]) -> None:
     assert workloads.decode(workloads.encode(samples)) == samples
 
@@ -49,22 +51,40 @@ def test_counters_follow_the_turns() -> None:
         workloads.Turn(3, "a", 1_200, 1_024, "warm", 5.0),
         workloads.Turn(3, "b", 500, 0, "short", 0.2),
     ]
-    series = {name: workloads.decode(values)
-              for name, values in workloads.counters(turns, 4).items()}
-    caller = 'job="vllm-cache-exporter", instance="exporter:10123", caller="a", ' \
-             'model="qwen3.8-27b"'
+    series = {
+        name: workloads.decode(values) for name, values in workloads.counters(turns, 4).items()
+    }
+    caller = 'job="vllm-cache-exporter", instance="exporter:10123", caller="a", model="qwen3.8-27b"'
     assert series[f"vllm_cache_prompt_tokens_total{{{caller}}}"] == [None, 0, 1000, 2200, 2200]
     assert series[f"vllm_cache_cached_tokens_total{{{caller}}}"] == [None, 0, 0, 1024, 1024]
-    assert series[f'vllm_cache_requests_total{{{caller}, state="cold"}}'] == \
-        [None, 0, 1, 1, 1]
-    assert series[f'vllm_cache_ttft_seconds_bucket{{{caller}, state="cold", le="60"}}'] == \
-        [None, 0, 0, 0, 0]
-    assert series[f'vllm_cache_ttft_seconds_bucket{{{caller}, state="cold", le="120"}}'] == \
-        [None, 0, 1, 1, 1]
-    assert series[f'vllm_cache_ttft_seconds_bucket{{{caller}, state="warm", le="10"}}'] == \
-        [None, 0, 0, 1, 1]
-    queries = next(values for name, values in series.items()
-                   if name.startswith("vllm_cache_engine_prefix_cache_queries"))
+    assert series[f'vllm_cache_requests_total{{{caller}, state="cold"}}'] == [None, 0, 1, 1, 1]
+    assert series[f'vllm_cache_ttft_seconds_bucket{{{caller}, state="cold", le="60"}}'] == [
+        None,
+        0,
+        0,
+        0,
+        0,
+    ]
+    assert series[f'vllm_cache_ttft_seconds_bucket{{{caller}, state="cold", le="120"}}'] == [
+        None,
+        0,
+        1,
+        1,
+        1,
+    ]
+    assert series[f'vllm_cache_ttft_seconds_bucket{{{caller}, state="warm", le="10"}}'] == [
+        None,
+        0,
+        0,
+        1,
+        1,
+    ]
+    queries = next(
+        values
+        for name, values in series.items()
+        if name.startswith("vllm_cache_engine_prefix_cache_queries")
+    )
     assert queries == [None, 0, 1000, 2700, 2700]
-    assert not any('caller="b", model="qwen3.8-27b", state="short", le=' in name
-                   for name in series), "short turns have no TTFT histogram"
+    assert not any(
+        'caller="b", model="qwen3.8-27b", state="short", le=' in name for name in series
+    ), "short turns have no TTFT histogram"

@@ -61,8 +61,11 @@ def encode(samples: Sequence[int | None]) -> str:
         if following is not None:
             step = following - value
             end = index + 1
-            while (end + 1 < len(samples) and samples[end + 1] is not None
-                   and samples[end + 1] - samples[end] == step):  # type: ignore[operator]
+            while (
+                end + 1 < len(samples)
+                and samples[end + 1] is not None
+                and samples[end + 1] - samples[end] == step
+            ):  # type: ignore[operator]
                 end += 1
             repeats = end - index
             if step == 0:
@@ -128,20 +131,29 @@ def _count_caller(counters: _Counters, caller: str, turns: list[Turn]) -> None:
     states = sorted({turn.state for turn in turns})
     bounds = [(f"{bound:g}", bound) for bound in TTFT_BOUNDS] + [("+Inf", float("inf"))]
     for turn in turns:
-        counters.add(f"vllm_cache_prompt_tokens_total{{{labels}}}", turn.minute,
-                     turn.prompt_tokens, appears)
-        counters.add(f"vllm_cache_cached_tokens_total{{{labels}}}", turn.minute,
-                     turn.cached_tokens, appears)
+        counters.add(
+            f"vllm_cache_prompt_tokens_total{{{labels}}}", turn.minute, turn.prompt_tokens, appears
+        )
+        counters.add(
+            f"vllm_cache_cached_tokens_total{{{labels}}}", turn.minute, turn.cached_tokens, appears
+        )
         for state in states:
             this_state = turn.state == state
-            counters.add(f'vllm_cache_requests_total{{{labels}, state="{state}"}}',
-                         turn.minute, int(this_state), appears)
+            counters.add(
+                f'vllm_cache_requests_total{{{labels}, state="{state}"}}',
+                turn.minute,
+                int(this_state),
+                appears,
+            )
             if state not in CLASSIFIED:
                 continue
             for le, bound in bounds:
-                counters.add(f'vllm_cache_ttft_seconds_bucket{{{labels}, state="{state}", '
-                             f'le="{le}"}}', turn.minute,
-                             int(this_state and turn.ttft_seconds <= bound), appears)
+                counters.add(
+                    f'vllm_cache_ttft_seconds_bucket{{{labels}, state="{state}", le="{le}"}}',
+                    turn.minute,
+                    int(this_state and turn.ttft_seconds <= bound),
+                    appears,
+                )
 
 
 def _count_engine(counters: _Counters, turns: list[Turn]) -> None:
@@ -149,10 +161,18 @@ def _count_engine(counters: _Counters, turns: list[Turn]) -> None:
     labels = f'{JOB}, {TARGET}, model_name="{MODEL}", engine="0"'
     appears = turns[0].minute - STEP_MINUTES
     for turn in turns:
-        counters.add(f"vllm_cache_engine_prefix_cache_queries_tokens_total{{{labels}}}",
-                     turn.minute, turn.prompt_tokens, appears)
-        counters.add(f"vllm_cache_engine_prefix_cache_hits_tokens_total{{{labels}}}",
-                     turn.minute, turn.cached_tokens, appears)
+        counters.add(
+            f"vllm_cache_engine_prefix_cache_queries_tokens_total{{{labels}}}",
+            turn.minute,
+            turn.prompt_tokens,
+            appears,
+        )
+        counters.add(
+            f"vllm_cache_engine_prefix_cache_hits_tokens_total{{{labels}}}",
+            turn.minute,
+            turn.cached_tokens,
+            appears,
+        )
 
 
 def counters(turns: Iterable[Turn], minutes: int) -> dict[str, str]:
@@ -185,8 +205,9 @@ def long_collapse() -> tuple[list[Turn], int]:
     B is back and the eviction goes on. At 300m B leaves; A's next turn re-reads its evicted
     prompt (cold, 74 s), then A is warm again."""
     turns = [Turn(1, "agent-a", 60_000, 0, "cold", COLD_TTFT)]
-    turns += [Turn(minute, "agent-a", 60_000, 55_800, "warm", WARM_TTFT)
-              for minute in range(2, 120)]
+    turns += [
+        Turn(minute, "agent-a", 60_000, 55_800, "warm", WARM_TTFT) for minute in range(2, 120)
+    ]
     for minute in range(120, 300, 2):
         if minute == LULL.start:
             turns.append(Turn(minute, "agent-a", 62_000, 0, "cold", COLD_TTFT))
@@ -197,8 +218,9 @@ def long_collapse() -> tuple[list[Turn], int]:
         if minute not in LULL:
             turns.append(Turn(minute + 1, "agent-b", 35_000, 0, "cold", 100.0))
     turns.append(Turn(300, "agent-a", 62_000, 0, "cold", COLD_TTFT))
-    turns += [Turn(minute, "agent-a", 62_000, 57_344, "warm", WARM_TTFT)
-              for minute in range(301, 331)]
+    turns += [
+        Turn(minute, "agent-a", 62_000, 57_344, "warm", WARM_TTFT) for minute in range(301, 331)
+    ]
     return turns, 330
 
 
@@ -209,8 +231,10 @@ DECLINE_PROMPT = 72_000
 def decline_cached_tokens(minute: int) -> int:
     """90% of a 72k prompt cached until 120m, then 350 tokens fewer every ten minutes: 20%
     after 24 h (144 steps of 0.486 percentage points), and 20% from then on."""
-    step = min(max(minute - DECLINE_START, 0) // DECLINE_STEP_MINUTES,
-               DECLINE_MINUTES // DECLINE_STEP_MINUTES)
+    step = min(
+        max(minute - DECLINE_START, 0) // DECLINE_STEP_MINUTES,
+        DECLINE_MINUTES // DECLINE_STEP_MINUTES,
+    )
     return 64_800 - 350 * step
 
 
@@ -270,8 +294,12 @@ def healthy_day() -> tuple[list[Turn], int]:
     - monitor, a 1,500-token health check every ten minutes, day and night (below the
       traffic floor, and too short for one granule)."""
     minutes = 26 * 60
-    agent_minutes = [*range(1, 240), *range(300, 660), *range(660, 780, 3),
-                     *range(1440, minutes + 1)]
+    agent_minutes = [
+        *range(1, 240),
+        *range(300, 660),
+        *range(660, 780, 3),
+        *range(1440, minutes + 1),
+    ]
     turns = _agent_a_day(agent_minutes, fresh_at={1, 300, 1440})
     for minute in range(60, 600):
         share = FANOUT_SHARES[(minute // 15) % len(FANOUT_SHARES)]

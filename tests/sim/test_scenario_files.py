@@ -12,31 +12,42 @@ from exporter.sim.scenario import ScenarioError, parse_scenario
 GOOD = {"name": "t", "agents": [{"caller": "a"}]}
 
 
-@pytest.mark.parametrize("data, message", [
-    ([1, 2], "must be a mapping"),
-    ({"agents": [{"caller": "a"}]}, "name is required"),
-    ({**GOOD, "agnets": []}, "unknown key(s) agnets"),
-    ({**GOOD, "engine": {"block_sise": 16}}, "engine: unknown key(s) block_sise"),
-    ({**GOOD, "engine": {"block_size": "big"}}, "engine.block_size: expected a whole number"),
-    ({**GOOD, "engine": {"hybrid": "yes"}}, "engine.hybrid: expected true or false"),
-    ({**GOOD, "engine": {"block_size": 32, "granularity": 48}}, "multiple of block_size"),
-    ({"name": "t", "agents": []}, "agents must be a non-empty list"),
-    ({"name": "t", "agents": [{"turns": 3}]}, "with a caller"),
-    ({"name": "t", "agents": [{"caller": "a", "turns": 0}]}, "turns must be at least 1"),
-    ({"name": "t", "agents": [{"caller": "a", "kind": "swarm"}]}, "kind must be"),
-    ({"name": "t", "agents": [{"caller": "a", "think_seconds": -1}]}, "must not be negative"),
-    ({"name": "t", "agents": [{"caller": "a", "tunrs": 3}]}, "unknown key(s) tunrs"),
-    ({**GOOD, "demo": {"speed": 0}}, "demo.speed must be positive"),
-    ({**GOOD, "boots": {"kv_pool_tokens": 1}}, "boots must be a list of engine settings"),
-    ({**GOOD, "boots": [{"kv_pool_tokens": 1000}, {"pool": 5}]},
-     "boots[1]: unknown key(s) pool"),
-    ({**GOOD, "boots": [{"kv_pool_tokens": "big"}]}, "boots[0].kv_pool_tokens: expected"),
-    ({**GOOD, "engine": {"block_size": 32}, "boots": [{"kv_pool_tokens": 16}]},
-     "kv_pool_tokens must hold one block"),
-    ({"name": "t", "agents": [{"caller": "a", "output_tokens": 800,
-                               "declared_max_tokens": 100}]},
-     "declared_max_tokens must be 0 or at least output_tokens"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ([1, 2], "must be a mapping"),
+        ({"agents": [{"caller": "a"}]}, "name is required"),
+        ({**GOOD, "agnets": []}, "unknown key(s) agnets"),
+        ({**GOOD, "engine": {"block_sise": 16}}, "engine: unknown key(s) block_sise"),
+        ({**GOOD, "engine": {"block_size": "big"}}, "engine.block_size: expected a whole number"),
+        ({**GOOD, "engine": {"hybrid": "yes"}}, "engine.hybrid: expected true or false"),
+        ({**GOOD, "engine": {"block_size": 32, "granularity": 48}}, "multiple of block_size"),
+        ({"name": "t", "agents": []}, "agents must be a non-empty list"),
+        ({"name": "t", "agents": [{"turns": 3}]}, "with a caller"),
+        ({"name": "t", "agents": [{"caller": "a", "turns": 0}]}, "turns must be at least 1"),
+        ({"name": "t", "agents": [{"caller": "a", "kind": "swarm"}]}, "kind must be"),
+        ({"name": "t", "agents": [{"caller": "a", "think_seconds": -1}]}, "must not be negative"),
+        ({"name": "t", "agents": [{"caller": "a", "tunrs": 3}]}, "unknown key(s) tunrs"),
+        ({**GOOD, "demo": {"speed": 0}}, "demo.speed must be positive"),
+        ({**GOOD, "boots": {"kv_pool_tokens": 1}}, "boots must be a list of engine settings"),
+        (
+            {**GOOD, "boots": [{"kv_pool_tokens": 1000}, {"pool": 5}]},
+            "boots[1]: unknown key(s) pool",
+        ),
+        ({**GOOD, "boots": [{"kv_pool_tokens": "big"}]}, "boots[0].kv_pool_tokens: expected"),
+        (
+            {**GOOD, "engine": {"block_size": 32}, "boots": [{"kv_pool_tokens": 16}]},
+            "kv_pool_tokens must hold one block",
+        ),
+        (
+            {
+                "name": "t",
+                "agents": [{"caller": "a", "output_tokens": 800, "declared_max_tokens": 100}],
+            },
+            "declared_max_tokens must be 0 or at least output_tokens",
+        ),
+    ],
+)
 def test_bad_scenarios_are_refused_with_the_key_named(data, message):
     with pytest.raises(ScenarioError) as caught:
         parse_scenario(data, "my.yaml")

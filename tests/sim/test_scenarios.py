@@ -19,11 +19,14 @@ def counter(text: str, name: str, **labels: str) -> float:
 
 def hit_ratio(before: str | None, after: str, caller: str) -> float:
     """Δcached / Δprompt between two scrapes: the ratio PromQL computes over a window."""
+
     def pair(text: str | None) -> tuple[float, float]:
         if text is None:
             return 0.0, 0.0
-        return (counter(text, "vllm_cache_cached_tokens_total", caller=caller),
-                counter(text, "vllm_cache_prompt_tokens_total", caller=caller))
+        return (
+            counter(text, "vllm_cache_cached_tokens_total", caller=caller),
+            counter(text, "vllm_cache_prompt_tokens_total", caller=caller),
+        )
 
     cached_0, prompt_0 = pair(before)
     cached_1, prompt_1 = pair(after)
@@ -36,14 +39,22 @@ def requests(text: str, caller: str, state: str) -> float:
 
 
 def all_requests(text: str, caller: str) -> float:
-    return sum(requests(text, caller, state)
-               for state in ("warm", "partial", "cold", "short", "unknown", "error"))
+    return sum(
+        requests(text, caller, state)
+        for state in ("warm", "partial", "cold", "short", "unknown", "error")
+    )
 
 
 def test_every_shipped_scenario_loads():
     names = scenarios.available()
-    assert set(names) >= {"two-agents-fit", "two-agents-collapse", "prefix-caching-off",
-                          "details-off", "fanout-order", "overload-preempt"}
+    assert set(names) >= {
+        "two-agents-fit",
+        "two-agents-collapse",
+        "prefix-caching-off",
+        "details-off",
+        "fanout-order",
+        "overload-preempt",
+    }
     for name in names:
         scenario = scenarios.load(name)
         assert scenario.name == name
@@ -83,7 +94,8 @@ async def test_two_agents_collapse_after_a_healthy_phase(through_exporter):
     b_arrives = next(i for i, event in enumerate(events) if event["caller"] == "agent-b")
     assert b_arrives >= 5, "agent-a must have several turns alone first"
     first, alone, shared = await through_exporter(
-        run.metrics_text, [events[:1], events[1:b_arrives], events[b_arrives:]])
+        run.metrics_text, [events[:1], events[1:b_arrives], events[b_arrives:]]
+    )
     assert requests(first, "agent-a", "cold") == 1
     # the healthy baseline: agent-a alone, warm turn after warm turn
     assert hit_ratio(first, alone, "agent-a") >= 0.9
@@ -110,19 +122,25 @@ async def test_engine_timings_are_the_simulated_engines(through_exporter):
     events = [event for _, event in run.events]
     assert all("engine_ttft_seconds" in event for event in events)
     (text,) = await through_exporter(run.metrics_text, [events])
-    for family, name in (("vllm:request_prefill_time_seconds_sum", "vllm_cache_ttft_seconds"),
-                         ("vllm:request_queue_time_seconds_sum",
-                          "vllm_cache_queue_wait_seconds")):
+    for family, name in (
+        ("vllm:request_prefill_time_seconds_sum", "vllm_cache_ttft_seconds"),
+        ("vllm:request_queue_time_seconds_sum", "vllm_cache_queue_wait_seconds"),
+    ):
         engine_total = counter(run.metrics_text, family)
-        ours = sum(counter(text, f"{name}_sum", caller=caller, source="engine", **state)
-                   for caller in ("agent-a", "agent-b")
-                   for state in ([{"state": s} for s in ("warm", "partial", "cold", "short",
-                                                          "unknown")]
-                                 if name == "vllm_cache_ttft_seconds" else [{}]))
+        ours = sum(
+            counter(text, f"{name}_sum", caller=caller, source="engine", **state)
+            for caller in ("agent-a", "agent-b")
+            for state in (
+                [{"state": s} for s in ("warm", "partial", "cold", "short", "unknown")]
+                if name == "vllm_cache_ttft_seconds"
+                else [{}]
+            )
+        )
         assert ours == pytest.approx(engine_total, rel=1e-9), family
     assert counter(run.metrics_text, "vllm:request_queue_time_seconds_sum") > 60
-    assert "source=\"proxy\"" not in "\n".join(
-        line for line in text.splitlines() if line.startswith("vllm_cache_ttft_seconds"))
+    assert 'source="proxy"' not in "\n".join(
+        line for line in text.splitlines() if line.startswith("vllm_cache_ttft_seconds")
+    )
 
 
 async def test_prefix_caching_off_every_request_cold(through_exporter):
@@ -169,10 +187,10 @@ async def test_fanout_order_shared_prefix_first_wins(through_exporter):
     assert requests(text, "fanout-shared-first", "cold") == 6
     assert requests(text, "fanout-task-first", "cold") == 4 * 6
     # and the round is about twice as fast (6.78 s vs 13.86 s): compare the slowest TTFTs
-    shared_ttft = value(text, "vllm_cache_ttft_seconds_sum", caller="fanout-shared-first",
-                        state="warm")
-    task_ttft = value(text, "vllm_cache_ttft_seconds_sum", caller="fanout-task-first",
-                      state="cold")
+    shared_ttft = value(
+        text, "vllm_cache_ttft_seconds_sum", caller="fanout-shared-first", state="warm"
+    )
+    task_ttft = value(text, "vllm_cache_ttft_seconds_sum", caller="fanout-task-first", state="cold")
     assert task_ttft > 1.5 * shared_ttft
 
 

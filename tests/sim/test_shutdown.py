@@ -14,9 +14,19 @@ from tests.test_run_process import free_port
 async def test_sigterm_with_an_open_stream_exits_promptly():
     port = free_port()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "exporter", "simulate", "--sim.listen-address", f"127.0.0.1:{port}",
-        "--sim.decode-rate", "1", "--log.level", "warning",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "exporter",
+        "simulate",
+        "--sim.listen-address",
+        f"127.0.0.1:{port}",
+        "--sim.decode-rate",
+        "1",
+        "--log.level",
+        "warning",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     loop = asyncio.get_running_loop()
     try:
         async with aiohttp.ClientSession() as session:
@@ -30,10 +40,10 @@ async def test_sigterm_with_an_open_stream_exits_promptly():
                     pass
                 assert loop.time() < deadline, "simulator never became healthy"
                 await asyncio.sleep(0.1)
-            body = {"model": "sim", "prompt": "hello " * 50, "max_tokens": 10_000,
-                    "stream": True}
-            async with session.post(f"http://127.0.0.1:{port}/v1/completions",
-                                    json=body) as response:
+            body = {"model": "sim", "prompt": "hello " * 50, "max_tokens": 10_000, "stream": True}
+            async with session.post(
+                f"http://127.0.0.1:{port}/v1/completions", json=body
+            ) as response:
                 await response.content.readline()  # the stream is open and producing
                 process.send_signal(signal.SIGTERM)
                 started = loop.time()

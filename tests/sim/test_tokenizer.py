@@ -21,8 +21,13 @@ print(tokens[:50], block_keys(tokens, 16)[-1])
 def test_tokens_and_block_keys_are_the_same_in_every_process():
     outputs = set()
     for seed in ("1", "2", "random"):
-        result = subprocess.run([sys.executable, "-c", SNIPPET], capture_output=True, text=True,
-                                env={**os.environ, "PYTHONHASHSEED": seed}, check=True)
+        result = subprocess.run(
+            [sys.executable, "-c", SNIPPET],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+        )
         outputs.add(result.stdout)
     assert len(outputs) == 1
 

@@ -42,13 +42,18 @@ def without_usage_chunk(raw: bytes) -> bytes:
     usage chunk, and its ``system_fingerprint`` on the terminal chunks instead (see
     ``23_chat_stream_no_usage.sse.txt`` beside ``24_chat_stream_usage.sse.txt``)."""
     events = sse_events(raw)
-    fingerprint = re.search(rb'"choices":\[\],"usage".*?("system_fingerprint":"[^"]*")',
-                            b"".join(events))
+    fingerprint = re.search(
+        rb'"choices":\[\],"usage".*?("system_fingerprint":"[^"]*")', b"".join(events)
+    )
     kept = [event for event in events if b'"choices":[],"usage"' not in event]
     if fingerprint is None:
         return b"".join(kept)
-    return b"".join(event.replace(b"}\n\n", b"," + fingerprint.group(1) + b"}\n\n")
-                    if b'"finish_reason":"' in event else event for event in kept)
+    return b"".join(
+        event.replace(b"}\n\n", b"," + fingerprint.group(1) + b"}\n\n")
+        if b'"finish_reason":"' in event
+        else event
+        for event in kept
+    )
 
 
 @dataclass
@@ -86,21 +91,26 @@ class MockUpstream:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        self.received.append(Received(request.method, request.path_qs,
-                                      request.headers.copy(), body))
+        self.received.append(
+            Received(request.method, request.path_qs, request.headers.copy(), body)
+        )
         reply = self.replies.get(request.path)
         if reply is None:
-            return web.Response(status=404, text=f"no route {request.path}",
-                                headers={"X-Mock": "404"})
+            return web.Response(
+                status=404, text=f"no route {request.path}", headers={"X-Mock": "404"}
+            )
         try:
             if reply.hang:
                 await self.release.wait()
             if reply.chunks is None:
-                return web.Response(status=reply.status, body=reply.body,
-                                    headers={"Content-Type": reply.content_type,
-                                             **reply.headers})
-            response = web.StreamResponse(status=reply.status, headers={
-                "Content-Type": reply.content_type, **reply.headers})
+                return web.Response(
+                    status=reply.status,
+                    body=reply.body,
+                    headers={"Content-Type": reply.content_type, **reply.headers},
+                )
+            response = web.StreamResponse(
+                status=reply.status, headers={"Content-Type": reply.content_type, **reply.headers}
+            )
             await response.prepare(request)
             for chunk in reply.chunks:
                 if isinstance(chunk, asyncio.Event):
@@ -172,13 +182,20 @@ class TapHarness:
     session: aiohttp.ClientSession
     state: SignalsState
 
-    async def post(self, path: str, payload: Any = None, *, data: bytes | None = None,
-                   headers: dict[str, str] | None = None
-                   ) -> tuple[int, CIMultiDict[str], bytes]:
+    async def post(
+        self,
+        path: str,
+        payload: Any = None,
+        *,
+        data: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, CIMultiDict[str], bytes]:
         body = data if data is not None else json.dumps(payload).encode()
-        async with self.session.post(self.url + path, data=body,
-                                     headers={"Content-Type": "application/json",
-                                              **(headers or {})}) as response:
+        async with self.session.post(
+            self.url + path,
+            data=body,
+            headers={"Content-Type": "application/json", **(headers or {})},
+        ) as response:
             return response.status, response.headers.copy(), await response.read()
 
 
@@ -189,7 +206,7 @@ TapFactory = Callable[..., Awaitable[TapHarness]]
 async def upstream(aiohttp_server: Callable[..., Awaitable[TestServer]]):
     mock = MockUpstream()
     # Bodies as sent, as vLLM (uvicorn) takes them: it decodes no content coding.
-    app = web.Application(client_max_size=1024 ** 3, handler_args={"auto_decompress": False})
+    app = web.Application(client_max_size=1024**3, handler_args={"auto_decompress": False})
     app.router.add_route("*", "/{tail:.*}", mock.handle)
     server = await aiohttp_server(app)
     mock.url = str(server.make_url("")).rstrip("/")
@@ -198,15 +215,16 @@ async def upstream(aiohttp_server: Callable[..., Awaitable[TestServer]]):
 
 
 @pytest.fixture
-async def start_tap(upstream: MockUpstream,
-                    aiohttp_server: Callable[..., Awaitable[TestServer]]):
+async def start_tap(upstream: MockUpstream, aiohttp_server: Callable[..., Awaitable[TestServer]]):
     """Start a tap in front of the mock upstream; keyword arguments override Config."""
     sessions: list[aiohttp.ClientSession] = []
 
-    async def start(usage: Any = None, upstream_url: str | None = None,
-                    **overrides: Any) -> TapHarness:
-        config = Config(tap_listen_address="127.0.0.1:0",
-                        tap_upstream=upstream_url or upstream.url, **overrides)
+    async def start(
+        usage: Any = None, upstream_url: str | None = None, **overrides: Any
+    ) -> TapHarness:
+        config = Config(
+            tap_listen_address="127.0.0.1:0", tap_upstream=upstream_url or upstream.url, **overrides
+        )
         state = signals_state(config)
         recording = RecordingUsage()
         state.usage = usage if usage is not None else recording
@@ -214,8 +232,9 @@ async def start_tap(upstream: MockUpstream,
         server = await aiohttp_server(tap_app(config, state.usage, monotonic=clock))
         session = aiohttp.ClientSession(auto_decompress=False)
         sessions.append(session)
-        return TapHarness(upstream, recording, clock, str(server.make_url("")).rstrip("/"),
-                          session, state)
+        return TapHarness(
+            upstream, recording, clock, str(server.make_url("")).rstrip("/"), session, state
+        )
 
     yield start
     for session in sessions:

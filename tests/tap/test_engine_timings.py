@@ -17,8 +17,7 @@ from tests.helpers import value
 from .conftest import Reply, fixture_bytes, sse_events, without_usage_chunk
 
 SSE = "text/event-stream; charset=utf-8"
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 8}
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 CHAT_STREAM = {**CHAT, "stream": True}
 WHOLE = fixture_bytes("12_chat_metrics_cold.json")
 STREAM = fixture_bytes("13_chat_stream_metrics_warm.sse.txt")
@@ -59,7 +58,8 @@ async def test_a_whole_answer_passes_unchanged_and_gives_vllms_timings(upstream,
 
 
 async def test_a_stream_gives_vllms_timings_from_the_usage_chunk_the_tap_removes(
-        upstream, start_tap):
+    upstream, start_tap
+):
     upstream.reply("/v1/chat/completions", Reply(content_type=SSE, chunks=[STREAM]))
     tap = await start_tap()
     status, _, body = await tap.post("/v1/chat/completions", CHAT_STREAM)
@@ -78,15 +78,15 @@ async def test_a_stream_gives_vllms_timings_from_the_usage_chunk_the_tap_removes
 
 @pytest.mark.parametrize("size", [1, 5, 97, 100_000])
 async def test_any_chunking_reads_the_same_timings(upstream, start_tap, size):
-    chunks = [COMPLETION_STREAM[i:i + size] for i in range(0, len(COMPLETION_STREAM), size)]
+    chunks = [COMPLETION_STREAM[i : i + size] for i in range(0, len(COMPLETION_STREAM), size)]
     upstream.reply("/v1/completions", Reply(content_type=SSE, chunks=chunks))
     tap = await start_tap()
-    status, _, body = await tap.post("/v1/completions",
-                                     {"model": "tiny-llama", "prompt": "x", "stream": True})
+    status, _, body = await tap.post(
+        "/v1/completions", {"model": "tiny-llama", "prompt": "x", "stream": True}
+    )
     assert (status, body) == (200, without_usage_chunk(COMPLETION_STREAM))
     event = await tap.usage.next_event()
-    assert (event.engine_ttft_seconds, event.engine_queue_seconds) == seconds(
-        COMPLETION_STREAM)
+    assert (event.engine_ttft_seconds, event.engine_queue_seconds) == seconds(COMPLETION_STREAM)
     assert tap.usage.rejected == []
 
 
@@ -98,10 +98,10 @@ async def test_the_responses_api_carries_them_on_the_response(upstream, start_ta
     assert (event.engine_ttft_seconds, event.engine_queue_seconds) == seconds(RESPONSES)
     upstream.reply("/v1/responses", Reply(content_type=SSE, chunks=[RESPONSES_STREAM]))
     assert (await tap.post("/v1/responses", {"input": "x", "stream": True}))[2] == (
-        RESPONSES_STREAM)
+        RESPONSES_STREAM
+    )
     event = await tap.usage.next_event()
-    assert (event.engine_ttft_seconds, event.engine_queue_seconds) == seconds(
-        RESPONSES_STREAM)
+    assert (event.engine_ttft_seconds, event.engine_queue_seconds) == seconds(RESPONSES_STREAM)
 
 
 async def test_a_one_token_answer_has_a_ttft_and_no_inter_token_latency(upstream, start_tap):
@@ -137,25 +137,29 @@ async def test_an_answer_without_them_is_said_once_in_the_log(upstream, start_ta
 
 async def test_a_failed_call_is_no_sign_of_the_flag_missing(upstream, start_tap, caplog):
     caplog.set_level(logging.WARNING, logger="exporter.usage.tap.proxy")
-    upstream.reply("/v1/chat/completions",
-                   Reply(status=400, body=fixture_bytes("11_chat_error_400.json")))
+    upstream.reply(
+        "/v1/chat/completions", Reply(status=400, body=fixture_bytes("11_chat_error_400.json"))
+    )
     tap = await start_tap()
     assert (await tap.post("/v1/chat/completions", CHAT))[0] == 400
     assert (await tap.usage.next_event()).status == 400
     assert NOTICE not in caplog.text
 
 
-@pytest.mark.parametrize("figure,reason", [(-3.5, "negative"), ("12", "not_a_number"),
-                                           (10**400, "too_large")],
-                         ids=["negative", "string", "huge"])
+@pytest.mark.parametrize(
+    "figure,reason",
+    [(-3.5, "negative"), ("12", "not_a_number"), (10**400, "too_large")],
+    ids=["negative", "string", "huge"],
+)
 async def test_unusable_timings_are_counted_and_the_answer_still_delivered(
-        upstream, start_tap, figure, reason):
+    upstream, start_tap, figure, reason
+):
     answer = json.loads(WHOLE)
     answer["metrics"]["queue_time_ms"] = figure
     raw = json.dumps(answer).encode()
     upstream.reply("/v1/chat/completions", Reply(body=raw))
     events = sse_events(STREAM)
-    usage_event = json.loads(events[-2][len(b"data: "):])
+    usage_event = json.loads(events[-2][len(b"data: ") :])
     usage_event["metrics"]["time_to_first_token_ms"] = figure
     broken = [*events[:-2], b"data: " + json.dumps(usage_event).encode() + b"\n\n", events[-1]]
     upstream.reply("/v1/completions", Reply(content_type=SSE, chunks=broken))
@@ -172,8 +176,10 @@ async def test_the_per_caller_series_say_who_measured(upstream, aiohttp_client):
     """Through the real signals to /metrics: vLLM's figures under source="engine", equal to
     what vLLM sent; the tap's own TTFT of a stream without them under source="proxy"."""
     upstream.reply("/v1/chat/completions", Reply(body=WHOLE))
-    upstream.reply("/v1/completions", Reply(content_type=SSE, chunks=[
-        fixture_bytes("06_completion_stream.sse.txt")]))  # vLLM without the flag
+    upstream.reply(
+        "/v1/completions",
+        Reply(content_type=SSE, chunks=[fixture_bytes("06_completion_stream.sse.txt")]),
+    )  # vLLM without the flag
     config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url)
     state = signals_state(config)
     assert state.usage is not None
@@ -181,8 +187,9 @@ async def test_the_per_caller_series_say_who_measured(upstream, aiohttp_client):
     exporter = await aiohttp_client(create_app(config, state, initial_refresh=False))
     headers = {"X-Caller": "alice"}
     assert (await tap.post("/v1/chat/completions", json=CHAT, headers=headers)).status == 200
-    response = await tap.post("/v1/completions", json={"prompt": "x", "stream": True},
-                              headers=headers)
+    response = await tap.post(
+        "/v1/completions", json={"prompt": "x", "stream": True}, headers=headers
+    )
     await response.read()
     text = await (await exporter.get("/metrics")).text()
     alice = {"caller": "alice", "model": "tiny-llama"}
@@ -191,15 +198,14 @@ async def test_the_per_caller_series_say_who_measured(upstream, aiohttp_client):
     assert value(text, "vllm_cache_ttft_seconds_sum", state="cold", **engine) == ttft
     assert value(text, "vllm_cache_ttft_seconds_count", state="cold", **engine) == 1
     assert value(text, "vllm_cache_queue_wait_seconds_sum", **engine) == queue
-    assert value(text, "vllm_cache_ttft_seconds_count", state="warm", source="proxy",
-                 **alice) == 1
-    assert value(text, "vllm_cache_ttft_seconds_count", state="cold", source="proxy",
-                 **alice) is None
+    assert value(text, "vllm_cache_ttft_seconds_count", state="warm", source="proxy", **alice) == 1
+    assert (
+        value(text, "vllm_cache_ttft_seconds_count", state="cold", source="proxy", **alice) is None
+    )
     assert value(text, "vllm_cache_queue_wait_seconds_count", source="proxy", **alice) is None
 
 
-async def test_a_request_for_several_sequences_has_no_cached_count_of_its_own(upstream,
-                                                                            start_tap):
+async def test_a_request_for_several_sequences_has_no_cached_count_of_its_own(upstream, start_tap):
     """For n > 1 vLLM reports the cached count of one of the n sequences, which may have
     found the blocks its siblings had just written (a first turn then reads as warm): the
     tap says how many sequences ran, and the signals do not judge the request by it."""

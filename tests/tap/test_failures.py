@@ -14,20 +14,21 @@ from exporter.values import status_is_error
 from .conftest import Reply, fixture_bytes, sse_events
 
 SSE = "text/event-stream; charset=utf-8"
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 8}
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 CHAT_STREAM = {**CHAT, "stream": True}
 CHAT_SSE = fixture_bytes("03_chat_stream_warm.sse.txt")
 
 
-async def test_upstream_error_passes_through_with_status_headers_and_body(upstream,
-                                                                          start_tap):
+async def test_upstream_error_passes_through_with_status_headers_and_body(upstream, start_tap):
     error = fixture_bytes("11_chat_error_400.json")
-    upstream.reply("/v1/chat/completions", Reply(status=400, body=error,
-                                                 headers={"X-Vllm": "1", "vary": "Origin"}))
+    upstream.reply(
+        "/v1/chat/completions",
+        Reply(status=400, body=error, headers={"X-Vllm": "1", "vary": "Origin"}),
+    )
     tap = await start_tap()
-    status, headers, body = await tap.post("/v1/chat/completions", CHAT,
-                                           headers={"X-Caller": "alice"})
+    status, headers, body = await tap.post(
+        "/v1/chat/completions", CHAT, headers={"X-Caller": "alice"}
+    )
     assert (status, body) == (400, error)
     assert headers["X-Vllm"] == "1" and headers["Vary"] == "Origin"
     event = await tap.usage.next_event()
@@ -65,8 +66,7 @@ class CloseAtOnce:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def __call__(self, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> None:
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.calls += 1
         await reader.readuntil(b"\r\n\r\n")
         writer.close()
@@ -100,8 +100,9 @@ async def test_upstream_timeout_is_504(upstream, start_tap):
 async def test_upstream_timeout_mid_stream_cuts_the_client_off(upstream, start_tap):
     events = sse_events(CHAT_SSE)
     never = asyncio.Event()
-    upstream.reply("/v1/chat/completions",
-                   Reply(content_type=SSE, chunks=[events[0], events[1], never]))
+    upstream.reply(
+        "/v1/chat/completions", Reply(content_type=SSE, chunks=[events[0], events[1], never])
+    )
     tap = await start_tap(tap_timeout=0.5)
     async with tap.session.post(tap.url + "/v1/chat/completions", json=CHAT_STREAM) as response:
         assert response.status == 200
@@ -114,8 +115,9 @@ async def test_upstream_timeout_mid_stream_cuts_the_client_off(upstream, start_t
 
 async def test_upstream_breaking_mid_stream_cuts_the_client_off(upstream, start_tap):
     events = sse_events(CHAT_SSE)
-    upstream.reply("/v1/chat/completions", Reply(content_type=SSE, chunks=events[:3],
-                                                 cut_after_chunks=True))
+    upstream.reply(
+        "/v1/chat/completions", Reply(content_type=SSE, chunks=events[:3], cut_after_chunks=True)
+    )
     tap = await start_tap()
     async with tap.session.post(tap.url + "/v1/chat/completions", json=CHAT_STREAM) as response:
         received = b""
@@ -126,17 +128,18 @@ async def test_upstream_breaking_mid_stream_cuts_the_client_off(upstream, start_
     assert (await tap.usage.next_event()).status == 502
 
 
-async def test_client_disconnect_mid_stream_cancels_upstream_and_is_recorded(upstream,
-                                                                            start_tap):
+async def test_client_disconnect_mid_stream_cancels_upstream_and_is_recorded(upstream, start_tap):
     events = sse_events(CHAT_SSE)
     never = asyncio.Event()
-    upstream.reply("/v1/chat/completions",
-                   Reply(content_type=SSE, chunks=[events[0], events[1], never]))
+    upstream.reply(
+        "/v1/chat/completions", Reply(content_type=SSE, chunks=[events[0], events[1], never])
+    )
     tap = await start_tap()
     session = aiohttp.ClientSession()
     try:
-        response = await session.post(tap.url + "/v1/chat/completions", json=CHAT_STREAM,
-                                      headers={"X-Caller": "quitter"})
+        response = await session.post(
+            tap.url + "/v1/chat/completions", json=CHAT_STREAM, headers={"X-Caller": "quitter"}
+        )
         await asyncio.wait_for(response.content.readany(), 5)
         response.close()  # hang up mid-stream
     finally:
@@ -227,8 +230,7 @@ class DropsSecondRequest:
     def __init__(self) -> None:
         self.requests = 0
 
-    async def __call__(self, reader: asyncio.StreamReader,
-                       writer: asyncio.StreamWriter) -> None:
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 await reader.readuntil(b"\r\n\r\n")

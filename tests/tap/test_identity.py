@@ -55,12 +55,16 @@ async def test_configured_caller_header(chat_upstream, start_tap):
     assert await caller_of(tap, **{"X-Team": "search", "X-Caller": "ignored"}) == "search"
 
 
-@pytest.mark.parametrize("hostile,reason", [
-    ("a" * 1000, "caller_too_long"),
-    ("evil\x1b[31mred", "bad_caller"),
-])
-async def test_hostile_caller_is_counted_and_costs_nothing_else(chat_upstream, start_tap,
-                                                               hostile, reason):
+@pytest.mark.parametrize(
+    "hostile,reason",
+    [
+        ("a" * 1000, "caller_too_long"),
+        ("evil\x1b[31mred", "bad_caller"),
+    ],
+)
+async def test_hostile_caller_is_counted_and_costs_nothing_else(
+    chat_upstream, start_tap, hostile, reason
+):
     tap = await start_tap()
     status, _, body = await tap.post("/v1/chat/completions", {**CHAT, "user": hostile})
     assert (status, body) == (200, fixture_bytes("02_chat_warm.json"))
@@ -72,18 +76,22 @@ async def test_hostile_caller_is_counted_and_costs_nothing_else(chat_upstream, s
 
 def test_longest_alias_prefix_wins_and_bad_prefixes_are_ignored(caplog):
     with caplog.at_level(logging.WARNING):
-        aliases = KeyAliases(((DIGEST[:8], "short"), (DIGEST[:16], "long"), ("abc", "tiny"),
-                              ("not-hex-at-all", "typo")))
+        aliases = KeyAliases(
+            (
+                (DIGEST[:8], "short"),
+                (DIGEST[:16], "long"),
+                ("abc", "tiny"),
+                ("not-hex-at-all", "typo"),
+            )
+        )
     assert aliases.lookup(DIGEST) == "long"
     assert aliases.lookup("f" * 64) is None
     assert "tiny" in caplog.text and "typo" in caplog.text
     assert resolve_caller({"Authorization": KEY}, None, "X-Caller", aliases) == "long"
-    assert resolve_caller({"Authorization": f"bearer  {KEY} "}, None, "X-Caller",
-                          aliases) == "long"
+    assert resolve_caller({"Authorization": f"bearer  {KEY} "}, None, "X-Caller", aliases) == "long"
 
 
-async def test_the_key_never_reaches_logs_or_events(upstream, start_tap, caplog,
-                                                    unused_tcp_port):
+async def test_the_key_never_reaches_logs_or_events(upstream, start_tap, caplog, unused_tcp_port):
     upstream.reply("/v1/chat/completions", Reply(status=401, body=b'{"error":"bad key"}'))
     upstream.reply("/v1/completions", Reply(hang=True))
     with caplog.at_level(logging.DEBUG):

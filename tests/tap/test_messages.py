@@ -24,8 +24,12 @@ COLD = fixture_bytes("19_messages_cold.json")
 WARM = fixture_bytes("20_messages_warm.json")
 STREAM = fixture_bytes("21_messages_stream_warm.sse.txt")
 ERROR = fixture_bytes("22_messages_error_400.json")
-MESSAGE = {"model": "tiny-llama", "max_tokens": 8, "system": "be brief",
-           "messages": [{"role": "user", "content": "hi"}]}
+MESSAGE = {
+    "model": "tiny-llama",
+    "max_tokens": 8,
+    "system": "be brief",
+    "messages": [{"role": "user", "content": "hi"}],
+}
 KEY = "sk-ant-0123456789-SECRET"
 
 
@@ -33,20 +37,33 @@ def usage_of(body: bytes) -> dict[str, int]:
     return json.loads(body)["usage"]
 
 
-async def test_whole_messages_are_recorded_with_the_prompt_in_three_parts(upstream,
-                                                                           start_tap):
+async def test_whole_messages_are_recorded_with_the_prompt_in_three_parts(upstream, start_tap):
     tap = await start_tap()
     for capture in (COLD, WARM):
         upstream.reply("/v1/messages", Reply(body=capture))
-        status, _, body = await tap.post("/v1/messages", MESSAGE,
-                                         headers={"X-Caller": "claude-agent"})
+        status, _, body = await tap.post(
+            "/v1/messages", MESSAGE, headers={"X-Caller": "claude-agent"}
+        )
         assert (status, body) == (200, capture)  # byte for byte
     cold, warm = tap.usage.events
     parts = usage_of(COLD)
-    assert cold.prompt_tokens == (parts["input_tokens"] + parts["cache_read_input_tokens"]
-                                  + parts["cache_creation_input_tokens"]) == 446
-    assert (cold.caller, cold.model, cold.cached_tokens, cold.completion_tokens,
-            cold.status, cold.max_tokens) == ("claude-agent", "tiny-llama", 0, 8, 200, 8)
+    assert (
+        cold.prompt_tokens
+        == (
+            parts["input_tokens"]
+            + parts["cache_read_input_tokens"]
+            + parts["cache_creation_input_tokens"]
+        )
+        == 446
+    )
+    assert (
+        cold.caller,
+        cold.model,
+        cold.cached_tokens,
+        cold.completion_tokens,
+        cold.status,
+        cold.max_tokens,
+    ) == ("claude-agent", "tiny-llama", 0, 8, 200, 8)
     assert (warm.prompt_tokens, warm.cached_tokens) == (446, 416)
     # The body as the client sent it reached vLLM: nothing asked for, nothing changed.
     assert upstream.received[0].body == json.dumps(MESSAGE).encode()
@@ -54,26 +71,33 @@ async def test_whole_messages_are_recorded_with_the_prompt_in_three_parts(upstre
 
 
 @pytest.mark.parametrize("size", [None, 1, 7, 64])
-async def test_a_messages_stream_passes_untouched_with_its_final_usage(upstream, start_tap,
-                                                                       size):
-    chunks = (sse_events(STREAM) if size is None
-              else [STREAM[i:i + size] for i in range(0, len(STREAM), size)])
+async def test_a_messages_stream_passes_untouched_with_its_final_usage(upstream, start_tap, size):
+    chunks = (
+        sse_events(STREAM)
+        if size is None
+        else [STREAM[i : i + size] for i in range(0, len(STREAM), size)]
+    )
     upstream.reply("/v1/messages", Reply(content_type=SSE, chunks=chunks))
     tap = await start_tap()
-    status, _, body = await tap.post("/v1/messages", {**MESSAGE, "stream": True},
-                                     headers={"X-Caller": "claude-agent"})
+    status, _, body = await tap.post(
+        "/v1/messages", {**MESSAGE, "stream": True}, headers={"X-Caller": "claude-agent"}
+    )
     assert (status, body) == (200, STREAM)
     event = await tap.usage.next_event()
     # message_start said 446 input tokens and no cache figure; message_delta's final usage
     # splits them: 30 computed + 416 read from the cache.
-    assert (event.prompt_tokens, event.cached_tokens, event.completion_tokens,
-            event.model, event.status) == (446, 416, 8, "tiny-llama", 200)
+    assert (
+        event.prompt_tokens,
+        event.cached_tokens,
+        event.completion_tokens,
+        event.model,
+        event.status,
+    ) == (446, 416, 8, "tiny-llama", 200)
     assert event.ttft_seconds is not None  # the first content_block_delta with text
     assert upstream.received[0].body == json.dumps({**MESSAGE, "stream": True}).encode()
 
 
-async def test_anthropic_callers_come_from_metadata_user_id_then_x_api_key(upstream,
-                                                                           start_tap):
+async def test_anthropic_callers_come_from_metadata_user_id_then_x_api_key(upstream, start_tap):
     upstream.reply("/v1/messages", Reply(body=WARM))
     tap = await start_tap()
     named = {**MESSAGE, "metadata": {"user_id": "end-user-9"}}
@@ -95,8 +119,7 @@ async def test_anthropic_callers_come_from_metadata_user_id_then_x_api_key(upstr
     assert await caller({**MESSAGE, "metadata": {"user_id": 7}}) == "anonymous"
 
 
-async def test_a_refused_message_is_one_error_and_count_tokens_passes_through(upstream,
-                                                                              start_tap):
+async def test_a_refused_message_is_one_error_and_count_tokens_passes_through(upstream, start_tap):
     upstream.reply("/v1/messages", Reply(status=400, body=ERROR))
     counted = b'{"input_tokens":446}'
     upstream.reply("/v1/messages/count_tokens", Reply(body=counted))
@@ -132,19 +155,36 @@ def test_a_stream_whose_usage_event_is_not_an_object_is_counted():
 def test_anthropics_own_stream_shape_merges_the_start_and_the_delta():
     """Anthropic's API puts the input and cache figures in message_start and only the output
     count in message_delta; the delta's fields replace the start's, the rest stays."""
-    start = {"type": "message_start", "message": {
-        "id": "msg_1", "type": "message", "model": "claude", "usage": {
-            "input_tokens": 12, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 2048, "output_tokens": 1}}}
-    delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
-             "usage": {"output_tokens": 57}}
-    text = b"".join(b"event: %s\ndata: %s\n\n" % (event["type"].encode(),
-                                                 json.dumps(event).encode())
-                    for event in (start, delta))
+    start = {
+        "type": "message_start",
+        "message": {
+            "id": "msg_1",
+            "type": "message",
+            "model": "claude",
+            "usage": {
+                "input_tokens": 12,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 2048,
+                "output_tokens": 1,
+            },
+        },
+    }
+    delta = {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn"},
+        "usage": {"output_tokens": 57},
+    }
+    text = b"".join(
+        b"event: %s\ndata: %s\n\n" % (event["type"].encode(), json.dumps(event).encode())
+        for event in (start, delta)
+    )
     read = read_response(text.decode())
     assert read.usage is not None and read.model == "claude"
-    assert (read.usage.prompt_tokens, read.usage.cached_tokens,
-            read.usage.completion_tokens) == (2060, 2048, 57)
+    assert (read.usage.prompt_tokens, read.usage.cached_tokens, read.usage.completion_tokens) == (
+        2060,
+        2048,
+        57,
+    )
 
 
 def test_the_openai_format_reads_messages_whole_and_streamed():
@@ -152,5 +192,9 @@ def test_the_openai_format_reads_messages_whole_and_streamed():
     streamed = read_response(STREAM.decode())
     for read in (whole, streamed):
         assert read.usage is not None
-        assert (read.usage.prompt_tokens, read.usage.cached_tokens,
-                read.usage.completion_tokens, read.model) == (446, 416, 8, "tiny-llama")
+        assert (
+            read.usage.prompt_tokens,
+            read.usage.cached_tokens,
+            read.usage.completion_tokens,
+            read.model,
+        ) == (446, 416, 8, "tiny-llama")

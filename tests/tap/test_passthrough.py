@@ -9,23 +9,29 @@ from yarl import URL
 
 from .conftest import Reply, fixture_bytes
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 8}
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
 async def test_chat_body_passes_byte_for_byte_and_is_recorded(upstream, start_tap):
     body = fixture_bytes("01_chat_cold.json")
     upstream.reply("/v1/chat/completions", Reply(body=body, headers={"X-Request-Id": "r-1"}))
     tap = await start_tap()
-    status, headers, received = await tap.post("/v1/chat/completions", CHAT,
-                                               headers={"X-Caller": "alice"})
+    status, headers, received = await tap.post(
+        "/v1/chat/completions", CHAT, headers={"X-Caller": "alice"}
+    )
     assert status == 200
     assert received == body
     assert headers["Content-Type"] == "application/json"
     assert headers["X-Request-Id"] == "r-1"
     event = await tap.usage.next_event()
-    assert (event.caller, event.model, event.prompt_tokens, event.cached_tokens,
-            event.completion_tokens, event.status) == ("alice", "tiny-llama", 1395, 0, 8, 200)
+    assert (
+        event.caller,
+        event.model,
+        event.prompt_tokens,
+        event.cached_tokens,
+        event.completion_tokens,
+        event.status,
+    ) == ("alice", "tiny-llama", 1395, 0, 8, 200)
     assert event.ttft_seconds is None  # a whole answer has no first-token time
     assert tap.usage.rejected == []
 
@@ -34,8 +40,11 @@ async def test_request_body_reaches_vllm_unchanged(upstream, start_tap):
     upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("02_chat_warm.json")))
     tap = await start_tap()
     raw = b'{"model": "tiny-llama",  "messages": [{"role":"user","content":"h\\u00e9"}]}'
-    await tap.post("/v1/chat/completions", data=raw,
-                   headers={"Authorization": "Bearer sk-abc", "X-Custom": "1"})
+    await tap.post(
+        "/v1/chat/completions",
+        data=raw,
+        headers={"Authorization": "Bearer sk-abc", "X-Custom": "1"},
+    )
     (seen,) = upstream.received
     assert seen.body == raw
     assert seen.headers["Authorization"] == "Bearer sk-abc"
@@ -62,7 +71,8 @@ async def test_responses_api_reads_input_tokens_details(upstream, start_tap):
 
 
 async def test_an_answer_over_256_kib_is_read_off_the_loop_and_relayed_unchanged(
-        upstream, start_tap):
+    upstream, start_tap
+):
     """Past PARSE_INLINE_MAX_BYTES the answer's JSON is decoded in a worker thread, before
     it is sent; the client gets it byte for byte, and its usage or its fault is counted."""
     answer = json.loads(fixture_bytes("02_chat_warm.json"))
@@ -122,8 +132,13 @@ async def test_other_paths_are_proxied_untouched_and_not_recorded(upstream, star
     async with tap.session.get(tap.url + "/v1/chat/completions") as response:
         assert response.status == 404
     assert [r.path_qs for r in upstream.received] == [
-        "/v1/models", "/metrics?name[]=x%20y", "/health", "/tokenize", "/nowhere/at/all?a=1",
-        "/v1/chat/completions"]
+        "/v1/models",
+        "/metrics?name[]=x%20y",
+        "/health",
+        "/tokenize",
+        "/nowhere/at/all?a=1",
+        "/v1/chat/completions",
+    ]
     assert [r.method for r in upstream.received][-2:] == ["DELETE", "GET"]
     assert tap.usage.events == [] and tap.usage.rejected == []
 
@@ -131,9 +146,16 @@ async def test_other_paths_are_proxied_untouched_and_not_recorded(upstream, star
 async def test_hop_by_hop_headers_are_not_forwarded(upstream, start_tap):
     upstream.reply("/v1/models", Reply(body=b"{}", headers={"X-Keep": "yes"}))
     tap = await start_tap()
-    async with tap.session.get(tap.url + "/v1/models", headers={
-            "Connection": "keep-alive, X-Drop-Me", "X-Drop-Me": "1", "TE": "trailers",
-            "Proxy-Authorization": "Basic abc", "X-Keep-Me": "1"}) as response:
+    async with tap.session.get(
+        tap.url + "/v1/models",
+        headers={
+            "Connection": "keep-alive, X-Drop-Me",
+            "X-Drop-Me": "1",
+            "TE": "trailers",
+            "Proxy-Authorization": "Basic abc",
+            "X-Keep-Me": "1",
+        },
+    ) as response:
         assert response.headers["X-Keep"] == "yes"
     (seen,) = upstream.received
     lowered = {name.lower() for name in seen.headers}

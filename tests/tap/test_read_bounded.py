@@ -15,8 +15,7 @@ from exporter.usage.tap.proxy import BodyTooLarge, read_bounded
 async def fed(chunks: list[bytes]) -> StreamReader:
     """A reader holding ``chunks`` as aiohttp's buffer would, then the body's end; each one
     arrives on its own loop turn, so readany hands them over one by one."""
-    reader = StreamReader(mock.Mock(_reading_paused=False), 2 ** 16,
-                          loop=asyncio.get_running_loop())
+    reader = StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=asyncio.get_running_loop())
 
     async def feed() -> None:
         for chunk in chunks:
@@ -33,15 +32,13 @@ async def test_one_chunk_is_returned_as_it_is():
     assert await read_bounded(await fed([chunk]), None, 1000) is chunk
 
 
-@pytest.mark.parametrize("parts", [[b""], [b"a", b"b"], [b"x" * 70_000] * 6,
-                                   [b"{", b"", b"}"]])
+@pytest.mark.parametrize("parts", [[b""], [b"a", b"b"], [b"x" * 70_000] * 6, [b"{", b"", b"}"]])
 async def test_many_chunks_are_joined_in_order(parts):
-    body = await read_bounded(await fed([p for p in parts if p]), None, 10 ** 6)
+    body = await read_bounded(await fed([p for p in parts if p]), None, 10**6)
     assert body == b"".join(parts) and type(body) is bytes
 
 
-@pytest.mark.parametrize("parts", [[b"x" * 101], [b"x" * 60, b"x" * 41],
-                                   [b"x" * 50] * 3])
+@pytest.mark.parametrize("parts", [[b"x" * 101], [b"x" * 60, b"x" * 41], [b"x" * 50] * 3])
 async def test_past_the_limit_is_refused_whether_declared_or_not(parts):
     with pytest.raises(BodyTooLarge):
         await read_bounded(await fed(parts), None, 100)

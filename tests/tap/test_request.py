@@ -27,15 +27,51 @@ from exporter.usage.tap.request import (
     with_include_usage,
 )
 
-KEYS = ["model", "user", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-        "max_output_tokens", "messages", "prompt", "input", "include_usage", "content",
-        "role", "continuous_usage_stats", "metadata", "user_id", "n", "system"]
+KEYS = [
+    "model",
+    "user",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "messages",
+    "prompt",
+    "input",
+    "include_usage",
+    "content",
+    "role",
+    "continuous_usage_stats",
+    "metadata",
+    "user_id",
+    "n",
+    "system",
+]
 WHITESPACE = st.sampled_from(["", " ", "  ", "\n", "\t", "\r\n", " \n\t "])
 SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(10 ** 30), max_value=10 ** 30),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-    st.sampled_from(["", "\\", '"', '\\"', '"stream": true', "}", "]", "{", "[", "\u00e9\u4e2d",
-                     "\U0001f600", "\x00\x1f", "\ufeff"]))
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(
+        [
+            "",
+            "\\",
+            '"',
+            '\\"',
+            '"stream": true',
+            "}",
+            "]",
+            "{",
+            "[",
+            "\u00e9\u4e2d",
+            "\U0001f600",
+            "\x00\x1f",
+            "\ufeff",
+        ]
+    ),
+)
 
 
 @st.composite
@@ -60,8 +96,9 @@ def string_text(draw: st.DrawFn, value: str) -> str:
 @st.composite
 def json_text(draw: st.DrawFn, depth: int = 0) -> str:
     """Any JSON value, written with arbitrary whitespace, escapes and repeated keys."""
-    kind = draw(st.sampled_from(["scalar", "scalar", "array", "object"] if depth < 4
-                                else ["scalar"]))
+    kind = draw(
+        st.sampled_from(["scalar", "scalar", "array", "object"] if depth < 4 else ["scalar"])
+    )
     if kind == "scalar":
         value = draw(SCALARS)
         if isinstance(value, str):
@@ -69,16 +106,32 @@ def json_text(draw: st.DrawFn, depth: int = 0) -> str:
         return json.dumps(value)
     if kind == "array":
         items = draw(st.lists(json_text(depth + 1), max_size=4))
-        return "[" + ",".join(draw(WHITESPACE) + item + draw(WHITESPACE) for item in items) \
-            + draw(WHITESPACE) + "]"
+        return (
+            "["
+            + ",".join(draw(WHITESPACE) + item + draw(WHITESPACE) for item in items)
+            + draw(WHITESPACE)
+            + "]"
+        )
     return object_text(draw, depth + 1)
 
 
 def object_text(draw: st.DrawFn, depth: int) -> str:
-    pairs = draw(st.lists(st.tuples(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)),
-                                    json_text(depth)), max_size=6))
-    members = [draw(WHITESPACE) + draw(string_text(key)) + draw(WHITESPACE) + ":"
-               + draw(WHITESPACE) + value + draw(WHITESPACE) for key, value in pairs]
+    pairs = draw(
+        st.lists(
+            st.tuples(st.one_of(st.sampled_from(KEYS), st.text(max_size=6)), json_text(depth)),
+            max_size=6,
+        )
+    )
+    members = [
+        draw(WHITESPACE)
+        + draw(string_text(key))
+        + draw(WHITESPACE)
+        + ":"
+        + draw(WHITESPACE)
+        + value
+        + draw(WHITESPACE)
+        for key, value in pairs
+    ]
     return "{" + ",".join(members) + draw(WHITESPACE) + "}"
 
 
@@ -96,10 +149,12 @@ def same(a: Any, b: Any) -> bool:
 
 def expected_facts(obj: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
     """What the tap should know, from json.loads' reading, written independently."""
-    limit_keys = {Endpoint.CHAT: ["max_completion_tokens", "max_tokens"],
-                  Endpoint.COMPLETIONS: ["max_tokens"],
-                  Endpoint.RESPONSES: ["max_output_tokens"],
-                  Endpoint.MESSAGES: ["max_tokens"]}[endpoint]
+    limit_keys = {
+        Endpoint.CHAT: ["max_completion_tokens", "max_tokens"],
+        Endpoint.COMPLETIONS: ["max_tokens"],
+        Endpoint.RESPONSES: ["max_output_tokens"],
+        Endpoint.MESSAGES: ["max_tokens"],
+    }[endpoint]
     limit = next((obj[key] for key in limit_keys if obj.get(key) is not None), None)
     options = obj.get("stream_options")
     user = obj.get("user")
@@ -119,11 +174,16 @@ def expected_facts(obj: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
 
 
 def observed_facts(facts: RequestFacts) -> dict[str, Any]:
-    return {"model": facts.model, "user": json.dumps(facts.user), "stream": facts.stream,
-            "has_stream_options": facts.has_stream_options,
-            "stream_options": json.dumps(facts.stream_options),
-            "wants_usage": facts.wants_usage, "output_limit": facts.output_limit,
-            "sequences": facts.sequences}
+    return {
+        "model": facts.model,
+        "user": json.dumps(facts.user),
+        "stream": facts.stream,
+        "has_stream_options": facts.has_stream_options,
+        "stream_options": json.dumps(facts.stream_options),
+        "wants_usage": facts.wants_usage,
+        "output_limit": facts.output_limit,
+        "sequences": facts.sequences,
+    }
 
 
 def loads_object(body: bytes) -> dict[str, Any] | None:
@@ -134,8 +194,12 @@ def loads_object(body: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-PROMPT_KEYS = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt",
-               Endpoint.RESPONSES: "input", Endpoint.MESSAGES: "messages"}
+PROMPT_KEYS = {
+    Endpoint.CHAT: "messages",
+    Endpoint.COMPLETIONS: "prompt",
+    Endpoint.RESPONSES: "input",
+    Endpoint.MESSAGES: "messages",
+}
 
 
 def check_agrees(body: bytes, endpoint: Endpoint) -> None:
@@ -201,7 +265,7 @@ def test_a_damaged_body_never_breaks_the_scan(body: bytes, data: st.DataObject) 
     how = data.draw(st.sampled_from(["replace", "cut", "insert"]))
     byte = bytes([data.draw(st.integers(min_value=0, max_value=255))])
     if how == "replace":
-        body = body[:at] + byte + body[at + 1:]
+        body = body[:at] + byte + body[at + 1 :]
     elif how == "cut":
         body = body[:at]
     else:
@@ -253,8 +317,10 @@ def test_include_usage_changes_nothing_else(body: bytes) -> None:
     expected["include_usage"] = True
     expected.pop("continuous_usage_stats", None)
     assert same(rewritten["stream_options"], expected)
-    assert same({k: v for k, v in rewritten.items() if k != "stream_options"},
-                {k: v for k, v in obj.items() if k != "stream_options"})
+    assert same(
+        {k: v for k, v in rewritten.items() if k != "stream_options"},
+        {k: v for k, v in obj.items() if k != "stream_options"},
+    )
     # Byte for byte: only the inserted field or the last stream_options value differ.
     if facts.stream_options_span is None:
         at = facts.object_start + 1
@@ -301,22 +367,32 @@ def test_each_body_goes_to_the_cheapest_reader_that_can_tell() -> None:
         check_agrees(body, Endpoint.CHAT)
 
 
-@pytest.mark.parametrize("body, stream, model", [
-    # A "stream": true or a model inside a message is not the request's.
-    (b'{"model":"m","messages":[{"role":"user","content":"x","stream":true,'
-     b'"model":"inner"}],"stream":false}', False, "m"),
-    (b'{"messages":[{"content":{"stream":true}}],"model":"m"}', False, "m"),
-    (b'{"messages":"{\\"stream\\": true}","model":"m"}', False, "m"),
-    # Escapes: an escaped quote, a backslash before the closing quote, an escaped key.
-    (b'{"messages":[{"content":"say \\"hi\\" \\\\"}],"str\\u0065am":true,"model":"m"}',
-     True, "m"),
-    (b'{"messages":[{"content":"\\\\\\\\"}],"stream":true,"model":"\\u00e9"}', True, "\u00e9"),
-    # Duplicate keys: the last one counts, as with json.loads.
-    (b'{"stream":true,"model":"a","stream":false,"model":"b"}', False, "b"),
-    (b'{"stream":false,"stream":true}', True, None),
-    # A byte-order mark (json.loads takes one on bytes), whitespace everywhere.
-    (b'\xef\xbb\xbf \r\n{ "stream" :\ttrue , "model" : "m" }\n', True, "m"),
-])
+@pytest.mark.parametrize(
+    "body, stream, model",
+    [
+        # A "stream": true or a model inside a message is not the request's.
+        (
+            b'{"model":"m","messages":[{"role":"user","content":"x","stream":true,'
+            b'"model":"inner"}],"stream":false}',
+            False,
+            "m",
+        ),
+        (b'{"messages":[{"content":{"stream":true}}],"model":"m"}', False, "m"),
+        (b'{"messages":"{\\"stream\\": true}","model":"m"}', False, "m"),
+        # Escapes: an escaped quote, a backslash before the closing quote, an escaped key.
+        (
+            b'{"messages":[{"content":"say \\"hi\\" \\\\"}],"str\\u0065am":true,"model":"m"}',
+            True,
+            "m",
+        ),
+        (b'{"messages":[{"content":"\\\\\\\\"}],"stream":true,"model":"\\u00e9"}', True, "\u00e9"),
+        # Duplicate keys: the last one counts, as with json.loads.
+        (b'{"stream":true,"model":"a","stream":false,"model":"b"}', False, "b"),
+        (b'{"stream":false,"stream":true}', True, None),
+        # A byte-order mark (json.loads takes one on bytes), whitespace everywhere.
+        (b'\xef\xbb\xbf \r\n{ "stream" :\ttrue , "model" : "m" }\n', True, "m"),
+    ],
+)
 def test_top_level_fields_only(body: bytes, stream: bool, model: str | None) -> None:
     for facts in (facts_of(body, Endpoint.CHAT), scan(body, Endpoint.CHAT)):
         assert (facts.stream, facts.model) == (stream, model)
@@ -327,24 +403,30 @@ def deep(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
 
-@pytest.mark.parametrize("body", [
-    b'{"model":"m","messages":' + deep(100_000) + b',"stream":true}',
-    b'{"model":"m","messages":[{"content":"' + b"x" * 20_000 + b'"},' + deep(100_000)
-    + b'],"stream":true}',
-    b'{"stream_options":' + deep(100_000) + b',"stream":true}',
-    b'{"stream":true,"max_tokens":' + b"9" * 100_000 + b'}',
-    b'{"model":"m","messages":[' + b"9" * 100_000 + b'],"stream":true}',
-    b'{"model":"\xff\xfe","stream":true}',
-    b'{"m\xffodel":"m","stream":true}',
-    b'{"model":"m","stream":true} {}',
-    b'{"model":"m","stream":tru}',
-    b'{"model":"m","stream":true,}',
-    b'["model","m"]',
-    "{\"model\":\"m\",\"stream\":true}".encode("utf-16"),
-    b"",
-    b"{",
-    b'{"' + b"\\" * 10_001 + b'"',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","messages":' + deep(100_000) + b',"stream":true}',
+        b'{"model":"m","messages":[{"content":"'
+        + b"x" * 20_000
+        + b'"},'
+        + deep(100_000)
+        + b'],"stream":true}',
+        b'{"stream_options":' + deep(100_000) + b',"stream":true}',
+        b'{"stream":true,"max_tokens":' + b"9" * 100_000 + b"}",
+        b'{"model":"m","messages":[' + b"9" * 100_000 + b'],"stream":true}',
+        b'{"model":"\xff\xfe","stream":true}',
+        b'{"m\xffodel":"m","stream":true}',
+        b'{"model":"m","stream":true} {}',
+        b'{"model":"m","stream":tru}',
+        b'{"model":"m","stream":true,}',
+        b'["model","m"]',
+        '{"model":"m","stream":true}'.encode("utf-16"),
+        b"",
+        b"{",
+        b'{"' + b"\\" * 10_001 + b'"',
+    ],
+)
 def test_hostile_bodies_are_read_as_json_loads_reads_them_or_not_at_all(body: bytes) -> None:
     for endpoint in Endpoint:
         facts = facts_of(body, endpoint)  # never raises
@@ -354,11 +436,12 @@ def test_hostile_bodies_are_read_as_json_loads_reads_them_or_not_at_all(body: by
 
 
 def test_huge_numbers_are_decoded_as_json_loads_decodes_them() -> None:
-    facts = facts_of(b'{"max_tokens":1e999,"stream":true,"stream_options":{"x":1e-999}}',
-                     Endpoint.CHAT)
+    facts = facts_of(
+        b'{"max_tokens":1e999,"stream":true,"stream_options":{"x":1e-999}}', Endpoint.CHAT
+    )
     assert facts.output_limit is None  # inf is no token count
     assert facts.stream_options == {"x": 0.0}
-    facts = facts_of(b'{"max_tokens":' + b"1" * 4000 + b'}', Endpoint.COMPLETIONS)
+    facts = facts_of(b'{"max_tokens":' + b"1" * 4000 + b"}", Endpoint.COMPLETIONS)
     assert facts.output_limit == int("1" * 4000)
 
 
@@ -370,27 +453,33 @@ def test_invalid_utf8_in_a_skipped_string_leaves_the_fields_readable() -> None:
 
 
 def test_many_escaped_quotes_go_to_the_c_scanner() -> None:
-    body = (b'{"messages":[{"content":"' + b'\\"' * 50_000 + b'"}],"model":"m",'
-            b'"stream":true}')
+    body = b'{"messages":[{"content":"' + b'\\"' * 50_000 + b'"}],"model":"m","stream":true}'
     assert facts_of(body, Endpoint.CHAT).model == "m"
     with pytest.raises(NeedsDecoder):
         scan(body, Endpoint.CHAT, decoder=False)
 
 
-@pytest.mark.parametrize("endpoint, body, limit, prompt", [
-    (Endpoint.CHAT, b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":5}', 5,
-     b'[{"role":"user","content":"hi"}]'),
-    (Endpoint.CHAT, b'{"max_completion_tokens":7,"max_tokens":5,"messages":[]}', 7, b"[]"),
-    (Endpoint.CHAT, b'{"max_completion_tokens":null,"max_tokens":5}', 5, None),
-    (Endpoint.CHAT, b'{"max_tokens":true}', None, None),
-    (Endpoint.CHAT, b'{"max_tokens":5.0}', None, None),
-    (Endpoint.COMPLETIONS, b'{"prompt":"once upon",  "max_tokens":9}', 9, b'"once upon"'),
-    (Endpoint.COMPLETIONS, b'{"prompt":[1,2,3],"max_completion_tokens":9}', None,
-     b"[1,2,3]"),
-    (Endpoint.RESPONSES, b'{"input":"x","max_output_tokens":3,"max_tokens":9}', 3, b'"x"'),
-])
-def test_output_limit_and_prompt(endpoint: Endpoint, body: bytes, limit: int | None,
-                                      prompt: bytes | None) -> None:
+@pytest.mark.parametrize(
+    "endpoint, body, limit, prompt",
+    [
+        (
+            Endpoint.CHAT,
+            b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":5}',
+            5,
+            b'[{"role":"user","content":"hi"}]',
+        ),
+        (Endpoint.CHAT, b'{"max_completion_tokens":7,"max_tokens":5,"messages":[]}', 7, b"[]"),
+        (Endpoint.CHAT, b'{"max_completion_tokens":null,"max_tokens":5}', 5, None),
+        (Endpoint.CHAT, b'{"max_tokens":true}', None, None),
+        (Endpoint.CHAT, b'{"max_tokens":5.0}', None, None),
+        (Endpoint.COMPLETIONS, b'{"prompt":"once upon",  "max_tokens":9}', 9, b'"once upon"'),
+        (Endpoint.COMPLETIONS, b'{"prompt":[1,2,3],"max_completion_tokens":9}', None, b"[1,2,3]"),
+        (Endpoint.RESPONSES, b'{"input":"x","max_output_tokens":3,"max_tokens":9}', 3, b'"x"'),
+    ],
+)
+def test_output_limit_and_prompt(
+    endpoint: Endpoint, body: bytes, limit: int | None, prompt: bytes | None
+) -> None:
     facts = facts_of(body, endpoint)
     assert facts.output_limit == limit
     found = prompt_bytes(body, endpoint, facts)
@@ -402,14 +491,18 @@ def test_output_limit_and_prompt(endpoint: Endpoint, body: bytes, limit: int | N
 
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32-le"])
 def test_a_body_the_scan_cannot_read_is_rewritten_whole_only_for_stream_options(
-        encoding: str) -> None:
+    encoding: str,
+) -> None:
     """json reads UTF-16 and UTF-32 bodies, with or without a BOM; a UTF-16-LE one begins
     with the object's "{" byte all the same, and nothing may be spliced after it."""
-    body = "{\"stream\":true,\"model\":\"m\"}".encode(encoding)
+    body = '{"stream":true,"model":"m"}'.encode(encoding)
     facts = facts_of(body, Endpoint.CHAT)
     assert not facts.scanned and facts.stream
     assert json.loads(with_include_usage(body, facts)) == {
-        "stream": True, "model": "m", "stream_options": {"include_usage": True}}
+        "stream": True,
+        "model": "m",
+        "stream_options": {"include_usage": True},
+    }
 
 
 @example(b'{"stream":true}')
@@ -441,7 +534,8 @@ def handed_to_threads(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 def test_large_bodies_are_read_on_the_loop_unless_only_a_decoder_can_read_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Past PARSE_INLINE_MAX_BYTES a body goes to a worker thread only when neither the walk
     nor (up to READ_INLINE_MAX_BYTES) msgspec can read it."""
     from exporter.usage.tap import proxy
@@ -458,8 +552,12 @@ def test_large_bodies_are_read_on_the_loop_unless_only_a_decoder_can_read_them(
         threaded = handed_to_threads(monkeypatch)
         return await proxy.read_request(body, Endpoint.CHAT), bool(threaded)
 
-    for body, off_the_loop in ((long_string, False), (dense, False), (huge_dense, True),
-                               (refused, True)):
+    for body, off_the_loop in (
+        (long_string, False),
+        (dense, False),
+        (huge_dense, True),
+        (refused, True),
+    ):
         found, threaded = asyncio.run(facts(body))
         assert threaded == off_the_loop
         assert (found.model, found.stream) == ("m", True)
@@ -468,15 +566,21 @@ def test_large_bodies_are_read_on_the_loop_unless_only_a_decoder_can_read_them(
 
 
 def test_asking_a_large_dense_body_for_usage_finds_its_options_off_the_loop(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Facts read by msgspec have no positions: a large body whose stream_options must be
     rewritten is searched by the C scanner in a worker thread, and changes only there."""
     from exporter.usage.tap import proxy
 
     messages = b"[" + b",".join([b'{"a":"b"}'] * 40_000) + b"]"  # 400 KB, dense
     options = b'{"continuous_usage_stats":true}'
-    body = (b'{"model":"m","stream":true,"stream_options":' + options
-            + b',"messages":' + messages + b"}")
+    body = (
+        b'{"model":"m","stream":true,"stream_options":'
+        + options
+        + b',"messages":'
+        + messages
+        + b"}"
+    )
     small = b'{"model":"m","stream":true,"stream_options":' + options + b',"messages":[]}'
 
     async def rewritten(body: bytes) -> tuple[bytes, list[Any]]:
@@ -497,15 +601,24 @@ def test_an_anthropic_prompt_print_starts_with_its_system_prompt():
     so the print covers the system prompt, then the messages, whichever reader ran."""
     system = "Current time: 2026-12-01T20:00Z. " + "You are a careful agent. " * 40
     messages = [{"role": "user", "content": "step 1"}]
-    for body in (json.dumps({"model": "m", "max_tokens": 8, "system": system,
-                             "messages": messages}).encode(),
-                 json.dumps({"messages": messages, "system": system, "pad": "x" * 20000,
-                             "max_tokens": 8}).encode()):
-        for facts in (facts_of(body, Endpoint.MESSAGES), scan(body, Endpoint.MESSAGES),
-                      scanner.parse(body, Endpoint.MESSAGES)):
+    for body in (
+        json.dumps(
+            {"model": "m", "max_tokens": 8, "system": system, "messages": messages}
+        ).encode(),
+        json.dumps(
+            {"messages": messages, "system": system, "pad": "x" * 20000, "max_tokens": 8}
+        ).encode(),
+    ):
+        for facts in (
+            facts_of(body, Endpoint.MESSAGES),
+            scan(body, Endpoint.MESSAGES),
+            scanner.parse(body, Endpoint.MESSAGES),
+        ):
             printed = bytes(prompt_bytes(body, Endpoint.MESSAGES, facts) or b"")
             assert printed == json.dumps(system).encode() + json.dumps(messages).encode()
     # Without a system prompt, the messages alone.
     body = json.dumps({"messages": messages}).encode()
-    assert bytes(prompt_bytes(body, Endpoint.MESSAGES, facts_of(body, Endpoint.MESSAGES))
-                 or b"") == json.dumps(messages).encode()
+    assert (
+        bytes(prompt_bytes(body, Endpoint.MESSAGES, facts_of(body, Endpoint.MESSAGES)) or b"")
+        == json.dumps(messages).encode()
+    )

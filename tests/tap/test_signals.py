@@ -25,8 +25,10 @@ SSE = "text/event-stream; charset=utf-8"
 
 async def test_tap_calls_reach_the_per_caller_counters(upstream, aiohttp_client):
     upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("01_chat_cold.json")))
-    upstream.reply("/v1/completions", Reply(content_type=SSE, chunks=[
-        fixture_bytes("06_completion_stream.sse.txt")]))
+    upstream.reply(
+        "/v1/completions",
+        Reply(content_type=SSE, chunks=[fixture_bytes("06_completion_stream.sse.txt")]),
+    )
     upstream.reply("/v1/responses", Reply(status=500, body=b'{"error":"boom"}'))
     config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url)
     state = signals_state(config)
@@ -36,11 +38,15 @@ async def test_tap_calls_reach_the_per_caller_counters(upstream, aiohttp_client)
 
     headers = {"Authorization": f"Bearer {KEY}", "X-Caller": "alice"}
     assert (await tap.post("/v1/chat/completions", json=CHAT, headers=headers)).status == 200
-    response = await tap.post("/v1/completions", json={"prompt": "x", "stream": True},
-                              headers={"Authorization": f"Bearer {KEY}"})
+    response = await tap.post(
+        "/v1/completions",
+        json={"prompt": "x", "stream": True},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     assert b'"usage"' not in await response.read()
-    response = await tap.post("/v1/responses", json={"model": "tiny-llama", "input": "x"},
-                              headers=headers)
+    response = await tap.post(
+        "/v1/responses", json={"model": "tiny-llama", "input": "x"}, headers=headers
+    )
     assert response.status == 500
     await response.read()
 
@@ -61,18 +67,30 @@ async def test_tap_calls_reach_the_per_caller_counters(upstream, aiohttp_client)
 
 async def test_rejections_are_exported_by_reason(upstream, aiohttp_client):
     upstream.reply("/v1/chat/completions", Reply(body=b"not json", content_type="text/plain"))
-    config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url,
-                    tap_max_request_bytes=100)
+    config = Config(
+        tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url, tap_max_request_bytes=100
+    )
     state = signals_state(config)
     tap = await aiohttp_client(tap_app(config, state.usage))
     exporter = await aiohttp_client(create_app(config, state, initial_refresh=False))
     assert (await tap.post("/v1/chat/completions", json=CHAT)).status == 200
     assert (await tap.post("/v1/chat/completions", data=b"x" * 200)).status == 413
     text = await (await exporter.get("/metrics")).text()
-    assert value(text, "vllm_cache_usage_events_rejected_total", reader="tap",
-                 reason="malformed_response") == 1
-    assert value(text, "vllm_cache_usage_events_rejected_total", reader="tap",
-                 reason="request_too_large") == 1
+    assert (
+        value(
+            text,
+            "vllm_cache_usage_events_rejected_total",
+            reader="tap",
+            reason="malformed_response",
+        )
+        == 1
+    )
+    assert (
+        value(
+            text, "vllm_cache_usage_events_rejected_total", reader="tap", reason="request_too_large"
+        )
+        == 1
+    )
 
 
 async def test_run_tap_serves_and_stops_when_cancelled(upstream, unused_tcp_port_factory):
@@ -80,8 +98,9 @@ async def test_run_tap_serves_and_stops_when_cancelled(upstream, unused_tcp_port
     port = unused_tcp_port_factory()
     config = Config(tap_listen_address=f"127.0.0.1:{port}", tap_upstream=upstream.url)
     state = signals_state(config)
-    task = asyncio.ensure_future(run_tap(tap_settings(config), tap_record(state.usage),
-                                         tap_reject(state.usage)))
+    task = asyncio.ensure_future(
+        run_tap(tap_settings(config), tap_record(state.usage), tap_reject(state.usage))
+    )
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     async with aiohttp.ClientSession() as session:
         for _ in range(200):  # no event says "listening": poll with a deadline
@@ -105,8 +124,11 @@ async def test_serve_starts_the_tap_from_the_config(upstream, unused_tcp_port_fa
     upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("02_chat_warm.json")))
     web_port, tap_port = unused_tcp_port_factory(), unused_tcp_port_factory()
     config = dataclasses.replace(
-        Config(), web_listen_address=f"127.0.0.1:{web_port}",
-        tap_listen_address=f"127.0.0.1:{tap_port}", tap_upstream=upstream.url)
+        Config(),
+        web_listen_address=f"127.0.0.1:{web_port}",
+        tap_listen_address=f"127.0.0.1:{tap_port}",
+        tap_upstream=upstream.url,
+    )
     stop, started = asyncio.Event(), asyncio.Event()
     server = asyncio.ensure_future(serve(config, stop, started))
     await asyncio.wait_for(started.wait(), 10)
@@ -114,8 +136,11 @@ async def test_serve_starts_the_tap_from_the_config(upstream, unused_tcp_port_fa
         async with aiohttp.ClientSession() as session:
             for _ in range(200):
                 try:
-                    async with session.post(f"http://127.0.0.1:{tap_port}/v1/chat/completions",
-                                            json=CHAT, headers={"X-Caller": "carol"}) as r:
+                    async with session.post(
+                        f"http://127.0.0.1:{tap_port}/v1/chat/completions",
+                        json=CHAT,
+                        headers={"X-Caller": "carol"},
+                    ) as r:
                         assert r.status == 200
                         await r.read()
                         break
@@ -152,22 +177,29 @@ async def test_declared_completion_budget_reaches_the_foresight_series(upstream,
     the declared-vs-used series compare against, for a whole and a streamed answer alike;
     a request without one (or with one no record can carry) adds nothing to them."""
     upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("01_chat_cold.json")))
-    upstream.reply("/v1/completions", Reply(content_type=SSE, chunks=[
-        fixture_bytes("06_completion_stream.sse.txt")]))
+    upstream.reply(
+        "/v1/completions",
+        Reply(content_type=SSE, chunks=[fixture_bytes("06_completion_stream.sse.txt")]),
+    )
     config = Config(tap_listen_address="127.0.0.1:0", tap_upstream=upstream.url)
     state = signals_state(config)
     tap = await aiohttp_client(tap_app(config, state.usage))
     exporter = await aiohttp_client(create_app(config, state, initial_refresh=False))
     alice = {"X-Caller": "alice"}
-    for payload in ({**CHAT, "max_completion_tokens": 4096, "max_tokens": 1},
-                    {**CHAT, "max_tokens": 65536},
-                    CHAT,
-                    {**CHAT, "max_tokens": -1}):
+    for payload in (
+        {**CHAT, "max_completion_tokens": 4096, "max_tokens": 1},
+        {**CHAT, "max_tokens": 65536},
+        CHAT,
+        {**CHAT, "max_tokens": -1},
+    ):
         response = await tap.post("/v1/chat/completions", json=payload, headers=alice)
         assert response.status == 200
         await response.read()
-    response = await tap.post("/v1/completions", headers={"X-Caller": "bob"}, json={
-        "model": "tiny-llama", "prompt": "x", "stream": True, "max_tokens": 1000})
+    response = await tap.post(
+        "/v1/completions",
+        headers={"X-Caller": "bob"},
+        json={"model": "tiny-llama", "prompt": "x", "stream": True, "max_tokens": 1000},
+    )
     assert b'"usage"' not in await response.read()
 
     text = await (await exporter.get("/metrics")).text()

@@ -55,10 +55,17 @@ def test_crlf_line_endings(cuts):
     assert reader.usage is not None and reader.usage.cached_tokens == 1376
 
 
-@given(raw=st.sampled_from([CHAT, COMPLETION, RESPONSES]), strip=st.booleans(),
-       failure=st.sampled_from([None, b'data: {"error": {"message": "engine died", '
-                                      b'"code": 503}}\n\n',
-                                b'data: {"type": "response.failed"}\n\n']))
+@given(
+    raw=st.sampled_from([CHAT, COMPLETION, RESPONSES]),
+    strip=st.booleans(),
+    failure=st.sampled_from(
+        [
+            None,
+            b'data: {"error": {"message": "engine died", "code": 503}}\n\n',
+            b'data: {"type": "response.failed"}\n\n',
+        ]
+    ),
+)
 def test_event_by_event_as_vllm_writes_them(raw, strip, failure):
     """vLLM writes one event per chunk: after the first content, the chunks without usage or
     an error pass untouched, and the usage chunk and an error after them are still read."""
@@ -72,29 +79,51 @@ def test_event_by_event_as_vllm_writes_them(raw, strip, failure):
     assert out + reader.finish() == (without_usage_chunk(whole) if strip else whole)
     assert reader.usage is not None and reader.usage.cached_tokens in (1376, 1344, 256)
     assert reader.ttft_seconds is not None and reader.ttft_seconds < len(events) - 2
-    assert reader.error_status == (None if failure is None else
-                                   503 if b"503" in failure else 500)
+    assert reader.error_status == (None if failure is None else 503 if b"503" in failure else 500)
 
 
 def reading(reader: StreamReader) -> tuple:
-    return (reader.usage, reader.model, reader.engine, reader.ttft_seconds,
-            reader.error_status, reader.problems, reader.final_usage)
+    return (
+        reader.usage,
+        reader.model,
+        reader.engine,
+        reader.ttft_seconds,
+        reader.error_status,
+        reader.problems,
+        reader.final_usage,
+    )
 
 
 # No content at all (a stream cut short, or a logged one): nothing to jump by.
-NO_CONTENT = b"".join(part + b"\n\n" for part in CHAT.split(b"\n\n")
-                      if b'"content":"' not in part or b'"content":""' in part)
+NO_CONTENT = b"".join(
+    part + b"\n\n"
+    for part in CHAT.split(b"\n\n")
+    if b'"content":"' not in part or b'"content":""' in part
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(raw=st.sampled_from([CHAT, COMPLETION, RESPONSES, NO_CONTENT]),
-       extra=st.lists(st.sampled_from([
-           b": keep-alive", b"event: ping", b"data: {not json", b"data: [DONE]",
-           b'data: {"error": {"message": "engine died", "code": 503}}',
-           b'data: {"type": "response.failed"}', b'data: {"usage": 1}',
-           b'data: {"choices": [{"delta": {"content": "x"}}]}']), max_size=4),
-       seed=st.randoms(use_true_random=False), strip=st.booleans(),
-       cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6))
+@given(
+    raw=st.sampled_from([CHAT, COMPLETION, RESPONSES, NO_CONTENT]),
+    extra=st.lists(
+        st.sampled_from(
+            [
+                b": keep-alive",
+                b"event: ping",
+                b"data: {not json",
+                b"data: [DONE]",
+                b'data: {"error": {"message": "engine died", "code": 503}}',
+                b'data: {"type": "response.failed"}',
+                b'data: {"usage": 1}',
+                b'data: {"choices": [{"delta": {"content": "x"}}]}',
+            ]
+        ),
+        max_size=4,
+    ),
+    seed=st.randoms(use_true_random=False),
+    strip=st.booleans(),
+    cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=6),
+)
 def test_whole_chunks_read_as_the_byte_by_byte_path_does(raw, extra, seed, strip, cuts):
     """A chunk of whole events is read where it lies, jumping to the events that mention
     usage or an error once the content has begun; fed byte by byte, the same stream goes
@@ -107,12 +136,18 @@ def test_whole_chunks_read_as_the_byte_by_byte_path_does(raw, extra, seed, strip
     if not stream.endswith(b"\n\n"):
         stream += b"\n"
     whole = StreamReader(strip_usage_chunk=strip, started=0.0)
-    points = sorted({0, len(stream)} | {cut % (len(stream) + 1) for cut in cuts
-                                        if stream[:cut % (len(stream) + 1)].endswith(b"\n\n")})
+    points = sorted(
+        {0, len(stream)}
+        | {
+            cut % (len(stream) + 1)
+            for cut in cuts
+            if stream[: cut % (len(stream) + 1)].endswith(b"\n\n")
+        }
+    )
     out = b"".join(whole.feed(stream[a:b], 1.0) for a, b in zip(points, points[1:], strict=False))
     out += whole.finish()
     by_byte = StreamReader(strip_usage_chunk=strip, started=0.0)
-    reference = b"".join(by_byte.feed(stream[i:i + 1], 1.0) for i in range(len(stream)))
+    reference = b"".join(by_byte.feed(stream[i : i + 1], 1.0) for i in range(len(stream)))
     reference += by_byte.finish()
     assert out == reference
     assert reading(whole) == reading(by_byte)
@@ -132,7 +167,7 @@ def test_an_oversized_event_is_forwarded_unread_and_the_stream_resyncs():
     big = b"data: " + b"x" * 5000 + b"\n\n"
     raw = big + CHAT
     reader = StreamReader(strip_usage_chunk=True, started=0.0, max_event_bytes=1024)
-    out = b"".join(reader.feed(raw[i:i + 100], 0.0) for i in range(0, len(raw), 100))
+    out = b"".join(reader.feed(raw[i : i + 100], 0.0) for i in range(0, len(raw), 100))
     out += reader.finish()
     assert out == big + without_usage_chunk(CHAT)
     assert reader.problems == ["stream_event_too_large"]
@@ -142,12 +177,12 @@ def test_an_oversized_event_is_forwarded_unread_and_the_stream_resyncs():
 def test_garbage_events_are_counted_and_forwarded():
     raw = b"data: {not json\n\n: a comment\n\nevent: ping\n\n" + CHAT
     out, reader = run(raw, [3, 50, 51], strip=True)
-    assert out == raw[:raw.index(CHAT)] + without_usage_chunk(CHAT)
+    assert out == raw[: raw.index(CHAT)] + without_usage_chunk(CHAT)
     assert reader.problems == ["stream_event_not_json"]
     assert reader.usage is not None
 
 
 def test_event_data_joins_multi_line_data():
-    assert event_data(b"event: x\ndata: {\"a\":\ndata:1}\n\n") == b'{"a":\n1}'
+    assert event_data(b'event: x\ndata: {"a":\ndata:1}\n\n') == b'{"a":\n1}'
     assert event_data(b": comment only\n\n") is None
     assert event_data(b"data: [DONE]\n\n") == b"[DONE]"

@@ -38,8 +38,13 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 
 def requests(state: SignalsState, caller: str, state_name: str, model: str = "") -> float:
-    return value(build_registry(state), "vllm_cache_requests_total", caller=caller,
-                 model=model, state=state_name)
+    return value(
+        build_registry(state),
+        "vllm_cache_requests_total",
+        caller=caller,
+        model=model,
+        state=state_name,
+    )
 
 
 @pytest.fixture
@@ -58,5 +63,6 @@ def usage_client(aiohttp_client: Callable[..., Awaitable[TestClient]]):
 
 def refused(state: SignalsState) -> dict[str, int]:
     """POST /v1/usage requests refused as a whole, by reason (those that happened)."""
-    return {reason: count for reason, count in state.usage.ingest_requests_rejected.items()
-            if count}
+    return {
+        reason: count for reason, count in state.usage.ingest_requests_rejected.items() if count
+    }

@@ -36,14 +36,19 @@ GRANULE = 2048
 
 @st.composite
 def events(draw: st.DrawFn, granule: int) -> dict:
-    prompt = (draw(st.integers(min_value=0, max_value=25)) * granule
-              + draw(st.integers(min_value=0, max_value=granule - 1)))
-    event: dict = {"caller": draw(st.sampled_from(CALLERS)), "prompt_tokens": prompt,
-                   "model": draw(st.sampled_from(["qwen"] * 4 + ["llama"]))}
+    prompt = draw(st.integers(min_value=0, max_value=25)) * granule + draw(
+        st.integers(min_value=0, max_value=granule - 1)
+    )
+    event: dict = {
+        "caller": draw(st.sampled_from(CALLERS)),
+        "prompt_tokens": prompt,
+        "model": draw(st.sampled_from(["qwen"] * 4 + ["llama"])),
+    }
     kind = draw(st.sampled_from(["granules"] * 12 + ["unreported", "odd"]))
     if kind == "granules":  # the common case: whole granules, which the learner converges on
-        event["cached_tokens"] = min(prompt // granule, draw(st.integers(
-            min_value=1, max_value=20))) * granule
+        event["cached_tokens"] = (
+            min(prompt // granule, draw(st.integers(min_value=1, max_value=20))) * granule
+        )
     elif kind == "odd":  # on no granule: the learner must not adopt a tiny gcd
         event["cached_tokens"] = draw(st.integers(min_value=0, max_value=prompt))
     if draw(st.booleans()):
@@ -57,23 +62,23 @@ def events(draw: st.DrawFn, granule: int) -> dict:
             event["max_tokens"] = draw(st.integers(min_value=0, max_value=8_000))
     if draw(st.booleans()):
         event["time"] = draw(st.floats(min_value=1_799_999_000.0, max_value=1_800_001_000.0))
-    status = draw(st.sampled_from([None, None, None, None, 200, 500, 429, "failure",
-                                   "success"]))
+    status = draw(st.sampled_from([None, None, None, None, 200, 500, 429, "failure", "success"]))
     if status is not None:
         event["status"] = status
     return event
 
 
-INVALID_EVENTS = st.sampled_from([
-    {"caller": "alpha", "prompt_tokens": -3},
-    {"caller": "alpha", "prompt_tokens": 10, "cached_tokens": 11},
-    {"prompt_tokens": 10},
-    {"caller": "beta", "prompt_tokens": "ten"},
-    {"caller": "beta", "prompt_tokens": 10, "ttft_seconds": -1.0},
-    ["not", "an", "object"],
-]).map(json.dumps)
-BAD_LINES = st.sampled_from(["{", "not json", "NaN", '{"caller": "a"} trailing', "",
-                             "\udcff"])
+INVALID_EVENTS = st.sampled_from(
+    [
+        {"caller": "alpha", "prompt_tokens": -3},
+        {"caller": "alpha", "prompt_tokens": 10, "cached_tokens": 11},
+        {"prompt_tokens": 10},
+        {"caller": "beta", "prompt_tokens": "ten"},
+        {"caller": "beta", "prompt_tokens": 10, "ttft_seconds": -1.0},
+        ["not", "an", "object"],
+    ]
+).map(json.dumps)
+BAD_LINES = st.sampled_from(["{", "not json", "NaN", '{"caller": "a"} trailing', "", "\udcff"])
 
 
 @st.composite
@@ -82,9 +87,15 @@ def bodies(draw: st.DrawFn) -> list[tuple[list[str], float]]:
     granule = draw(st.sampled_from([16, 32, GRANULE]))
     good = events(granule).map(json.dumps)
     lines = st.one_of(good, good, good, good, good, good, INVALID_EVENTS, BAD_LINES)
-    return draw(st.lists(st.tuples(st.lists(lines, min_size=5, max_size=60),
-                                   st.floats(min_value=0.0, max_value=400.0)),
-                         min_size=2, max_size=6))
+    return draw(
+        st.lists(
+            st.tuples(
+                st.lists(lines, min_size=5, max_size=60), st.floats(min_value=0.0, max_value=400.0)
+            ),
+            min_size=2,
+            max_size=6,
+        )
+    )
 
 
 def encoded(lines: list[str]) -> bytes:
@@ -125,21 +136,30 @@ def batched(state: SignalsState, config: Config, body: bytes) -> ingest.BatchRes
 
 def timelines(state: SignalsState) -> dict[str, list[list[float]]]:
     """The status page's history of each caller: its samples, as plain lists."""
-    return {caller: [list(sample) for sample in timeline.samples]
-            for caller, timeline in state.usage.history.callers.items()}
+    return {
+        caller: [list(sample) for sample in timeline.samples]
+        for caller, timeline in state.usage.history.callers.items()
+    }
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(bodies=bodies(), per_slice=st.integers(min_value=1, max_value=9),
-       callers_max=st.integers(min_value=1, max_value=5),
-       pairs_budget=st.integers(min_value=1, max_value=8),
-       granularity=st.sampled_from([0, 0, 16, GRANULE]), missing_as_zero=st.booleans())
+@given(
+    bodies=bodies(),
+    per_slice=st.integers(min_value=1, max_value=9),
+    callers_max=st.integers(min_value=1, max_value=5),
+    pairs_budget=st.integers(min_value=1, max_value=8),
+    granularity=st.sampled_from([0, 0, 16, GRANULE]),
+    missing_as_zero=st.booleans(),
+)
 def test_batched_recording_gives_the_series_of_one_at_a_time(
-        bodies, per_slice, callers_max, pairs_budget, granularity, missing_as_zero):
-    overrides = {"callers_max": callers_max,
-                 "callers_max_series": pairs_budget * SERIES_PER_PAIR,
-                 "signals_granularity": granularity,
-                 "signals_missing_cached_as_zero": missing_as_zero}
+    bodies, per_slice, callers_max, pairs_budget, granularity, missing_as_zero
+):
+    overrides = {
+        "callers_max": callers_max,
+        "callers_max_series": pairs_budget * SERIES_PER_PAIR,
+        "signals_granularity": granularity,
+        "signals_missing_cached_as_zero": missing_as_zero,
+    }
     reference_clock, batched_clock = FakeClock(), FakeClock()
     reference = make_state(reference_clock, **overrides)
     subject = make_state(batched_clock, **overrides)
@@ -155,7 +175,8 @@ def test_batched_recording_gives_the_series_of_one_at_a_time(
             accepted += result.accepted if result is not None else 0
 
     assert generate_latest(build_registry(subject)).decode() == (
-        generate_latest(build_registry(reference)).decode())
+        generate_latest(build_registry(reference)).decode()
+    )
     usage, expected = subject.usage, reference.usage
     assert usage.events == expected.events
     assert usage.events[HTTP_READER] == accepted

@@ -23,9 +23,17 @@ KEYS = [
     "0123456789abcdef0123456789abcdef",  # a hex digest
     "Zx8Kq2Lm9Vb4Nc7Xs1Dw5Fe3Gr6Ht0Yj",  # random base62
 ]
-NAMES = ["agent-1", "team-search-agent-2", "claude-code", "nightly-batch-2024-10-01",
-         "6f1e2a0c-7b1d-4a58-9a3e-1c2b3d4e5f60", "MyServiceProductionAgent", "pk-search",
-         "sess-caller", "rk-7"]
+NAMES = [
+    "agent-1",
+    "team-search-agent-2",
+    "claude-code",
+    "nightly-batch-2024-10-01",
+    "6f1e2a0c-7b1d-4a58-9a3e-1c2b3d4e5f60",
+    "MyServiceProductionAgent",
+    "pk-search",
+    "sess-caller",
+    "rk-7",
+]
 
 
 @pytest.mark.parametrize("name", KEYS)
@@ -71,15 +79,14 @@ def test_cap_sends_later_callers_to_other_and_counts_them():
     callers = {caller for caller, _ in usage.series}
     assert callers == {"c0", "c1", "c2", OTHER}
     assert value(registry, "vllm_cache_callers_overflowed_total") == 3
-    assert value(registry, "vllm_cache_requests_total", caller=OTHER, model="m",
-                 state="cold") == 3
-    assert value(registry, "vllm_cache_requests_total", caller="c0", model="m",
-                 state="cold") == 2
+    assert value(registry, "vllm_cache_requests_total", caller=OTHER, model="m", state="cold") == 3
+    assert value(registry, "vllm_cache_requests_total", caller="c0", model="m", state="cold") == 2
 
 
 def test_allowlist_gets_a_label_past_the_cap_and_alias_renames():
-    state = make_state(callers_max=1, callers_allow=("vip",),
-                       callers_alias=(("old-name", "new-name"),))
+    state = make_state(
+        callers_max=1, callers_allow=("vip",), callers_alias=(("old-name", "new-name"),)
+    )
     usage = state.usage
     usage.record(UsageEvent("old-name", "m", 100, 0), "http")  # takes the one free label
     usage.record(UsageEvent("someone", "m", 100, 0), "http")

@@ -19,24 +19,32 @@ ISSUE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("granularity,previous,prompt,cached,expected,why", ISSUE_CASES,
-                         ids=[case[-1] for case in ISSUE_CASES])
+@pytest.mark.parametrize(
+    "granularity,previous,prompt,cached,expected,why",
+    ISSUE_CASES,
+    ids=[case[-1] for case in ISSUE_CASES],
+)
 def test_issue_cases(granularity, previous, prompt, cached, expected, why):
     assert classify(prompt, cached, granularity, previous) == expected, why
 
 
-@pytest.mark.parametrize("granularity,previous,prompt,cached,expected,why", ISSUE_CASES,
-                         ids=[case[-1] for case in ISSUE_CASES])
+@pytest.mark.parametrize(
+    "granularity,previous,prompt,cached,expected,why",
+    ISSUE_CASES,
+    ids=[case[-1] for case in ISSUE_CASES],
+)
 def test_issue_cases_through_the_state(granularity, previous, prompt, cached, expected, why):
     """The same cases end to end: configured G, and the previous turn taken from history."""
     state = make_state(signals_granularity=granularity)
     usage = state.usage
     if previous is not None:
         usage.record(UsageEvent("agent", "m", previous, 0, session="conv-1"), "http")
-    assert usage.record(UsageEvent("agent", "m", prompt, cached, session="conv-1"),
-                        "http") == expected, why
+    assert (
+        usage.record(UsageEvent("agent", "m", prompt, cached, session="conv-1"), "http") == expected
+    ), why
     assert requests(state, "agent", expected, model="m") == 1 + (
-        previous is not None and expected == COLD)
+        previous is not None and expected == COLD
+    )
 
 
 def test_without_the_previous_turn_the_88_percent_turn_is_partial():
@@ -117,8 +125,13 @@ def test_history_is_bounded_by_the_conversations_kept():
 def test_errors_count_only_as_errors():
     state = make_state(signals_granularity=32)
     usage = state.usage
-    assert usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=1.0,
-                                   queue_seconds=0.5, status=500), "http") == "error"
+    assert (
+        usage.record(
+            UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=1.0, queue_seconds=0.5, status=500),
+            "http",
+        )
+        == "error"
+    )
     assert usage.record(UsageEvent("a", "m", 0, status="failure"), "http") == "error"
     series = usage.series[("a", "m")]
     assert series.requests["error"] == 2

@@ -8,11 +8,23 @@ import pytest
 from exporter.usage.event import REASONS, InvalidEvent, validate
 from exporter.values import UsageEvent, status_is_error
 
-GOOD = {"caller": "agent-1", "model": "qwen", "prompt_tokens": 1396, "cached_tokens": 1376,
-        "completion_tokens": 8, "ttft_seconds": 0.5, "queue_seconds": 0.1, "session": "s1",
-        "time": 1_795_992_177.0, "status": 200, "engine_ttft_seconds": 0.1235,
-        "engine_queue_seconds": 0.00725, "max_tokens": 65_536, "sequences": 2,
-        "id": "chatcmpl-7f3a"}
+GOOD = {
+    "caller": "agent-1",
+    "model": "qwen",
+    "prompt_tokens": 1396,
+    "cached_tokens": 1376,
+    "completion_tokens": 8,
+    "ttft_seconds": 0.5,
+    "queue_seconds": 0.1,
+    "session": "s1",
+    "time": 1_795_992_177.0,
+    "status": 200,
+    "engine_ttft_seconds": 0.1235,
+    "engine_queue_seconds": 0.00725,
+    "max_tokens": 65_536,
+    "sequences": 2,
+    "id": "chatcmpl-7f3a",
+}
 
 
 def test_native_form_round_trips_every_field():
@@ -33,19 +45,33 @@ def test_only_caller_and_prompt_tokens_are_required():
 
 
 def test_accepted_variants():
-    event = validate({"caller": "a", "prompt_tokens": 10.0, "cached_tokens": 0,
-                      "ttft_seconds": 2, "time": 5, "session": 42, "status": "200",
-                      "unknown_future_field": [1, 2]})
-    assert (event.prompt_tokens, event.cached_tokens, event.ttft_seconds, event.time,
-            event.session, event.status) == (10, 0, 2.0, 5.0, "42", 200)
+    event = validate(
+        {
+            "caller": "a",
+            "prompt_tokens": 10.0,
+            "cached_tokens": 0,
+            "ttft_seconds": 2,
+            "time": 5,
+            "session": 42,
+            "status": "200",
+            "unknown_future_field": [1, 2],
+        }
+    )
+    assert (
+        event.prompt_tokens,
+        event.cached_tokens,
+        event.ttft_seconds,
+        event.time,
+        event.session,
+        event.status,
+    ) == (10, 0, 2.0, 5.0, "42", 200)
     assert type(event.ttft_seconds) is float
     # A failed request has no usage: prompt_tokens may be left out.
     assert validate({"caller": "a", "status": 503}).prompt_tokens == 0
     assert status_is_error(validate({"caller": "a", "status": "failure"}).status)
     # the declared completion budget: absent is unknown (None), a whole float is accepted
     assert validate({"caller": "a", "prompt_tokens": 10}).max_tokens is None
-    assert validate({"caller": "a", "prompt_tokens": 10, "max_tokens": 65536.0}).max_tokens \
-        == 65536
+    assert validate({"caller": "a", "prompt_tokens": 10, "max_tokens": 65536.0}).max_tokens == 65536
 
 
 BAD = [
@@ -101,8 +127,9 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("obj,reason", BAD, ids=[reason + str(i) for i, (_, reason) in
-                                                  enumerate(BAD)])
+@pytest.mark.parametrize(
+    "obj,reason", BAD, ids=[reason + str(i) for i, (_, reason) in enumerate(BAD)]
+)
 def test_rejections_carry_a_bounded_reason(obj, reason):
     with pytest.raises(InvalidEvent) as caught:
         validate(obj)
@@ -113,9 +140,11 @@ def test_rejections_carry_a_bounded_reason(obj, reason):
 
 def test_rejection_messages_never_echo_the_value():
     secret = "sk-live-" + "A1b2C3d4" * 4
-    for obj in ({"caller": secret + "\n", "prompt_tokens": 1},
-                {"caller": secret * 100, "prompt_tokens": 1},
-                {"caller": "a", "prompt_tokens": secret}):
+    for obj in (
+        {"caller": secret + "\n", "prompt_tokens": 1},
+        {"caller": secret * 100, "prompt_tokens": 1},
+        {"caller": "a", "prompt_tokens": secret},
+    ):
         with pytest.raises(InvalidEvent) as caught:
             validate(obj)
         assert secret not in str(caught.value)
@@ -130,5 +159,3 @@ def test_status_words():
     assert status_is_error("500")
     assert status_is_error("failure")
     assert status_is_error("timeout")
-
-

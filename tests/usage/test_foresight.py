@@ -17,16 +17,23 @@ REAL = fixture_text("vllm-0.32.0-cpu/metrics_after.prom")  # tiny-llama, pool 1,
 TARGET = "http://vllm:8000/metrics"
 
 
-def turn(caller: str, prompt: int, completion: int | None = 300, session: str | None = None,
-         model: str = "qwen", **fields: object) -> UsageEvent:
-    return UsageEvent(caller, model, prompt, 0, completion, session=session,
-                      **fields)  # type: ignore[arg-type]
+def turn(
+    caller: str,
+    prompt: int,
+    completion: int | None = 300,
+    session: str | None = None,
+    model: str = "qwen",
+    **fields: object,
+) -> UsageEvent:
+    return UsageEvent(caller, model, prompt, 0, completion, session=session, **fields)  # type: ignore[arg-type]
 
 
 def demand(state, model: str = "qwen") -> tuple[float, float]:  # type: ignore[no-untyped-def]
     registry = build_registry(state)
-    return (value(registry, "vllm_cache_conversations_active", model=model),
-            value(registry, "vllm_cache_conversations_demand_tokens", model=model))
+    return (
+        value(registry, "vllm_cache_conversations_active", model=model),
+        value(registry, "vllm_cache_conversations_demand_tokens", model=model),
+    )
 
 
 def test_demand_is_the_latest_context_of_each_live_conversation():
@@ -86,7 +93,8 @@ def test_the_conversation_lru_is_bounded_and_counts_live_ones_it_forgets():
     assert value(registry, "vllm_cache_conversations_dropped_total") == 7
     assert value(registry, "vllm_cache_conversations_active", model="qwen") == cap
     assert value(registry, "vllm_cache_conversations_demand_tokens", model="qwen") == sum(
-        1_000 + index for index in range(7, cap + 7))
+        1_000 + index for index in range(7, cap + 7)
+    )
 
 
 def test_forgetting_an_idle_conversation_is_not_a_loss():
@@ -131,10 +139,13 @@ async def test_demand_is_attributed_to_the_vllm_serving_the_model():
     assert value(registry, "vllm_cache_engine_conversations_active", **labels) == 2
     # In whole blocks of 32 (each worth 32 of the pool's tokens on a dense model): 1,300
     # tokens hold 41 blocks, 2,300 hold 72.
-    assert value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels) == (
-        41 + 72) * 32
-    assert value(registry, "vllm_cache_conversations_demand_tokens", model="tiny-llama") == (
-        41 + 72) * 32
+    assert (
+        value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels) == (41 + 72) * 32
+    )
+    assert (
+        value(registry, "vllm_cache_conversations_demand_tokens", model="tiny-llama")
+        == (41 + 72) * 32
+    )
     # the target goes down: nothing to attribute to, so no per-engine series
     state.engine.record_failure(TARGET, "connect", "refused", 0.01)
     registry = build_registry(state)
@@ -167,17 +178,23 @@ def test_a_hybrid_engine_says_what_its_conversations_hold_without_a_flag():
     state.engine.record_success(TARGET, parse(HYBRID), 0.01, 1.0)
     state.usage.record(turn("a", 7_000, completion=50, model=model), "http")
     registry = build_registry(state)
-    assert value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels) == round(
-        4 * block) + 2 * 10_000
+    assert (
+        value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels)
+        == round(4 * block) + 2 * 10_000
+    )
 
 
-@pytest.mark.parametrize(("name", "block", "pool", "blocks", "state_blocks"), [
-    ("granite-2048", 2048, 883_011, 512, 1),  # Mamba2, one state group
-    ("nemotron-h-384", 384, 1_945_065, 5_461, 2),  # Mamba2, two state groups
-    ("qwen3-next-640", 640, 1_987_925, 3_276, 1),  # gated DeltaNet, one state group
-])
-def test_the_pool_layout_of_real_hybrid_engines(name: str, block: int, pool: int, blocks: int,
-                                                 state_blocks: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "block", "pool", "blocks", "state_blocks"),
+    [
+        ("granite-2048", 2048, 883_011, 512, 1),  # Mamba2, one state group
+        ("nemotron-h-384", 384, 1_945_065, 5_461, 2),  # Mamba2, two state groups
+        ("qwen3-next-640", 640, 1_987_925, 3_276, 1),  # gated DeltaNet, one state group
+    ],
+)
+def test_the_pool_layout_of_real_hybrid_engines(
+    name: str, block: int, pool: int, blocks: int, state_blocks: int
+) -> None:
     """What vLLM 0.32's cache_config_info implies on three tiny hybrids (real captures): the
     granule is block_size, each block is worth pool / num_gpu_blocks, and the state groups
     come out of its concurrency arithmetic (measured: a decoding sequence held exactly one
@@ -204,9 +221,14 @@ def test_a_dense_engine_has_no_state_and_blocks_worth_their_tokens():
 
 
 def snapshot(pools: dict[str, int]) -> EngineSnapshot:
-    return EngineSnapshot(engines={}, present={}, cache_configs={
-        engine: CacheConfig(engine, {"kv_cache_size_tokens": str(pool)})
-        for engine, pool in pools.items()})
+    return EngineSnapshot(
+        engines={},
+        present={},
+        cache_configs={
+            engine: CacheConfig(engine, {"kv_cache_size_tokens": str(pool)})
+            for engine, pool in pools.items()
+        },
+    )
 
 
 def test_the_smallest_pool_survives_restarts():
@@ -256,16 +278,19 @@ def test_declared_and_used_completions_per_caller():
     assert value(registry, "vllm_cache_completion_declared_tokens_total", **pair) == 3 * 65_536
     assert value(registry, "vllm_cache_completion_used_tokens_bucket", le="1024.0", **pair) == 2
     assert value(registry, "vllm_cache_completion_used_tokens_bucket", le="8192.0", **pair) == 2
-    assert value(registry, "vllm_cache_completion_used_tokens_bucket", le="12288.0",
-                 **pair) == 3
+    assert value(registry, "vllm_cache_completion_used_tokens_bucket", le="12288.0", **pair) == 3
 
 
 def test_a_caller_that_never_declares_has_no_completion_series():
     state = make_state()
     state.usage.record(turn("a", 1_000, completion=300), "http")
     registry = build_registry(state)
-    assert registry.get_sample_value("vllm_cache_completion_used_tokens_count",
-                                     {"caller": "a", "model": "qwen"}) is None
+    assert (
+        registry.get_sample_value(
+            "vllm_cache_completion_used_tokens_count", {"caller": "a", "model": "qwen"}
+        )
+        is None
+    )
 
 
 @pytest.mark.new_series_hold
@@ -279,5 +304,4 @@ def test_completion_series_start_at_zero_while_held():
     assert registry.get_sample_value("vllm_cache_completion_declared_tokens_total", pair) == 0
     clock.now += 61
     assert registry.get_sample_value("vllm_cache_completion_used_tokens_count", pair) == 1
-    assert registry.get_sample_value("vllm_cache_completion_declared_tokens_total",
-                                     pair) == 65_536
+    assert registry.get_sample_value("vllm_cache_completion_declared_tokens_total", pair) == 65_536

@@ -23,8 +23,7 @@ from tests.usage.conftest import value
 
 VLLM = "vllm-0.32.0-cpu/"
 LITELLM_RECORDED = "litellm/1.108.7/"
-LITELLM_FIELDS = ("metadata.user_api_key_alias", "metadata.user_api_key_team_alias",
-                  "end_user")
+LITELLM_FIELDS = ("metadata.user_api_key_alias", "metadata.user_api_key_team_alias", "end_user")
 
 
 def litellm_payloads() -> list[dict]:
@@ -48,8 +47,19 @@ def test_litellm_payloads_convert():
     convert = LiteLLMFormat(LITELLM_FIELDS)
     streamed, not_streamed, unreported, failed = (convert(p) for p in litellm_payloads())
     # max_tokens: what the request declared, kept by LiteLLM in model_parameters
-    assert streamed == UsageEvent("agent-research", "tiny-llama", 1396, 1376, 8, 0.5, None,
-                                  None, 1795992176.25, "success", max_tokens=8)
+    assert streamed == UsageEvent(
+        "agent-research",
+        "tiny-llama",
+        1396,
+        1376,
+        8,
+        0.5,
+        None,
+        None,
+        1795992176.25,
+        "success",
+        max_tokens=8,
+    )
     # completionStartTime == endTime when not streamed: that is not a TTFT.
     assert not_streamed.caller == "platform"
     assert (not_streamed.prompt_tokens, not_streamed.cached_tokens) == (1395, 0)
@@ -64,11 +74,17 @@ def test_litellm_max_tokens_from_the_request_parameters():
     other bad number."""
     convert = LiteLLMFormat(LITELLM_FIELDS)
     payload = litellm_payloads()[0]
-    assert convert({**payload, "model_parameters": {"max_completion_tokens": 65536}}) \
-        .max_tokens == 65536
+    assert (
+        convert({**payload, "model_parameters": {"max_completion_tokens": 65536}}).max_tokens
+        == 65536
+    )
     assert convert({**payload, "model_parameters": {"stream": True}}).max_tokens is None
-    assert convert({key: value for key, value in payload.items()
-                    if key != "model_parameters"}).max_tokens is None
+    assert (
+        convert(
+            {key: value for key, value in payload.items() if key != "model_parameters"}
+        ).max_tokens
+        is None
+    )
     with pytest.raises(InvalidEvent) as err:
         convert({**payload, "model_parameters": {"max_tokens": -5}})
     assert err.value.reason == "negative"
@@ -77,7 +93,8 @@ def test_litellm_max_tokens_from_the_request_parameters():
 def test_litellm_caller_order_is_configurable():
     payload = litellm_payloads()[0]
     assert LiteLLMFormat(["end_user", "metadata.user_api_key_team_alias"])(payload).caller == (
-        "platform")
+        "platform"
+    )
     with pytest.raises(InvalidEvent) as caught:
         LiteLLMFormat(["end_user"])(payload)
     assert caught.value.reason == "missing_caller"
@@ -91,8 +108,9 @@ def test_litellm_usage_falls_back_to_the_response_usage():
 
 @pytest.mark.parametrize("log_format", ["json_array", "ndjson", "single"])
 async def test_litellm_generic_api_log_formats(usage_client, log_format):
-    client, state = await usage_client(signals_granularity=32, usage_ingest_format="litellm",
-                                       usage_ingest_token="tok")
+    client, state = await usage_client(
+        signals_granularity=32, usage_ingest_format="litellm", usage_ingest_token="tok"
+    )
     payloads = litellm_payloads()
     if log_format == "json_array":
         bodies = [json.dumps(payloads)]
@@ -102,21 +120,56 @@ async def test_litellm_generic_api_log_formats(usage_client, log_format):
         bodies = [json.dumps(p) for p in payloads]
     total = 0
     for body in bodies:
-        response = await client.post("/v1/usage", data=body,
-                                     headers={"Authorization": "Bearer tok",
-                                              "Content-Type": "application/json"})
+        response = await client.post(
+            "/v1/usage",
+            data=body,
+            headers={"Authorization": "Bearer tok", "Content-Type": "application/json"},
+        )
         assert response.status == 200, await response.text()
         total += (await response.json())["accepted"]
     assert total == 4
     registry = build_registry(state)
-    assert value(registry, "vllm_cache_requests_total", caller="agent-research",
-                 model="tiny-llama", state="warm") == 1
-    assert value(registry, "vllm_cache_requests_total", caller="platform",
-                 model="tiny-llama", state="cold") == 1
-    assert value(registry, "vllm_cache_requests_total", caller="customer-42",
-                 model="tiny-llama", state="unknown") == 1
-    assert value(registry, "vllm_cache_ttft_seconds_sum", caller="agent-research",
-                 model="tiny-llama", state="warm", source="proxy") == 0.5
+    assert (
+        value(
+            registry,
+            "vllm_cache_requests_total",
+            caller="agent-research",
+            model="tiny-llama",
+            state="warm",
+        )
+        == 1
+    )
+    assert (
+        value(
+            registry,
+            "vllm_cache_requests_total",
+            caller="platform",
+            model="tiny-llama",
+            state="cold",
+        )
+        == 1
+    )
+    assert (
+        value(
+            registry,
+            "vllm_cache_requests_total",
+            caller="customer-42",
+            model="tiny-llama",
+            state="unknown",
+        )
+        == 1
+    )
+    assert (
+        value(
+            registry,
+            "vllm_cache_ttft_seconds_sum",
+            caller="agent-research",
+            model="tiny-llama",
+            state="warm",
+            source="proxy",
+        )
+        == 0.5
+    )
 
 
 # ---- LiteLLM 1.108.7, recorded from a real proxy (tests/fixtures/litellm/README.md) ---------
@@ -127,18 +180,38 @@ def test_recorded_litellm_payloads_convert():
     conversation from each of the three ways a client can name it."""
     convert = LiteLLMFormat(LITELLM_FIELDS)
     by_user, by_header, by_header_again, by_key, failed = (
-        convert(p) for p in recorded_litellm("readme-config"))
-    assert by_user == UsageEvent("batch-summarizer", "Qwen/Qwen3-8B", 173, 0, 4, None, None,
-                                 "conv-a-0001", 1796039881.622595, "success", max_tokens=4)
+        convert(p) for p in recorded_litellm("readme-config")
+    )
+    assert by_user == UsageEvent(
+        "batch-summarizer",
+        "Qwen/Qwen3-8B",
+        173,
+        0,
+        4,
+        None,
+        None,
+        "conv-a-0001",
+        1796039881.622595,
+        "success",
+        max_tokens=4,
+    )
     assert (by_header.caller, by_header.session, by_header.cached_tokens) == (
-        "ide-assistant", "conv-b-0001", 160)
+        "ide-assistant",
+        "conv-b-0001",
+        160,
+    )
     assert by_header.ttft_seconds == pytest.approx(1796039882.612504 - 1796039882.551432)
     assert (by_header_again.session, by_header_again.prompt_tokens) == ("conv-b-0001", 184)
     # The key alias wins over the team alias; the session came as litellm_session_id.
     assert (by_key.caller, by_key.session, by_key.ttft_seconds) == (
-        "research-agent", "conv-c-0001", None)
+        "research-agent",
+        "conv-c-0001",
+        None,
+    )
     assert status_is_error(failed.status) and (failed.caller, failed.session) == (
-        "batch-summarizer", "conv-a-0001")
+        "batch-summarizer",
+        "conv-a-0001",
+    )
 
 
 def test_litellm_session_without_request_correlation_in_logs():
@@ -169,20 +242,33 @@ def test_litellm_keeps_vllms_per_request_timings_for_whole_answers_only():
     convert = LiteLLMFormat(LITELLM_FIELDS)
     from_whole = convert(whole)
     assert (from_whole.engine_ttft_seconds, from_whole.engine_queue_seconds) == (
-        123.5 / 1000, 7.25 / 1000)
+        123.5 / 1000,
+        7.25 / 1000,
+    )
     assert from_whole.ttft_seconds is None  # completionStartTime is the end: no TTFT there
     from_stream = convert(streamed)
     assert from_stream.ttft_seconds == pytest.approx(
-        streamed["completionStartTime"] - streamed["startTime"])
+        streamed["completionStartTime"] - streamed["startTime"]
+    )
     assert (from_stream.engine_ttft_seconds, from_stream.engine_queue_seconds) == (None, None)
     whole["response"]["metrics"]["time_to_first_token_ms"] = None  # vLLM had no timestamps
     assert (convert(whole).engine_ttft_seconds, convert(whole).engine_queue_seconds) == (
-        None, 7.25 / 1000)
+        None,
+        7.25 / 1000,
+    )
 
 
-@pytest.mark.parametrize("figure,reason", [
-    (-1.0, "negative"), ("123", "not_a_number"), (True, "not_a_number"),
-    (2**1024, "too_large"), (86_400_001, "too_large"), (float("nan"), "not_finite")])
+@pytest.mark.parametrize(
+    "figure,reason",
+    [
+        (-1.0, "negative"),
+        ("123", "not_a_number"),
+        (True, "not_a_number"),
+        (2**1024, "too_large"),
+        (86_400_001, "too_large"),
+        (float("nan"), "not_finite"),
+    ],
+)
 def test_unusable_vllm_timings_reject_the_record(figure, reason):
     """Checked as every number is: ranges before any arithmetic (2**1024 ms would overflow a
     float), and a rejection names the reason, never the value."""
@@ -200,21 +286,31 @@ async def test_recorded_litellm_batch_through_the_app(usage_client):
     """The body exactly as LiteLLM posted it: NDJSON under Content-Type application/json."""
     client, state = await usage_client(signals_granularity=16, usage_ingest_token="tok")
     body = fixture_text(LITELLM_RECORDED + "readme-config.ndjson")
-    response = await client.post("/v1/usage?format=litellm", data=body,
-                                 headers={"Authorization": "Bearer tok",
-                                          "Content-Type": "application/json"})
+    response = await client.post(
+        "/v1/usage?format=litellm",
+        data=body,
+        headers={"Authorization": "Bearer tok", "Content-Type": "application/json"},
+    )
     assert response.status == 200, await response.text()
     assert (await response.json())["accepted"] == 5
     registry = build_registry(state)
     model = "Qwen/Qwen3-8B"
-    for caller, state_name, count in (("batch-summarizer", "cold", 1),
-                                      ("batch-summarizer", "error", 1),
-                                      ("ide-assistant", "warm", 2),
-                                      ("research-agent", "warm", 1)):
-        assert value(registry, "vllm_cache_requests_total", caller=caller, model=model,
-                     state=state_name) == count, (caller, state_name)
-    assert value(registry, "vllm_cache_cached_tokens_total", caller="ide-assistant",
-                 model=model) == 320
+    for caller, state_name, count in (
+        ("batch-summarizer", "cold", 1),
+        ("batch-summarizer", "error", 1),
+        ("ide-assistant", "warm", 2),
+        ("research-agent", "warm", 1),
+    ):
+        assert (
+            value(
+                registry, "vllm_cache_requests_total", caller=caller, model=model, state=state_name
+            )
+            == count
+        ), (caller, state_name)
+    assert (
+        value(registry, "vllm_cache_cached_tokens_total", caller="ide-assistant", model=model)
+        == 320
+    )
 
 
 # ---- OpenAI response records -----------------------------------------------------------
@@ -225,8 +321,9 @@ def record(response: object, **extra: object) -> dict:
 
 
 def test_openai_chat_response_object():
-    event = OpenAIFormat()(record(vllm_json("02_chat_warm.json"), ttft_seconds=0.3,
-                                  queue_seconds=0.1, session="s"))
+    event = OpenAIFormat()(
+        record(vllm_json("02_chat_warm.json"), ttft_seconds=0.3, queue_seconds=0.1, session="s")
+    )
     assert event == UsageEvent("agent-1", "tiny-llama", 1396, 1376, 8, 0.3, 0.1, "s")
 
 
@@ -234,13 +331,17 @@ def test_openai_streamed_chat_as_sse_text_and_as_final_chunk():
     sse = fixture_text(VLLM + "03_chat_stream_warm.sse.txt")
     from_text = OpenAIFormat()(record(sse))
     assert (from_text.model, from_text.prompt_tokens, from_text.cached_tokens) == (
-        "tiny-llama", 1396, 1376)
+        "tiny-llama",
+        1396,
+        1376,
+    )
     final = [line[6:] for line in sse.splitlines() if line.startswith("data: {")][-1]
     chunk = json.loads(final)
     assert chunk["choices"] == []
     assert OpenAIFormat()(record(chunk)) == from_text
     assert OpenAIFormat()(record(json.dumps(vllm_json("02_chat_warm.json")))).cached_tokens == (
-        1376)
+        1376
+    )
 
 
 def test_openai_completions_and_cold_responses():
@@ -272,7 +373,7 @@ def test_openai_error_response_counts_as_an_error():
         OpenAIFormat()(record(vllm_json("11_chat_error_400.json")))
     assert caught.value.reason == "missing_usage"
     with pytest.raises(InvalidEvent) as caught:
-        OpenAIFormat()(record("data: {\"choices\": []}\n\ndata: [DONE]\n"))
+        OpenAIFormat()(record('data: {"choices": []}\n\ndata: [DONE]\n'))
     assert caught.value.reason == "missing_usage"
     with pytest.raises(InvalidEvent) as caught:
         OpenAIFormat()(record("<html>bad gateway</html>"))
@@ -283,9 +384,14 @@ def test_openai_per_request_metrics_are_the_engines_timings():
     body = vllm_json("02_chat_warm.json")
     assert body["metrics"] is None  # vLLM without --enable-per-request-metrics
     assert OpenAIFormat()(record(body)).engine_ttft_seconds is None
-    body["metrics"] = {"time_to_first_token_ms": 250.0, "generation_time_ms": 40.0,
-                       "queue_time_ms": 5.0, "mean_itl_ms": 5.7, "tokens_per_second": 27.6,
-                       "speculative_decoding": None}
+    body["metrics"] = {
+        "time_to_first_token_ms": 250.0,
+        "generation_time_ms": 40.0,
+        "queue_time_ms": 5.0,
+        "mean_itl_ms": 5.7,
+        "tokens_per_second": 27.6,
+        "speculative_decoding": None,
+    }
     event = OpenAIFormat()(record(body, ttft_seconds=0.4, queue_seconds=0.1))
     assert (event.engine_ttft_seconds, event.engine_queue_seconds) == (0.25, 0.005)
     assert (event.ttft_seconds, event.queue_seconds) == (0.4, 0.1)  # the proxy's, kept apart
@@ -303,15 +409,21 @@ def test_openai_streamed_response_carries_the_metrics_on_its_usage_chunk():
 
 async def test_openai_format_through_the_app(usage_client):
     client, state = await usage_client(signals_granularity=32)
-    body = "\n".join(json.dumps(record(vllm_json(name), ttft_seconds=ttft)) for name, ttft in
-                     (("01_chat_cold.json", 3.0), ("02_chat_warm.json", 0.2)))
+    body = "\n".join(
+        json.dumps(record(vllm_json(name), ttft_seconds=ttft))
+        for name, ttft in (("01_chat_cold.json", 3.0), ("02_chat_warm.json", 0.2))
+    )
     response = await client.post("/v1/usage?format=openai", data=body)
     assert (await response.json())["accepted"] == 2
     registry = build_registry(state)
-    assert value(registry, "vllm_cache_cached_tokens_total", caller="agent-1",
-                 model="tiny-llama") == 1376
-    assert value(registry, "vllm_cache_prompt_tokens_total", caller="agent-1",
-                 model="tiny-llama") == 1395 + 1396
+    assert (
+        value(registry, "vllm_cache_cached_tokens_total", caller="agent-1", model="tiny-llama")
+        == 1376
+    )
+    assert (
+        value(registry, "vllm_cache_prompt_tokens_total", caller="agent-1", model="tiny-llama")
+        == 1395 + 1396
+    )
 
 
 # ---- user mapping ----------------------------------------------------------------------
@@ -336,16 +448,23 @@ def write_mapping(tmp_path: Path, text: str = MAPPING) -> str:
 
 
 def gateway_log() -> dict:
-    return {"request": {"headers": {"x-caller": "gw-agent"}, "user": "fallback",
-                        "body": {"messages": [{"content": "conv-7"}]}},
-            "response": vllm_json("02_chat_warm.json"), "response_status": 200,
-            "timing": {"first_byte_ms": 450, "received_at": 100.0, "admitted_at": 100.25}}
+    return {
+        "request": {
+            "headers": {"x-caller": "gw-agent"},
+            "user": "fallback",
+            "body": {"messages": [{"content": "conv-7"}]},
+        },
+        "response": vllm_json("02_chat_warm.json"),
+        "response_status": 200,
+        "timing": {"first_byte_ms": 450, "received_at": 100.0, "admitted_at": 100.25},
+    }
 
 
 def test_mapping_reads_dotted_paths(tmp_path):
     convert = load_mapping(write_mapping(tmp_path))
-    assert convert(gateway_log()) == UsageEvent("gw-agent", "tiny-llama", 1396, 1376, 8, 0.45,
-                                                0.25, "conv-7", None, 200)
+    assert convert(gateway_log()) == UsageEvent(
+        "gw-agent", "tiny-llama", 1396, 1376, 8, 0.45, 0.25, "conv-7", None, 200
+    )
     log = gateway_log()
     del log["request"]["headers"]["x-caller"]
     assert convert(log).caller == "fallback"  # the second path of the list
@@ -355,17 +474,20 @@ def test_mapping_reads_dotted_paths(tmp_path):
     assert caught.value.reason == "not_a_number"
 
 
-@pytest.mark.parametrize("text,problem", [
-    ("caller: a\n", "prompt_tokens"),
-    ("caller: a\nprompt_tokens: b\nwho_knows: c\n", "unknown field"),
-    ("caller: a\nprompt_tokens: {scale: 2}\n", "path"),
-    ("caller: a\nprompt_tokens: {path: b, scale: lots}\n", "number"),
-    ("caller: a\nprompt_tokens: [1, 2]\n", "dotted path"),
-    ("caller: a\nprompt_tokens: {path: b, plus: {c: d}}\n", "paths to add"),
-    ("caller: a\nprompt_tokens: {path: b, plus: [[1]]}\n", "dotted path"),
-    ("- just\n- a list\n", "must map"),
-    ("caller: [unclosed\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,problem",
+    [
+        ("caller: a\n", "prompt_tokens"),
+        ("caller: a\nprompt_tokens: b\nwho_knows: c\n", "unknown field"),
+        ("caller: a\nprompt_tokens: {scale: 2}\n", "path"),
+        ("caller: a\nprompt_tokens: {path: b, scale: lots}\n", "number"),
+        ("caller: a\nprompt_tokens: [1, 2]\n", "dotted path"),
+        ("caller: a\nprompt_tokens: {path: b, plus: {c: d}}\n", "paths to add"),
+        ("caller: a\nprompt_tokens: {path: b, plus: [[1]]}\n", "dotted path"),
+        ("- just\n- a list\n", "must map"),
+        ("caller: [unclosed\n", "not valid YAML"),
+    ],
+)
 def test_bad_mappings_are_configuration_errors(tmp_path, text, problem):
     with pytest.raises(MappingError) as caught:
         load_mapping(write_mapping(tmp_path, text))
@@ -379,15 +501,32 @@ def test_missing_mapping_file_is_a_configuration_error(tmp_path):
 
 
 async def test_mapping_format_through_the_app(usage_client, tmp_path):
-    client, state = await usage_client(usage_mapping_file=write_mapping(tmp_path),
-                                       signals_granularity=32)
+    client, state = await usage_client(
+        usage_mapping_file=write_mapping(tmp_path), signals_granularity=32
+    )
     response = await client.post("/v1/usage?format=mapping", json=[gateway_log()] * 3)
     assert (await response.json())["accepted"] == 3
     registry = build_registry(state)
-    assert value(registry, "vllm_cache_requests_total", caller="gw-agent", model="tiny-llama",
-                 state="warm") == 3
-    assert value(registry, "vllm_cache_queue_wait_seconds_count", caller="gw-agent",
-                 model="tiny-llama", source="proxy") == 3
+    assert (
+        value(
+            registry,
+            "vllm_cache_requests_total",
+            caller="gw-agent",
+            model="tiny-llama",
+            state="warm",
+        )
+        == 3
+    )
+    assert (
+        value(
+            registry,
+            "vllm_cache_queue_wait_seconds_count",
+            caller="gw-agent",
+            model="tiny-llama",
+            source="proxy",
+        )
+        == 3
+    )
 
 
 def test_mapping_spec_in_code():
@@ -421,9 +560,15 @@ def test_litellm_provider_prefix_is_not_part_of_the_model():
 
 def test_anthropic_shaped_usage_counts_both_cache_fields_in_the_prompt():
     """vLLM's /v1/messages: input_tokens excludes cache reads and cache writes."""
-    body = {"model": "tiny-llama", "usage": {"input_tokens": 20, "cache_read_input_tokens": 1376,
-                                             "cache_creation_input_tokens": 0,
-                                             "output_tokens": 8}}
+    body = {
+        "model": "tiny-llama",
+        "usage": {
+            "input_tokens": 20,
+            "cache_read_input_tokens": 1376,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": 8,
+        },
+    }
     event = OpenAIFormat()(record(body))
     assert (event.prompt_tokens, event.cached_tokens, event.completion_tokens) == (1396, 1376, 8)
 
@@ -432,20 +577,30 @@ def test_mapping_adds_an_anthropic_prompt_from_its_parts():
     """An Anthropic-shaped gateway log: the prompt is input + cache read + cache creation.
     Mapped as the input alone, a warm turn's cache read exceeds it (cached_exceeds_prompt);
     ``plus`` adds the parts, and an absent part adds nothing."""
-    convert = MappingFormat({
-        "caller": "user",
-        "prompt_tokens": {"path": "usage.input_tokens",
-                          "plus": ["usage.cache_read_input_tokens",
-                                   "usage.cache_creation_input_tokens"]},
-        "cached_tokens": "usage.cache_read_input_tokens",
-    })
+    convert = MappingFormat(
+        {
+            "caller": "user",
+            "prompt_tokens": {
+                "path": "usage.input_tokens",
+                "plus": ["usage.cache_read_input_tokens", "usage.cache_creation_input_tokens"],
+            },
+            "cached_tokens": "usage.cache_read_input_tokens",
+        }
+    )
     warm = {"user": "claude-agent", "usage": vllm_json("20_messages_warm.json")["usage"]}
     assert (convert(warm).prompt_tokens, convert(warm).cached_tokens) == (446, 416)
-    cold = {"user": "claude-agent", "usage": {"input_tokens": 30,
-                                              "cache_creation_input_tokens": 416}}
+    cold = {
+        "user": "claude-agent",
+        "usage": {"input_tokens": 30, "cache_creation_input_tokens": 416},
+    }
     assert (convert(cold).prompt_tokens, convert(cold).cached_tokens) == (446, None)
-    only_input = MappingFormat({"caller": "user", "prompt_tokens": "usage.input_tokens",
-                                "cached_tokens": "usage.cache_read_input_tokens"})
+    only_input = MappingFormat(
+        {
+            "caller": "user",
+            "prompt_tokens": "usage.input_tokens",
+            "cached_tokens": "usage.cache_read_input_tokens",
+        }
+    )
     with pytest.raises(InvalidEvent) as caught:
         only_input(warm)
     assert caught.value.reason == "cached_exceeds_prompt"

@@ -32,8 +32,12 @@ REPLAY = (
     ("agent-c", None, "10_responses_warm.json", {}),
     ("agent-c", None, "09_responses_stream_warm.sse.txt", {}),
     ("agent-c", None, "11_chat_error_400.json", {"status": 400}),
-    ("agent-d", "conv-4", "12_chat_metrics_cold.json", {"ttft_seconds": 0.25,
-                                                        "queue_seconds": 0.05}),
+    (
+        "agent-d",
+        "conv-4",
+        "12_chat_metrics_cold.json",
+        {"ttft_seconds": 0.25, "queue_seconds": 0.05},
+    ),
     ("agent-d", "conv-4", "13_chat_stream_metrics_warm.sse.txt", {"ttft_seconds": 0.03}),
     ("agent-d", "conv-5", "14_completion_metrics_one_token.json", {}),
     ("agent-d", "conv-5", "15_completion_stream_metrics.sse.txt", {}),
@@ -43,8 +47,9 @@ REPLAY = (
 )
 
 
-def record(caller: str, session: str | None, capture: str,
-           measured: dict[str, object]) -> dict[str, object]:
+def record(
+    caller: str, session: str | None, capture: str, measured: dict[str, object]
+) -> dict[str, object]:
     text = (CAPTURES / capture).read_text(encoding="utf-8")
     response: object = json.loads(text) if capture.endswith(".json") else text
     out: dict[str, object] = {"caller": caller, "response": response, **measured}
@@ -86,6 +91,5 @@ def test_the_golden_file_holds_what_vllm_reported():
     text = GOLDEN.read_text(encoding="utf-8")
     assert 'vllm_cache_prompt_tokens_total{caller="agent-a",model="tiny-llama"} 4187.0' in text
     assert 'vllm_cache_cached_tokens_total{caller="agent-a",model="tiny-llama"} 2752.0' in text
-    assert ('vllm_cache_requests_total{caller="agent-a",model="tiny-llama",state="cold"} 1.0'
-            in text)
-    assert ('vllm_cache_requests_total{caller="agent-c",model="",state="error"} 1.0' in text)
+    assert 'vllm_cache_requests_total{caller="agent-a",model="tiny-llama",state="cold"} 1.0' in text
+    assert 'vllm_cache_requests_total{caller="agent-c",model="",state="error"} 1.0' in text

@@ -15,8 +15,18 @@ TARGET = "http://vllm:8000/metrics"
 
 def test_learns_the_gcd_once_enough_samples_agree():
     learner = GranularityLearner()
-    counts = [4096, 8192, 2048 * 7, 2048 * 3, 2048 * 40, 2048 * 11, 2048 * 5, 2048 * 2,
-              2048 * 9, 2048 * 13]
+    counts = [
+        4096,
+        8192,
+        2048 * 7,
+        2048 * 3,
+        2048 * 40,
+        2048 * 11,
+        2048 * 5,
+        2048 * 2,
+        2048 * 9,
+        2048 * 13,
+    ]
     learned = []
     for count in counts:
         learner.observe("m", count)
@@ -68,8 +78,7 @@ def test_learned_granularity_classifies_and_is_exported_with_its_source():
     assert usage.granularity("qwen") == (2048, "learned")
     assert usage.record(UsageEvent("b", "qwen", 91_070, 86_016), "http") == WARM
     registry = build_registry(state)
-    assert value(registry, "vllm_cache_granularity_tokens", model="qwen",
-                 source="learned") == 2048
+    assert value(registry, "vllm_cache_granularity_tokens", model="qwen", source="learned") == 2048
 
 
 def test_configured_granularity_wins():
@@ -77,28 +86,44 @@ def test_configured_granularity_wins():
     for turn in range(10):
         state.usage.record(UsageEvent("a", "qwen", 30_000 + turn, 2048 * (10 + turn)), "http")
     assert state.usage.granularity("qwen") == (32, "configured")
-    assert value(build_registry(state), "vllm_cache_granularity_tokens", model="qwen",
-                 source="configured") == 32
+    assert (
+        value(
+            build_registry(state),
+            "vllm_cache_granularity_tokens",
+            model="qwen",
+            source="configured",
+        )
+        == 32
+    )
 
 
 def test_block_size_from_the_engine_until_learned():
     """The real vLLM 0.32 capture says block_size 32 (and prefix_match_unit None)."""
     state = make_state(vllm_url=(TARGET,))
-    state.engine.record_success(TARGET, parse(fixture_text("vllm-0.32.0-cpu/metrics_after.prom")),
-                                0.01, 1.0)
+    state.engine.record_success(
+        TARGET, parse(fixture_text("vllm-0.32.0-cpu/metrics_after.prom")), 0.01, 1.0
+    )
     usage = state.usage
     # 02_chat_warm.json: 1,396 prompt tokens, 1,376 cached.
     assert usage.record(UsageEvent("a", "tiny-llama", 1_396, 1_376), "http") == WARM
     assert usage.granularity("tiny-llama") == (32, "block_size")
     # One model served: its block size applies whatever the proxy calls the model.
     assert usage.granularity("litellm-alias") == (32, "block_size")
-    assert value(build_registry(state), "vllm_cache_granularity_tokens", model="tiny-llama",
-                 source="block_size") == 32
+    assert (
+        value(
+            build_registry(state),
+            "vllm_cache_granularity_tokens",
+            model="tiny-llama",
+            source="block_size",
+        )
+        == 32
+    )
 
 
 def test_prefix_match_unit_is_preferred_to_block_size():
     text = fixture_text("vllm-0.32.0-cpu/metrics_after.prom").replace(
-        'prefix_match_unit="None"', 'prefix_match_unit="2048"')
+        'prefix_match_unit="None"', 'prefix_match_unit="2048"'
+    )
     state = make_state(vllm_url=(TARGET,))
     state.engine.record_success(TARGET, parse(text), 0.01, 1.0)
     state.usage.record(UsageEvent("a", "tiny-llama", 91_070, 86_016), "http")
@@ -107,8 +132,11 @@ def test_prefix_match_unit_is_preferred_to_block_size():
 
 def test_several_models_served_match_on_name_only():
     text = fixture_text("vllm-0.32.0-cpu/metrics_after.prom")
-    other = text.replace('model_name="tiny-llama"', 'model_name="other"').replace(
-        'engine="0"', 'engine="1"').replace('block_size="32"', 'block_size="16"')
+    other = (
+        text.replace('model_name="tiny-llama"', 'model_name="other"')
+        .replace('engine="0"', 'engine="1"')
+        .replace('block_size="32"', 'block_size="16"')
+    )
     state = make_state(vllm_url=(TARGET, "http://vllm2:8000/metrics"))
     state.engine.record_success(TARGET, parse(text), 0.01, 1.0)
     state.engine.record_success("http://vllm2:8000/metrics", parse(other), 0.01, 1.0)
@@ -211,9 +239,7 @@ def test_each_target_gives_its_own_models_granule():
     assert usage.granularity("tiny-granite-2048") == (2048, "block_size")
     assert usage.granularity("tiny-nemotron-h-384") == (384, "block_size")
     for turn in range(2, 12):
-        usage.record(UsageEvent("a", "tiny-granite-2048", 2048 * turn + 100, 2048 * turn),
-                     "http")
-        usage.record(UsageEvent("b", "tiny-nemotron-h-384", 384 * turn + 100, 384 * turn),
-                     "http")
+        usage.record(UsageEvent("a", "tiny-granite-2048", 2048 * turn + 100, 2048 * turn), "http")
+        usage.record(UsageEvent("b", "tiny-nemotron-h-384", 384 * turn + 100, 384 * turn), "http")
     assert usage.granularity("tiny-granite-2048") == (2048, "learned")
     assert usage.granularity("tiny-nemotron-h-384") == (384, "learned")

@@ -20,12 +20,18 @@ from tests.usage.test_tail import append, follower, line
 GOOD = {"caller": "alice", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048}
 NESTED = "[" * 1000 + "]" * 1000
 NESTED_OBJECT = '{"caller": ' + "[" * 5000 + "]" * 5000 + "}"
-HUGE = 2 ** 1024
+HUGE = 2**1024
 
 
 def ndjson(*lines: object) -> bytes:
-    return b"\n".join(line if isinstance(line, bytes) else json.dumps(line).encode()
-                      if not isinstance(line, str) else line.encode() for line in lines)
+    return b"\n".join(
+        line
+        if isinstance(line, bytes)
+        else json.dumps(line).encode()
+        if not isinstance(line, str)
+        else line.encode()
+        for line in lines
+    )
 
 
 def rejected(state, reason: str, reader: str = "http") -> int:
@@ -84,18 +90,21 @@ def test_deep_nesting_inside_a_logged_response(tmp_path):
 # --- numbers out of any range --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value, reason", [
-    ("ttft_seconds", HUGE, "too_large"),
-    ("queue_seconds", HUGE, "too_large"),
-    ("time", HUGE, "too_large"),
-    ("ttft_seconds", -HUGE, "negative"),
-    ("prompt_tokens", HUGE, "too_large"),
-    ("cached_tokens", -HUGE, "negative"),
-    ("completion_tokens", HUGE, "too_large"),
-    ("ttft_seconds", float("nan"), "not_finite"),
-    ("ttft_seconds", float("inf"), "not_finite"),
-    ("status", 10 ** 400, "bad_status"),
-])
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("ttft_seconds", HUGE, "too_large"),
+        ("queue_seconds", HUGE, "too_large"),
+        ("time", HUGE, "too_large"),
+        ("ttft_seconds", -HUGE, "negative"),
+        ("prompt_tokens", HUGE, "too_large"),
+        ("cached_tokens", -HUGE, "negative"),
+        ("completion_tokens", HUGE, "too_large"),
+        ("ttft_seconds", float("nan"), "not_finite"),
+        ("ttft_seconds", float("inf"), "not_finite"),
+        ("status", 10**400, "bad_status"),
+    ],
+)
 def test_numbers_are_range_checked_before_any_conversion(field, value, reason):
     with pytest.raises(ValueError) as caught:
         validate({**GOOD, field: value})
@@ -112,12 +121,25 @@ async def test_a_flood_of_huge_numbers_is_counted_not_logged(usage_client, caplo
     assert not [record for record in caplog.records if record.exc_info]
 
 
-@pytest.mark.parametrize("payload", [
-    {"caller": "a", "startTime": HUGE, "completionStartTime": 1.0, "stream": True,
-     "prompt_tokens": 10},
-    {"caller": "a", "startTime": 1.0, "completionStartTime": float("inf"), "stream": True,
-     "prompt_tokens": 10},
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {
+            "caller": "a",
+            "startTime": HUGE,
+            "completionStartTime": 1.0,
+            "stream": True,
+            "prompt_tokens": 10,
+        },
+        {
+            "caller": "a",
+            "startTime": 1.0,
+            "completionStartTime": float("inf"),
+            "stream": True,
+            "prompt_tokens": 10,
+        },
+    ],
+)
 def test_litellm_timestamps_out_of_range_leave_the_ttft_unknown(payload):
     event = LiteLLMFormat(["caller"])(payload)
     assert event.ttft_seconds is None and event.prompt_tokens == 10
@@ -130,11 +152,14 @@ def test_a_status_of_unicode_digits_is_a_word_not_a_crash():
     assert status_is_error(event.status)
 
 
-@pytest.mark.parametrize("record, reason", [
-    ({"who": "a", "n": HUGE}, "too_large"),
-    ({"who": "a", "n": float("nan")}, "not_finite"),
-    ({"who": "a", "n": "12"}, "not_a_number"),
-])
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"who": "a", "n": HUGE}, "too_large"),
+        ({"who": "a", "n": float("nan")}, "not_finite"),
+        ({"who": "a", "n": "12"}, "not_a_number"),
+    ],
+)
 def test_mapping_arithmetic_on_hostile_numbers(record, reason):
     convert = MappingFormat({"caller": "who", "prompt_tokens": {"path": "n", "scale": 2}})
     with pytest.raises(ValueError) as caught:
@@ -150,8 +175,9 @@ async def test_an_invalid_utf8_line_costs_only_that_line(usage_client):
     response = await client.post("/v1/usage", data=ndjson(GOOD, b'{"caller": "\xff"}', GOOD))
     reply = await response.json()
     assert response.status == 200 and reply["accepted"] == 2
-    assert reply["errors"] == [{"index": 1, "line": 2, "reason": "bad_encoding",
-                                "message": "this line is not UTF-8"}]
+    assert reply["errors"] == [
+        {"index": 1, "line": 2, "reason": "bad_encoding", "message": "this line is not UTF-8"}
+    ]
 
 
 async def test_byte_order_marks_are_ignored(usage_client):
@@ -163,9 +189,15 @@ async def test_byte_order_marks_are_ignored(usage_client):
     assert (await response.json())["accepted"] == 1
 
 
-@pytest.mark.parametrize("caller, expected", [
-    ("   ", None), ("", None), ("  alice ", "alice"), ("\u3000", None),
-])
+@pytest.mark.parametrize(
+    "caller, expected",
+    [
+        ("   ", None),
+        ("", None),
+        ("  alice ", "alice"),
+        ("\u3000", None),
+    ],
+)
 def test_callers_of_spaces_name_nobody(caller, expected):
     if expected is None:
         with pytest.raises(ValueError):
@@ -191,8 +223,9 @@ async def test_bodies_beyond_the_body_budget_wait_then_get_503(usage_client, mon
     body limit): a body that finds it full waits a little for room, then gets 503."""
     monkeypatch.setattr(ingest, "SLOT_WAIT_SECONDS", 0.2)
     line = json.dumps(GOOD).encode() + b"\n"
-    client, state = await usage_client(usage_ingest_max_concurrent_bodies=1,
-                                       usage_ingest_max_body_bytes=len(line) * 3)
+    client, state = await usage_client(
+        usage_ingest_max_concurrent_bodies=1, usage_ingest_max_body_bytes=len(line) * 3
+    )
     release = asyncio.Event()
 
     async def slow_body():
@@ -223,8 +256,7 @@ async def test_bodies_beyond_the_body_budget_wait_then_get_503(usage_client, mon
 
 
 def ingest_budget(client) -> ingest.BodyBytes:
-    handler = next(route.handler for route in client.app.router.routes()
-                   if route.method == "POST")
+    handler = next(route.handler for route in client.app.router.routes() if route.method == "POST")
     return handler.__self__.body_bytes
 
 
@@ -248,16 +280,17 @@ async def test_a_body_is_decoded_one_event_at_a_time(usage_client, monkeypatch):
     calls_at_conversion = []
     converters = ingest_converters(client)
     native = converters["native"]
-    converters["native"] = lambda value: (calls_at_conversion.append(len(seen_while_reading)),
-                                          native(value))[1]
+    converters["native"] = lambda value: (
+        calls_at_conversion.append(len(seen_while_reading)),
+        native(value),
+    )[1]
     await client.post("/v1/usage", data=ndjson(*[GOOD] * 50))
     # The first line is read once more to tell NDJSON from one pretty-printed object.
     assert calls_at_conversion == list(range(2, 52))
 
 
 def ingest_converters(client) -> dict:
-    handler = next(route.handler for route in client.app.router.routes()
-                   if route.method == "POST")
+    handler = next(route.handler for route in client.app.router.routes() if route.method == "POST")
     return handler.__self__.converters
 
 

@@ -10,8 +10,13 @@ from exporter.metrics import build_registry
 from tests.helpers import scrape
 from tests.usage.conftest import refused, value
 
-GOOD = {"caller": "agent-1", "model": "tiny-llama", "prompt_tokens": 1396,
-        "cached_tokens": 1376, "ttft_seconds": 0.4}
+GOOD = {
+    "caller": "agent-1",
+    "model": "tiny-llama",
+    "prompt_tokens": 1396,
+    "cached_tokens": 1376,
+    "ttft_seconds": 0.4,
+}
 
 
 def ndjson(*objects: object) -> str:
@@ -28,8 +33,7 @@ async def test_one_object(usage_client):
     assert response.status == 200
     assert await response.json() == {"accepted": 1, "rejected": 0, "errors": []}
     text = await scrape(client)
-    assert ('vllm_cache_requests_total{caller="agent-1",model="tiny-llama",state="warm"} 1.0'
-            in text)
+    assert 'vllm_cache_requests_total{caller="agent-1",model="tiny-llama",state="warm"} 1.0' in text
 
 
 async def test_pretty_printed_object_and_array(usage_client):
@@ -72,20 +76,47 @@ async def test_a_partly_bad_batch_keeps_its_good_events(usage_client):
     assert reply["accepted"] == 2
     assert reply["rejected"] == 12
     assert [(e["index"], e["line"], e["reason"]) for e in reply["errors"]] == [
-        (1, 2, "malformed_json"), (2, 3, "not_a_number"), (3, 4, "negative"),
-        (4, 5, "cached_exceeds_prompt"), (5, 6, "too_large"), (6, 7, "not_finite"),
-        (7, 8, "not_finite"), (8, 9, "caller_too_long"), (9, 10, "bad_caller"),
-        (10, 11, "missing_prompt_tokens"), (11, 12, "missing_caller"),
-        (12, 13, "not_an_object")]
+        (1, 2, "malformed_json"),
+        (2, 3, "not_a_number"),
+        (3, 4, "negative"),
+        (4, 5, "cached_exceeds_prompt"),
+        (5, 6, "too_large"),
+        (6, 7, "not_finite"),
+        (7, 8, "not_finite"),
+        (8, 9, "caller_too_long"),
+        (9, 10, "bad_caller"),
+        (10, 11, "missing_prompt_tokens"),
+        (11, 12, "missing_caller"),
+        (12, 13, "not_an_object"),
+    ]
     assert all(e["message"] for e in reply["errors"])
     registry = build_registry(state)
-    assert value(registry, "vllm_cache_requests_total", caller="agent-1", model="tiny-llama",
-                 state="warm") == 2
+    assert (
+        value(
+            registry,
+            "vllm_cache_requests_total",
+            caller="agent-1",
+            model="tiny-llama",
+            state="warm",
+        )
+        == 2
+    )
     assert value(registry, "vllm_cache_usage_events_total", reader="http") == 2
-    assert value(registry, "vllm_cache_usage_events_rejected_total", reader="http",
-                 reason="not_finite") == 2
-    assert value(registry, "vllm_cache_usage_events_rejected_total", reader="http",
-                 reason="malformed_json") == 1
+    assert (
+        value(
+            registry, "vllm_cache_usage_events_rejected_total", reader="http", reason="not_finite"
+        )
+        == 2
+    )
+    assert (
+        value(
+            registry,
+            "vllm_cache_usage_events_rejected_total",
+            reader="http",
+            reason="malformed_json",
+        )
+        == 1
+    )
     text = await scrape(client)
     assert "x" * 300 not in text
     assert "evil" not in text
@@ -93,12 +124,13 @@ async def test_a_partly_bad_batch_keeps_its_good_events(usage_client):
 
 async def test_array_with_bad_elements(usage_client):
     client, state = await usage_client()
-    response = await client.post("/v1/usage", json=[GOOD, "nope", {**GOOD, "caller": None},
-                                                    GOOD])
+    response = await client.post("/v1/usage", json=[GOOD, "nope", {**GOOD, "caller": None}, GOOD])
     reply = await response.json()
     assert reply["accepted"] == 2
     assert [(e["index"], e["reason"]) for e in reply["errors"]] == [
-        (1, "not_an_object"), (2, "missing_caller")]
+        (1, "not_an_object"),
+        (2, "missing_caller"),
+    ]
     assert "line" not in reply["errors"][0]
 
 
@@ -152,8 +184,13 @@ async def test_unknown_format_is_400(usage_client):
 
 async def test_token_required_when_set(usage_client):
     client, state = await usage_client(usage_ingest_token="s3cret-token")
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"},
-                    {"Authorization": "Basic s3cret-token"}, {"Authorization": "Bearer "}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": "s3cret-token"},
+        {"Authorization": "Basic s3cret-token"},
+        {"Authorization": "Bearer "},
+    ):
         response = await client.post("/v1/usage", json=GOOD, headers=headers)
         assert response.status == 401, headers
         assert response.headers["WWW-Authenticate"].startswith("Bearer")
@@ -161,8 +198,9 @@ async def test_token_required_when_set(usage_client):
     assert accepted(state) == 0
     assert state.usage.series == {}
     assert refused(state) == {"unauthorized": 5}
-    response = await client.post("/v1/usage", json=GOOD,
-                                 headers={"Authorization": "bearer s3cret-token"})
+    response = await client.post(
+        "/v1/usage", json=GOOD, headers={"Authorization": "bearer s3cret-token"}
+    )
     assert response.status == 200
     assert accepted(state) == 1
     text = await scrape(client)
@@ -231,8 +269,9 @@ async def test_large_batches_are_processed_in_slices(usage_client, monkeypatch):
     body = ndjson(*[{**GOOD, "caller": f"c{i % 3}"} for i in range(100)])
     reply = await (await client.post("/v1/usage", data=body)).json()
     assert reply["accepted"] == 100
-    assert sum(s.requests["warm"] + s.requests["partial"] for s in state.usage.series.values()
-               ) == 100
+    assert (
+        sum(s.requests["warm"] + s.requests["partial"] for s in state.usage.series.values()) == 100
+    )
 
 
 async def test_hostile_callers_through_the_app(usage_client):
@@ -240,12 +279,15 @@ async def test_hostile_callers_through_the_app(usage_client):
     them ever reaches /metrics as it was sent."""
     client, state = await usage_client()
     key = "sk-proj-" + "Qw3rTy9UiOp2AsDf5GhJk8Lz"
-    body = ndjson({**GOOD, "caller": key}, {**GOOD, "caller": "a\tb"},
-                  {**GOOD, "caller": "z" * 10_240}, {**GOOD, "caller": "x\u202eevil"})
+    body = ndjson(
+        {**GOOD, "caller": key},
+        {**GOOD, "caller": "a\tb"},
+        {**GOOD, "caller": "z" * 10_240},
+        {**GOOD, "caller": "x\u202eevil"},
+    )
     reply = await (await client.post("/v1/usage", data=body)).json()
     assert reply["accepted"] == 1
-    assert [e["reason"] for e in reply["errors"]] == ["bad_caller", "caller_too_long",
-                                                      "bad_caller"]
+    assert [e["reason"] for e in reply["errors"]] == ["bad_caller", "caller_too_long", "bad_caller"]
     assert key not in json.dumps(reply)
     text = await scrape(client)
     assert key not in text and "Qw3rTy9U" not in text and "z" * 257 not in text
@@ -263,13 +305,18 @@ async def test_usage_exposition_passes_promtool(usage_client, tmp_path):
             pytest.fail("promtool is required in CI (.ci/run installs Debian's prometheus)")
         pytest.skip("promtool not installed")
     client, state = await usage_client(signals_granularity=32, usage_file=("/x/*.jsonl",))
-    body = ndjson(GOOD, {**GOOD, "cached_tokens": 0, "queue_seconds": 0.1},
-                  {**GOOD, "cached_tokens": None, "caller": "b"}, {**GOOD, "status": 500},
-                  {"caller": "c", "prompt_tokens": -1})
+    body = ndjson(
+        GOOD,
+        {**GOOD, "cached_tokens": 0, "queue_seconds": 0.1},
+        {**GOOD, "cached_tokens": None, "caller": "b"},
+        {**GOOD, "status": 500},
+        {"caller": "c", "prompt_tokens": -1},
+    )
     await client.post("/v1/usage", data=body)
     await client.post("/v1/usage", data="{", headers={})
     text = await scrape(client)
     assert "vllm_cache_ttft_seconds_bucket" in text
-    result = subprocess.run([promtool, "check", "metrics"], input=text.encode(),
-                            capture_output=True, timeout=30)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30
+    )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()

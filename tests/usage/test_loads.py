@@ -18,25 +18,60 @@ from hypothesis import strategies as st
 from exporter.usage.event import loads
 
 SCALARS = st.one_of(
-    st.none(), st.booleans(), st.text(max_size=12),
-    st.integers(), st.integers(min_value=2**62, max_value=2**66),
+    st.none(),
+    st.booleans(),
+    st.text(max_size=12),
+    st.integers(),
+    st.integers(min_value=2**62, max_value=2**66),
     st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1, 10**30]),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([-0.0, 5e-324, 1e308]))
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([-0.0, 5e-324, 1e308]),
+)
 VALUES = st.recursive(
-    SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                     st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-    max_leaves=12)
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 # What json.loads reads beyond standard JSON, and what neither reads.
-ODD = st.sampled_from([
-    b'{"a": NaN}', b"[Infinity, -Infinity]", b"1e400", b"[-1e400]", b'"\\ud800"',
-    b'{"k": "\\udc00x"}', b"\xef\xbb\xbf{}", '{"a": 1}'.encode("utf-16"),
-    '{"a": 1}'.encode("utf-16-le"), '{"a": 1}'.encode("utf-32"), b'{"a": 1, "a": 2}',
-    b'{"a": 1} x', b"", b" ", b"[" * 3000 + b"]" * 3000, b'{"a": "\xff"}', b"01",
-    b'{"prompt_tokens": 12345678901234567890123}', b"1.00000000000000000001",
-    b"1" * 5000, b"[" + b"1" * 4300 + b"]", b"[" + b"1" * 4301 + b"]", b"1e-400", b"-0",
-    b"2.2250738585072011e-308", b"9007199254740993", b"9007199254740993.0",
-    b"0.1e1", b"1E5", b"-0.0", rb'"\u0000"', rb"\u00e9", rb'{"\u00e9": 1}',
-])
+ODD = st.sampled_from(
+    [
+        b'{"a": NaN}',
+        b"[Infinity, -Infinity]",
+        b"1e400",
+        b"[-1e400]",
+        b'"\\ud800"',
+        b'{"k": "\\udc00x"}',
+        b"\xef\xbb\xbf{}",
+        '{"a": 1}'.encode("utf-16"),
+        '{"a": 1}'.encode("utf-16-le"),
+        '{"a": 1}'.encode("utf-32"),
+        b'{"a": 1, "a": 2}',
+        b'{"a": 1} x',
+        b"",
+        b" ",
+        b"[" * 3000 + b"]" * 3000,
+        b'{"a": "\xff"}',
+        b"01",
+        b'{"prompt_tokens": 12345678901234567890123}',
+        b"1.00000000000000000001",
+        b"1" * 5000,
+        b"[" + b"1" * 4300 + b"]",
+        b"[" + b"1" * 4301 + b"]",
+        b"1e-400",
+        b"-0",
+        b"2.2250738585072011e-308",
+        b"9007199254740993",
+        b"9007199254740993.0",
+        b"0.1e1",
+        b"1E5",
+        b"-0.0",
+        rb'"\u0000"',
+        rb"\u00e9",
+        rb'{"\u00e9": 1}',
+    ]
+)
 
 
 def read_by(data: bytes) -> str:
@@ -60,11 +95,16 @@ def outcome(read: Any, data: Any) -> tuple[str, str]:
 @settings(max_examples=800, deadline=None)
 @example(b'{"usage": {"prompt_tokens": 18446744073709551616}}')
 @example(b"19446744073709551617")  # msgspec before 0.19 read it as 10**18 + 1
-@given(st.one_of(
-    VALUES.map(lambda value: json.dumps(value).encode()),
-    VALUES.map(lambda value: json.dumps(value, ensure_ascii=False).encode("utf-8",
-                                                                          "surrogatepass")),
-    ODD, st.binary(max_size=24)))
+@given(
+    st.one_of(
+        VALUES.map(lambda value: json.dumps(value).encode()),
+        VALUES.map(
+            lambda value: json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        ),
+        ODD,
+        st.binary(max_size=24),
+    )
+)
 def test_loads_reads_as_json_does(data: bytes) -> None:
     expected = outcome(json.loads, data)
     if expected[0] == "recursion":

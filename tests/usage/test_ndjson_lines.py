@@ -28,11 +28,31 @@ from exporter.values import UsageEvent
 from tests.usage.test_batched import BAD_LINES, GRANULE, INVALID_EVENTS, events
 
 # Integers orjson reads as floats (beyond 64 bits) and ones it reads as json does.
-BIG_VALUES = [10**19, 2**64 - 1, 2**64, 10**25, 10**400, -(2**63), -(2**63) - 1, -(10**30),
-              1234567890123456789]
+BIG_VALUES = [
+    10**19,
+    2**64 - 1,
+    2**64,
+    10**25,
+    10**400,
+    -(2**63),
+    -(2**63) - 1,
+    -(10**30),
+    1234567890123456789,
+]
 BIG = st.sampled_from(BIG_VALUES)
-FIELDS = ["caller", "model", "session", "prompt_tokens", "cached_tokens", "completion_tokens",
-          "ttft_seconds", "time", "status", "max_tokens", "unknown_field"]
+FIELDS = [
+    "caller",
+    "model",
+    "session",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "ttft_seconds",
+    "time",
+    "status",
+    "max_tokens",
+    "unknown_field",
+]
 
 
 @st.composite
@@ -47,27 +67,38 @@ def big_number_lines(draw: st.DrawFn) -> str:
     return json.dumps(event)
 
 
-ODD_LINES = st.sampled_from([
-    "   ", "\r", "\ufeff", "\ufeff{\"caller\": \"alpha\", \"prompt_tokens\": 5}",
-    '{"caller": "alpha", "prompt_tokens": 7, "ttft_seconds": NaN}',
-    '{"caller": "alpha", "prompt_tokens": 7, "ttft_seconds": 1e400}',
-    ' {"caller": "beta", "prompt_tokens": 9} \r',
-    '{"caller": "beta", "prompt_tokens": 9, "session": "\\udcff"}',
-    "1", "[]", "null",
-])
+ODD_LINES = st.sampled_from(
+    [
+        "   ",
+        "\r",
+        "\ufeff",
+        '\ufeff{"caller": "alpha", "prompt_tokens": 5}',
+        '{"caller": "alpha", "prompt_tokens": 7, "ttft_seconds": NaN}',
+        '{"caller": "alpha", "prompt_tokens": 7, "ttft_seconds": 1e400}',
+        ' {"caller": "beta", "prompt_tokens": 9} \r',
+        '{"caller": "beta", "prompt_tokens": 9, "session": "\\udcff"}',
+        "1",
+        "[]",
+        "null",
+    ]
+)
 
 
 def lines() -> st.SearchStrategy[str]:
     good = events(GRANULE).map(json.dumps)
-    return st.one_of(good, good, good, good, INVALID_EVENTS, BAD_LINES, big_number_lines(),
-                     ODD_LINES)
+    return st.one_of(
+        good, good, good, good, INVALID_EVENTS, BAD_LINES, big_number_lines(), ODD_LINES
+    )
 
 
 def revalidated(value: Any) -> UsageEvent:
     """Another format than the native one: the same checks behind a converter of its own,
     which fails (as a converter bug) on one shape."""
-    if isinstance(value, dict) and value.get("caller") == "gamma" \
-            and value.get("prompt_tokens") == 0:
+    if (
+        isinstance(value, dict)
+        and value.get("caller") == "gamma"
+        and value.get("prompt_tokens") == 0
+    ):
         raise KeyError("a converter bug")
     if not isinstance(value, dict):
         raise InvalidEvent("not_an_object", "each event must be a JSON object")
@@ -81,9 +112,15 @@ class Recorder:
         self.slices: list[list[Any]] = []
         self.rejected: list[str] = []
         self.refused: list[str] = []
-        self.reader = UsageIngest({"x": convert}, "x", "", 1 << 24,
-                                  lambda rows: self.slices.append(list(rows)),
-                                  self.rejected.append, self.refused.append)
+        self.reader = UsageIngest(
+            {"x": convert},
+            "x",
+            "",
+            1 << 24,
+            lambda rows: self.slices.append(list(rows)),
+            self.rejected.append,
+            self.refused.append,
+        )
         self.convert = convert
 
     def run(self, items: Any) -> tuple[Any, ...]:
@@ -102,18 +139,22 @@ def both_ways(body: bytes, convert: Any) -> tuple[Any, Any] | None:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(body_lines=st.lists(lines(), min_size=1, max_size=40),
-       per_slice=st.integers(min_value=1, max_value=7),
-       abandon_after=st.integers(min_value=1, max_value=12),
-       quick_misses=st.integers(min_value=1, max_value=8),
-       convert=st.sampled_from([native, revalidated]))
-def test_lines_count_what_one_item_at_a_time_counts(body_lines, per_slice,
-                                                            abandon_after, quick_misses,
-                                                            convert):
+@given(
+    body_lines=st.lists(lines(), min_size=1, max_size=40),
+    per_slice=st.integers(min_value=1, max_value=7),
+    abandon_after=st.integers(min_value=1, max_value=12),
+    quick_misses=st.integers(min_value=1, max_value=8),
+    convert=st.sampled_from([native, revalidated]),
+)
+def test_lines_count_what_one_item_at_a_time_counts(
+    body_lines, per_slice, abandon_after, quick_misses, convert
+):
     body = "\n".join(body_lines).encode("utf-8", "surrogateescape")
-    with mock.patch.object(ingest, "EVENTS_PER_SLICE", per_slice), \
-            mock.patch.object(ingest, "ABANDON_AFTER_REJECTIONS", abandon_after), \
-            mock.patch.object(ingest, "QUICK_MISSES_TRIED", quick_misses):
+    with (
+        mock.patch.object(ingest, "EVENTS_PER_SLICE", per_slice),
+        mock.patch.object(ingest, "ABANDON_AFTER_REJECTIONS", abandon_after),
+        mock.patch.object(ingest, "QUICK_MISSES_TRIED", quick_misses),
+    ):
         outcome = both_ways(body, convert)
     if outcome is not None:
         one_at_a_time, by_lines = outcome
@@ -137,8 +178,10 @@ def test_every_field_holding_a_long_integer_is_read_as_json_reads_it(field, conv
 def test_a_native_line_with_an_integer_beyond_64_bits_gets_json_reading():
     """orjson reads 10**20 as a float, which the session check refuses; json's integer is a
     valid session id, so the line is read again by json and counted with it."""
-    body = b'{"caller": "a", "prompt_tokens": 5}\n' \
-           b'{"caller": "a", "prompt_tokens": 5, "session": 100000000000000000000}\n'
+    body = (
+        b'{"caller": "a", "prompt_tokens": 5}\n'
+        b'{"caller": "a", "prompt_tokens": 5, "session": 100000000000000000000}\n'
+    )
     assert type(read_body(body)) is NdjsonLines
     _reply, slices, rejected, _refused = Recorder(native).run(read_body(body))
     assert rejected == []
@@ -150,8 +193,10 @@ def test_blank_lines_after_a_full_slice_begin_no_slice(tail):
     """A body is abandoned when a new slice would begin after nothing but rejections; blank
     lines are no events, so they begin none."""
     body = ("1\n1" + tail).encode()
-    with mock.patch.object(ingest, "EVENTS_PER_SLICE", 2), \
-            mock.patch.object(ingest, "ABANDON_AFTER_REJECTIONS", 2):
+    with (
+        mock.patch.object(ingest, "EVENTS_PER_SLICE", 2),
+        mock.patch.object(ingest, "ABANDON_AFTER_REJECTIONS", 2),
+    ):
         outcome = both_ways(body, native)
     assert outcome is not None
     one_at_a_time, by_lines = outcome
@@ -173,12 +218,14 @@ def test_the_quick_reading_is_tried_on_every_common_line_and_given_up_on_bad_bod
     good = b'{"caller": "alpha", "model": "m", "prompt_tokens": 4096, "cached_tokens": 2048}'
     bad = b'{"caller": "alpha", "model": "m", "prompt_tokens": -1}'
     with mock.patch.object(ingest, "quick_event", counting):
-        reply, slices, _rejected, _refused = Recorder(native).run(read_body(b"\n".join(
-            [good] * 500)))
+        reply, slices, _rejected, _refused = Recorder(native).run(
+            read_body(b"\n".join([good] * 500))
+        )
         assert reply["accepted"] == 500 and len(calls) == 499  # the first line: read_body's
         calls.clear()
-        reply, _slices, rejected, _refused = Recorder(native).run(read_body(b"\n".join(
-            [good] + [bad] * 500)))
+        reply, _slices, rejected, _refused = Recorder(native).run(
+            read_body(b"\n".join([good] + [bad] * 500))
+        )
         assert reply["accepted"] == 1 and rejected == ["negative"] * 500
         assert len(calls) == ingest.QUICK_MISSES_TRIED
         calls.clear()

@@ -24,13 +24,23 @@ from exporter.values import MAX_CALLER_CHARS, UsageEvent
 HOSTILE = r"(a+)+$"
 
 
-@pytest.mark.parametrize("pattern, nested", [
-    (HOSTILE, True), (r"(a*)*", True), (r"(?:x{1,9})+", True), (r"([a-z]+-)*[a-z]+", True),
-    (r"((ab)+c)+", True), (r"(a|b+)*", True),
-    (DEFAULT_NAME_PATTERN, False), (DEFAULT_MODEL_PATTERN, False), (r"(?:[a-z]{1,9}\.){1,4}",
-                                                                    False),
-    (r"team-[a-z]+", False), (r"(foo|bar)+", False), (r"(", False),
-])
+@pytest.mark.parametrize(
+    "pattern, nested",
+    [
+        (HOSTILE, True),
+        (r"(a*)*", True),
+        (r"(?:x{1,9})+", True),
+        (r"([a-z]+-)*[a-z]+", True),
+        (r"((ab)+c)+", True),
+        (r"(a|b+)*", True),
+        (DEFAULT_NAME_PATTERN, False),
+        (DEFAULT_MODEL_PATTERN, False),
+        (r"(?:[a-z]{1,9}\.){1,4}", False),
+        (r"team-[a-z]+", False),
+        (r"(foo|bar)+", False),
+        (r"(", False),
+    ],
+)
 def test_nested_repeats_are_told(pattern, nested):
     assert can_backtrack(pattern) is nested
 
@@ -78,24 +88,39 @@ def test_the_hostile_pattern_and_a_longest_caller_finish_at_once_with_re2():
     extra, in the test dependencies) the process is done within seconds, each such name
     hashed. Run in a process of its own, which the timeout ends if it hangs."""
     pytest.importorskip("re2")
-    done = subprocess.run([sys.executable, "-c", HOSTILE_RUN], capture_output=True,
-                          text=True, timeout=20, check=True)
-    assert done.stdout.strip() == str(sorted(
-        key_label(name) for name in ("a" * (MAX_CALLER_CHARS - 1) + "!", "a" * 25 + "!",
-                                     "a" * 26 + "!")))
+    done = subprocess.run(
+        [sys.executable, "-c", HOSTILE_RUN], capture_output=True, text=True, timeout=20, check=True
+    )
+    assert done.stdout.strip() == str(
+        sorted(
+            key_label(name)
+            for name in ("a" * (MAX_CALLER_CHARS - 1) + "!", "a" * 25 + "!", "a" * 26 + "!")
+        )
+    )
 
 
 def test_re2_and_python_agree_on_the_default_patterns():
     """Where RE2 is installed it matches every pattern: on the defaults it says what
     Python's engine says."""
     pytest.importorskip("re2")
-    names = ["agent-1", "team.search_2", "a" * 64, "a" * 65, "caf\u00e9", "x y", "",
-             "qwen/qwen3:8b+q4", "a\n"]
+    names = [
+        "agent-1",
+        "team.search_2",
+        "a" * 64,
+        "a" * 65,
+        "caf\u00e9",
+        "x y",
+        "",
+        "qwen/qwen3:8b+q4",
+        "a\n",
+    ]
     for pattern in (DEFAULT_NAME_PATTERN, DEFAULT_MODEL_PATTERN):
         fast = compile_pattern(pattern)
         import re
+
         assert [fast(name) is not None for name in names] == [
-            re.fullmatch(pattern, name) is not None for name in names]
+            re.fullmatch(pattern, name) is not None for name in names
+        ]
 
 
 def test_a_pattern_re2_cannot_compile_falls_back_to_python():
@@ -109,8 +134,8 @@ def test_the_events_own_bound_holds_on_every_reader_path():
     import msgspec
 
     from exporter.usage.event import InvalidEvent, quick_event, validate
-    line = b'{"caller": "' + b"a" * (MAX_CALLER_CHARS + 1) + b'", "model": "", ' \
-           b'"prompt_tokens": 1}'
+
+    line = b'{"caller": "' + b"a" * (MAX_CALLER_CHARS + 1) + b'", "model": "", "prompt_tokens": 1}'
     with pytest.raises(msgspec.ValidationError):
         quick_event(line)
     with pytest.raises(InvalidEvent) as refused:

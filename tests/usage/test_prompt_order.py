@@ -38,8 +38,9 @@ def worst_prompt(seed: int, size: int = CAP + 4 * MIN_BLOCK_BYTES) -> bytes:
     rng = random.Random(seed)
     letters = bytes.maketrans(bytes(range(256)), bytes(b"abcdefghij"[i % 10] for i in range(256)))
     piece = MIN_BLOCK_BYTES - 1
-    return b"".join(rng.randbytes(piece).translate(letters) + b"."
-                    for _ in range(size // MIN_BLOCK_BYTES))
+    return b"".join(
+        rng.randbytes(piece).translate(letters) + b"." for _ in range(size // MIN_BLOCK_BYTES)
+    )
 
 
 def documented_kib(what: str) -> int:
@@ -138,7 +139,10 @@ def test_a_request_is_judged_against_the_recent_one_it_shares_most_and_longest_w
     found = tracker.observe("q", synthetic([8, *shared]), 1001.0)
     assert found is not None and found.variable_top
     assert (found.shared_bytes, found.prefix_bytes, found.first_difference_bytes) == (
-        10 * 600, 0, 600)
+        10 * 600,
+        0,
+        600,
+    )
 
 
 def test_the_common_prefix_is_found_to_the_block():
@@ -157,7 +161,7 @@ def block_ends_by_definition(data: bytes) -> list[int]:
     while len(data) - start > MIN_BLOCK_BYTES:
         end = min(start + MAX_BLOCK_BYTES, len(data))
         for at in range(start + MIN_BLOCK_BYTES - 1, end):
-            if data[at:at + 1] in ANCHORS:
+            if data[at : at + 1] in ANCHORS:
                 end = at + 1
                 break
         ends.append(end)
@@ -168,8 +172,7 @@ def block_ends_by_definition(data: bytes) -> list[int]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from([*ANCHORS, b"x"]), st.integers(0, 2600)),
-                max_size=40))
+@given(st.lists(st.tuples(st.sampled_from([*ANCHORS, b"x"]), st.integers(0, 2600)), max_size=40))
 def test_blocks_are_cut_as_documented(runs: list[tuple[bytes, int]]) -> None:
     """Anchors dense, sparse, missing for a while or altogether: the cut that remembers
     where each anchor is next is the plain one."""

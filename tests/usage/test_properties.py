@@ -27,9 +27,13 @@ def events(draw: st.DrawFn) -> dict:
     event: dict = {"caller": draw(st.sampled_from(CALLERS)), "prompt_tokens": prompt}
     if draw(st.booleans()):
         event["model"] = draw(st.sampled_from(MODELS))
-    cached = draw(st.one_of(st.none(), st.integers(min_value=0, max_value=prompt),
-                            st.integers(min_value=0, max_value=prompt // 2048).map(
-                                lambda k: k * 2048)))
+    cached = draw(
+        st.one_of(
+            st.none(),
+            st.integers(min_value=0, max_value=prompt),
+            st.integers(min_value=0, max_value=prompt // 2048).map(lambda k: k * 2048),
+        )
+    )
     if cached is not None:
         event["cached_tokens"] = cached
     for key in ("ttft_seconds", "queue_seconds", "engine_ttft_seconds", "engine_queue_seconds"):
@@ -43,14 +47,16 @@ def events(draw: st.DrawFn) -> dict:
     return event
 
 
-invalid = st.sampled_from([
-    {"caller": "alpha", "prompt_tokens": -3},
-    {"caller": "alpha", "prompt_tokens": 10, "cached_tokens": 11},
-    {"prompt_tokens": 10},
-    {"caller": "alpha\x00", "prompt_tokens": 10},
-    {"caller": "alpha", "prompt_tokens": "ten"},
-    ["not", "an", "object"],
-])
+invalid = st.sampled_from(
+    [
+        {"caller": "alpha", "prompt_tokens": -3},
+        {"caller": "alpha", "prompt_tokens": 10, "cached_tokens": 11},
+        {"prompt_tokens": 10},
+        {"caller": "alpha\x00", "prompt_tokens": 10},
+        {"caller": "alpha", "prompt_tokens": "ten"},
+        ["not", "an", "object"],
+    ]
+)
 
 stream = st.lists(st.one_of(events(), events(), events(), invalid), max_size=60)
 
@@ -96,8 +102,7 @@ def expected_sums(objs: list, callers_max: int, missing_as_zero: bool) -> dict:
             out["ttft_count", "engine"][pair] += 1
         elif proxy_ttft is not None:
             out["ttft_count", "proxy"][pair] += 1
-        for source, wait in (("proxy", proxy_wait),
-                             ("engine", event.engine_queue_seconds)):
+        for source, wait in (("proxy", proxy_wait), ("engine", event.engine_queue_seconds)):
             if wait is not None:
                 out["queue_count", source][pair] += 1
                 out["queue_sum", source][pair] += wait
@@ -105,12 +110,20 @@ def expected_sums(objs: list, callers_max: int, missing_as_zero: bool) -> dict:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(objs=stream, callers_max=st.integers(min_value=1, max_value=6),
-       missing_as_zero=st.booleans(), granularity=st.sampled_from([0, 16, 2048]))
-def test_counters_equal_the_sums_of_accepted_events(objs, callers_max, missing_as_zero,
-                                                     granularity):
-    state = make_state(callers_max=callers_max, signals_missing_cached_as_zero=missing_as_zero,
-                       signals_granularity=granularity)
+@given(
+    objs=stream,
+    callers_max=st.integers(min_value=1, max_value=6),
+    missing_as_zero=st.booleans(),
+    granularity=st.sampled_from([0, 16, 2048]),
+)
+def test_counters_equal_the_sums_of_accepted_events(
+    objs, callers_max, missing_as_zero, granularity
+):
+    state = make_state(
+        callers_max=callers_max,
+        signals_missing_cached_as_zero=missing_as_zero,
+        signals_granularity=granularity,
+    )
     usage = state.usage
     for obj in objs:
         try:
@@ -126,28 +139,39 @@ def test_counters_equal_the_sums_of_accepted_events(objs, callers_max, missing_a
     assert set(usage.series) == pairs
     for caller, model in pairs:
         labels = {"caller": caller, "model": model}
-        by_state = {s: value(registry, "vllm_cache_requests_total", state=s, **labels)
-                    for s in STATES}
+        by_state = {
+            s: value(registry, "vllm_cache_requests_total", state=s, **labels) for s in STATES
+        }
         assert sum(by_state.values()) == expected["requests"][(caller, model)]
         assert by_state["error"] == expected["errors"][(caller, model)]
-        for name, key in (("vllm_cache_prompt_tokens_total", "prompt"),
-                          ("vllm_cache_cached_tokens_total", "cached"),
-                          ("vllm_cache_unreported_prompt_tokens_total", "unreported")):
+        for name, key in (
+            ("vllm_cache_prompt_tokens_total", "prompt"),
+            ("vllm_cache_cached_tokens_total", "cached"),
+            ("vllm_cache_unreported_prompt_tokens_total", "unreported"),
+        ):
             assert value(registry, name, **labels) == expected[key][(caller, model)], name
         for source in ("engine", "proxy"):
-            ttft_count = sum(value(registry, "vllm_cache_ttft_seconds_count", state=s,
-                                   source=source, **labels) for s in STATES)
+            ttft_count = sum(
+                value(registry, "vllm_cache_ttft_seconds_count", state=s, source=source, **labels)
+                for s in STATES
+            )
             assert ttft_count == expected["ttft_count", source][(caller, model)]
-            assert value(registry, "vllm_cache_queue_wait_seconds_count", source=source,
-                         **labels) == expected["queue_count", source][(caller, model)]
-            assert abs(value(registry, "vllm_cache_queue_wait_seconds_sum", source=source,
-                             **labels) - expected["queue_sum", source][(caller, model)]) < 1e-6
+            assert (
+                value(registry, "vllm_cache_queue_wait_seconds_count", source=source, **labels)
+                == expected["queue_count", source][(caller, model)]
+            )
+            assert (
+                abs(
+                    value(registry, "vllm_cache_queue_wait_seconds_sum", source=source, **labels)
+                    - expected["queue_sum", source][(caller, model)]
+                )
+                < 1e-6
+            )
     accepted = sum(expected["requests"].values())
     assert value(registry, "vllm_cache_usage_events_total", reader="http") == accepted
     rejected = sum(v for (reader, _), v in usage.rejected.items())
     assert rejected == expected["rejected"]["all"]
-    assert value(registry, "vllm_cache_callers_overflowed_total") == (
-        expected["overflowed"]["all"])
+    assert value(registry, "vllm_cache_callers_overflowed_total") == (expected["overflowed"]["all"])
 
 
 @settings(max_examples=60, deadline=None)
@@ -164,23 +188,55 @@ def test_ndjson_splitting_keeps_every_line_in_order(objs):
 
 
 JSON_LEAVES = st.one_of(
-    st.none(), st.booleans(), st.floats(allow_nan=False),
-    st.integers(min_value=-(2 ** 70), max_value=2 ** 70), st.text(max_size=8))
-JSON_VALUES = st.recursive(JSON_LEAVES, lambda children: st.one_of(
-    st.lists(children, max_size=3), st.dictionaries(st.text(max_size=4), children, max_size=3)),
-    max_leaves=8)
-ODD_LINES = st.sampled_from([
-    "NaN", "-Infinity", '{"a": NaN}', '{"prompt_tokens": 1e400}', '"\\ud800"',
-    '{"session": 123456789012345678901234567890}', "\ufeff{}", "  {}\t", "", "  ", "{",
-    '{"a": 1}{"b": 2}', "[" * 1200 + "]" * 1200, '{"caller": "\\u00e9"}', "0.1e-5", "-0",
-    "1" * 5000])
+    st.none(),
+    st.booleans(),
+    st.floats(allow_nan=False),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.text(max_size=8),
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda children: st.one_of(
+        st.lists(children, max_size=3), st.dictionaries(st.text(max_size=4), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+ODD_LINES = st.sampled_from(
+    [
+        "NaN",
+        "-Infinity",
+        '{"a": NaN}',
+        '{"prompt_tokens": 1e400}',
+        '"\\ud800"',
+        '{"session": 123456789012345678901234567890}',
+        "\ufeff{}",
+        "  {}\t",
+        "",
+        "  ",
+        "{",
+        '{"a": 1}{"b": 2}',
+        "[" * 1200 + "]" * 1200,
+        '{"caller": "\\u00e9"}',
+        "0.1e-5",
+        "-0",
+        "1" * 5000,
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.one_of(JSON_VALUES.map(json.dumps), ODD_LINES,
-                          st.binary(max_size=12).map(lambda b: b.decode("latin-1"))),
-                min_size=2, max_size=12),
-       st.sampled_from(["\n", "\r\n"]))
+@given(
+    st.lists(
+        st.one_of(
+            JSON_VALUES.map(json.dumps),
+            ODD_LINES,
+            st.binary(max_size=12).map(lambda b: b.decode("latin-1")),
+        ),
+        min_size=2,
+        max_size=12,
+    ),
+    st.sampled_from(["\n", "\r\n"]),
+)
 def test_ndjson_lines_read_as_json_reads_them(lines, newline):
     """orjson decodes most lines; every line still reads exactly as ``json`` reads it (the
     same value, or the same reason): integers beyond 64 bits, NaN, lone surrogates, a BOM,
@@ -194,7 +250,8 @@ def test_ndjson_lines_read_as_json_reads_them(lines, newline):
         if item is not None:
             expected.append(item)
     assert [(describe(value), line) for value, line in items] == [
-        (describe(value), line) for value, line in expected]
+        (describe(value), line) for value, line in expected
+    ]
 
 
 def describe(value):

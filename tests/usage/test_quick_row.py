@@ -32,23 +32,120 @@ from exporter.usage.event import (
 )
 from exporter.values import UsageEvent
 
-TOKEN_EDGES = [0, 1, 2048, MAX_TOKENS, MAX_TOKENS + 1, -1, -(2**63), 2**63 - 1, 2**63, 2**64,
-               10**30, 1.0, 2048.0, float(MAX_TOKENS) + 0.5, -0.0, True]
-SECONDS_EDGES = [0.0, -0.0, 1, 0.5, MAX_SECONDS, MAX_SECONDS + 1e-6, MAX_SECONDS + 1,
-                 int(MAX_SECONDS) + 1, -1e-300, 5e-324, float("nan"), float("inf"),
-                 -float("inf"), 1e308, 10**30, True]
-TIME_EDGES = [1.8e9 + 0.001, MAX_TIMESTAMP, MAX_TIMESTAMP * (1 + 1e-15), int(MAX_TIMESTAMP),
-              int(MAX_TIMESTAMP) + 1, 0, -0.0, -1.0, float("inf"), True]
-NAME_EDGES = ["agent-0", "agent-1", "qwen3.8-27b", "s1", "", " lead", "tail ", "caf\u00e9",
-              "\U0001f600", "tab\there", "nul\x00", "\ud800", "\u200b", "x" * MAX_CALLER_CHARS,
-              "x" * (MAX_CALLER_CHARS + 1), 7, None]
-ID_EDGES = ["req-1", "0f8fa6b1-5b5c-4c1e-9d3a-1b2c3d4e5f60", "", " ", "x" * MAX_EVENT_ID_CHARS,
-            "x" * (MAX_EVENT_ID_CHARS + 1), "nul\x00", "caf\u00e9", 7, 2**64, 1.5, None]
+TOKEN_EDGES = [
+    0,
+    1,
+    2048,
+    MAX_TOKENS,
+    MAX_TOKENS + 1,
+    -1,
+    -(2**63),
+    2**63 - 1,
+    2**63,
+    2**64,
+    10**30,
+    1.0,
+    2048.0,
+    float(MAX_TOKENS) + 0.5,
+    -0.0,
+    True,
+]
+SECONDS_EDGES = [
+    0.0,
+    -0.0,
+    1,
+    0.5,
+    MAX_SECONDS,
+    MAX_SECONDS + 1e-6,
+    MAX_SECONDS + 1,
+    int(MAX_SECONDS) + 1,
+    -1e-300,
+    5e-324,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    1e308,
+    10**30,
+    True,
+]
+TIME_EDGES = [
+    1.8e9 + 0.001,
+    MAX_TIMESTAMP,
+    MAX_TIMESTAMP * (1 + 1e-15),
+    int(MAX_TIMESTAMP),
+    int(MAX_TIMESTAMP) + 1,
+    0,
+    -0.0,
+    -1.0,
+    float("inf"),
+    True,
+]
+NAME_EDGES = [
+    "agent-0",
+    "agent-1",
+    "qwen3.8-27b",
+    "s1",
+    "",
+    " lead",
+    "tail ",
+    "caf\u00e9",
+    "\U0001f600",
+    "tab\there",
+    "nul\x00",
+    "\ud800",
+    "\u200b",
+    "x" * MAX_CALLER_CHARS,
+    "x" * (MAX_CALLER_CHARS + 1),
+    7,
+    None,
+]
+ID_EDGES = [
+    "req-1",
+    "0f8fa6b1-5b5c-4c1e-9d3a-1b2c3d4e5f60",
+    "",
+    " ",
+    "x" * MAX_EVENT_ID_CHARS,
+    "x" * (MAX_EVENT_ID_CHARS + 1),
+    "nul\x00",
+    "caf\u00e9",
+    7,
+    2**64,
+    1.5,
+    None,
+]
 SEQUENCE_EDGES = [1, 2, MAX_SEQUENCES, MAX_SEQUENCES + 1, 0, -1, 2.0, 1.5, 2**64, True]
-STATUS_EDGES = [200, 204, 299, 300, 301, 429, 503, 100, 99, 600, "200", "299", "503", "ok", "",
-                "timeout", True, False, 200.0, None]
-OTHER = st.one_of(st.none(), st.booleans(), st.just([]), st.just({}), st.just([1, {"a": 2}]),
-                  st.integers(), st.floats(), st.text(max_size=8))
+STATUS_EDGES = [
+    200,
+    204,
+    299,
+    300,
+    301,
+    429,
+    503,
+    100,
+    99,
+    600,
+    "200",
+    "299",
+    "503",
+    "ok",
+    "",
+    "timeout",
+    True,
+    False,
+    200.0,
+    None,
+]
+OTHER = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.just([]),
+    st.just({}),
+    st.just([1, {"a": 2}]),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=8),
+)
 
 
 def field_value(key: str) -> st.SearchStrategy[Any]:
@@ -95,8 +192,9 @@ def lines(draw: st.DrawFn) -> bytes:
     few fields, if any, take the values each check is about (bounds, types, characters),
     with unknown and repeated keys, ASCII or not, compact or spaced."""
     required = ("caller", "model", "prompt_tokens")
-    optional = draw(st.lists(st.sampled_from([key for key in FIELDS if key not in required]),
-                             unique=True))
+    optional = draw(
+        st.lists(st.sampled_from([key for key in FIELDS if key not in required]), unique=True)
+    )
     pairs = [(key, draw(VALID[key])) for key in (*required, *optional)]
     for _ in range(draw(st.integers(0, 3))):
         key = draw(st.sampled_from([*FIELDS, "unknown", "Caller"]))
@@ -108,9 +206,14 @@ def lines(draw: st.DrawFn) -> bytes:
     ensure_ascii = draw(st.booleans())
     spaced = draw(st.booleans())
     separator, colon = (", ", ": ") if spaced else (",", ":")
-    text = "{" + separator.join(
-        json.dumps(key) + colon + json.dumps(value, ensure_ascii=ensure_ascii)
-        for key, value in pairs) + "}"
+    text = (
+        "{"
+        + separator.join(
+            json.dumps(key) + colon + json.dumps(value, ensure_ascii=ensure_ascii)
+            for key, value in pairs
+        )
+        + "}"
+    )
     if draw(st.integers(0, 19)) == 0:
         text = draw(st.sampled_from(["[", " ", "\r", "\ufeff", "1", "null", "[]"])) + text
     line = text.encode("utf-8", "surrogatepass")
@@ -154,17 +257,19 @@ def test_a_quick_row_is_the_reference_reading(line: bytes) -> None:
 def test_the_common_event_takes_the_quick_path() -> None:
     """A tap's event whose names were accepted before is read in one step (the ingest's
     speed rests on it), and one with a new name is left to the reference reading."""
-    line = (b'{"caller":"agent-7","model":"qwen3.8-27b","prompt_tokens":13349,'
-            b'"cached_tokens":10240,"completion_tokens":510,"ttft_seconds":42.766,'
-            b'"queue_seconds":0.759,"session":"agent-7-s1","time":1800000000.01,"status":200,'
-            b'"engine_ttft_seconds":40,"max_tokens":1024}')
+    line = (
+        b'{"caller":"agent-7","model":"qwen3.8-27b","prompt_tokens":13349,'
+        b'"cached_tokens":10240,"completion_tokens":510,"ttft_seconds":42.766,'
+        b'"queue_seconds":0.759,"session":"agent-7-s1","time":1800000000.01,"status":200,'
+        b'"engine_ttft_seconds":40,"max_tokens":1024}'
+    )
     assert reference(line)[0] == "row"
     row = quick_event(line)
     assert row is not None and exactly(row) == exactly(reference(line)[1])
     assert row.engine_queue_seconds is None and row.engine_ttft_seconds == 40.0
     assert type(row.engine_ttft_seconds) is float
     assert quick_event(line.replace(b"agent-7-s1", b"agent-7-s9")) is None, "a new session"
-    assert quick_event(line.replace(b"\"status\":200", b"\"status\":503")) is None, "a failure"
+    assert quick_event(line.replace(b'"status":200', b'"status":503')) is None, "a failure"
     assert quick_event(line.replace(b'"cached_tokens":10240', b'"cached_tokens":20000')) is None
     assert quick_event(line.replace(b"agent-7", "agent-\u00e9".encode())) is None, "not ASCII"
 
@@ -177,11 +282,25 @@ def test_the_usage_event_is_the_only_field_list() -> None:
     assert FIELDS == names
     assert tuple(name for name, _check in event_module._CHECKS) == names
     assert event_module._decode_native_event.__self__.type is UsageEvent
-    event = validate({"caller": "c", "model": "m", "prompt_tokens": 9, "cached_tokens": 8,
-                      "completion_tokens": 7, "ttft_seconds": 6.0, "queue_seconds": 5.0,
-                      "session": "s", "time": 4.0, "status": 204,
-                      "engine_ttft_seconds": 3.0, "engine_queue_seconds": 2.0,
-                      "max_tokens": 1, "sequences": 10, "id": "e1"})
+    event = validate(
+        {
+            "caller": "c",
+            "model": "m",
+            "prompt_tokens": 9,
+            "cached_tokens": 8,
+            "completion_tokens": 7,
+            "ttft_seconds": 6.0,
+            "queue_seconds": 5.0,
+            "session": "s",
+            "time": 4.0,
+            "status": 204,
+            "engine_ttft_seconds": 3.0,
+            "engine_queue_seconds": 2.0,
+            "max_tokens": 1,
+            "sequences": 10,
+            "id": "e1",
+        }
+    )
     assert len(set(msgspec.structs.astuple(event))) == len(FIELDS), "every field told apart"
     package = Path(event_module.__file__).resolve().parents[1]
     for path in package.rglob("*.py"):
@@ -189,9 +308,10 @@ def test_the_usage_event_is_the_only_field_list() -> None:
             continue
         for sequence in ordered_names(ast.parse(path.read_text(encoding="utf-8"))):
             for at in range(len(sequence) - 3):
-                run = tuple(sequence[at:at + 4])
-                assert not any(run == names[i:i + 4] for i in range(len(names) - 3)), \
+                run = tuple(sequence[at : at + 4])
+                assert not any(run == names[i : i + 4] for i in range(len(names) - 3)), (
                     f"{path.name} spells out {run}"
+                )
 
 
 def ordered_names(tree: ast.AST) -> list[list[str]]:

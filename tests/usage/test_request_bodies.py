@@ -27,16 +27,16 @@ def accepted(state) -> int:
 
 
 def budget_of(client) -> ingest.BodyBytes:
-    handler = next(route.handler for route in client.app.router.routes()
-                   if route.method == "POST")
+    handler = next(route.handler for route in client.app.router.routes() if route.method == "POST")
     return handler.__self__.body_bytes
 
 
 # --- slow bodies ---------------------------------------------------------------------------
 
 
-async def test_a_trickled_body_is_cut_off_and_never_locks_the_others_out(usage_client,
-                                                                        monkeypatch, caplog):
+async def test_a_trickled_body_is_cut_off_and_never_locks_the_others_out(
+    usage_client, monkeypatch, caplog
+):
     """Four senders trickling bodies (the issue's case) hold only the bytes they sent: with
     max-concurrent-bodies 4, real senders are served all along; each trickler gets 408 once
     its body has taken longer than the deadline, counted, and its bytes are given back."""
@@ -49,8 +49,7 @@ async def test_a_trickled_body_is_cut_off_and_never_locks_the_others_out(usage_c
         await never.wait()
         yield LINE[1:]  # pragma: no cover - never reached
 
-    tricklers = [asyncio.ensure_future(client.post("/v1/usage", data=trickle()))
-                 for _ in range(4)]
+    tricklers = [asyncio.ensure_future(client.post("/v1/usage", data=trickle())) for _ in range(4)]
     budget = budget_of(client)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
@@ -87,30 +86,37 @@ def raw_deflate(data: bytes) -> bytes:
     return compressor.compress(data) + compressor.flush()
 
 
-@pytest.mark.parametrize("coding, encode", [
-    ("gzip", gzip.compress),
-    ("x-gzip", gzip.compress),
-    ("GZIP", gzip.compress),
-    ("deflate", zlib.compress),  # RFC 9110: zlib-wrapped
-    ("deflate", raw_deflate),  # what many senders mean by it
-    ("gzip", lambda data: gzip.compress(data[:40]) + gzip.compress(data[40:])),  # 2 members
-    ("identity", lambda data: data),
-])
+@pytest.mark.parametrize(
+    "coding, encode",
+    [
+        ("gzip", gzip.compress),
+        ("x-gzip", gzip.compress),
+        ("GZIP", gzip.compress),
+        ("deflate", zlib.compress),  # RFC 9110: zlib-wrapped
+        ("deflate", raw_deflate),  # what many senders mean by it
+        ("gzip", lambda data: gzip.compress(data[:40]) + gzip.compress(data[40:])),  # 2 members
+        ("identity", lambda data: data),
+    ],
+)
 async def test_a_body_in_a_content_coding_is_decoded(usage_client, coding, encode):
     client, state = await usage_client()
-    response = await client.post("/v1/usage", data=encode(LINE * 5),
-                                 headers={"Content-Encoding": coding})
+    response = await client.post(
+        "/v1/usage", data=encode(LINE * 5), headers={"Content-Encoding": coding}
+    )
     assert response.status == 200, await response.text()
     assert (await response.json())["accepted"] == 5
     assert accepted(state) == 5 and refused(state) == {}
 
 
-@pytest.mark.parametrize("coding, sent", [
-    ("gzip", LINE * 3),  # the issue's case: a plain body labelled gzip
-    ("deflate", b"\xff" * 40),
-    ("gzip", gzip.compress(LINE * 3)[:-12]),  # cut short
-    ("gzip", gzip.compress(LINE * 3) + b"trailing junk"),
-])
+@pytest.mark.parametrize(
+    "coding, sent",
+    [
+        ("gzip", LINE * 3),  # the issue's case: a plain body labelled gzip
+        ("deflate", b"\xff" * 40),
+        ("gzip", gzip.compress(LINE * 3)[:-12]),  # cut short
+        ("gzip", gzip.compress(LINE * 3) + b"trailing junk"),
+    ],
+)
 async def test_a_body_that_does_not_decode_is_a_counted_400(usage_client, coding, sent):
     client, state = await usage_client()
     response = await client.post("/v1/usage", data=sent, headers={"Content-Encoding": coding})
@@ -118,8 +124,9 @@ async def test_a_body_that_does_not_decode_is_a_counted_400(usage_client, coding
     assert (await response.json())["error"] == "bad_content_encoding"
     assert refused(state) == {"bad_content_encoding": 1}
     assert accepted(state) == 0
-    good = await client.post("/v1/usage", data=gzip.compress(LINE * 2),
-                             headers={"Content-Encoding": "gzip"})
+    good = await client.post(
+        "/v1/usage", data=gzip.compress(LINE * 2), headers={"Content-Encoding": "gzip"}
+    )
     assert good.status == 200 and accepted(state) == 2
 
 
@@ -146,8 +153,7 @@ async def test_a_decompression_bomb_stops_at_the_body_limit(usage_client):
     assert len(bomb) < limit / 2
     tracemalloc.start()
     try:
-        response = await client.post("/v1/usage", data=bomb,
-                                     headers={"Content-Encoding": "gzip"})
+        response = await client.post("/v1/usage", data=bomb, headers={"Content-Encoding": "gzip"})
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

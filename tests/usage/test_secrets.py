@@ -54,9 +54,23 @@ CALLERS = [
     ("6f1e2a0c-7b1d-4a58-9a3e-1c2b3d4e5f60", True),
     ("MyServiceProductionAgent", True),
 ]
-SECRET_PARTS = ["Ab3dEf6h", "sk-1234", "abcdef1234567890", "eyJhbGci", "a1B2a1B2", "AKIAIOSF",
-                "xoxb-123", "hf_AbCd", "0123456789abcdef", "jan.kowalski", "hunter2",
-                "dXNlcjpo", "wJalrXUt", "admin:pw", "abcdefghijklmnopqrstuvwxyz"]
+SECRET_PARTS = [
+    "Ab3dEf6h",
+    "sk-1234",
+    "abcdef1234567890",
+    "eyJhbGci",
+    "a1B2a1B2",
+    "AKIAIOSF",
+    "xoxb-123",
+    "hf_AbCd",
+    "0123456789abcdef",
+    "jan.kowalski",
+    "hunter2",
+    "dXNlcjpo",
+    "wJalrXUt",
+    "admin:pw",
+    "abcdefghijklmnopqrstuvwxyz",
+]
 
 
 def expected_label(name: str, readable: bool) -> str:
@@ -91,20 +105,33 @@ def assert_no_secret(text: str, where: str) -> None:
 async def test_no_raw_secret_through_post_v1_usage(usage_client, caplog):
     client, _state = await usage_client(callers_max=1000)
     caplog.set_level(logging.DEBUG)
-    body = "\n".join(json.dumps({"caller": name, "model": "jan.kowalski@example.com",
-                                 "prompt_tokens": 100, "cached_tokens": 0})
-                     for name, _ in CALLERS)
+    body = "\n".join(
+        json.dumps(
+            {
+                "caller": name,
+                "model": "jan.kowalski@example.com",
+                "prompt_tokens": 100,
+                "cached_tokens": 0,
+            }
+        )
+        for name, _ in CALLERS
+    )
     reply = await client.post("/v1/usage", data=body)
     assert (await reply.json())["accepted"] == len(CALLERS)
-    bad = await client.post("/v1/usage", data=json.dumps({"caller": CALLERS[0][0],
-                                                          "prompt_tokens": -1}))
+    bad = await client.post(
+        "/v1/usage", data=json.dumps({"caller": CALLERS[0][0], "prompt_tokens": -1})
+    )
     metrics = await (await client.get("/metrics")).text()
     page = await (await client.get("/")).text()
     for name, readable in CALLERS:
         assert f'caller="{expected_label(name, readable)}"' in metrics
     assert f'model="{key_label("jan.kowalski@example.com")}"' in metrics
-    for text, where in ((metrics, "/metrics"), (page, "/"), (await bad.text(), "the reply"),
-                        (caplog.text, "the log")):
+    for text, where in (
+        (metrics, "/metrics"),
+        (page, "/"),
+        (await bad.text(), "the reply"),
+        (caplog.text, "the log"),
+    ):
         assert_no_secret(text, where)
 
 
@@ -139,30 +166,44 @@ async def test_no_raw_secret_through_the_tap(upstream, start_tap, aiohttp_client
 SECRET_URL = "http://admin:vllmpass123@127.0.0.1:1/metrics?api_key=sk-qwerty987&x=1"
 
 
-@pytest.mark.parametrize("url, shown", [
-    (SECRET_URL, "http://redacted@127.0.0.1:1/metrics?api_key=redacted&x=1"),
-    ("https://u:p@host", "https://redacted@host"),
-    ("http://vllm:8000/metrics", "http://vllm:8000/metrics"),
-    ("http://vllm:8000/metrics?token=t&sig=s&page=2", "http://vllm:8000/metrics?token=redacted"
-                                                      "&sig=redacted&page=2"),
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        (SECRET_URL, "http://redacted@127.0.0.1:1/metrics?api_key=redacted&x=1"),
+        ("https://u:p@host", "https://redacted@host"),
+        ("http://vllm:8000/metrics", "http://vllm:8000/metrics"),
+        (
+            "http://vllm:8000/metrics?token=t&sig=s&page=2",
+            "http://vllm:8000/metrics?token=redacted&sig=redacted&page=2",
+        ),
+    ],
+)
 def test_one_redaction_rule(url, shown):
     assert redact_url(url) == shown
-    assert redact_text(f"cannot connect to {url}: refused") == f"cannot connect to {shown}: " \
-                                                                "refused"
+    assert redact_text(f"cannot connect to {url}: refused") == f"cannot connect to {shown}: refused"
 
 
 async def test_vllm_url_credentials_appear_nowhere(aiohttp_client, caplog, capsys):
     caplog.set_level(logging.DEBUG)
-    client = await aiohttp_client(create_app(Config(vllm_url=(SECRET_URL,)),
-                                             initial_refresh=False))
+    client = await aiohttp_client(create_app(Config(vllm_url=(SECRET_URL,)), initial_refresh=False))
     metrics = await (await client.get("/metrics")).text()  # reads it: connection refused
     page = await (await client.get("/")).text()
     ready = await (await client.get("/-/ready")).text()
     assert 'target="http://redacted@127.0.0.1:1/metrics?api_key=redacted&x=1"' in metrics
-    assert main(["--vllm.url", SECRET_URL, "--tap.listen-address", "127.0.0.1:0",
-                 "--tap.upstream", "http://tapuser:tappass456@127.0.0.1:9",
-                 "--check-config"]) == 0
+    assert (
+        main(
+            [
+                "--vllm.url",
+                SECRET_URL,
+                "--tap.listen-address",
+                "127.0.0.1:0",
+                "--tap.upstream",
+                "http://tapuser:tappass456@127.0.0.1:9",
+                "--check-config",
+            ]
+        )
+        == 0
+    )
     assert main(["--vllm.url", "ftp://admin:vllmpass123@x"]) == 2
     printed = capsys.readouterr()
     for text in (metrics, page, ready, caplog.text, printed.out, printed.err):
@@ -171,17 +212,23 @@ async def test_vllm_url_credentials_appear_nowhere(aiohttp_client, caplog, capsy
 
 
 async def test_the_tap_sends_its_upstream_credentials_only_when_the_client_sends_none(
-        upstream, start_tap):
+    upstream, start_tap
+):
     upstream.reply("/v1/chat/completions", Reply(body=fixture_bytes("02_chat_warm.json")))
     host = upstream.url.split("://", 1)[1]
     tap = await start_tap(upstream_url=f"http://vllm-user:vllm-pass@{host}")
     chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]}
     assert (await tap.post("/v1/chat/completions", chat))[0] == 200
-    assert (await tap.post("/v1/chat/completions", chat,
-                           headers={"Authorization": "Bearer sk-client-key"}))[0] == 200
+    assert (
+        await tap.post(
+            "/v1/chat/completions", chat, headers={"Authorization": "Bearer sk-client-key"}
+        )
+    )[0] == 200
     import base64
 
     first, second = upstream.received
-    assert first.headers["Authorization"] == "Basic " + base64.b64encode(
-        b"vllm-user:vllm-pass").decode()
+    assert (
+        first.headers["Authorization"]
+        == "Basic " + base64.b64encode(b"vllm-user:vllm-pass").decode()
+    )
     assert second.headers["Authorization"] == "Bearer sk-client-key"

@@ -53,8 +53,9 @@ class Recorder:
 
 def follower(pattern: str | Path, from_start: bool = False) -> tuple[FileFollower, Recorder]:
     seen = Recorder()
-    return FileFollower([str(pattern)], validate, seen.record_events, seen.rejected.append,
-                        from_start=from_start), seen
+    return FileFollower(
+        [str(pattern)], validate, seen.record_events, seen.rejected.append, from_start=from_start
+    ), seen
 
 
 def drain(tail: FileFollower) -> None:
@@ -201,8 +202,9 @@ def test_truncated_and_refilled_past_the_old_position_between_two_polls(tmp_path
 def test_a_bad_line_is_rejected_and_the_rest_go_on(tmp_path):
     path = tmp_path / "usage.jsonl"
     tail, seen = follower(path, from_start=True)
-    path.write_text(line(1) + "{not json\n" + json.dumps({"caller": "a"}) + "\n"
-                    + "\xff\xfe\n" + line(2))
+    path.write_text(
+        line(1) + "{not json\n" + json.dumps({"caller": "a"}) + "\n" + "\xff\xfe\n" + line(2)
+    )
     tail.poll()
     assert seen.seqs == [1, 2]
     assert seen.rejected == ["malformed_json", "missing_prompt_tokens", "malformed_json"]
@@ -255,11 +257,15 @@ def test_backlog_is_read_in_slices(tmp_path):
 async def test_follow_counts_into_the_state_and_stops_on_cancel(tmp_path):
     path = tmp_path / "usage.jsonl"
     path.write_text(line(1))
-    config = Config(usage_file=(str(tmp_path / "*.jsonl"),), usage_file_from_start=True,
-                    usage_file_poll_interval=0.01)
+    config = Config(
+        usage_file=(str(tmp_path / "*.jsonl"),),
+        usage_file_from_start=True,
+        usage_file_poll_interval=0.01,
+    )
     state = make_state(usage_file=config.usage_file)
-    task = asyncio.ensure_future(follow(file_follower(config, state.usage),
-                                        config.usage_file_poll_interval))
+    task = asyncio.ensure_future(
+        follow(file_follower(config, state.usage), config.usage_file_poll_interval)
+    )
     append(path, line(2) + "garbage\n")
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10
@@ -299,18 +305,33 @@ def reference(line: bytes) -> tuple[str, Any] | None:
 
 ODD_LINES = st.one_of(
     st.binary(max_size=40).map(lambda raw: raw.replace(b"\n", b" ")),
-    st.sampled_from([b"", b"  \r", b"\xef\xbb\xbf", b"garbage", b"[1, 2]", b"null",
-                     b'{"caller": "a"}', b'{"caller": "a", "prompt_tokens": 1e400}',
-                     b'{"caller": "a", "prompt_tokens": NaN}',
-                     b'{"caller": "\\ud800", "prompt_tokens": 1}',
-                     b'{"caller": "a", "prompt_tokens": 12345678901234567890123}',
-                     b'{"caller": "a", "prompt_tokens": 1, "status": 123456789012345678901}',
-                     b"[" * 5000 + b"]" * 5000, b'{"caller": "caf\xc3\xa9", "prompt_tokens": 5}',
-                     b'{"caller": "a", "prompt_tokens": 5, "x": "\xff"}']))
+    st.sampled_from(
+        [
+            b"",
+            b"  \r",
+            b"\xef\xbb\xbf",
+            b"garbage",
+            b"[1, 2]",
+            b"null",
+            b'{"caller": "a"}',
+            b'{"caller": "a", "prompt_tokens": 1e400}',
+            b'{"caller": "a", "prompt_tokens": NaN}',
+            b'{"caller": "\\ud800", "prompt_tokens": 1}',
+            b'{"caller": "a", "prompt_tokens": 12345678901234567890123}',
+            b'{"caller": "a", "prompt_tokens": 1, "status": 123456789012345678901}',
+            b"[" * 5000 + b"]" * 5000,
+            b'{"caller": "caf\xc3\xa9", "prompt_tokens": 5}',
+            b'{"caller": "a", "prompt_tokens": 5, "x": "\xff"}',
+        ]
+    ),
+)
 
 
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(lines=st.lists(st.one_of(native_lines(), ODD_LINES), max_size=40))
 def test_a_followed_line_is_read_as_post_v1_usage_reads_it(lines, tmp_path_factory):
     """Each line's verdict, value for value and type for type (an accepted event's row) or
@@ -325,7 +346,8 @@ def test_a_followed_line_is_read_as_post_v1_usage_reads_it(lines, tmp_path_facto
     tail.close()
     expected = [verdict for verdict in map(reference, lines) if verdict is not None]
     assert [exactly(row) for row in rows] == [
-        exactly(value) for kind, value in expected if kind == "row"]
+        exactly(value) for kind, value in expected if kind == "row"
+    ]
     assert rejected == [value for kind, value in expected if kind == "rejected"]
 
 
@@ -350,8 +372,9 @@ def test_rows_held_at_once_are_bounded_by_one_read(tmp_path):
     path = tmp_path / "usage.jsonl"
     path.write_bytes(shortest * lines)
     batches: list[int] = []
-    tail = FileFollower([str(path)], validate, lambda rows: batches.append(len(rows)),
-                        [].append, from_start=True)
+    tail = FileFollower(
+        [str(path)], validate, lambda rows: batches.append(len(rows)), [].append, from_start=True
+    )
     while tail.poll():
         pass
     tail.close()

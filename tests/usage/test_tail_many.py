@@ -51,8 +51,7 @@ class Seen:
 
 def make(pattern: Path, **kwargs: object) -> tuple[FileFollower, Seen]:
     seen = Seen()
-    return FileFollower([str(pattern)], validate, seen.record, seen.rejected.append,
-                        **kwargs), seen  # type: ignore[arg-type]
+    return FileFollower([str(pattern)], validate, seen.record, seen.rejected.append, **kwargs), seen  # type: ignore[arg-type]
 
 
 def drain(tail: FileFollower, budget: int | None = None) -> int:
@@ -72,8 +71,12 @@ def test_the_open_cap_closes_the_least_recently_written_and_loses_nothing(tmp_pa
     for path in paths.values():
         path.write_text(line("before", 0))  # present at start: read from its end
     share = FileDescriptors(4)
-    tail, seen = make(tmp_path / "*.jsonl", max_open=4, acquire_descriptor=share.acquire,
-                      release_descriptor=share.release)
+    tail, seen = make(
+        tmp_path / "*.jsonl",
+        max_open=4,
+        acquire_descriptor=share.acquire,
+        release_descriptor=share.release,
+    )
     tail.poll()
     assert tail.open_files == 4 and len(tail.files) == 40  # open while there is room
     written: list[tuple[str, int]] = []
@@ -148,17 +151,23 @@ def test_one_budget_is_shared_by_every_file_in_turn(tmp_path):
     while more:
         read_before = {identity: followed.offset for identity, followed in tail.files.items()}
         more = tail.poll(budget=budget)
-        read = sum(followed.offset - read_before.get(identity, 0)
-                   for identity, followed in tail.files.items())
+        read = sum(
+            followed.offset - read_before.get(identity, 0)
+            for identity, followed in tail.files.items()
+        )
         assert read <= budget
         progress.append(Counter(event.caller for event in seen.events))
     assert Counter(seen.pairs()) == Counter(
-        (f"r{index}", seq) for index in range(8) for seq in range(lines_each))
+        (f"r{index}", seq) for index in range(8) for seq in range(lines_each)
+    )
     # Fair: whenever a file has read k turns' worth, every unfinished file is within one turn.
     per_turn = budget // len(line("r0", 100)) + 1
     for counts in progress:
-        unfinished = [counts.get(f"r{index}", 0) for index in range(8)
-                      if counts.get(f"r{index}", 0) < lines_each]
+        unfinished = [
+            counts.get(f"r{index}", 0)
+            for index in range(8)
+            if counts.get(f"r{index}", 0) < lines_each
+        ]
         if unfinished:
             assert max(unfinished) - min(unfinished) <= 2 * per_turn
     tail.close()
@@ -169,7 +178,8 @@ async def test_follow_yields_to_the_event_loop_between_steps(tmp_path):
     run (a liveness probe is answered within one step, never after the whole backlog)."""
     for index in range(10):
         (tmp_path / f"new{index}.jsonl").write_text(
-            "".join(line(f"n{index}", seq) for seq in range(3000)))
+            "".join(line(f"n{index}", seq) for seq in range(3000))
+        )
     tail, seen = make(tmp_path / "*.jsonl", from_start=True)
     ticks = 0
     at_poll: list[int] = []
@@ -253,8 +263,10 @@ def test_the_followed_files_cap_is_filled_and_said(tmp_path):
     tail.poll()
     assert len(tail.files) == 3 and tail.over_limit == 2
     collected = {family.name: family for family in FollowedFilesCollector(tail).collect()}
-    states = {sample.labels["state"]: sample.value
-              for sample in collected["vllm_cache_usage_files"].samples}
+    states = {
+        sample.labels["state"]: sample.value
+        for sample in collected["vllm_cache_usage_files"].samples
+    }
     assert states == {"open": 3, "closed": 0, "not_followed": 2}
     followed = sorted(Path(followed.path).name for followed in tail.files.values())
     os.unlink(tmp_path / followed[0])  # room for one more once it is drained and let go
@@ -275,8 +287,12 @@ def test_idle_files_hold_no_more_descriptors_than_the_cap(tmp_path):
     for index in range(2000):
         (tmp_path / f"idle{index:05d}.jsonl").write_text(line("idle", index))
     share = FileDescriptors(8)
-    tail, seen = make(tmp_path / "*.jsonl", acquire_descriptor=share.acquire,
-                      release_descriptor=share.release, max_open=8)
+    tail, seen = make(
+        tmp_path / "*.jsonl",
+        acquire_descriptor=share.acquire,
+        release_descriptor=share.release,
+        max_open=8,
+    )
     steps = drain(tail)
     assert steps > 1  # the scan is sliced
     assert tail.open_files == share.in_use == 8 and len(tail.files) == 2000

@@ -23,8 +23,12 @@ NOFILE = 256
 
 
 def event(caller: str, seq: int) -> str:
-    return json.dumps({"caller": caller, "model": "m", "prompt_tokens": 4096 + seq,
-                       "cached_tokens": 2048}) + "\n"
+    return (
+        json.dumps(
+            {"caller": caller, "model": "m", "prompt_tokens": 4096 + seq, "cached_tokens": 2048}
+        )
+        + "\n"
+    )
 
 
 async def test_many_files_under_a_low_descriptor_limit_are_read_exactly(tmp_path: Path):
@@ -33,8 +37,12 @@ async def test_many_files_under_a_low_descriptor_limit_are_read_exactly(tmp_path
     for path in idle:
         path.write_text(event("before", 0))  # there at start: never counted
     process, base = await start_exporter(
-        "--usage.file", str(tmp_path / "*.jsonl"), "--usage.file.poll-interval", "0.2",
-        nofile=NOFILE)
+        "--usage.file",
+        str(tmp_path / "*.jsonl"),
+        "--usage.file.poll-interval",
+        "0.2",
+        nofile=NOFILE,
+    )
     try:
         text = await scrape(base)
         share = value(text, "vllm_cache_exporter_fds_reserved", use="files")
@@ -45,7 +53,8 @@ async def test_many_files_under_a_low_descriptor_limit_are_read_exactly(tmp_path
                 handle.write(event("woke", index))
         for index in range(NEW_FILES):  # a burst of new files, each with a backlog
             (tmp_path / f"new-{index:02d}.jsonl").write_text(
-                "".join(event(f"new-{index % 4}", seq) for seq in range(NEW_LINES)))
+                "".join(event(f"new-{index % 4}", seq) for seq in range(NEW_LINES))
+            )
         expected = len(woken) + NEW_FILES * NEW_LINES
         slowest, fds, text = await count_until(base, expected)
         for index, path in enumerate(woken):  # again: closed since, each is reopened
@@ -56,17 +65,26 @@ async def test_many_files_under_a_low_descriptor_limit_are_read_exactly(tmp_path
         assert slowest < 1.0  # liveness: never held behind the backlog (bench: < 100 ms)
         assert max(fds) < NOFILE - 32  # the files' share, far from the limit
         assert value(text, "vllm_cache_usage_files", state="open") <= share
-        assert (value(text, "vllm_cache_usage_files", state="open")
-                + value(text, "vllm_cache_usage_files", state="closed")
-                == IDLE_FILES + NEW_FILES)
+        assert (
+            value(text, "vllm_cache_usage_files", state="open")
+            + value(text, "vllm_cache_usage_files", state="closed")
+            == IDLE_FILES + NEW_FILES
+        )
         assert value(text, "vllm_cache_usage_file_reopens_total") >= len(woken) - share
-        assert value(text, "vllm_cache_usage_file_lost_bytes_total",
-                     reason="gone_unread") == 0
+        assert value(text, "vllm_cache_usage_file_lost_bytes_total", reason="gone_unread") == 0
         # Each file's events once: the per-caller totals are exact too.
         assert value(text, "vllm_cache_prompt_tokens_total", caller="woke", model="m") == sum(
-            4096 + index for index in range(2 * len(woken)))
-        assert value(text, "vllm_cache_usage_events_rejected_total", reader="file",
-                     reason="malformed_json") is None
+            4096 + index for index in range(2 * len(woken))
+        )
+        assert (
+            value(
+                text,
+                "vllm_cache_usage_events_rejected_total",
+                reader="file",
+                reason="malformed_json",
+            )
+            is None
+        )
     finally:
         await stop(process)
 

@@ -19,10 +19,10 @@ def test_hit_ratio_counts_only_events_that_reported_cached_tokens():
     registry = build_registry(state)
     assert value(registry, "vllm_cache_prompt_tokens_total", caller="a", model="m") == 2_791
     assert value(registry, "vllm_cache_cached_tokens_total", caller="a", model="m") == 1_376
-    assert value(registry, "vllm_cache_unreported_prompt_tokens_total", caller="a",
-                 model="m") == 5_000
-    assert value(registry, "vllm_cache_requests_total", caller="a", model="m",
-                 state=UNKNOWN) == 1
+    assert (
+        value(registry, "vllm_cache_unreported_prompt_tokens_total", caller="a", model="m") == 5_000
+    )
+    assert value(registry, "vllm_cache_requests_total", caller="a", model="m", state=UNKNOWN) == 1
 
 
 def test_a_caller_that_never_reports_cached_tokens_is_unknown():
@@ -32,8 +32,10 @@ def test_a_caller_that_never_reports_cached_tokens_is_unknown():
         assert state.usage.record(UsageEvent("a", "m", 5_000, None), "http") == UNKNOWN
     registry = build_registry(state)
     assert value(registry, "vllm_cache_prompt_tokens_total", caller="a", model="m") == 0
-    assert value(registry, "vllm_cache_unreported_prompt_tokens_total", caller="a",
-                 model="m") == 15_000
+    assert (
+        value(registry, "vllm_cache_unreported_prompt_tokens_total", caller="a", model="m")
+        == 15_000
+    )
 
 
 def test_once_a_caller_reported_cached_tokens_a_missing_field_is_zero():
@@ -45,7 +47,10 @@ def test_once_a_caller_reported_cached_tokens_a_missing_field_is_zero():
     assert usage.record(UsageEvent("b", "m", 5_000, None), "http") == UNKNOWN  # per caller
     series = usage.series[("a", "m")]
     assert (series.prompt_tokens, series.cached_tokens, series.unreported_prompt_tokens) == (
-        6_396, 1_376, 0)
+        6_396,
+        1_376,
+        0,
+    )
 
 
 def test_a_request_for_several_sequences_is_not_judged_by_its_siblings_blocks():
@@ -60,14 +65,17 @@ def test_a_request_for_several_sequences_is_not_judged_by_its_siblings_blocks():
     registry = build_registry(state)
     assert value(registry, "vllm_cache_prompt_tokens_total", caller="a", model="m") == 1_396
     assert value(registry, "vllm_cache_cached_tokens_total", caller="a", model="m") == 1_376
-    assert value(registry, "vllm_cache_unreported_prompt_tokens_total", caller="a",
-                 model="m") == 3_000
+    assert (
+        value(registry, "vllm_cache_unreported_prompt_tokens_total", caller="a", model="m") == 3_000
+    )
     assert list(usage.learner.samples_by_model["m"].window) == [1_376]  # 2,976 not learned
     # One sequence is an ordinary request.
     single = UsageEvent("a", "m", 3_000, 2_976, session="other", sequences=1)
     assert usage.record(single, "tap") != UNKNOWN
-    assert value(build_registry(state), "vllm_cache_cached_tokens_total", caller="a",
-                 model="m") == 1_376 + 2_976
+    assert (
+        value(build_registry(state), "vllm_cache_cached_tokens_total", caller="a", model="m")
+        == 1_376 + 2_976
+    )
 
 
 def test_missing_as_zero_can_be_turned_off():
@@ -81,8 +89,9 @@ def test_ttft_is_engine_side_by_state_and_queue_wait_is_its_own_histogram():
     usage = state.usage
     usage.record(UsageEvent("a", "m", 1_395, 0, ttft_seconds=40.0, queue_seconds=35.0), "http")
     usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.3), "http")
-    usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.2, queue_seconds=0.205),
-                 "http")  # a wait 5 ms past the TTFT (two readings rounded): engine part 0
+    usage.record(
+        UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.2, queue_seconds=0.205), "http"
+    )  # a wait 5 ms past the TTFT (two readings rounded): engine part 0
     registry = build_registry(state)
     cold = {"caller": "a", "model": "m", "state": COLD, "source": "proxy"}
     warm = {"caller": "a", "model": "m", "state": WARM, "source": "proxy"}
@@ -98,12 +107,20 @@ def test_ttft_is_engine_side_by_state_and_queue_wait_is_its_own_histogram():
     assert value(registry, "vllm_cache_queue_wait_seconds_count", **proxy_queue) == 2
     assert value(registry, "vllm_cache_queue_wait_seconds_sum", **proxy_queue) == 35.205
     # No timed event in state "partial", nothing measured by vLLM: no series for them.
-    assert registry.get_sample_value("vllm_cache_ttft_seconds_count",
-                                     {**warm, "state": "partial"}) is None
-    assert registry.get_sample_value("vllm_cache_ttft_seconds_count",
-                                     {**warm, "source": "engine"}) is None
-    assert registry.get_sample_value("vllm_cache_queue_wait_seconds_count",
-                                     {**proxy_queue, "source": "engine"}) is None
+    assert (
+        registry.get_sample_value("vllm_cache_ttft_seconds_count", {**warm, "state": "partial"})
+        is None
+    )
+    assert (
+        registry.get_sample_value("vllm_cache_ttft_seconds_count", {**warm, "source": "engine"})
+        is None
+    )
+    assert (
+        registry.get_sample_value(
+            "vllm_cache_queue_wait_seconds_count", {**proxy_queue, "source": "engine"}
+        )
+        is None
+    )
 
 
 def test_vllms_own_timings_are_their_own_series_and_win_over_the_proxys():
@@ -112,23 +129,48 @@ def test_vllms_own_timings_are_their_own_series_and_win_over_the_proxys():
     is a second queue beside the proxy's admission wait."""
     state = make_state(signals_granularity=32)
     usage = state.usage
-    usage.record(UsageEvent("a", "m", 1_395, 0, ttft_seconds=9.0, queue_seconds=2.0,
-                            engine_ttft_seconds=6.5, engine_queue_seconds=0.25), "tap")
-    usage.record(UsageEvent("a", "m", 1_396, 1_376, ttft_seconds=0.9,
-                            engine_ttft_seconds=0.125, engine_queue_seconds=0.0), "tap")
+    usage.record(
+        UsageEvent(
+            "a",
+            "m",
+            1_395,
+            0,
+            ttft_seconds=9.0,
+            queue_seconds=2.0,
+            engine_ttft_seconds=6.5,
+            engine_queue_seconds=0.25,
+        ),
+        "tap",
+    )
+    usage.record(
+        UsageEvent(
+            "a",
+            "m",
+            1_396,
+            1_376,
+            ttft_seconds=0.9,
+            engine_ttft_seconds=0.125,
+            engine_queue_seconds=0.0,
+        ),
+        "tap",
+    )
     usage.record(UsageEvent("a", "m", 1_397, 1_376, ttft_seconds=0.7), "tap")  # no metrics
     # vLLM sent a metrics object without a TTFT (it lacked the timestamps): the proxy's.
-    usage.record(UsageEvent("a", "m", 1_398, 1_376, ttft_seconds=0.6,
-                            engine_queue_seconds=0.5), "tap")
+    usage.record(
+        UsageEvent("a", "m", 1_398, 1_376, ttft_seconds=0.6, engine_queue_seconds=0.5), "tap"
+    )
     registry = build_registry(state)
 
     def ttft(stat: str, state_name: str, source: str) -> float | None:
-        return registry.get_sample_value(f"vllm_cache_ttft_seconds_{stat}", {
-            "caller": "a", "model": "m", "state": state_name, "source": source})
+        return registry.get_sample_value(
+            f"vllm_cache_ttft_seconds_{stat}",
+            {"caller": "a", "model": "m", "state": state_name, "source": source},
+        )
 
     def queue(stat: str, source: str) -> float | None:
-        return registry.get_sample_value(f"vllm_cache_queue_wait_seconds_{stat}", {
-            "caller": "a", "model": "m", "source": source})
+        return registry.get_sample_value(
+            f"vllm_cache_queue_wait_seconds_{stat}", {"caller": "a", "model": "m", "source": source}
+        )
 
     assert (ttft("count", COLD, "engine"), ttft("sum", COLD, "engine")) == (1, 6.5)
     assert ttft("count", COLD, "proxy") is None  # the proxy's 9 - 2 s is not counted too
@@ -164,14 +206,22 @@ def test_reader_counters_and_last_event_time():
     registry = build_registry(state)
     assert value(registry, "vllm_cache_usage_events_total", reader="file") == 1
     assert value(registry, "vllm_cache_usage_events_total", reader="http") == 1
-    assert value(registry, "vllm_cache_usage_last_event_timestamp_seconds",
-                 reader="file") == 1_800_000_000.0
-    assert value(registry, "vllm_cache_usage_last_event_timestamp_seconds",
-                 reader="http") == 1_800_000_030.0
-    assert value(registry, "vllm_cache_usage_events_rejected_total", reader="http",
-                 reason="negative") == 2
-    assert value(registry, "vllm_cache_usage_ingest_requests_rejected_total",
-                 reason="unauthorized") == 1
+    assert (
+        value(registry, "vllm_cache_usage_last_event_timestamp_seconds", reader="file")
+        == 1_800_000_000.0
+    )
+    assert (
+        value(registry, "vllm_cache_usage_last_event_timestamp_seconds", reader="http")
+        == 1_800_000_030.0
+    )
+    assert (
+        value(registry, "vllm_cache_usage_events_rejected_total", reader="http", reason="negative")
+        == 2
+    )
+    assert (
+        value(registry, "vllm_cache_usage_ingest_requests_rejected_total", reason="unauthorized")
+        == 1
+    )
 
 
 def test_rejection_reasons_are_bounded(monkeypatch):

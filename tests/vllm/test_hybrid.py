@@ -42,20 +42,31 @@ DEMAND_TOLERANCE = 0.10
 
 
 @pytest.fixture(scope="module", params=sorted(hybrid.ARCHITECTURES))
-def played(request: pytest.FixtureRequest, vllm_python: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[hybrid.Played]:
+def played(
+    request: pytest.FixtureRequest, vllm_python: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[hybrid.Played]:
     architecture = request.param
     granule = hybrid.ARCHITECTURES[architecture]
     model_dir = tmp_path_factory.mktemp(architecture)
-    built = subprocess.run([str(vllm_python), str(HERE / "build_model.py"), str(model_dir),
-                            architecture], capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [str(vllm_python), str(HERE / "build_model.py"), str(model_dir), architecture],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if built.returncode != 0:
         pytest.fail(f"building {architecture} failed:\n{built.stderr[-3000:]}", pytrace=False)
     assert json.loads(built.stdout.strip().splitlines()[-1])["architecture"] == architecture
     model = f"tiny-{architecture}"
-    server = VllmServer(vllm_python, model_dir, tmp_path_factory.mktemp(f"{architecture}-run"),
-                        architecture, hybrid.server_args(granule), served_model_name=model,
-                        base_args=hybrid.BASE_ARGS)
+    server = VllmServer(
+        vllm_python,
+        model_dir,
+        tmp_path_factory.mktemp(f"{architecture}-run"),
+        architecture,
+        hybrid.server_args(granule),
+        served_model_name=model,
+        base_args=hybrid.BASE_ARGS,
+    )
     server.start()
     try:
         took = server.wait_ready()
@@ -63,7 +74,8 @@ def played(request: pytest.FixtureRequest, vllm_python: Path,
         result = hybrid.Played(architecture, granule, model, server.url + "/metrics", took, {})
         asyncio.run(hybrid.play(result, server.url))
         result.cache_config = next(
-            iter(_cache_configs(result.vllm_after)))  # the one engine's labels
+            iter(_cache_configs(result.vllm_after))
+        )  # the one engine's labels
         yield result
     except BaseException:
         print(f"\n----- last lines of {server.log_path} -----\n{server.log_tail()}")
@@ -85,8 +97,10 @@ def test_the_granule_is_the_block_size_vllm_chose(played: hybrid.Played) -> None
     assert int(fields["block_size"]) == played.granule
     assert fields["mamba_cache_mode"] == "align"
     assert fields["mamba_block_size"] == "16", "stale on every hybrid vLLM 0.32 server"
-    assert metric(played.tap_text, "vllm_cache_engine_block_size_tokens",
-                  model_name=played.model) == played.granule
+    assert (
+        metric(played.tap_text, "vllm_cache_engine_block_size_tokens", model_name=played.model)
+        == played.granule
+    )
 
 
 def test_every_cached_count_is_whole_granules(played: hybrid.Played) -> None:
@@ -97,18 +111,23 @@ def test_every_cached_count_is_whole_granules(played: hybrid.Played) -> None:
 
 
 def test_first_turns_cold_follow_ups_warm_and_the_rewritten_history_partial(
-        played: hybrid.Played) -> None:
+    played: hybrid.Played,
+) -> None:
     """Through the tap and through POST /v1/usage alike. Warm turns are well under 100%
     cached (whole granules, the last one re-read), and are warm all the same."""
-    expected = {"alice": {"cold": 1, "warm": hybrid.TURNS - 1, "partial": 0},
-                "bob": {"cold": 1, "warm": hybrid.TURNS - 1, "partial": 0},
-                "carol": {"cold": 1, "warm": hybrid.EDIT_AFTER - 1, "partial": 1}}
+    expected = {
+        "alice": {"cold": 1, "warm": hybrid.TURNS - 1, "partial": 0},
+        "bob": {"cold": 1, "warm": hybrid.TURNS - 1, "partial": 0},
+        "carol": {"cold": 1, "warm": hybrid.EDIT_AFTER - 1, "partial": 1},
+    }
     for text in (played.tap_text, played.ingest_text):
         for caller, states in expected.items():
             labels = {"caller": caller, "model": played.model}
             for state, count in states.items():
-                assert metric(text, "vllm_cache_requests_total", state=state,
-                              **labels) == count, (caller, state)
+                assert metric(text, "vllm_cache_requests_total", state=state, **labels) == count, (
+                    caller,
+                    state,
+                )
             for state in ("short", "unknown", "error"):
                 assert metric(text, "vllm_cache_requests_total", state=state, **labels) == 0
     warm = [turn.cached_tokens / turn.prompt_tokens for turn in played.turns["alice"][1:]]
@@ -116,25 +135,30 @@ def test_first_turns_cold_follow_ups_warm_and_the_rewritten_history_partial(
     # The rewrite: vLLM resumed at carol's first turn's last granule, far below what her
     # previous turn left cached.
     first, *_, before, rewritten = played.turns["carol"]
-    assert rewritten.cached_tokens == (first.prompt_tokens - 1) // played.granule \
-        * played.granule
-    assert rewritten.cached_tokens < (before.prompt_tokens - 1) // played.granule \
-        * played.granule - 2 * played.granule
+    assert rewritten.cached_tokens == (first.prompt_tokens - 1) // played.granule * played.granule
+    assert (
+        rewritten.cached_tokens
+        < (before.prompt_tokens - 1) // played.granule * played.granule - 2 * played.granule
+    )
 
 
 def test_the_learned_granularity_is_the_block_size(played: hybrid.Played) -> None:
     for text in (played.tap_text, played.ingest_text):
-        assert metric(text, "vllm_cache_granularity_tokens", model=played.model,
-                      source="learned") == played.granule
+        assert (
+            metric(text, "vllm_cache_granularity_tokens", model=played.model, source="learned")
+            == played.granule
+        )
 
 
 def test_per_caller_counters_split_vllms_own_exactly(played: hybrid.Played) -> None:
     """Each caller's hit ratio is its cached over its prompt tokens; summed over callers
     both are exactly what vLLM's own counters moved by."""
     hits = vllm_counter(played.vllm_after, "vllm:prefix_cache_hits_total") - vllm_counter(
-        played.vllm_before, "vllm:prefix_cache_hits_total")
-    queries = vllm_counter(played.vllm_after, "vllm:prefix_cache_queries_total") - \
-        vllm_counter(played.vllm_before, "vllm:prefix_cache_queries_total")
+        played.vllm_before, "vllm:prefix_cache_hits_total"
+    )
+    queries = vllm_counter(played.vllm_after, "vllm:prefix_cache_queries_total") - vllm_counter(
+        played.vllm_before, "vllm:prefix_cache_queries_total"
+    )
     for text in (played.tap_text, played.ingest_text):
         cached = prompt = 0.0
         for caller, turns in played.turns.items():
@@ -164,21 +188,31 @@ def test_the_demand_of_running_conversations_is_vllms_used_kv(played: hybrid.Pla
     for moment in played.moments:
         assert moment.running == moment.conversations == len(hybrid.CALLERS)
         assert moment.used_tokens > 0
-        assert abs(moment.demand_tokens - moment.used_tokens) <= DEMAND_TOLERANCE * \
-            moment.used_tokens + pool.state_tokens, moment
-    errors = sorted(abs(moment.demand_tokens - moment.used_tokens) / moment.used_tokens
-                    for moment in played.moments)
+        assert (
+            abs(moment.demand_tokens - moment.used_tokens)
+            <= DEMAND_TOLERANCE * moment.used_tokens + pool.state_tokens
+        ), moment
+    errors = sorted(
+        abs(moment.demand_tokens - moment.used_tokens) / moment.used_tokens
+        for moment in played.moments
+    )
     assert errors[len(errors) // 2] <= DEMAND_TOLERANCE, played.moments
-    print(f"{played.architecture}: demand vs vLLM's used KV tokens while running: "
-          + ", ".join(f"{m.demand_tokens:,.0f} vs {m.used_tokens:,.0f}"
-                      for m in played.moments))
+    print(
+        f"{played.architecture}: demand vs vLLM's used KV tokens while running: "
+        + ", ".join(f"{m.demand_tokens:,.0f} vs {m.used_tokens:,.0f}" for m in played.moments)
+    )
     assert played.usage_after == 0.0
 
 
 def test_check_names_the_granule_and_the_cpu_batching_limit(played: hybrid.Played) -> None:
     report = played.check
     assert report is not None and not report.problems, report.problems
-    assert any(f"cached in whole {played.granule:,}-token granules: a warm turn re-reads its "
-               "last granule" in line for line in report.lines), report.lines
-    assert any(f"keep --max-num-batched-tokens at {played.granule:,} or below" in note
-               for note in report.notes), report.notes
+    assert any(
+        f"cached in whole {played.granule:,}-token granules: a warm turn re-reads its "
+        "last granule" in line
+        for line in report.lines
+    ), report.lines
+    assert any(
+        f"keep --max-num-batched-tokens at {played.granule:,} or below" in note
+        for note in report.notes
+    ), report.notes

@@ -72,18 +72,43 @@ KINDS: dict[str, str | None] = {
 }
 # Counted on their own terms (test_several_sequences_...): vLLM counts their prompt n times.
 OTHER_KINDS: dict[str, str | None] = {"chat_n2": None}
-VLLM_FLAGS = ("--max-model-len", "4096", "--enable-prompt-tokens-details",
-              "--enable-per-request-metrics", "--enable-auto-tool-choice",
-              "--tool-call-parser", "hermes")
+VLLM_FLAGS = (
+    "--max-model-len",
+    "4096",
+    "--enable-prompt-tokens-details",
+    "--enable-per-request-metrics",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+)
 AGENT_TIMEOUT_SECONDS = 600
 # Keys whose values differ from call to call whatever the proxy does: ids and times, the
 # generated text, and what depends on the cache's state at that moment.
-UNSTABLE = frozenset({
-    "id", "item_id", "created", "created_at", "completed_at", "obfuscation", "sequence_number",
-    "text", "content", "delta", "arguments", "thinking", "partial_json", "output_text",
-    "cached_tokens", "created_cache_tokens", "cache_write_tokens",
-    "cache_read_input_tokens", "cache_creation_input_tokens", "metrics", "logprobs",
-})
+UNSTABLE = frozenset(
+    {
+        "id",
+        "item_id",
+        "created",
+        "created_at",
+        "completed_at",
+        "obfuscation",
+        "sequence_number",
+        "text",
+        "content",
+        "delta",
+        "arguments",
+        "thinking",
+        "partial_json",
+        "output_text",
+        "cached_tokens",
+        "created_cache_tokens",
+        "cache_write_tokens",
+        "cache_read_input_tokens",
+        "cache_creation_input_tokens",
+        "metrics",
+        "logprobs",
+    }
+)
 
 
 @pytest.fixture(scope="session")
@@ -101,10 +126,12 @@ def clients_python(pytestconfig: pytest.Config) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm(vllm_python: Path, tiny_model: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    server = VllmServer(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-clients"),
-                        "clients", VLLM_FLAGS)
+def vllm(
+    vllm_python: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    server = VllmServer(
+        vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-clients"), "clients", VLLM_FLAGS
+    )
     server.start()
     try:
         took = server.wait_ready()
@@ -124,11 +151,21 @@ def api_key(kind: str) -> str:
 
 
 async def run_agent(python: Path, base_url: str, kind: str, seeds: list[int]) -> list[Any]:
-    plan = {"base_url": base_url, "kind": kind, "api_key": api_key(kind), "seeds": seeds,
-            "turns": TURNS, "user": {**KINDS, **OTHER_KINDS}[kind]}
+    plan = {
+        "base_url": base_url,
+        "kind": kind,
+        "api_key": api_key(kind),
+        "seeds": seeds,
+        "turns": TURNS,
+        "user": {**KINDS, **OTHER_KINDS}[kind],
+    }
     process = await asyncio.create_subprocess_exec(
-        str(python), str(AGENT), json.dumps(plan), stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE)
+        str(python),
+        str(AGENT),
+        json.dumps(plan),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(process.communicate(), AGENT_TIMEOUT_SECONDS)
     assert process.returncode == 0, err.decode(errors="replace")[-3000:]
     return json.loads(out)["calls"]
@@ -140,8 +177,10 @@ def stable(value: Any) -> Any:
     the text's (a random-weight model's near-even logits let a cached and an uncached
     prefill pick different tokens)."""
     if isinstance(value, dict):
-        return {key: "*" if key in UNSTABLE and item is not None else stable(item)
-                for key, item in value.items()}
+        return {
+            key: "*" if key in UNSTABLE and item is not None else stable(item)
+            for key, item in value.items()
+        }
     if isinstance(value, list):
         items: list[Any] = []
         for item in map(stable, value):
@@ -152,8 +191,11 @@ def stable(value: Any) -> Any:
 
 
 def anthropic_prompt(usage: dict[str, Any]) -> int:
-    return (usage["input_tokens"] + (usage.get("cache_read_input_tokens") or 0)
-            + (usage.get("cache_creation_input_tokens") or 0))
+    return (
+        usage["input_tokens"]
+        + (usage.get("cache_read_input_tokens") or 0)
+        + (usage.get("cache_creation_input_tokens") or 0)
+    )
 
 
 def client_prompt_tokens(usage: dict[str, Any]) -> int:
@@ -176,7 +218,8 @@ def without_input_split(value: Any) -> Any:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 async def test_a_real_client_is_counted_exactly_and_answered_as_vllm_answers(
-        kind: str, vllm: VllmServer, clients_python: Path) -> None:
+    kind: str, vllm: VllmServer, clients_python: Path
+) -> None:
     exporter = await start_exporter(vllm.url)
     index = list(KINDS).index(kind)
     seeds = [1000 * (index + 1) + n for n in range(CONVERSATIONS)]
@@ -191,14 +234,15 @@ async def test_a_real_client_is_counted_exactly_and_answered_as_vllm_answers(
 
             # Counted exactly: the caller's totals are vLLM's own counts of the same calls.
             prompt = vllm_counter(after, "vllm:prompt_tokens_total") - vllm_counter(
-                before, "vllm:prompt_tokens_total")
+                before, "vllm:prompt_tokens_total"
+            )
             hits = vllm_counter(after, "vllm:prefix_cache_hits_total") - vllm_counter(
-                before, "vllm:prefix_cache_hits_total")
+                before, "vllm:prefix_cache_hits_total"
+            )
             labels = {"caller": caller, "model": MODEL_NAME}
             assert metric(scrape, "vllm_cache_prompt_tokens_total", **labels) == prompt > 0
             assert metric(scrape, "vllm_cache_cached_tokens_total", **labels) == hits > 0
-            assert metric(scrape, "vllm_cache_unreported_prompt_tokens_total",
-                          **labels) == 0
+            assert metric(scrape, "vllm_cache_unreported_prompt_tokens_total", **labels) == 0
             # Every call recorded once, none as an error, nothing refused.
             states = {event.status for event in exporter.recorded}
             assert len(exporter.recorded) == len(calls) and states == {200}, states
@@ -215,14 +259,16 @@ async def test_a_real_client_is_counted_exactly_and_answered_as_vllm_answers(
         through_tap = [call for call in calls if call["seed"] == seeds[0]]
         for tapped, straight in zip(through_tap, direct, strict=True):
             assert stable(without_input_split(tapped["parsed"])) == stable(
-                without_input_split(straight["parsed"])), (kind, tapped["turn"])
+                without_input_split(straight["parsed"])
+            ), (kind, tapped["turn"])
             assert (tapped["usage"] is None) == (straight["usage"] is None)
     finally:
         await exporter.close()
 
 
 async def test_several_sequences_of_one_prompt_are_not_read_as_a_warm_first_turn(
-        vllm: VllmServer, clients_python: Path) -> None:
+    vllm: VllmServer, clients_python: Path
+) -> None:
     """``n=2``: vLLM runs the prompt twice; its counters count it twice, the usage once,
     and the usage's cached count is one sequence's, which found the blocks its sibling had
     just written (so even a first turn comes back almost wholly cached). The exporter counts
@@ -237,19 +283,18 @@ async def test_several_sequences_of_one_prompt_are_not_read_as_a_warm_first_turn
             after = await vllm_metrics_after(session, vllm.url, before, 2 * len(calls))
             scrape = await exporter.scrape(session)
         first_turns = [call for call in calls if call["turn"] == 0]
-        reported = [call["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    for call in first_turns]
+        reported = [call["usage"]["prompt_tokens_details"]["cached_tokens"] for call in first_turns]
         assert all(cached > 0 for cached in reported), reported  # the siblings' blocks
         prompt = vllm_counter(after, "vllm:prompt_tokens_total") - vllm_counter(
-            before, "vllm:prompt_tokens_total")
+            before, "vllm:prompt_tokens_total"
+        )
         labels = {"caller": expected_caller(kind), "model": MODEL_NAME}
         counted = metric(scrape, "vllm_cache_unreported_prompt_tokens_total", **labels)
         assert counted == prompt / 2 == sum(call["usage"]["prompt_tokens"] for call in calls)
         # Out of the hit ratio: neither its numerator nor its denominator.
         assert metric(scrape, "vllm_cache_prompt_tokens_total", **labels) == 0
         assert metric(scrape, "vllm_cache_cached_tokens_total", **labels) == 0
-        assert metric(scrape, "vllm_cache_requests_total", state="unknown",
-                      **labels) == len(calls)
+        assert metric(scrape, "vllm_cache_requests_total", state="unknown", **labels) == len(calls)
         assert metric(scrape, "vllm_cache_requests_total", state="warm", **labels) == 0
     finally:
         await exporter.close()

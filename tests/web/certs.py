@@ -41,33 +41,58 @@ def _name(common_name: str) -> x509.Name:
 def _pem(certificate: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Issued:
     return Issued(
         certificate.public_bytes(serialization.Encoding.PEM),
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                          serialization.NoEncryption()),
-        certificate, key)
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+        certificate,
+        key,
+    )
 
 
 def make_ca(common_name: str = "test-only CA") -> Issued:
     key = ec.generate_private_key(ec.SECP256R1())
     certificate = (
         x509.CertificateBuilder()
-        .subject_name(_name(common_name)).issuer_name(_name(common_name))
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(VALID_FROM).not_valid_after(VALID_UNTIL)
+        .subject_name(_name(common_name))
+        .issuer_name(_name(common_name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(VALID_FROM)
+        .not_valid_after(VALID_UNTIL)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False,
-                                     encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
-                       critical=False)
-        .sign(key, hashes.SHA256()))
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     return _pem(certificate, key)
 
 
-def issue(ca: Issued, common_name: str, *, server: bool, dns: tuple[str, ...] = (),
-          ips: tuple[str, ...] = (), uris: tuple[str, ...] = (),
-          valid_from: datetime.datetime = VALID_FROM,
-          valid_until: datetime.datetime = VALID_UNTIL) -> Issued:
+def issue(
+    ca: Issued,
+    common_name: str,
+    *,
+    server: bool,
+    dns: tuple[str, ...] = (),
+    ips: tuple[str, ...] = (),
+    uris: tuple[str, ...] = (),
+    valid_from: datetime.datetime = VALID_FROM,
+    valid_until: datetime.datetime = VALID_UNTIL,
+) -> Issued:
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.DNSName(name) for name in dns]
     names += [x509.IPAddress(ipaddress.ip_address(address)) for address in ips]
@@ -75,13 +100,18 @@ def issue(ca: Issued, common_name: str, *, server: bool, dns: tuple[str, ...] = 
     usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
     builder = (
         x509.CertificateBuilder()
-        .subject_name(_name(common_name)).issuer_name(ca.certificate.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(valid_from).not_valid_after(valid_until)
+        .subject_name(_name(common_name))
+        .issuer_name(ca.certificate.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(valid_from)
+        .not_valid_after(valid_until)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-            ca.key.public_key()), critical=False))
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False
+        )
+    )
     if names:
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return _pem(builder.sign(ca.key, hashes.SHA256()), key)
@@ -109,14 +139,32 @@ def make_pki(folder: Path) -> Pki:
     ca, other_ca = make_ca("test-only CA"), make_ca("test-only unrelated CA")
     (folder / "ca.crt").write_bytes(ca.cert_pem)
     (folder / "other-ca.crt").write_bytes(other_ca.cert_pem)
-    server_cert, server_key = issue(ca, "exporter", server=True, dns=("localhost",),
-                                    ips=("127.0.0.1",)).write(folder, "tls")
+    server_cert, server_key = issue(
+        ca, "exporter", server=True, dns=("localhost",), ips=("127.0.0.1",)
+    ).write(folder, "tls")
     client_cert, client_key = issue(
-        ca, "prometheus", server=False, dns=("prometheus.example",),
-        uris=("spiffe://test/prometheus",)).write(folder, "client")
-    other_cert, other_key = issue(other_ca, "prometheus", server=False,
-                                  dns=("prometheus.example",)).write(folder, "other-client")
-    intruder_cert, intruder_key = issue(ca, "intruder", server=False,
-                                        dns=("intruder.example",)).write(folder, "intruder")
-    return Pki(folder, folder / "ca.crt", server_cert, server_key, client_cert, client_key,
-               folder / "other-ca.crt", other_cert, other_key, intruder_cert, intruder_key)
+        ca,
+        "prometheus",
+        server=False,
+        dns=("prometheus.example",),
+        uris=("spiffe://test/prometheus",),
+    ).write(folder, "client")
+    other_cert, other_key = issue(
+        other_ca, "prometheus", server=False, dns=("prometheus.example",)
+    ).write(folder, "other-client")
+    intruder_cert, intruder_key = issue(
+        ca, "intruder", server=False, dns=("intruder.example",)
+    ).write(folder, "intruder")
+    return Pki(
+        folder,
+        folder / "ca.crt",
+        server_cert,
+        server_key,
+        client_cert,
+        client_key,
+        folder / "other-ca.crt",
+        other_cert,
+        other_key,
+        intruder_cert,
+        intruder_key,
+    )

@@ -30,8 +30,9 @@ def hash_of() -> Callable[[str], str]:
     return make
 
 
-def client_context(pki: Pki, *, cert: Path | None = None, key: Path | None = None,
-                   ca: Path | None = None) -> ssl.SSLContext:
+def client_context(
+    pki: Pki, *, cert: Path | None = None, key: Path | None = None, ca: Path | None = None
+) -> ssl.SSLContext:
     """What a careful client does: verify the server against the test CA, maybe present
     a client certificate."""
     context = ssl.create_default_context(cafile=str(ca or pki.ca))
@@ -41,8 +42,10 @@ def client_context(pki: Pki, *, cert: Path | None = None, key: Path | None = Non
 
 
 @asynccontextmanager
-async def serving(app: web.Application, ssl_context: ssl.SSLContext | None,
-                  ) -> AsyncIterator[str]:
+async def serving(
+    app: web.Application,
+    ssl_context: ssl.SSLContext | None,
+) -> AsyncIterator[str]:
     """Serve ``app`` on a free 127.0.0.1 port; yield its base URL."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

@@ -34,9 +34,15 @@ class Clock:
 def server_certificate(pki: Pki, valid_until: datetime.datetime) -> float:
     """A new server certificate (and chain file: leaf then its CA) at tls.crt/tls.key."""
     ca = make_ca("expiry test CA")
-    leaf = issue(ca, "exporter", server=True, dns=("localhost",), ips=("127.0.0.1",),
-                 valid_from=valid_until - datetime.timedelta(days=400),
-                 valid_until=valid_until)
+    leaf = issue(
+        ca,
+        "exporter",
+        server=True,
+        dns=("localhost",),
+        ips=("127.0.0.1",),
+        valid_from=valid_until - datetime.timedelta(days=400),
+        valid_until=valid_until,
+    )
     (pki.folder / "tls.crt").write_bytes(leaf.cert_pem + ca.cert_pem)
     (pki.folder / "tls.key").write_bytes(leaf.key_pem)
     return valid_until.timestamp()
@@ -49,8 +55,11 @@ def exported(listener: WebListener) -> float | None:
 
 
 def warnings_of(caplog) -> list[str]:
-    return [record.getMessage() for record in caplog.records
-            if record.levelno == logging.WARNING and "certificate" in record.getMessage()]
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno == logging.WARNING and "certificate" in record.getMessage()
+    ]
 
 
 async def test_an_expired_certificate_is_served_exported_and_warned_about(pki, caplog):
@@ -77,8 +86,10 @@ def test_a_certificate_close_to_expiry_is_warned_about_once(pki, caplog):
     clock = Clock()
     listener = WebListener.open(write_config(pki, tls_config()), "tap", wall_clock=clock)
     assert exported(listener) == soon
-    assert warnings_of(caplog) == ["tap: the TLS certificate served expires at 2027-06-04 "
-                                   f"12:00:00 UTC, in 3.5 days: renew it ({pki.folder}/web.yml)"]
+    assert warnings_of(caplog) == [
+        "tap: the TLS certificate served expires at 2027-06-04 "
+        f"12:00:00 UTC, in 3.5 days: renew it ({pki.folder}/web.yml)"
+    ]
     listener.current_ssl_context()
     assert len(warnings_of(caplog)) == 1
     clock.now = soon + 1  # the running listener's certificate expires: said at once more
@@ -86,8 +97,7 @@ def test_a_certificate_close_to_expiry_is_warned_about_once(pki, caplog):
     assert len(warnings_of(caplog)) == 2 and "expired" in warnings_of(caplog)[1]
 
 
-def test_a_valid_certificate_warns_only_when_it_gets_close_and_a_renewal_is_exported(pki,
-                                                                                   caplog):
+def test_a_valid_certificate_warns_only_when_it_gets_close_and_a_renewal_is_exported(pki, caplog):
     caplog.set_level(logging.INFO)
     until = server_certificate(pki, NOW + datetime.timedelta(days=90))
     clock = Clock()
@@ -102,8 +112,9 @@ def test_a_valid_certificate_warns_only_when_it_gets_close_and_a_renewal_is_expo
 
 
 def test_without_tls_there_is_no_expiry_series(pki):
-    listener = WebListener.open(write_config(
-        pki, "http_server_config:\n  headers:\n    X-Frame-Options: deny\n"), "web")
+    listener = WebListener.open(
+        write_config(pki, "http_server_config:\n  headers:\n    X-Frame-Options: deny\n"), "web"
+    )
     assert exported(listener) is None
 
 
@@ -113,10 +124,15 @@ def test_the_expiry_is_read_from_each_certificate_of_the_chain(pki):
     late = issue(ca, "b", server=True, valid_until=NOW + datetime.timedelta(days=1))
     assert chain_not_after(late.cert_pem + early.cert_pem) == NOW.timestamp()
     # UTCTime years before 2050, GeneralizedTime from 2050 on (RFC 5280 4.1.2.5)
-    far = issue(ca, "c", server=True, valid_until=datetime.datetime(
-        2051, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc))
-    assert chain_not_after(far.cert_pem) == datetime.datetime(
-        2051, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc).timestamp()
-    assert chain_not_after(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----") \
-        is None
+    far = issue(
+        ca,
+        "c",
+        server=True,
+        valid_until=datetime.datetime(2051, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc),
+    )
+    assert (
+        chain_not_after(far.cert_pem)
+        == datetime.datetime(2051, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc).timestamp()
+    )
+    assert chain_not_after(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----") is None
     assert chain_not_after(b"no certificate here") is None

@@ -33,13 +33,13 @@ def test_an_empty_file_is_plain_http_without_auth():
 
 
 def test_relative_paths_are_resolved_against_the_files_folder_absolute_kept():
-    config = parse(TLS + "  client_auth_type: RequireAndVerifyClientCert\n"
-                         "  client_ca_file: /pki/ca.crt\n")
+    config = parse(
+        TLS + "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: /pki/ca.crt\n"
+    )
     assert config.tls.cert_file == "/etc/exporter/tls.crt"
     assert config.tls.key_file == "/etc/exporter/tls.key"
     assert config.tls.client_ca_file == "/pki/ca.crt"
-    assert config.files == (PATH, "/etc/exporter/tls.crt", "/etc/exporter/tls.key",
-                            "/pki/ca.crt")
+    assert config.files == (PATH, "/etc/exporter/tls.crt", "/etc/exporter/tls.key", "/pki/ca.crt")
 
 
 def test_defaults_are_the_toolkits():
@@ -73,11 +73,15 @@ basic_auth_users:
 """)
     assert config.tls.enabled and config.tls.files == ()
     assert config.tls.client_allowed_sans == ("prometheus.example", "10.0.0.1")
-    assert config.tls.cipher_suites == ("TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
-                                        "TLS_RSA_WITH_AES_256_CBC_SHA")
+    assert config.tls.cipher_suites == (
+        "TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256",
+        "TLS_RSA_WITH_AES_256_CBC_SHA",
+    )
     assert config.tls.prefer_server_cipher_suites is False
-    assert config.headers == (("X-Frame-Options", "deny"),
-                              ("Strict-Transport-Security", "max-age=31536000"))
+    assert config.headers == (
+        ("X-Frame-Options", "deny"),
+        ("Strict-Transport-Security", "max-age=31536000"),
+    )
     assert config.users == (("prometheus", HASH.encode()), ("123", HASH.encode()))
 
 
@@ -85,9 +89,15 @@ def test_every_go_cipher_name_maps_to_one_openssl_name():
     assert len(set(GO_TO_OPENSSL_CIPHERS.values())) == len(GO_TO_OPENSSL_CIPHERS) == 14
 
 
-@pytest.mark.parametrize("hashed", [
-    "$2a$10$" + "a" * 53, "$2b$04$" + "a" * 53, "$2y$31$" + "a" * 53, "$2x$12$" + "./" * 26 + "A",
-])
+@pytest.mark.parametrize(
+    "hashed",
+    [
+        "$2a$10$" + "a" * 53,
+        "$2b$04$" + "a" * 53,
+        "$2y$31$" + "a" * 53,
+        "$2x$12$" + "./" * 26 + "A",
+    ],
+)
 def test_bcrypt_hash_forms_that_bcrypt_verifies(hashed):
     assert parse(f"basic_auth_users:\n  u: '{hashed}'\n").users == (("u", hashed.encode()),)
 
@@ -97,72 +107,144 @@ REJECTED = [
     # --- keys: unknown, unsupported, duplicated -----------------------------------------
     ("tls_server_config_typo: {}\n", "tls_server_config_typo", "unknown key"),
     ("rate_limit: {interval: 1s}\n", "rate_limit", "not supported"),
-    (TLS + "  curve_preferences: [X25519]\n", "tls_server_config.curve_preferences",
-     "not supported"),
+    (
+        TLS + "  curve_preferences: [X25519]\n",
+        "tls_server_config.curve_preferences",
+        "not supported",
+    ),
     (TLS + "  cert_files: x\n", "tls_server_config.cert_files", "unknown key"),
     ("http_server_config: {http3: true}\n", "http_server_config.http3", "unknown key"),
     ("http_server_config: {http2: true}\n", "http_server_config.http2", "HTTP/1.1 only"),
     (TLS + TLS, "", "given twice"),
     (f"basic_auth_users:\n  a: '{HASH}'\n  a: '{HASH}'\n", "", "given twice"),
     # --- client auth ------------------------------------------------------------------------
-    (TLS + "  client_auth_type: RequestClientCert\n", "tls_server_config.client_auth_type",
-     "verifies every client certificate"),
-    (TLS + "  client_auth_type: RequireAnyClientCert\n", "tls_server_config.client_auth_type",
-     "not supported"),
-    (TLS + "  client_auth_type: RequireClientCert\n", "tls_server_config.client_auth_type",
-     "not supported"),
-    (TLS + "  client_auth_type: requireandverifyclientcert\n",
-     "tls_server_config.client_auth_type", "invalid client auth type"),
-    (TLS + "  client_ca_file: ca.crt\n", "tls_server_config.client_auth_type",
-     "without a client auth policy"),
-    (TLS + "  client_allowed_sans: [a]\n", "tls_server_config.client_allowed_sans",
-     "needs client_auth_type"),
-    (TLS + "  client_auth_type: RequireAndVerifyClientCert\n  client_allowed_sans: []\n",
-     "tls_server_config.client_allowed_sans", "refuse every client"),
+    (
+        TLS + "  client_auth_type: RequestClientCert\n",
+        "tls_server_config.client_auth_type",
+        "verifies every client certificate",
+    ),
+    (
+        TLS + "  client_auth_type: RequireAnyClientCert\n",
+        "tls_server_config.client_auth_type",
+        "not supported",
+    ),
+    (
+        TLS + "  client_auth_type: RequireClientCert\n",
+        "tls_server_config.client_auth_type",
+        "not supported",
+    ),
+    (
+        TLS + "  client_auth_type: requireandverifyclientcert\n",
+        "tls_server_config.client_auth_type",
+        "invalid client auth type",
+    ),
+    (
+        TLS + "  client_ca_file: ca.crt\n",
+        "tls_server_config.client_auth_type",
+        "without a client auth policy",
+    ),
+    (
+        TLS + "  client_allowed_sans: [a]\n",
+        "tls_server_config.client_allowed_sans",
+        "needs client_auth_type",
+    ),
+    (
+        TLS + "  client_auth_type: RequireAndVerifyClientCert\n  client_allowed_sans: []\n",
+        "tls_server_config.client_allowed_sans",
+        "refuse every client",
+    ),
     # --- certificates -------------------------------------------------------------------
-    ("tls_server_config: {key_file: tls.key}\n", "tls_server_config.cert_file",
-     "missing one of cert or cert_file"),
-    ("tls_server_config: {cert_file: tls.crt}\n", "tls_server_config.key_file",
-     "missing one of key or key_file"),
+    (
+        "tls_server_config: {key_file: tls.key}\n",
+        "tls_server_config.cert_file",
+        "missing one of cert or cert_file",
+    ),
+    (
+        "tls_server_config: {cert_file: tls.crt}\n",
+        "tls_server_config.key_file",
+        "missing one of key or key_file",
+    ),
     (TLS + "  cert: x\n", "tls_server_config.cert", "together with cert_file"),
     (TLS + "  key: x\n", "tls_server_config.key", "together with key_file"),
-    (TLS + "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: a\n"
-           "  client_ca: b\n", "tls_server_config.client_ca", "together with client_ca_file"),
-    ("tls_server_config: {min_version: TLS13}\n", "tls_server_config.min_version",
-     "TLS would be off"),
+    (
+        TLS + "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: a\n"
+        "  client_ca: b\n",
+        "tls_server_config.client_ca",
+        "together with client_ca_file",
+    ),
+    (
+        "tls_server_config: {min_version: TLS13}\n",
+        "tls_server_config.min_version",
+        "TLS would be off",
+    ),
     # --- versions and ciphers -----------------------------------------------------------
     (TLS + "  min_version: TLS14\n", "tls_server_config.min_version", "unknown TLS version"),
     (TLS + "  max_version: tls12\n", "tls_server_config.max_version", "unknown TLS version"),
-    (TLS + "  min_version: TLS13\n  max_version: TLS12\n", "tls_server_config.min_version",
-     "above max_version"),
-    (TLS + "  cipher_suites: [TLS_AES_128_GCM_SHA256]\n", "tls_server_config.cipher_suites",
-     "TLS 1.3 suite"),
-    (TLS + "  cipher_suites: [TLS_RSA_WITH_RC4_128_SHA]\n", "tls_server_config.cipher_suites",
-     "unknown cipher"),
-    (TLS + "  cipher_suites: [TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305]\n",
-     "tls_server_config.cipher_suites", "unknown cipher"),
-    (TLS + "  cipher_suites: TLS_RSA_WITH_AES_128_CBC_SHA\n",
-     "tls_server_config.cipher_suites", "list of strings"),
-    (TLS + "  prefer_server_cipher_suites: maybe\n",
-     "tls_server_config.prefer_server_cipher_suites", "true or false"),
+    (
+        TLS + "  min_version: TLS13\n  max_version: TLS12\n",
+        "tls_server_config.min_version",
+        "above max_version",
+    ),
+    (
+        TLS + "  cipher_suites: [TLS_AES_128_GCM_SHA256]\n",
+        "tls_server_config.cipher_suites",
+        "TLS 1.3 suite",
+    ),
+    (
+        TLS + "  cipher_suites: [TLS_RSA_WITH_RC4_128_SHA]\n",
+        "tls_server_config.cipher_suites",
+        "unknown cipher",
+    ),
+    (
+        TLS + "  cipher_suites: [TLS_ECDHE_RSA_WITH_CHACHA20_POLY1305]\n",
+        "tls_server_config.cipher_suites",
+        "unknown cipher",
+    ),
+    (
+        TLS + "  cipher_suites: TLS_RSA_WITH_AES_128_CBC_SHA\n",
+        "tls_server_config.cipher_suites",
+        "list of strings",
+    ),
+    (
+        TLS + "  prefer_server_cipher_suites: maybe\n",
+        "tls_server_config.prefer_server_cipher_suites",
+        "true or false",
+    ),
     # --- headers ------------------------------------------------------------------------
-    ("http_server_config: {headers: {x-frame-options: deny}}\n",
-     "http_server_config.headers.x-frame-options", "cannot be configured"),
-    ("http_server_config: {headers: {Server: x}}\n", "http_server_config.headers.Server",
-     "cannot be configured"),
-    ("http_server_config: {headers: {X-Frame-Options: DENY}}\n",
-     "http_server_config.headers.X-Frame-Options", "invalid value"),
-    ("http_server_config: {headers: {X-Content-Type-Options: sniff}}\n",
-     "http_server_config.headers.X-Content-Type-Options", "invalid value"),
-    ("http_server_config: {headers: [X-Frame-Options]}\n", "http_server_config.headers",
-     "mapping"),
+    (
+        "http_server_config: {headers: {x-frame-options: deny}}\n",
+        "http_server_config.headers.x-frame-options",
+        "cannot be configured",
+    ),
+    (
+        "http_server_config: {headers: {Server: x}}\n",
+        "http_server_config.headers.Server",
+        "cannot be configured",
+    ),
+    (
+        "http_server_config: {headers: {X-Frame-Options: DENY}}\n",
+        "http_server_config.headers.X-Frame-Options",
+        "invalid value",
+    ),
+    (
+        "http_server_config: {headers: {X-Content-Type-Options: sniff}}\n",
+        "http_server_config.headers.X-Content-Type-Options",
+        "invalid value",
+    ),
+    ("http_server_config: {headers: [X-Frame-Options]}\n", "http_server_config.headers", "mapping"),
     # --- users --------------------------------------------------------------------------
     ("basic_auth_users: {a: plaintext}\n", "basic_auth_users.a", "not a bcrypt hash"),
     ("basic_auth_users: {a: 1}\n", "basic_auth_users.a", "not a bcrypt hash"),
-    ("basic_auth_users: {a: '$2y$03$" + "a" * 53 + "'}\n", "basic_auth_users.a",
-     "not a bcrypt hash"),
-    ("basic_auth_users: {a: '$2$10$" + "a" * 53 + "'}\n", "basic_auth_users.a",
-     "not a bcrypt hash"),
+    (
+        "basic_auth_users: {a: '$2y$03$" + "a" * 53 + "'}\n",
+        "basic_auth_users.a",
+        "not a bcrypt hash",
+    ),
+    (
+        "basic_auth_users: {a: '$2$10$" + "a" * 53 + "'}\n",
+        "basic_auth_users.a",
+        "not a bcrypt hash",
+    ),
     (f"basic_auth_users: {{123: '{HASH}'}}\n", "basic_auth_users", "must be a string"),
     (f"basic_auth_users: {{'a:b': '{HASH}'}}\n", "basic_auth_users.a:b", "':'"),
     ("basic_auth_users: [a]\n", "basic_auth_users", "mapping"),
@@ -173,9 +255,11 @@ REJECTED = [
 ]
 
 
-@pytest.mark.parametrize("text,key,words", REJECTED,
-                         ids=[f"{index}-{key or words}" for index, (_t, key, words)
-                              in enumerate(REJECTED)])
+@pytest.mark.parametrize(
+    "text,key,words",
+    REJECTED,
+    ids=[f"{index}-{key or words}" for index, (_t, key, words) in enumerate(REJECTED)],
+)
 def test_rejected_with_one_line_naming_the_key(text, key, words):
     with pytest.raises(WebConfigError) as caught:
         parse(text)
@@ -204,6 +288,9 @@ def test_reading_the_file(tmp_path: Path):
 
 
 def test_the_key_never_shows_in_a_repr():
-    config = parse("tls_server_config:\n  cert: '-----BEGIN CERTIFICATE-----'\n"
-                   "  key: SECRET-KEY-MATERIAL\n" f"basic_auth_users: {{a: '{HASH}'}}\n")
+    config = parse(
+        "tls_server_config:\n  cert: '-----BEGIN CERTIFICATE-----'\n"
+        "  key: SECRET-KEY-MATERIAL\n"
+        f"basic_auth_users: {{a: '{HASH}'}}\n"
+    )
     assert "SECRET-KEY-MATERIAL" not in repr(config) and HASH not in repr(config)

@@ -26,7 +26,7 @@ BOTH_ACCEPT = {
     "tls": TLS,
     "mtls": MTLS,
     "verify-if-given": TLS + "  client_auth_type: VerifyClientCertIfGiven\n"
-                             "  client_ca_file: ca.crt\n",
+    "  client_ca_file: ca.crt\n",
     "no-client-cert": TLS + "  client_auth_type: NoClientCert\n",
     "no-ca-required": TLS + "  client_auth_type: RequireAndVerifyClientCert\n",
     "versions": TLS + "  min_version: TLS13\n  max_version: TLS13\n",
@@ -34,15 +34,19 @@ BOTH_ACCEPT = {
     "prefer-client": TLS + "  prefer_server_cipher_suites: false\n",
     "http2-off": "http_server_config:\n  http2: false\n",
     "headers": "http_server_config:\n  headers:\n    Strict-Transport-Security: max-age=1\n"
-               "    X-Content-Type-Options: nosniff\n    X-Frame-Options: sameorigin\n"
-               "    X-XSS-Protection: '1; mode=block'\n"
-               "    Content-Security-Policy: default-src 'self'\n",
+    "    X-Content-Type-Options: nosniff\n    X-Frame-Options: sameorigin\n"
+    "    X-XSS-Protection: '1; mode=block'\n"
+    "    Content-Security-Policy: default-src 'self'\n",
     "everything": MTLS + "  min_version: TLS12\n  cipher_suites: [TLS_RSA_WITH_AES_128_CBC_SHA]\n"
-                         "http_server_config:\n  headers:\n    X-Frame-Options: deny\n"
-                         f"basic_auth_users:\n  a: '{HASH}'\n  b: '{HASH}'\n",
+    "http_server_config:\n  headers:\n    X-Frame-Options: deny\n"
+    f"basic_auth_users:\n  a: '{HASH}'\n  b: '{HASH}'\n",
 }
-BOTH_ACCEPT.update({f"cipher-{name}": TLS + f"  max_version: TLS12\n  cipher_suites: [{name}]\n"
-                    for name in GO_TO_OPENSSL_CIPHERS})
+BOTH_ACCEPT.update(
+    {
+        f"cipher-{name}": TLS + f"  max_version: TLS12\n  cipher_suites: [{name}]\n"
+        for name in GO_TO_OPENSSL_CIPHERS
+    }
+)
 
 BOTH_REJECT = {
     "unknown-key": "tls_config: {}\n",
@@ -82,8 +86,12 @@ def promtool_verdicts(folder: Path, files: dict[str, str]) -> dict[str, bool]:
         path = folder / f"{name}.yml"
         path.write_text(text, encoding="utf-8")
         paths.append(path)
-    result = subprocess.run([promtool, "check", "web-config", *map(str, paths)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [promtool, "check", "web-config", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     output = result.stdout + result.stderr
     verdicts = {}
     for name, path in zip(files, paths, strict=True):
@@ -117,8 +125,7 @@ def test_promtool_and_the_exporter_accept_every_shipped_example(folder):
         config, context = load(str(folder / f"{name}.yml"))
         assert context is not None and config.tls.min_version == "TLS12"
     assert load(str(folder / "tls-basic-auth.yml"))[0].users
-    assert load(str(folder / "mtls.yml"))[0].tls.client_auth_type == \
-        "RequireAndVerifyClientCert"
+    assert load(str(folder / "mtls.yml"))[0].tls.client_auth_type == "RequireAndVerifyClientCert"
 
 
 def test_what_promtool_accepts_with_supported_keys_the_exporter_accepts(folder):

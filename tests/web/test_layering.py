@@ -23,7 +23,12 @@ def imported_modules(path: Path) -> set[str]:
 def test_exporter_web_imports_only_itself_from_the_package():
     files = sorted(PACKAGE.glob("*.py"))
     assert len(files) >= 5
-    outside = {f"{path.name}: {name}" for path in files for name in imported_modules(path)
-               if (name == "exporter" or name.startswith("exporter."))
-               and not name.startswith("exporter.web") and name != "exporter.families"}
+    outside = {
+        f"{path.name}: {name}"
+        for path in files
+        for name in imported_modules(path)
+        if (name == "exporter" or name.startswith("exporter."))
+        and not name.startswith("exporter.web")
+        and name != "exporter.families"
+    }
     assert outside == set()

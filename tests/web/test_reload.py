@@ -34,8 +34,9 @@ def rotate_server_certificate(pki: Pki) -> ssl.SSLContext:
     """New CA, new server certificate at the same paths; a client context trusting only
     the new CA."""
     new_ca = make_ca("test-only rotated CA")
-    issue(new_ca, "exporter", server=True, dns=("localhost",),
-          ips=("127.0.0.1",)).write(pki.folder, "tls")
+    issue(new_ca, "exporter", server=True, dns=("localhost",), ips=("127.0.0.1",)).write(
+        pki.folder, "tls"
+    )
     (pki.folder / "new-ca.crt").write_bytes(new_ca.cert_pem)
     return ssl.create_default_context(cafile=str(pki.folder / "new-ca.crt"))
 
@@ -86,16 +87,20 @@ async def test_client_certificates_turned_on_by_a_reload_apply_to_new_connection
     async with serving(demo_app(), listener.ssl_context) as url:
         async with aiohttp.ClientSession() as client:
             await port_of(client, url, ssl=client_context(pki))
-        write_config(pki, tls_config("  client_auth_type: RequireAndVerifyClientCert\n"
-                                     "  client_ca_file: ca.crt\n"))
+        write_config(
+            pki,
+            tls_config(
+                "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n"
+            ),
+        )
         assert await refused(url, client_context(pki))
         async with aiohttp.ClientSession() as client:
-            await port_of(client, url, ssl=client_context(pki, cert=pki.client_cert,
-                                                           key=pki.client_key))
+            await port_of(
+                client, url, ssl=client_context(pki, cert=pki.client_cert, key=pki.client_key)
+            )
 
 
-async def test_a_bad_file_keeps_the_last_good_one_logs_once_and_is_counted(pki, hash_of,
-                                                                            caplog):
+async def test_a_bad_file_keeps_the_last_good_one_logs_once_and_is_counted(pki, hash_of, caplog):
     path = write_config(pki, tls_config() + f"basic_auth_users:\n  a: '{hash_of('pw')}'\n")
     seen: list[ReloadStatus] = []
     clock = Clock()
@@ -123,11 +128,14 @@ async def test_a_bad_file_keeps_the_last_good_one_logs_once_and_is_counted(pki, 
     assert status.last_success_unix == started_at + 60
 
 
-@pytest.mark.parametrize("broken", [
-    "http_server_config: {}\n",  # TLS off: needs a restart
-    "tls_server_config:\n  cert_file: tls.crt\n  key_file: absent.key\n",
-    "tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n  curve_preferences: []\n",
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        "http_server_config: {}\n",  # TLS off: needs a restart
+        "tls_server_config:\n  cert_file: tls.crt\n  key_file: absent.key\n",
+        "tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n  curve_preferences: []\n",
+    ],
+)
 async def test_refused_reloads_keep_tls_serving(pki, broken):
     listener = WebListener.open(write_config(pki, tls_config()), "web")
     async with serving(demo_app(), listener.ssl_context) as url:
@@ -150,8 +158,9 @@ async def test_a_missing_file_that_appears_later_is_picked_up(pki):
 
 async def test_sighup_reloads_before_any_new_connection_open_ones_keep_going(pki):
     reloaded = asyncio.Event()
-    listener = WebListener.open(write_config(pki, tls_config()), "web",
-                                on_reload=lambda _status: reloaded.set())
+    listener = WebListener.open(
+        write_config(pki, tls_config()), "web", on_reload=lambda _status: reloaded.set()
+    )
     loop = asyncio.get_running_loop()
     assert install_sighup([listener])
     try:
@@ -179,10 +188,21 @@ def test_reload_series(pki):
     write_config(pki, "nonsense: 1\n")
     listener.reload()
     labels = {"listener": "tap"}
-    assert registry.get_sample_value("vllm_cache_exporter_web_config_reloads_total",
-                                     {**labels, "result": "failure"}) == 1
-    assert registry.get_sample_value("vllm_cache_exporter_web_config_reloads_total",
-                                     {**labels, "result": "success"}) == 0
-    assert registry.get_sample_value(
-        "vllm_cache_exporter_web_config_last_reload_success_timestamp_seconds",
-        labels) == clock.now
+    assert (
+        registry.get_sample_value(
+            "vllm_cache_exporter_web_config_reloads_total", {**labels, "result": "failure"}
+        )
+        == 1
+    )
+    assert (
+        registry.get_sample_value(
+            "vllm_cache_exporter_web_config_reloads_total", {**labels, "result": "success"}
+        )
+        == 0
+    )
+    assert (
+        registry.get_sample_value(
+            "vllm_cache_exporter_web_config_last_reload_success_timestamp_seconds", labels
+        )
+        == clock.now
+    )

@@ -18,8 +18,10 @@ from exporter.web.auth import PasswordVerifier, Verdict
 from tests.web.certs import Pki
 from tests.web.conftest import HITS, client_context, demo_app, serving
 
-HEADERS = ("http_server_config:\n  headers:\n    X-Frame-Options: deny\n"
-           "    Strict-Transport-Security: max-age=63072000\n")
+HEADERS = (
+    "http_server_config:\n  headers:\n    X-Frame-Options: deny\n"
+    "    Strict-Transport-Security: max-age=63072000\n"
+)
 
 
 def write_config(pki: Pki, text: str) -> str:
@@ -37,8 +39,11 @@ def basic(user: str, password: str) -> dict[str, str]:
     return {"Authorization": f"Basic {token}"}
 
 
-async def get(url: str, context: ssl.SSLContext | bool, **kwargs: object,
-              ) -> tuple[int, dict[str, str], str]:
+async def get(
+    url: str,
+    context: ssl.SSLContext | bool,
+    **kwargs: object,
+) -> tuple[int, dict[str, str], str]:
     async with aiohttp.ClientSession() as session:
         async with session.get(url, ssl=context, **kwargs) as response:  # type: ignore[arg-type]
             return response.status, dict(response.headers), await response.text()
@@ -66,16 +71,21 @@ async def test_basic_auth_401_without_or_with_wrong_credentials_200_with_right(p
     listener.install(app)
     context = client_context(pki)
     async with serving(app, listener.ssl_context) as url:
-        for headers in ({}, basic("prometheus", "wrong"), basic("nobody", "s3cret"),
-                        {"Authorization": "Bearer s3cret"}, {"Authorization": "Basic !!!"}):
-            status, response_headers, body = await get(url + "/metrics", context,
-                                                       headers=headers)
+        for headers in (
+            {},
+            basic("prometheus", "wrong"),
+            basic("nobody", "s3cret"),
+            {"Authorization": "Bearer s3cret"},
+            {"Authorization": "Basic !!!"},
+        ):
+            status, response_headers, body = await get(url + "/metrics", context, headers=headers)
             assert status == 401, headers
             assert response_headers["WWW-Authenticate"] == "Basic"
             assert response_headers["X-Frame-Options"] == "deny", "headers on a 401 too"
             assert "client_port" not in body
-        status, response_headers, _body = await get(url + "/metrics", context,
-                                                    headers=basic("prometheus", "s3cret"))
+        status, response_headers, _body = await get(
+            url + "/metrics", context, headers=basic("prometheus", "s3cret")
+        )
         assert status == 200
         assert response_headers["Strict-Transport-Security"] == "max-age=63072000"
         assert "WWW-Authenticate" not in response_headers
@@ -121,8 +131,7 @@ def _blocking_request(url: str, context: ssl.SSLContext) -> bytes:
     host, port = url.removeprefix("https://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         with context.wrap_socket(sock, server_hostname="localhost") as tls:
-            tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n"
-                        b"Connection: close\r\n\r\n")
+            tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
             chunks = []
             while chunk := tls.recv(65536):
                 chunks.append(chunk)
@@ -148,7 +157,7 @@ async def refused(url: str, context: ssl.SSLContext) -> str:
     return "closed"
 
 
-MTLS = ("  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n")
+MTLS = "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n"
 
 
 async def test_mtls_refuses_a_client_without_a_certificate_at_the_handshake(pki):
@@ -157,12 +166,14 @@ async def test_mtls_refuses_a_client_without_a_certificate_at_the_handshake(pki)
     listener.install(app)
     async with serving(app, listener.ssl_context) as url:
         answer = await handshake_and_request(
-            url, client_context(pki, cert=pki.client_cert, key=pki.client_key))
+            url, client_context(pki, cert=pki.client_cert, key=pki.client_key)
+        )
         assert answer.startswith(b"HTTP/1.1 200")
         assert app[HITS] == ["/metrics"]
-        for context in (client_context(pki),  # no certificate
-                        client_context(pki, cert=pki.other_client_cert,
-                                       key=pki.other_client_key)):  # another CA's
+        for context in (
+            client_context(pki),  # no certificate
+            client_context(pki, cert=pki.other_client_cert, key=pki.other_client_key),
+        ):  # another CA's
             assert await refused(url, context)
         assert app[HITS] == ["/metrics"], "a refused client never reaches the app"
 
@@ -176,19 +187,17 @@ async def test_mtls_over_tls12_fails_inside_the_handshake(pki):
         # TLS 1.2: the server refuses before its Finished, so the client's own handshake
         # (open_connection) fails.
         with pytest.raises((ssl.SSLError, ConnectionError)):
-            await asyncio.open_connection(host, int(port), ssl=context,
-                                          server_hostname="localhost")
+            await asyncio.open_connection(host, int(port), ssl=context, server_hostname="localhost")
 
 
 async def test_verify_if_given_accepts_none_refuses_an_unknown_one(pki):
-    config = tls_config("  client_auth_type: VerifyClientCertIfGiven\n"
-                        "  client_ca_file: ca.crt\n")
+    config = tls_config("  client_auth_type: VerifyClientCertIfGiven\n  client_ca_file: ca.crt\n")
     listener = WebListener.open(write_config(pki, config), "web")
     async with serving(demo_app(), listener.ssl_context) as url:
-        assert (await handshake_and_request(url, client_context(pki))).startswith(
-            b"HTTP/1.1 200")
-        assert await refused(url, client_context(
-            pki, cert=pki.other_client_cert, key=pki.other_client_key))
+        assert (await handshake_and_request(url, client_context(pki))).startswith(b"HTTP/1.1 200")
+        assert await refused(
+            url, client_context(pki, cert=pki.other_client_cert, key=pki.other_client_key)
+        )
 
 
 @pytest.mark.parametrize("allowed", ["prometheus.example", "spiffe://test/prometheus"])
@@ -218,8 +227,9 @@ async def test_min_version_refuses_older_clients(pki):
 
 
 async def test_cipher_suites_are_the_only_tls12_suites_offered(pki):
-    config = tls_config("  max_version: TLS12\n"
-                        "  cipher_suites: [TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384]\n")
+    config = tls_config(
+        "  max_version: TLS12\n  cipher_suites: [TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384]\n"
+    )
     listener = WebListener.open(write_config(pki, config), "web")
     async with serving(demo_app(), listener.ssl_context) as url:
         other = client_context(pki)
@@ -229,8 +239,9 @@ async def test_cipher_suites_are_the_only_tls12_suites_offered(pki):
         chosen = client_context(pki)
         chosen.set_ciphers("ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-ECDSA-AES256-GCM-SHA384")
         host, port = url.removeprefix("https://").split(":")
-        _reader, writer = await asyncio.open_connection(host, int(port), ssl=chosen,
-                                                        server_hostname="localhost")
+        _reader, writer = await asyncio.open_connection(
+            host, int(port), ssl=chosen, server_hostname="localhost"
+        )
         assert writer.get_extra_info("cipher")[0] == "ECDHE-ECDSA-AES256-GCM-SHA384"
         writer.close()
 
@@ -239,10 +250,12 @@ async def test_inline_certificate_key_and_client_ca(pki):
     def block(path: Path) -> str:
         return "|\n" + "".join("    " + line + "\n" for line in path.read_text().splitlines())
 
-    config = ("tls_server_config:\n"
-              f"  cert: {block(pki.server_cert)}  key: {block(pki.server_key)}"
-              "  client_auth_type: RequireAndVerifyClientCert\n"
-              f"  client_ca: {block(pki.ca)}")
+    config = (
+        "tls_server_config:\n"
+        f"  cert: {block(pki.server_cert)}  key: {block(pki.server_key)}"
+        "  client_auth_type: RequireAndVerifyClientCert\n"
+        f"  client_ca: {block(pki.ca)}"
+    )
     listener = WebListener.open(write_config(pki, config), "web")
     async with serving(demo_app(), listener.ssl_context) as url:
         good = client_context(pki, cert=pki.client_cert, key=pki.client_key)
@@ -250,16 +263,30 @@ async def test_inline_certificate_key_and_client_ca(pki):
         assert await refused(url, client_context(pki))
 
 
-@pytest.mark.parametrize("change,key,words", [
-    (lambda pki: pki.server_key.unlink(), "tls_server_config.key_file", "cannot read"),
-    (lambda pki: pki.server_key.write_bytes(pki.client_key.read_bytes()),
-     "tls_server_config.cert_file", "does not belong to the certificate"),
-    (lambda pki: pki.server_cert.write_text("not a certificate"),
-     "tls_server_config.cert_file", "holds no PEM certificate"),
-    (lambda pki: pki.server_key.write_text(
-        "-----BEGIN ENCRYPTED PRIVATE KEY-----\nAAAA\n-----END ENCRYPTED PRIVATE KEY-----\n"),
-     "tls_server_config.key_file", "encrypted"),
-], ids=["missing-key", "wrong-key", "not-pem", "encrypted"])
+@pytest.mark.parametrize(
+    "change,key,words",
+    [
+        (lambda pki: pki.server_key.unlink(), "tls_server_config.key_file", "cannot read"),
+        (
+            lambda pki: pki.server_key.write_bytes(pki.client_key.read_bytes()),
+            "tls_server_config.cert_file",
+            "does not belong to the certificate",
+        ),
+        (
+            lambda pki: pki.server_cert.write_text("not a certificate"),
+            "tls_server_config.cert_file",
+            "holds no PEM certificate",
+        ),
+        (
+            lambda pki: pki.server_key.write_text(
+                "-----BEGIN ENCRYPTED PRIVATE KEY-----\nAAAA\n-----END ENCRYPTED PRIVATE KEY-----\n"
+            ),
+            "tls_server_config.key_file",
+            "encrypted",
+        ),
+    ],
+    ids=["missing-key", "wrong-key", "not-pem", "encrypted"],
+)
 def test_certificate_problems_are_one_line_errors(pki, change, key, words):
     change(pki)
     with pytest.raises(WebConfigError) as caught:
@@ -303,11 +330,11 @@ async def test_successes_are_cached_failures_are_not(hash_of):
         assert await verifier.verify(wrong, users) is Verdict.DENIED
     assert verifier.bcrypt_checks == 3
     # A changed hash for the same user is a new cache key: the old password no longer works.
-    assert await verifier.verify(header, (("prometheus", hash_of("new").encode()),)) \
-        is Verdict.DENIED
+    assert (
+        await verifier.verify(header, (("prometheus", hash_of("new").encode()),)) is Verdict.DENIED
+    )
     # Unknown users cost a bcrypt check too (no timing difference) and are never let in.
-    assert await verifier.verify(basic("ghost", "s3cret")["Authorization"], users) \
-        is Verdict.DENIED
+    assert await verifier.verify(basic("ghost", "s3cret")["Authorization"], users) is Verdict.DENIED
     assert verifier.bcrypt_checks == 5
 
 
@@ -347,14 +374,16 @@ async def test_passwords_longer_than_72_bytes_match_as_in_go(hash_of):
     long_password = "p" * 72
     users = (("a", hash_of(long_password).encode()),)
     verifier = PasswordVerifier()
-    assert await verifier.verify(basic("a", long_password + "ignored")["Authorization"],
-                                 users) is Verdict.ALLOWED
-    assert await verifier.verify(basic("a", "p" * 71)["Authorization"], users) \
-        is Verdict.DENIED
+    assert (
+        await verifier.verify(basic("a", long_password + "ignored")["Authorization"], users)
+        is Verdict.ALLOWED
+    )
+    assert await verifier.verify(basic("a", "p" * 71)["Authorization"], users) is Verdict.DENIED
 
 
 def test_without_in_memory_files_a_private_temporary_file_is_used_and_removed(
-        pki, monkeypatch, tmp_path):
+    pki, monkeypatch, tmp_path
+):
     import os
     import tempfile
 

@@ -47,8 +47,7 @@ _ROW_KEYS = ("collapsed", "gridPos", "id", "panels", "repeat", "title", "type")
 
 def to_current_schema(dashboard: g.Dashboard) -> dict[str, Any]:
     """The dashboard as plain JSON data in Grafana GRAFANA_VERSION's schema."""
-    data = _without_nulls(json.loads(json.dumps(dashboard.to_json_data(),
-                                                cls=DashboardEncoder)))
+    data = _without_nulls(json.loads(json.dumps(dashboard.to_json_data(), cls=DashboardEncoder)))
     _drop(data, _LEGACY_DASHBOARD_KEYS)
     _drop(data.get("timepicker", {}), _LEGACY_TIMEPICKER_KEYS)
     data["panels"] = [_current_panel(panel) for panel in data["panels"]]
@@ -90,8 +89,11 @@ def _without_nulls(data: Any) -> Any:
     threshold step's ``value``, where null is the base step (minus infinity)."""
     if isinstance(data, dict):
         is_threshold_step = set(data) == {"color", "value"}
-        return {key: _without_nulls(value) for key, value in data.items()
-                if value is not None or (is_threshold_step and key == "value")}
+        return {
+            key: _without_nulls(value)
+            for key, value in data.items()
+            if value is not None or (is_threshold_step and key == "value")
+        }
     if isinstance(data, list):
         return [_without_nulls(item) for item in data]
     return data

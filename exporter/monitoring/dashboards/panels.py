@@ -64,8 +64,14 @@ class Filters:
 
 
 def target(expr: str, legend: str = "", instant: bool = False) -> g.Target:
-    return g.Target(expr=expr, legendFormat=legend, instant=instant, datasource=DATASOURCE,
-                    format="table" if instant else "time_series", intervalFactor=1)
+    return g.Target(
+        expr=expr,
+        legendFormat=legend,
+        instant=instant,
+        datasource=DATASOURCE,
+        format="table" if instant else "time_series",
+        intervalFactor=1,
+    )
 
 
 def _with_ref_ids(targets: list[g.Target]) -> list[g.Target]:
@@ -75,26 +81,51 @@ def _with_ref_ids(targets: list[g.Target]) -> list[g.Target]:
 
 
 def datasource_variable() -> g.Template:
-    return g.Template(name="datasource", label="Data source", type="datasource",
-                      query="prometheus", default=None, refresh=1)
+    return g.Template(
+        name="datasource",
+        label="Data source",
+        type="datasource",
+        query="prometheus",
+        default=None,
+        refresh=1,
+    )
 
 
-def query_variable(name: str, label: str, query: str, regex: str | None = None,
-                   multi: bool = True) -> g.Template:
-    variable = g.Template(name=name, label=label, query=query, dataSource=DATASOURCE,
-                          includeAll=True, allValue=ALL, multi=multi,
-                          refresh=g.REFRESH_ON_TIME_RANGE_CHANGE, regex=regex, sort=1)
+def query_variable(
+    name: str, label: str, query: str, regex: str | None = None, multi: bool = True
+) -> g.Template:
+    variable = g.Template(
+        name=name,
+        label=label,
+        query=query,
+        dataSource=DATASOURCE,
+        includeAll=True,
+        allValue=ALL,
+        multi=multi,
+        refresh=g.REFRESH_ON_TIME_RANGE_CHANGE,
+        regex=regex,
+        sort=1,
+    )
     # Start on "All"; Grafana wants lists for a multi-value variable's current value.
-    variable._current = {"selected": True, "text": ["All"] if multi else "All",
-                         "value": ["$__all"] if multi else "$__all"}
+    variable._current = {
+        "selected": True,
+        "text": ["All"] if multi else "All",
+        "value": ["$__all"] if multi else "$__all",
+    }
     return variable
 
 
 def value_mapping(*pairs: tuple[str, str, str]) -> list[dict[str, Any]]:
     """(value, text, color) -> one Grafana 'value' mapping."""
-    return [{"type": "value",
-             "options": {value: {"text": text, "color": color, "index": index}
-                         for index, (value, text, color) in enumerate(pairs)}}]
+    return [
+        {
+            "type": "value",
+            "options": {
+                value: {"text": text, "color": color, "index": index}
+                for index, (value, text, color) in enumerate(pairs)
+            },
+        }
+    ]
 
 
 @dataclass
@@ -130,31 +161,63 @@ class Layout:
         return self.panels
 
 
-def timeseries(title: str, description: str, unit: str, targets: list[g.Target],
-               stacked: bool = False, bars: bool = False, min_value: int | None = None,
-               max_value: int | None = None) -> g.TimeSeries:
+def timeseries(
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[g.Target],
+    stacked: bool = False,
+    bars: bool = False,
+    min_value: int | None = None,
+    max_value: int | None = None,
+) -> g.TimeSeries:
     return g.TimeSeries(
-        title=title, description=description, unit=unit, dataSource=DATASOURCE,
-        targets=_with_ref_ids(targets), legendDisplayMode="table", legendPlacement="right",
-        legendCalcs=["lastNotNull", "max"], tooltipMode="multi", tooltipSort="desc",
-        drawStyle="bars" if bars else "line", fillOpacity=60 if bars else 10,
+        title=title,
+        description=description,
+        unit=unit,
+        dataSource=DATASOURCE,
+        targets=_with_ref_ids(targets),
+        legendDisplayMode="table",
+        legendPlacement="right",
+        legendCalcs=["lastNotNull", "max"],
+        tooltipMode="multi",
+        tooltipSort="desc",
+        drawStyle="bars" if bars else "line",
+        fillOpacity=60 if bars else 10,
         stacking={"mode": "normal" if stacked else "none", "group": "A"},
-        valueMin=min_value, valueMax=max_value, spanNulls=False,
-        extraJson={"options": {"legend": {"showLegend": True}}})
+        valueMin=min_value,
+        valueMax=max_value,
+        spanNulls=False,
+        extraJson={"options": {"legend": {"showLegend": True}}},
+    )
 
 
-def stat(title: str, description: str, unit: str, targets: list[g.Target],
-         mappings: list[dict[str, Any]] | None = None, decimals: int | None = None,
-         thresholds: list[tuple[str, float | None]] | None = None) -> g.Stat:
-    steps = [{"color": color, "value": value} for color, value in
-             (thresholds or [("green", None)])]
+def stat(
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[g.Target],
+    mappings: list[dict[str, Any]] | None = None,
+    decimals: int | None = None,
+    thresholds: list[tuple[str, float | None]] | None = None,
+) -> g.Stat:
+    steps = [{"color": color, "value": value} for color, value in (thresholds or [("green", None)])]
     return g.Stat(
-        title=title, description=description, format=unit, dataSource=DATASOURCE,
-        targets=_with_ref_ids(targets), reduceCalc="lastNotNull", graphMode="none",
+        title=title,
+        description=description,
+        format=unit,
+        dataSource=DATASOURCE,
+        targets=_with_ref_ids(targets),
+        reduceCalc="lastNotNull",
+        graphMode="none",
         colorMode="background" if mappings or thresholds else "value",
-        mappings=mappings or [], decimals=decimals, noValue="no data",
-        extraJson={"fieldConfig": {"defaults": {"thresholds": {"mode": "absolute",
-                                                               "steps": steps}}}})
+        mappings=mappings or [],
+        decimals=decimals,
+        noValue="no data",
+        extraJson={
+            "fieldConfig": {"defaults": {"thresholds": {"mode": "absolute", "steps": steps}}}
+        },
+    )
 
 
 def bands(fair: float, good: float) -> list[tuple[str, float | None]]:
@@ -176,11 +239,19 @@ def caller_hit_ratio_stat(config: MonitoringConfig, title: str, description: str
     names = Names(config)
     callers = Filters(config).caller()
     return stat(
-        title, description + " (only responses that report cached tokens count).",
+        title,
+        description + " (only responses that report cached tokens count).",
         "percentunit",
-        [target(hit_ratio(f"sum({names.caller_cached[names.short]}{callers})",
-                          f"sum({names.caller_prompt[names.short]}{callers})"))],
-        thresholds=hit_ratio_thresholds(config))
+        [
+            target(
+                hit_ratio(
+                    f"sum({names.caller_cached[names.short]}{callers})",
+                    f"sum({names.caller_prompt[names.short]}{callers})",
+                )
+            )
+        ],
+        thresholds=hit_ratio_thresholds(config),
+    )
 
 
 def warm_share_stat(config: MonitoringConfig, title: str, description: str) -> g.Stat:
@@ -189,56 +260,120 @@ def warm_share_stat(config: MonitoringConfig, title: str, description: str) -> g
     requests = Names(config).caller_state_requests
     classified, warm = filters.caller(PromQL.states_matcher()), filters.caller(WARM)
     return stat(
-        title, description, "percentunit",
+        title,
+        description,
+        "percentunit",
         [target(warm_share(f"sum({requests}{warm})", f"sum({requests}{classified})"))],
-        thresholds=warm_share_thresholds(config))
+        thresholds=warm_share_thresholds(config),
+    )
 
 
-def table(title: str, description: str, unit: str, targets: list[g.Target],
-          renames: dict[str, str], overrides: list[dict[str, Any]] | None = None,
-          mappings: list[dict[str, Any]] | None = None) -> g.Table:
+def table(
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[g.Target],
+    renames: dict[str, str],
+    overrides: list[dict[str, Any]] | None = None,
+    mappings: list[dict[str, Any]] | None = None,
+) -> g.Table:
     """Instant queries merged into one row per label set, value columns renamed."""
     return g.Table(
-        title=title, description=description, unit=unit, dataSource=DATASOURCE,
-        targets=_with_ref_ids(targets), overrides=overrides or [], filterable=True,
+        title=title,
+        description=description,
+        unit=unit,
+        dataSource=DATASOURCE,
+        targets=_with_ref_ids(targets),
+        overrides=overrides or [],
+        filterable=True,
         transformations=[
             {"id": "merge", "options": {}},
-            {"id": "organize", "options": {"excludeByName": {"Time": True},
-                                           "renameByName": renames}},
+            {
+                "id": "organize",
+                "options": {"excludeByName": {"Time": True}, "renameByName": renames},
+            },
         ],
-        extraJson={"fieldConfig": {"defaults": {
-            "mappings": mappings or [],
-            "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]}}}})
-
-
-def bargauge(title: str, description: str, unit: str, targets: list[g.Target],
-             max_value: float = 1.0,
-             thresholds: list[tuple[str, float | None]] | None = None) -> g.BarGauge:
-    steps = [{"color": color, "value": value} for color, value in
-             (thresholds or [("green", None)])]
-    return g.BarGauge(
-        title=title, description=description, format=unit, dataSource=DATASOURCE,
-        targets=_with_ref_ids(targets), displayMode="gradient", orientation="horizontal",
-        min=0, max=max_value,
         extraJson={
-            "fieldConfig": {"defaults": {"unit": unit, "min": 0, "max": max_value,
-                                         "thresholds": {"mode": "absolute", "steps": steps}},
-                            "overrides": []},
-            "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
-                                          "values": False},
-                        "showUnfilled": True},
-        })
+            "fieldConfig": {
+                "defaults": {
+                    "mappings": mappings or [],
+                    "thresholds": {
+                        "mode": "absolute",
+                        "steps": [{"color": "green", "value": None}],
+                    },
+                }
+            }
+        },
+    )
 
 
-def dashboard(config: MonitoringConfig, title: str, uid: str, description: str,
-              variables: list[g.Template], layout: Layout) -> g.Dashboard:
+def bargauge(
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[g.Target],
+    max_value: float = 1.0,
+    thresholds: list[tuple[str, float | None]] | None = None,
+) -> g.BarGauge:
+    steps = [{"color": color, "value": value} for color, value in (thresholds or [("green", None)])]
+    return g.BarGauge(
+        title=title,
+        description=description,
+        format=unit,
+        dataSource=DATASOURCE,
+        targets=_with_ref_ids(targets),
+        displayMode="gradient",
+        orientation="horizontal",
+        min=0,
+        max=max_value,
+        extraJson={
+            "fieldConfig": {
+                "defaults": {
+                    "unit": unit,
+                    "min": 0,
+                    "max": max_value,
+                    "thresholds": {"mode": "absolute", "steps": steps},
+                },
+                "overrides": [],
+            },
+            "options": {
+                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                "showUnfilled": True,
+            },
+        },
+    )
+
+
+def dashboard(
+    config: MonitoringConfig,
+    title: str,
+    uid: str,
+    description: str,
+    variables: list[g.Template],
+    layout: Layout,
+) -> g.Dashboard:
     """A dashboard of the set: shared tags, datasource variable, and a link to the others
     of the set that carries the variables and the time range along."""
-    links = [g.DashboardLink(type="dashboards", tags=["vllm-cache-exporter"], includeVars=True,
-                             keepTime=True, title="vllm-cache-exporter")]
+    links = [
+        g.DashboardLink(
+            type="dashboards",
+            tags=["vllm-cache-exporter"],
+            includeVars=True,
+            keepTime=True,
+            title="vllm-cache-exporter",
+        )
+    ]
     return g.Dashboard(
-        title=title, uid=uid, description=description, tags=["vllm", "vllm-cache-exporter"],
+        title=title,
+        uid=uid,
+        description=description,
+        tags=["vllm", "vllm-cache-exporter"],
         templating=g.Templating(list=[datasource_variable(), *variables]),
-        panels=layout.numbered(), timezone="browser", refresh="30s",
-        schemaVersion=SCHEMA_VERSION, graphTooltip=1, links=links,
-        time=g.Time("now-3h", "now"))
+        panels=layout.numbered(),
+        timezone="browser",
+        refresh="30s",
+        schemaVersion=SCHEMA_VERSION,
+        graphTooltip=1,
+        links=links,
+        time=g.Time("now-3h", "now"),
+    )

@@ -34,8 +34,13 @@ class KeyAliases:
             normalized = prefix.strip().lower()
             if len(normalized) < MIN_ALIAS_PREFIX_DIGITS or not set(normalized) <= _HEX:
                 # The prefix is a hash, not a secret, so naming it in the log is safe.
-                log.warning("tap: ignoring key alias %r for %r: expected at least %d hex digits "
-                            "of the key's SHA-256", prefix, alias, MIN_ALIAS_PREFIX_DIGITS)
+                log.warning(
+                    "tap: ignoring key alias %r for %r: expected at least %d hex digits "
+                    "of the key's SHA-256",
+                    prefix,
+                    alias,
+                    MIN_ALIAS_PREFIX_DIGITS,
+                )
                 continue
             usable.append((normalized, alias))
         self._pairs = sorted(usable, key=lambda pair: len(pair[0]), reverse=True)
@@ -59,15 +64,17 @@ def bearer_key(authorization: str | None) -> str | None:
     return key or None
 
 
-def resolve_caller(headers: Mapping[str, str], user: Any, caller_header: str,
-                   aliases: KeyAliases) -> str:
+def resolve_caller(
+    headers: Mapping[str, str], user: Any, caller_header: str, aliases: KeyAliases
+) -> str:
     """The caller name for one request (never the key itself); ``user`` is the value of the
     body's top-level ``user`` field (None when it has none)."""
     return resolve_caller_of(headers, user, caller_header, aliases)[0]
 
 
-def resolve_caller_of(headers: Mapping[str, str], user: Any, caller_header: str,
-                      aliases: KeyAliases) -> tuple[str, bool]:
+def resolve_caller_of(
+    headers: Mapping[str, str], user: Any, caller_header: str, aliases: KeyAliases
+) -> tuple[str, bool]:
     """``resolve_caller``, and whether the name is the tap's own for the request's key (its
     ``key-`` hash or the key's alias) rather than one the client gave (the caller header,
     the body's user): only the tap's own may have the form reserved to the exporter

@@ -78,10 +78,20 @@ READER = "tap"
 STATUS_CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection first"
 
 # RFC 9110 7.6.1 connection-specific fields, never forwarded by a proxy.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
-})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
 # Recomputed by the HTTP client / already handled by the tap (the body was read in full).
 REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
@@ -93,7 +103,6 @@ PARSE_INLINE_MAX_BYTES = 256 * 1024
 # Requests up to this that the scan's walk cannot read are read by msgspec on the event loop
 # (about 1 ms a megabyte of dense JSON); larger ones in a worker thread.
 READ_INLINE_MAX_BYTES = 1024 * 1024
-
 
 
 @dataclass(frozen=True)
@@ -174,8 +183,7 @@ class BodyTooLarge(Exception):
     pass
 
 
-async def read_bounded(stream: aiohttp.StreamReader, declared: int | None,
-                       limit: int) -> bytes:
+async def read_bounded(stream: aiohttp.StreamReader, declared: int | None, limit: int) -> bytes:
     """A whole answer from vLLM, at most ``limit`` bytes (its time is bounded by
     ``--tap.timeout``; a client's request is read by ``exporter.usage.body``, bounded in time
     and decoded). Chunks are taken as aiohttp buffered them
@@ -218,21 +226,26 @@ async def read_request(body: bytes, endpoint: Endpoint) -> RequestFacts:
 async def ask_for_usage(body: bytes, facts: RequestFacts) -> bytes:
     """``with_include_usage``, in a worker thread when it has to find ``stream_options`` in
     a large body with the C scanner (facts read by msgspec have no positions)."""
-    if (facts.object_start < 0 and facts.has_stream_options
-            and len(body) > PARSE_INLINE_MAX_BYTES):
+    if facts.object_start < 0 and facts.has_stream_options and len(body) > PARSE_INLINE_MAX_BYTES:
         return await asyncio.get_running_loop().run_in_executor(
-            None, with_include_usage, body, facts)
+            None, with_include_usage, body, facts
+        )
     return with_include_usage(body, facts)
 
 
 class Tap:
     """The proxy handler and the recording of its calls. One per tap listener."""
 
-    def __init__(self, settings: TapSettings, record: Callable[[UsageEvent], object],
-                 reject: Callable[[str], None], session: aiohttp.ClientSession | None,
-                 clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic,
-                 record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None) -> None:
+    def __init__(
+        self,
+        settings: TapSettings,
+        record: Callable[[UsageEvent], object],
+        reject: Callable[[str], None],
+        session: aiohttp.ClientSession | None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None,
+    ) -> None:
         self.settings = settings
         self._record = record
         self._record_prompt = record_prompt
@@ -279,29 +292,39 @@ class Tap:
             return  # already counted as a rejection (missing_usage, malformed_response, ...)
         engine = exchange.engine
         try:
-            event = checked(UsageEvent(
-                caller=exchange.caller, model=exchange.model or "",
-                prompt_tokens=exchange.prompt_tokens,  # type: ignore[arg-type]  # None: checked
-                cached_tokens=exchange.cached_tokens,
-                completion_tokens=exchange.completion_tokens,
-                ttft_seconds=exchange.ttft_seconds, session=exchange.session,
-                time=self.clock(), status=exchange.status or 502,
-                engine_ttft_seconds=engine.ttft_seconds if engine else None,
-                engine_queue_seconds=engine.queue_seconds if engine else None,
-                max_tokens=declared_budget(exchange.request.output_limit),
-                sequences=exchange.request.sequences), own_caller=exchange.own_caller)
+            event = checked(
+                UsageEvent(
+                    caller=exchange.caller,
+                    model=exchange.model or "",
+                    prompt_tokens=exchange.prompt_tokens,  # type: ignore[arg-type]  # None: checked
+                    cached_tokens=exchange.cached_tokens,
+                    completion_tokens=exchange.completion_tokens,
+                    ttft_seconds=exchange.ttft_seconds,
+                    session=exchange.session,
+                    time=self.clock(),
+                    status=exchange.status or 502,
+                    engine_ttft_seconds=engine.ttft_seconds if engine else None,
+                    engine_queue_seconds=engine.queue_seconds if engine else None,
+                    max_tokens=declared_budget(exchange.request.output_limit),
+                    sequences=exchange.request.sequences,
+                ),
+                own_caller=exchange.own_caller,
+            )
         except InvalidEvent as err:
             # The call itself went through; only its record is refused, and counted.
             self._reject(err.reason)
             log.debug("tap: event refused (%s): %s", err.reason, err)
             return
-        if (engine is None and not failed and exchange.endpoint is not Endpoint.MESSAGES
-                and exchange.request.sequences == 1):
+        if (
+            engine is None
+            and not failed
+            and exchange.endpoint is not Endpoint.MESSAGES
+            and exchange.request.sequences == 1
+        ):
             # (vLLM's Messages API never sends them, nor any answer for n > 1)
             self.say_no_engine_timings()
         self._record(event)
-        if (not failed and self._record_prompt is not None
-                and self.settings.prompt_order_bytes > 0):
+        if not failed and self._record_prompt is not None and self.settings.prompt_order_bytes > 0:
             # Once the answer is on its way: the next turn of the loop, after this handler
             # has handed the client its last bytes.
             # (a closure: a callback's arguments are in its repr, which asyncio may log)
@@ -332,11 +355,13 @@ class Tap:
         if self.said_no_engine_timings:
             return
         self.said_no_engine_timings = True
-        log.warning("tap: vLLM answered without its per-request metrics: TTFT is measured "
-                    "at the tap (source=\"proxy\") and vLLM's queue wait is unknown. Start "
-                    "vLLM with --enable-per-request-metrics (beside "
-                    "--enable-prompt-tokens-details) for the engine's own TTFT and queue "
-                    "wait. (vLLM also omits them for n > 1.)")
+        log.warning(
+            "tap: vLLM answered without its per-request metrics: TTFT is measured "
+            'at the tap (source="proxy") and vLLM\'s queue wait is unknown. Start '
+            "vLLM with --enable-per-request-metrics (beside "
+            "--enable-prompt-tokens-details) for the engine's own TTFT and queue "
+            "wait. (vLLM also omits them for n > 1.)"
+        )
 
     # -- proxying ----------------------------------------------------------------------
 
@@ -350,16 +375,24 @@ class Tap:
             # reverse one, and a host in the target names no path of vLLM's. (The asterisk
             # form, OPTIONS *, matches no route: aiohttp answers 404.)
             self.reject("bad_target")
-            return json_error(400, "the request target must be a path (/v1/...); the tap is "
-                              "a reverse proxy, not a forward one", "bad_target")
+            return json_error(
+                400,
+                "the request target must be a path (/v1/...); the tap is "
+                "a reverse proxy, not a forward one",
+                "bad_target",
+            )
         endpoint = ENDPOINTS.get(request.path.rstrip("/")) if request.method == "POST" else None
         coding = request.headers.get("Content-Encoding", "")
         decoded = bool(coding) and decodable(coding)
         try:
             # gzip and deflate are decoded (to read the request; vLLM gets it decoded), any
             # other coding is forwarded as it came, for vLLM to answer.
-            body = await read_body(request.content, request.content_length,
-                                   self.settings.max_request_bytes, coding if decoded else "")
+            body = await read_body(
+                request.content,
+                request.content_length,
+                self.settings.max_request_bytes,
+                coding if decoded else "",
+            )
         except BodyRefused as refused:
             return self.refuse_body(refused)
         except ConnectionError:
@@ -375,14 +408,22 @@ class Tap:
         # A body that is not a JSON object is forwarded as it is: vLLM answers it (400) and
         # the tap records that answer.
         facts = await read_request(body, endpoint)
-        caller, own_caller = resolve_caller_of(request.headers, facts.user,
-                                               self.settings.caller_header, self.aliases)
+        caller, own_caller = resolve_caller_of(
+            request.headers, facts.user, self.settings.caller_header, self.aliases
+        )
         exchange = Exchange(
-            endpoint=endpoint, caller=caller, own_caller=own_caller,
+            endpoint=endpoint,
+            caller=caller,
+            own_caller=own_caller,
             model=facts.model,
-            session=(request.headers.get(self.settings.session_header, "").strip() or None
-                     if self.settings.session_header else None),
-            request=facts, body=body)
+            session=(
+                request.headers.get(self.settings.session_header, "").strip() or None
+                if self.settings.session_header
+                else None
+            ),
+            request=facts,
+            body=body,
+        )
         strip = False
         if endpoint in USAGE_OPT_IN and facts.stream and not facts.wants_usage:
             body = await ask_for_usage(body, facts)
@@ -399,9 +440,12 @@ class Tap:
         (the rest of the body is not worth reading)."""
         if refused.status == 413:
             self.reject("request_too_large")
-            response = json_error(413, "request body exceeds --tap.max-request-bytes "
-                                  f"({self.settings.max_request_bytes} bytes)",
-                                  "request_too_large")
+            response = json_error(
+                413,
+                "request body exceeds --tap.max-request-bytes "
+                f"({self.settings.max_request_bytes} bytes)",
+                "request_too_large",
+            )
         elif refused.status == 408:
             self.reject("request_too_slow")
             response = json_error(408, refused.message, "request_too_slow")
@@ -411,16 +455,27 @@ class Tap:
         response.force_close()
         return response
 
-    async def forward(self, request: web.Request, body: bytes, headers: CIMultiDict[str],
-                      exchange: Exchange | None, started: float,
-                      strip: bool = False) -> web.StreamResponse:
+    async def forward(
+        self,
+        request: web.Request,
+        body: bytes,
+        headers: CIMultiDict[str],
+        exchange: Exchange | None,
+        started: float,
+        strip: bool = False,
+    ) -> web.StreamResponse:
         assert self.session is not None, "the tap's client session is not started"
         try:
             async with self.session.request(
-                    request.method, self.upstream_url(request), data=body or None,
-                    headers=headers, skip_auto_headers=SKIP_AUTO_HEADERS,
-                    allow_redirects=False, timeout=self.timeout,
-                    auto_decompress=False) as upstream:
+                request.method,
+                self.upstream_url(request),
+                data=body or None,
+                headers=headers,
+                skip_auto_headers=SKIP_AUTO_HEADERS,
+                allow_redirects=False,
+                timeout=self.timeout,
+                auto_decompress=False,
+            ) as upstream:
                 try:
                     return await self.answer(request, upstream, exchange, started, strip)
                 except BaseException:
@@ -443,38 +498,51 @@ class Tap:
         except asyncio.TimeoutError:
             if exchange is not None:
                 exchange.status = 504
-            log.warning("tap: %s %s: no answer from upstream within %gs", request.method,
-                        request.path, self.settings.timeout)
-            return json_error(504, f"upstream {self.upstream_shown} did not answer within "
-                              f"{self.settings.timeout:g}s", "upstream_timeout")
+            log.warning(
+                "tap: %s %s: no answer from upstream within %gs",
+                request.method,
+                request.path,
+                self.settings.timeout,
+            )
+            return json_error(
+                504,
+                f"upstream {self.upstream_shown} did not answer within {self.settings.timeout:g}s",
+                "upstream_timeout",
+            )
         except aiohttp.ClientError as err:
             if exchange is not None:
                 exchange.status = 502
             reason = type(err).__name__
             if isinstance(err, aiohttp.ClientConnectorError):
                 reason = f"cannot connect ({err.os_error or err})"
-            log.warning("tap: %s %s: upstream failed: %s", request.method, request.path,
-                        reason)
-            return json_error(502, f"upstream {self.upstream_shown} failed: {reason}",
-                              "upstream_error")
+            log.warning("tap: %s %s: upstream failed: %s", request.method, request.path, reason)
+            return json_error(
+                502, f"upstream {self.upstream_shown} failed: {reason}", "upstream_error"
+            )
 
-    async def answer(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                     exchange: Exchange | None, started: float,
-                     strip: bool) -> web.StreamResponse:
+    async def answer(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        exchange: Exchange | None,
+        started: float,
+        strip: bool,
+    ) -> web.StreamResponse:
         headers = forward_headers(upstream.headers, RESPONSE_DROP)
         if exchange is not None:
             exchange.status = upstream.status
             if upstream.content_type == "text/event-stream":
-                return await self.relay_events(request, upstream, headers, exchange, started,
-                                               strip)
+                return await self.relay_events(request, upstream, headers, exchange, started, strip)
             return await self.relay_body(request, upstream, headers, exchange)
         return await self.relay_raw(request, upstream, headers)
 
-    async def relay_raw(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                        headers: CIMultiDict[str]) -> web.StreamResponse:
+    async def relay_raw(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
+    ) -> web.StreamResponse:
         """Any other path: bytes through as they come, nothing read."""
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                      headers=headers)
+        response = web.StreamResponse(
+            status=upstream.status, reason=upstream.reason, headers=headers
+        )
         if upstream.content_length is not None and not _has_body_encoding(upstream):
             response.content_length = upstream.content_length
         await _prepare(response, request)
@@ -482,14 +550,22 @@ class Tap:
             async for chunk in upstream.content.iter_any():
                 await _write(response, chunk)
         except (asyncio.TimeoutError, aiohttp.ClientError) as err:
-            raise _StreamBroken(request, response, 504 if isinstance(
-                err, asyncio.TimeoutError) else 502, f"upstream broke mid-answer: {err!r}"
-                                ) from None
+            raise _StreamBroken(
+                request,
+                response,
+                504 if isinstance(err, asyncio.TimeoutError) else 502,
+                f"upstream broke mid-answer: {err!r}",
+            ) from None
         await _write_eof(response)
         return response
 
-    async def relay_body(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                         headers: CIMultiDict[str], exchange: Exchange) -> web.Response:
+    async def relay_body(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        headers: CIMultiDict[str],
+        exchange: Exchange,
+    ) -> web.Response:
         """A whole (non-streamed) answer: read it within the limit, pass it byte for byte."""
         limit = self.settings.max_response_bytes
         try:
@@ -497,10 +573,14 @@ class Tap:
         except BodyTooLarge:
             exchange.status = 502
             self.reject("response_too_large")
-            return json_error(502, f"upstream answer exceeds --tap.max-response-bytes "
-                              f"({limit} bytes)", "response_too_large")
-        response = web.Response(status=upstream.status, reason=upstream.reason, body=body,
-                                headers=headers)
+            return json_error(
+                502,
+                f"upstream answer exceeds --tap.max-response-bytes ({limit} bytes)",
+                "response_too_large",
+            )
+        response = web.Response(
+            status=upstream.status, reason=upstream.reason, body=body, headers=headers
+        )
         if len(body) > PARSE_INLINE_MAX_BYTES:
             # Decoded in a worker thread, before the answer goes: an await after it would be
             # a point where the client's hang-up could cancel the call's record.
@@ -525,8 +605,9 @@ class Tap:
             self.record(exchange)
         return response
 
-    async def read_body_usage(self, body: bytes, upstream: aiohttp.ClientResponse,
-                              exchange: Exchange) -> None:
+    async def read_body_usage(
+        self, body: bytes, upstream: aiohttp.ClientResponse, exchange: Exchange
+    ) -> None:
         """A large answer's usage, its JSON decoded in a worker thread."""
         if not self.body_readable(upstream):
             return
@@ -565,16 +646,23 @@ class Tap:
         exchange.completion_tokens = usage.completion_tokens
         exchange.engine = engine
 
-    async def relay_events(self, request: web.Request, upstream: aiohttp.ClientResponse,
-                           headers: CIMultiDict[str], exchange: Exchange, started: float,
-                           strip: bool) -> web.StreamResponse:
+    async def relay_events(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        headers: CIMultiDict[str],
+        exchange: Exchange,
+        started: float,
+        strip: bool,
+    ) -> web.StreamResponse:
         """A stream: each chunk to the client as it arrives, usage read on the way."""
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                      headers=headers)
+        response = web.StreamResponse(
+            status=upstream.status, reason=upstream.reason, headers=headers
+        )
         await _prepare(response, request)
-        reader = StreamReader(strip, started,
-                              max_event_bytes=min(self.settings.max_response_bytes,
-                                                  8 * 1024 * 1024))
+        reader = StreamReader(
+            strip, started, max_event_bytes=min(self.settings.max_response_bytes, 8 * 1024 * 1024)
+        )
         broken: _StreamBroken | None = None
         try:
             async for chunk in upstream.content.iter_any():
@@ -592,9 +680,12 @@ class Tap:
             raise
         except (asyncio.TimeoutError, aiohttp.ClientError) as err:
             timed_out = isinstance(err, asyncio.TimeoutError)
-            broken = _StreamBroken(request, response, 504 if timed_out else 502,
-                                   "upstream stream " + ("timed out" if timed_out
-                                                         else f"broke: {err!r}"))
+            broken = _StreamBroken(
+                request,
+                response,
+                504 if timed_out else 502,
+                "upstream stream " + ("timed out" if timed_out else f"broke: {err!r}"),
+            )
         if broken is not None:
             # Counted once, as the error the client saw; its usage never came.
             exchange.status = broken.status
@@ -639,8 +730,9 @@ class _ClientGone(Exception):
 class _StreamBroken(Exception):
     """Upstream failed after the client already got the status line: cut the client off."""
 
-    def __init__(self, request: web.Request, response: web.StreamResponse, status: int,
-                 message: str) -> None:
+    def __init__(
+        self, request: web.Request, response: web.StreamResponse, status: int, message: str
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -709,13 +801,16 @@ def new_session(connections: int = 0) -> aiohttp.ClientSession:
     return session
 
 
-def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object],
-                   reject: Callable[[str], None],
-                   session: aiohttp.ClientSession | None = None,
-                   clock: Callable[[], float] = time.time,
-                   monotonic: Callable[[], float] = time.monotonic,
-                   record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None,
-                   upstream_connections: int = 0) -> web.Application:
+def create_tap_app(
+    settings: TapSettings,
+    record: Callable[[UsageEvent], object],
+    reject: Callable[[str], None],
+    session: aiohttp.ClientSession | None = None,
+    clock: Callable[[], float] = time.time,
+    monotonic: Callable[[], float] = time.monotonic,
+    record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None,
+    upstream_connections: int = 0,
+) -> web.Application:
     """The tap as an aiohttp app (tests and benchmarks mount it themselves).
 
     ``record`` takes each call's UsageEvent, ``reject`` the reason of each call whose usage
@@ -725,12 +820,19 @@ def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object]
     closes it on cleanup. Request bodies reach the handler as sent (``HANDLER_ARGS``): the
     tap decodes them itself, bounded (``exporter.usage.body``).
     """
-    tap = Tap(settings, record, reject, session, clock=clock, monotonic=monotonic,
-              record_prompt=record_prompt)
-    app = web.Application(client_max_size=settings.max_request_bytes,
-                          handler_args=HANDLER_ARGS)
+    tap = Tap(
+        settings,
+        record,
+        reject,
+        session,
+        clock=clock,
+        monotonic=monotonic,
+        record_prompt=record_prompt,
+    )
+    app = web.Application(client_max_size=settings.max_request_bytes, handler_args=HANDLER_ARGS)
     app.router.add_route("*", "/{tail:.*}", tap.handle)
     if session is None:
+
         async def open_session(_app: web.Application) -> None:
             tap.session = new_session(upstream_connections)
 
@@ -743,13 +845,16 @@ def create_tap_app(settings: TapSettings, record: Callable[[UsageEvent], object]
     return app
 
 
-async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
-                  reject: Callable[[str], None],
-                  secure: Callable[[web.Application], None] | None = None,
-                  ssl_context: ssl.SSLContext | None = None,
-                  runner: Callable[..., web.AppRunner] = web.AppRunner,
-                  record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None,
-                  upstream_connections: int = 0) -> None:
+async def run_tap(
+    settings: TapSettings,
+    record: Callable[[UsageEvent], object],
+    reject: Callable[[str], None],
+    secure: Callable[[web.Application], None] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    runner: Callable[..., web.AppRunner] = web.AppRunner,
+    record_prompt: Callable[[UsageEvent, PromptPrint], object] | None = None,
+    upstream_connections: int = 0,
+) -> None:
     """Serve the tap on ``settings.listen_address`` until cancelled.
 
     ``secure`` (the --tap.web-config.file listener's) adds its client-certificate checks
@@ -757,26 +862,40 @@ async def run_tap(settings: TapSettings, record: Callable[[UsageEvent], object],
     aiohttp runner (the process's own caps connections and idle time);
     ``upstream_connections`` caps the sockets to vLLM (0: no cap).
     """
-    app = create_tap_app(settings, record, reject, record_prompt=record_prompt,
-                         upstream_connections=upstream_connections)
+    app = create_tap_app(
+        settings,
+        record,
+        reject,
+        record_prompt=record_prompt,
+        upstream_connections=upstream_connections,
+    )
     if secure is not None:
         secure(app)
     # handler_cancellation: a client that hangs up cancels its upstream call at once.
-    app_runner = runner(app, access_log=None, handle_signals=False, handler_cancellation=True,
-                        shutdown_timeout=2.0)
+    app_runner = runner(
+        app, access_log=None, handle_signals=False, handler_cancellation=True, shutdown_timeout=2.0
+    )
     await app_runner.setup()
     host, _, port = settings.listen_address.rpartition(":")
     try:
-        site = web.TCPSite(app_runner, host.strip("[]") or "0.0.0.0", int(port),
-                           reuse_address=True, ssl_context=ssl_context)
+        site = web.TCPSite(
+            app_runner,
+            host.strip("[]") or "0.0.0.0",
+            int(port),
+            reuse_address=True,
+            ssl_context=ssl_context,
+        )
         try:
             await site.start()
         except OSError as err:
             log.error("tap: cannot listen on %s: %s", settings.listen_address, err.strerror)
             raise
-        log.info("tap listening on %s://%s, forwarding to %s",
-                 "https" if ssl_context else "http", settings.listen_address,
-                 redact_url(settings.upstream))
+        log.info(
+            "tap listening on %s://%s, forwarding to %s",
+            "https" if ssl_context else "http",
+            settings.listen_address,
+            redact_url(settings.upstream),
+        )
         await asyncio.Event().wait()
     finally:
         await app_runner.cleanup()

@@ -65,8 +65,10 @@ _OBJECT_START = re.compile(rb"(?:\xef\xbb\xbf)?[ \t\n\r]*\{")  # json.loads take
 _KEY = re.compile(rb'"([^"\\\x00-\x1f]{0,1024})"[ \t\n\r]*:[ \t\n\r]*')
 _SEPARATOR = re.compile(rb"[ \t\n\r]*([,}])[ \t\n\r]*")
 # JSON's scalars as Python's decoder accepts them (it also takes NaN and the infinities).
-_SCALAR = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|true|false|null"
-                     rb"|NaN|Infinity|-Infinity")
+_SCALAR = re.compile(
+    rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|true|false|null"
+    rb"|NaN|Infinity|-Infinity"
+)
 _STRUCTURE = re.compile(rb'["\[\]{}]')
 # The C scanner over str positions (typeshed types make_scanner's argument oddly).
 _c_scan = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
@@ -86,23 +88,44 @@ WALK_MIN_BYTES = 16 * 1024
 # Escaped quotes looked past in Python before the C scanner reads the strings instead.
 ESCAPED_QUOTES = 256
 
-PROMPT_KEYS = {Endpoint.CHAT: "messages", Endpoint.COMPLETIONS: "prompt",
-               Endpoint.RESPONSES: "input", Endpoint.MESSAGES: "messages"}
+PROMPT_KEYS = {
+    Endpoint.CHAT: "messages",
+    Endpoint.COMPLETIONS: "prompt",
+    Endpoint.RESPONSES: "input",
+    Endpoint.MESSAGES: "messages",
+}
 # Output limit keys by endpoint, the first one set (not null) wins: vLLM's chat request
 # takes max_completion_tokens over the older max_tokens.
-LIMIT_KEYS = {Endpoint.CHAT: ("max_completion_tokens", "max_tokens"),
-              Endpoint.COMPLETIONS: ("max_tokens",),
-              Endpoint.RESPONSES: ("max_output_tokens",),
-              Endpoint.MESSAGES: ("max_tokens",)}
+LIMIT_KEYS = {
+    Endpoint.CHAT: ("max_completion_tokens", "max_tokens"),
+    Endpoint.COMPLETIONS: ("max_tokens",),
+    Endpoint.RESPONSES: ("max_output_tokens",),
+    Endpoint.MESSAGES: ("max_tokens",),
+}
 # What the model reads before the prompt key, when it is a key of its own: Anthropic's
 # ``system`` (rendered first). The prompt-order diagnosis fingerprints it, then the prompt.
 PREAMBLE_KEYS = {Endpoint.MESSAGES: "system"}
 # Where the end user's name is: OpenAI's top-level ``user``, Anthropic's ``metadata.user_id``.
-USER_KEYS = {Endpoint.CHAT: "user", Endpoint.COMPLETIONS: "user", Endpoint.RESPONSES: "user",
-             Endpoint.MESSAGES: "metadata"}
+USER_KEYS = {
+    Endpoint.CHAT: "user",
+    Endpoint.COMPLETIONS: "user",
+    Endpoint.RESPONSES: "user",
+    Endpoint.MESSAGES: "metadata",
+}
 # Keys whose values are decoded (all others are only delimited).
-DECODED = frozenset({"model", "user", "metadata", "stream", "stream_options", "max_tokens",
-                     "max_completion_tokens", "max_output_tokens", "n"})
+DECODED = frozenset(
+    {
+        "model",
+        "user",
+        "metadata",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "n",
+    }
+)
 
 
 class Undecidable(ValueError):
@@ -173,7 +196,7 @@ def scan_spans(body: bytes, decoder: bool = True) -> tuple[int, dict[str, tuple[
     spans: dict[str, tuple[int, int]] = {}
     skipper = _Skipper(body, decoder)
     pos = _ws(body, start + 1)
-    if body[pos:pos + 1] == b"}":
+    if body[pos : pos + 1] == b"}":
         return start, _after_object(body, pos + 1, spans)
     key_match = _KEY.match
     separator_match = _SEPARATOR.match
@@ -183,14 +206,14 @@ def scan_spans(body: bytes, decoder: bool = True) -> tuple[int, dict[str, tuple[
             key = _utf8(plain.group(1))
             value_start = plain.end()
         else:
-            if body[pos:pos + 1] != b'"':
+            if body[pos : pos + 1] != b'"':
                 raise Undecidable("expected a key")
             key_end = skipper.string_end(pos)
             if not decoder and key_end - pos > WALK_MIN_BYTES:
                 raise NeedsDecoder
             key = _key(body[pos:key_end])
             pos = _ws(body, key_end)
-            if body[pos:pos + 1] != b":":
+            if body[pos : pos + 1] != b":":
                 raise Undecidable("expected ':'")
             value_start = _ws(body, pos + 1)
         value_end = skipper.skip_value(value_start)
@@ -208,8 +231,9 @@ def _ws(body: bytes, pos: int) -> int:
     return _WHITESPACE.match(body, pos).end()  # type: ignore[union-attr]  # always matches
 
 
-def _after_object(body: bytes, pos: int,
-                  spans: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+def _after_object(
+    body: bytes, pos: int, spans: dict[str, tuple[int, int]]
+) -> dict[str, tuple[int, int]]:
     if _ws(body, pos) != len(body):
         raise Undecidable("text after the object")
     return spans
@@ -348,9 +372,15 @@ def scan(body: bytes, endpoint: Endpoint, decoder: bool = True) -> RequestFacts:
         values[key] = _decode(body[begin:end])
     prompt_span = spans.get(PROMPT_KEYS[endpoint])
     preamble = PREAMBLE_KEYS.get(endpoint)
-    return _facts(values, endpoint, scanned=True, object_start=start,
-                  prompt_span=prompt_span, stream_options_span=spans.get("stream_options"),
-                  preamble_span=spans.get(preamble) if preamble else None)
+    return _facts(
+        values,
+        endpoint,
+        scanned=True,
+        object_start=start,
+        prompt_span=prompt_span,
+        stream_options_span=spans.get("stream_options"),
+        preamble_span=spans.get(preamble) if preamble else None,
+    )
 
 
 def _request_type(endpoint: Endpoint) -> type:
@@ -363,7 +393,8 @@ def _request_type(endpoint: Endpoint) -> type:
 
 
 _READERS: dict[Endpoint, Callable[[bytes], Any]] = {
-    endpoint: msgspec.json.Decoder(_request_type(endpoint)).decode for endpoint in PROMPT_KEYS}
+    endpoint: msgspec.json.Decoder(_request_type(endpoint)).decode for endpoint in PROMPT_KEYS
+}
 _ORDERED_DECODED = tuple(sorted(DECODED))
 
 
@@ -381,10 +412,16 @@ def read(body: bytes, endpoint: Endpoint) -> RequestFacts:
         if value is not unset:
             values[key] = value
     prompt = getattr(request, PROMPT_KEYS[endpoint])
-    preamble = getattr(request, PREAMBLE_KEYS[endpoint], unset) \
-        if endpoint in PREAMBLE_KEYS else unset
-    return _facts(values, endpoint, scanned=True, prompt=None if prompt is unset else prompt,
-                  preamble=None if preamble is unset else preamble)
+    preamble = (
+        getattr(request, PREAMBLE_KEYS[endpoint], unset) if endpoint in PREAMBLE_KEYS else unset
+    )
+    return _facts(
+        values,
+        endpoint,
+        scanned=True,
+        prompt=None if prompt is unset else prompt,
+        preamble=None if preamble is unset else preamble,
+    )
 
 
 def _decode(raw: bytes) -> Any:
@@ -438,8 +475,7 @@ def facts_of(body: bytes, endpoint: Endpoint) -> RequestFacts:
     return parse(body, endpoint)
 
 
-def prompt_bytes(body: bytes, endpoint: Endpoint,
-                 facts: RequestFacts) -> memoryview | bytes | None:
+def prompt_bytes(body: bytes, endpoint: Endpoint, facts: RequestFacts) -> memoryview | bytes | None:
     """The prompt's JSON value as sent (a view, no copy); None when the body has none.
 
     Where the model reads a preamble first (Anthropic's ``system``), the preamble's JSON
@@ -465,14 +501,20 @@ def prompt_bytes(body: bytes, endpoint: Endpoint,
 
 
 def _view(body: bytes, span: tuple[int, int] | None) -> memoryview | None:
-    return None if span is None else memoryview(body)[span[0]:span[1]]
+    return None if span is None else memoryview(body)[span[0] : span[1]]
 
 
-def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_start: int = -1,
-           prompt_span: tuple[int, int] | None = None,
-           stream_options_span: tuple[int, int] | None = None,
-           prompt: Any = None, preamble: Any = None,
-           preamble_span: tuple[int, int] | None = None) -> RequestFacts:
+def _facts(
+    values: dict[str, Any],
+    endpoint: Endpoint,
+    scanned: bool,
+    object_start: int = -1,
+    prompt_span: tuple[int, int] | None = None,
+    stream_options_span: tuple[int, int] | None = None,
+    prompt: Any = None,
+    preamble: Any = None,
+    preamble_span: tuple[int, int] | None = None,
+) -> RequestFacts:
     model = values.get("model")
     limit = None
     for key in LIMIT_KEYS[endpoint]:
@@ -485,14 +527,22 @@ def _facts(values: dict[str, Any], endpoint: Endpoint, scanned: bool, object_sta
     if endpoint is Endpoint.MESSAGES:
         user = user.get("user_id") if isinstance(user, dict) else None
     return RequestFacts(
-        is_object=True, model=model if isinstance(model, str) else None,
-        user=user, stream=values.get("stream") is True,
+        is_object=True,
+        model=model if isinstance(model, str) else None,
+        user=user,
+        stream=values.get("stream") is True,
         has_stream_options="stream_options" in values,
-        stream_options=values.get("stream_options"), output_limit=limit,
+        stream_options=values.get("stream_options"),
+        output_limit=limit,
         sequences=n if type(n) is int and n > 1 else 1,
-        prompt_span=prompt_span, scanned=scanned, object_start=object_start,
-        stream_options_span=stream_options_span, prompt=prompt, preamble=preamble,
-        preamble_span=preamble_span)
+        prompt_span=prompt_span,
+        scanned=scanned,
+        object_start=object_start,
+        stream_options_span=stream_options_span,
+        prompt=prompt,
+        preamble=preamble,
+        preamble_span=preamble_span,
+    )
 
 
 # ---- the one change the tap makes to a request ---------------------------------------------
@@ -527,7 +577,7 @@ def with_include_usage(body: bytes, facts: RequestFacts) -> bytes:
                 start = -1
     if start >= 0 and not facts.has_stream_options:
         at = start + 1
-        if body[_ws(body, at):_ws(body, at) + 1] == b"}":  # {}: no member to separate
+        if body[_ws(body, at) : _ws(body, at) + 1] == b"}":  # {}: no member to separate
             return body[:at] + INCLUDE_USAGE[:-1] + body[at:]
         return body[:at] + INCLUDE_USAGE + body[at:]
     options = facts.stream_options
@@ -536,7 +586,7 @@ def with_include_usage(body: bytes, facts: RequestFacts) -> bytes:
     merged.pop("continuous_usage_stats", None)
     if start >= 0 and span is not None:
         value = json.dumps(merged, separators=(",", ":")).encode("ascii")
-        return body[:span[0]] + value + body[span[1]:]
+        return body[: span[0]] + value + body[span[1] :]
     whole = loads(body)
     whole["stream_options"] = merged
     return json.dumps(whole, separators=(",", ":")).encode("ascii")
