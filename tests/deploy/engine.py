@@ -298,6 +298,20 @@ class Engine:
                     pass
         return pids
 
+    def container_cpu_seconds(self) -> float | None:
+        """CPU time the containers used so far, from their cgroups' own accounting (cgroup v1
+        cpuacct.usage, else v2 cpu.stat); None when neither is there."""
+        dirs = self._cgroup_dirs()
+        for top in dirs:
+            if (top / "cpuacct.usage").is_file():
+                return round(int((top / "cpuacct.usage").read_text()) / 1e9, 1)
+        for top in dirs:
+            stat = top / "cpu.stat"
+            for line in stat.read_text().splitlines() if stat.is_file() else []:
+                if line.startswith("usage_usec "):
+                    return round(int(line.split()[1]) / 1e6, 1)
+        return None
+
     def _remove_cgroups(self) -> list[str]:
         problems = []
         for top in self._cgroup_dirs():
