@@ -234,6 +234,7 @@ class StackStart:
         self._lock = threading.Lock()
         self._closed = False
         self._started = 0.0
+        self._cpu_at_up = 0.0
         self._thread = threading.Thread(target=self._run, name="compose-stack", daemon=True)
 
     def start(self) -> None:
@@ -273,6 +274,7 @@ class StackStart:
         stack = Stack(engine, self.logs, self.facts)
         self._exit.callback(self._down, stack)
         stack.up_at = time.time()
+        self._cpu_at_up = engine.container_cpu_seconds() or 0.0  # the builds' (their cgroups)
         self.facts["up_after_session_start_seconds"] = round(time.monotonic() - self._started)
         started = time.monotonic()
         # `up` returns once the driver has started, which waits for the exporter and the
@@ -282,7 +284,8 @@ class StackStart:
         self.stack = stack
 
     def _down(self, stack: Stack) -> None:
-        self.facts["stack_cpu_seconds"] = stack.engine.container_cpu_seconds()
+        used = stack.engine.container_cpu_seconds()
+        self.facts["stack_cpu_seconds"] = None if used is None else round(used - self._cpu_at_up, 1)
         self.facts["stack_wall_seconds"] = round(time.time() - stack.up_at)
         stack.compose("logs", "--no-color", "--timestamps", check=False)
         stack.compose("down", "--volumes", "--remove-orphans", "--timeout", "10", check=False)
