@@ -31,8 +31,11 @@ def no_new_series_hold(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     if request.node.get_closest_marker("new_series_hold"):
         return
     real = wiring.usage_settings
-    monkeypatch.setattr(wiring, "usage_settings", lambda config: dataclasses.replace(
-        real(config), new_series_hold=0.0))
+    monkeypatch.setattr(
+        wiring,
+        "usage_settings",
+        lambda config: dataclasses.replace(real(config), new_series_hold=0.0),
+    )
     monkeypatch.setenv("VLLM_CACHE_EXPORTER_USAGE_NEW_SERIES_HOLD", "0")
 
 
@@ -40,14 +43,14 @@ FAKE_PROC = str(Path(__file__).resolve().parent / "fixtures" / "proc")
 
 
 @pytest.fixture(autouse=True)
-def fixed_process_metrics(request: pytest.FixtureRequest,
-                          monkeypatch: pytest.MonkeyPatch) -> None:
+def fixed_process_metrics(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The process_* series read a recorded /proc (tests/fixtures/proc), so that expositions
     compare byte for byte; tests marked ``real_process_metrics`` read the real one."""
     if request.node.get_closest_marker("real_process_metrics"):
         return
-    monkeypatch.setattr(metrics, "ProcessCollector", functools.partial(
-        ProcessCollector, proc=FAKE_PROC))
+    monkeypatch.setattr(
+        metrics, "ProcessCollector", functools.partial(ProcessCollector, proc=FAKE_PROC)
+    )
 
 
 @pytest.fixture
@@ -88,11 +91,13 @@ def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
-def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item
-                                  ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     """Every async test on asyncio's loop; those of BOTH_LOOPS on uvloop's too."""
     factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-        "asyncio": asyncio.new_event_loop}
+        "asyncio": asyncio.new_event_loop
+    }
     uvloop_factory = _uvloop_factory()
     module = getattr(item, "module", None)
     if uvloop_factory is not None and module is not None and module.__name__ in BOTH_LOOPS:

@@ -39,8 +39,7 @@ import pytest
 from tests.deploy.helpers import ROOT
 
 # The tool -> the Debian package that brings it.
-PACKAGES = {"dockerd": "docker.io", "mmdebstrap": "mmdebstrap",
-            "docker-compose": "docker-compose"}
+PACKAGES = {"dockerd": "docker.io", "mmdebstrap": "mmdebstrap", "docker-compose": "docker-compose"}
 IMAGES_DIR = ROOT / "tests" / "deploy" / "images"
 SUITE = "bookworm"
 # Debian's python3 and the venv module the Dockerfile's build stage needs; ca-certificates so
@@ -60,8 +59,12 @@ MMDEBSTRAP_OPTIONS = (
 )
 # Where dockerd and its containerd write outside the roots they are given: removed after the
 # run when they were not there before.
-OUTSIDE_ROOTS = (Path("/etc/docker/key.json"), Path("/etc/docker"), Path("/run/docker"),
-                 Path("/run/containerd"))
+OUTSIDE_ROOTS = (
+    Path("/etc/docker/key.json"),
+    Path("/etc/docker"),
+    Path("/run/docker"),
+    Path("/run/containerd"),
+)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -83,11 +86,13 @@ def ensure_installed(log: Path) -> float:
     started = time.monotonic()
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     with open(log, "ab") as out:
-        for command in (["apt-get", "update", "-qq"],
-                        ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
-                         *missing]):
-            result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    timeout=900)
+        for command in (
+            ["apt-get", "update", "-qq"],
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+        ):
+            result = subprocess.run(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900
+            )
             assert result.returncode == 0, f"{' '.join(command)} failed: see {log}"
     return time.monotonic() - started
 
@@ -112,8 +117,11 @@ def _iptables_rules() -> str:
         if path is None:
             continue
         result = subprocess.run([path], capture_output=True, text=True, timeout=60)
-        out.extend(re.sub(r"\[\d+:\d+\]", "", line) for line in result.stdout.splitlines()
-                   if line and not line.startswith("#"))
+        out.extend(
+            re.sub(r"\[\d+:\d+\]", "", line)
+            for line in result.stdout.splitlines()
+            if line and not line.startswith("#")
+        )
     return "\n".join(out)
 
 
@@ -126,8 +134,12 @@ class HostState:
 
     @classmethod
     def capture(cls, root: Path) -> HostState:
-        return cls(frozenset(os.listdir("/sys/class/net")), _iptables_rules(),
-                   frozenset(mounts_under(root)), frozenset(processes_naming(root)))
+        return cls(
+            frozenset(os.listdir("/sys/class/net")),
+            _iptables_rules(),
+            frozenset(mounts_under(root)),
+            frozenset(processes_naming(root)),
+        )
 
     def differences(self, other: HostState) -> list[str]:
         out = []
@@ -198,13 +210,21 @@ class Engine:
         """The client's environment: this daemon, and a client config of its own."""
         return {"DOCKER_HOST": f"unix://{self.socket}", "DOCKER_CONFIG": str(self.root / "cli")}
 
-    def run(self, *args: str, timeout: float = 300, check: bool = True,
-            stdin: Any = None) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([self.docker, *args], env={**os.environ, **self.env},
-                                capture_output=True, text=True, timeout=timeout, stdin=stdin)
+    def run(
+        self, *args: str, timeout: float = 300, check: bool = True, stdin: Any = None
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [self.docker, *args],
+            env={**os.environ, **self.env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=stdin,
+        )
         if check:
-            assert result.returncode == 0, (f"docker {' '.join(args)}: {result.returncode}\n"
-                                            f"{result.stdout}\n{result.stderr}")
+            assert result.returncode == 0, (
+                f"docker {' '.join(args)}: {result.returncode}\n{result.stdout}\n{result.stderr}"
+            )
         return result
 
     def inspect(self, *ids: str) -> list[dict[str, Any]]:
@@ -218,14 +238,22 @@ class Engine:
         assert dockerd
         (self.root / "daemon.json").write_text("{}\n")  # not /etc/docker/daemon.json
         command = [
-            dockerd, f"--host=unix://{self.socket}", f"--data-root={self.root / 'data'}",
-            f"--exec-root={self.root / 'exec'}", f"--pidfile={self.root / 'dockerd.pid'}",
-            f"--config-file={self.root / 'daemon.json'}", f"--cgroup-parent=/{self.cgroup_parent}",
-            "--bridge=none", "--iptables=false", "--ip-forward=false", "--ip-masq=false",
+            dockerd,
+            f"--host=unix://{self.socket}",
+            f"--data-root={self.root / 'data'}",
+            f"--exec-root={self.root / 'exec'}",
+            f"--pidfile={self.root / 'dockerd.pid'}",
+            f"--config-file={self.root / 'daemon.json'}",
+            f"--cgroup-parent=/{self.cgroup_parent}",
+            "--bridge=none",
+            "--iptables=false",
+            "--ip-forward=false",
+            "--ip-masq=false",
         ]
         log = open(self.root / "dockerd.log", "wb")  # noqa: SIM115 (the reader thread owns it)
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.PIPE, start_new_session=True
+        )
         ready = threading.Event()
 
         def follow(stream: Any) -> None:  # the daemon's log: copied, and read for readiness
@@ -240,13 +268,15 @@ class Engine:
         deadline = time.monotonic() + 120
         while not ready.wait(timeout=1):
             if self.process.poll() is not None:
-                raise AssertionError(f"dockerd exited {self.process.returncode}: "
-                                     f"{self.log_tail()}")
+                raise AssertionError(f"dockerd exited {self.process.returncode}: {self.log_tail()}")
             assert time.monotonic() < deadline, f"dockerd never listened: {self.log_tail()}"
         info = json.loads(self.run("info", "--format", "{{json .}}").stdout)
-        self.facts.update(server=info["ServerVersion"], storage=info["Driver"],
-                          cgroup_version=info.get("CgroupVersion"),
-                          cgroup_driver=info["CgroupDriver"])
+        self.facts.update(
+            server=info["ServerVersion"],
+            storage=info["Driver"],
+            cgroup_version=info.get("CgroupVersion"),
+            cgroup_driver=info["CgroupDriver"],
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         path = self.root / "dockerd.log"
@@ -298,11 +328,31 @@ class Engine:
                     pass
         return pids
 
+    def container_cpu_seconds(self) -> float | None:
+        """CPU time the containers used so far, from their cgroups' own accounting (cgroup v1
+        cpuacct.usage, else v2 cpu.stat); None when neither is there."""
+        dirs = self._cgroup_dirs()
+        for top in dirs:
+            if (top / "cpuacct.usage").is_file():
+                return round(int((top / "cpuacct.usage").read_text()) / 1e9, 1)
+        for top in dirs:
+            stat = top / "cpu.stat"
+            for line in stat.read_text().splitlines() if stat.is_file() else []:
+                if line.startswith("usage_usec "):
+                    return round(int(line.split()[1]) / 1e6, 1)
+        return None
+
     def _remove_cgroups(self) -> list[str]:
         problems = []
         for top in self._cgroup_dirs():
-            for directory in [*sorted((p for p in top.rglob("*") if p.is_dir()),
-                                      key=lambda p: len(p.parts), reverse=True), top]:
+            for directory in [
+                *sorted(
+                    (p for p in top.rglob("*") if p.is_dir()),
+                    key=lambda p: len(p.parts),
+                    reverse=True,
+                ),
+                top,
+            ]:
                 try:
                     directory.rmdir()
                 except OSError as err:
@@ -347,9 +397,18 @@ def running_engine(root: Path) -> Iterator[Engine]:
 def debian_sources(suite: str = SUITE) -> list[str]:
     """One-line sources for ``suite`` on the Debian mirrors apt uses here (apt's own view of
     /etc/apt/sources.list*): the archive for the suite and its updates, the security mirror."""
-    result = subprocess.run(["apt-get", "indextargets", "--format",
-                             "$(ORIGIN)\t$(REPO_URI)\t$(RELEASE)", "Identifier: Packages"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            "apt-get",
+            "indextargets",
+            "--format",
+            "$(ORIGIN)\t$(REPO_URI)\t$(RELEASE)",
+            "Identifier: Packages",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     archive = security = None
     for line in result.stdout.splitlines():
         origin, uri, release = (line.split("\t") + ["", "", ""])[:3]
@@ -359,8 +418,10 @@ def debian_sources(suite: str = SUITE) -> list[str]:
             security = security or uri
         else:
             archive = archive or uri
-    assert archive, ("apt has no Debian mirror configured (apt-get indextargets): "
-                     f"{result.stdout or result.stderr}")
+    assert archive, (
+        "apt has no Debian mirror configured (apt-get indextargets): "
+        f"{result.stdout or result.stderr}"
+    )
     lines = [f"deb {archive} {suite} main", f"deb {archive} {suite}-updates main"]
     if security:
         lines.append(f"deb {security} {suite}-security main")
@@ -372,8 +433,15 @@ def import_debian_base(engine: Engine, log: Path) -> float:
     mmdebstrap = shutil.which("mmdebstrap")
     assert mmdebstrap
     hook = IMAGES_DIR / "trust-host-cas.sh"
-    command = [mmdebstrap, *MMDEBSTRAP_OPTIONS, f"--include={','.join(BASE_PACKAGES)}",
-               f'--customize-hook=sh "{hook}" "$1"', SUITE, "-", *debian_sources()]
+    command = [
+        mmdebstrap,
+        *MMDEBSTRAP_OPTIONS,
+        f"--include={','.join(BASE_PACKAGES)}",
+        f'--customize-hook=sh "{hook}" "$1"',
+        SUITE,
+        "-",
+        *debian_sources(),
+    ]
     started = time.monotonic()
     with open(log, "ab") as err:
         build = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err)
@@ -388,13 +456,30 @@ def import_debian_base(engine: Engine, log: Path) -> float:
     return time.monotonic() - started
 
 
-def build_image(engine: Engine, tag: str, dockerfile: Path, context: Path,
-                build_args: Mapping[str, str], log: Path) -> float:
+def build_image(
+    engine: Engine,
+    tag: str,
+    dockerfile: Path,
+    context: Path,
+    build_args: Mapping[str, str],
+    log: Path,
+) -> float:
     """docker build on the host's network; returns the seconds it took."""
     args = [arg for key, value in build_args.items() for arg in ("--build-arg", f"{key}={value}")]
     started = time.monotonic()
-    result = engine.run("build", "--network", "host", *args, "-t", tag,
-                        "-f", str(dockerfile), str(context), check=False, timeout=1200)
+    result = engine.run(
+        "build",
+        "--network",
+        "host",
+        *args,
+        "-t",
+        tag,
+        "-f",
+        str(dockerfile),
+        str(context),
+        check=False,
+        timeout=1200,
+    )
     with open(log, "a", encoding="utf-8") as out:
         out.write(f"--- docker build -t {tag}\n{result.stdout}\n{result.stderr}\n")
     assert result.returncode == 0, f"docker build -t {tag} failed:\n{result.stderr[-3000:]}"

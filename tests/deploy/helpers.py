@@ -47,12 +47,19 @@ def compose_environment(**overrides: str) -> dict[str, str]:
     return env
 
 
-def docker_compose(*args: str, env: Mapping[str, str] | None = None,
-                   ) -> subprocess.CompletedProcess[str]:
+def docker_compose(
+    *args: str,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     binary = require_tool("docker-compose")
-    return subprocess.run([binary, "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE),
-                           *args], cwd=ROOT, env=dict(env or compose_environment()),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [binary, "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), *args],
+        cwd=ROOT,
+        env=dict(env or compose_environment()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @lru_cache(maxsize=8)
@@ -92,9 +99,13 @@ def active_services(model: Mapping[str, Any], cli_profiles: Sequence[str] = ()) 
     without ``profiles`` always run.
     """
     profiles = set(cli_profiles) or {
-        part.strip() for part in dotenv().get("COMPOSE_PROFILES", "").split(",") if part}
-    return {name for name, service in model["services"].items()
-            if not service.get("profiles") or profiles & set(service["profiles"])}
+        part.strip() for part in dotenv().get("COMPOSE_PROFILES", "").split(",") if part
+    }
+    return {
+        name
+        for name, service in model["services"].items()
+        if not service.get("profiles") or profiles & set(service["profiles"])
+    }
 
 
 def network_names(model: Mapping[str, Any], active: Iterable[str]) -> dict[str, list[str]]:
@@ -127,11 +138,21 @@ def bind_mounts(service: Mapping[str, Any]) -> list[Mount]:
             parts = volume.split(":")
             if len(parts) < 2 or not parts[0].startswith(("/", ".")):
                 continue
-            mounts.append(Mount(Path(parts[0]), PurePosixPath(parts[1]),
-                                len(parts) > 2 and "ro" in parts[2].split(",")))
+            mounts.append(
+                Mount(
+                    Path(parts[0]),
+                    PurePosixPath(parts[1]),
+                    len(parts) > 2 and "ro" in parts[2].split(","),
+                )
+            )
         elif volume.get("type") == "bind":
-            mounts.append(Mount(Path(volume["source"]), PurePosixPath(volume["target"]),
-                                bool(volume.get("read_only"))))
+            mounts.append(
+                Mount(
+                    Path(volume["source"]),
+                    PurePosixPath(volume["target"]),
+                    bool(volume.get("read_only")),
+                )
+            )
     return mounts
 
 
@@ -249,15 +270,22 @@ def build_context_files(root: Path = ROOT) -> set[str]:
     reopen = [rule.literal_prefix for rule in rules if rule.negate]
 
     def reachable(relative: str) -> bool:
-        return any(prefix == "" or prefix == relative or prefix.startswith(relative + "/")
-                   or relative.startswith(prefix + "/") for prefix in reopen)
+        return any(
+            prefix == ""
+            or prefix == relative
+            or prefix.startswith(relative + "/")
+            or relative.startswith(prefix + "/")
+            for prefix in reopen
+        )
 
     files = set()
     for directory, subdirs, filenames in os.walk(root):
         base = Path(directory).relative_to(root).as_posix()
         base = "" if base == "." else base + "/"
-        subdirs[:] = [name for name in subdirs
-                      if in_build_context(base + name, rules) or reachable(base + name)]
-        files.update(base + name for name in filenames
-                     if in_build_context(base + name, rules))
+        subdirs[:] = [
+            name
+            for name in subdirs
+            if in_build_context(base + name, rules) or reachable(base + name)
+        ]
+        files.update(base + name for name in filenames if in_build_context(base + name, rules))
     return files

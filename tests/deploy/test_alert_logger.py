@@ -19,19 +19,34 @@ SCRIPT = ROOT / "deploy" / "alert-logger.py"
 def notification(status: str, caller: str, description: str) -> dict:
     """An Alertmanager webhook body (version 4), as deploy/alertmanager.yml's routes send."""
     return {
-        "version": "4", "groupKey": '{}:{alertname="VllmCachePrefixCollapse"}',
-        "status": status, "receiver": "page", "externalURL": "http://alertmanager:9093",
-        "groupLabels": {"alertname": "VllmCachePrefixCollapse"}, "commonLabels": {},
-        "commonAnnotations": {}, "truncatedAlerts": 0,
-        "alerts": [{
-            "status": status,
-            "labels": {"alertname": "VllmCachePrefixCollapse", "severity": "critical",
-                       "job": "vllm-cache-exporter", "caller": caller},
-            "annotations": {"summary": "A caller's prefix-cache hit ratio collapsed.",
-                            "description": description},
-            "startsAt": "2026-11-29T10:00:00Z", "endsAt": "0001-01-01T00:00:00Z",
-            "generatorURL": "http://prometheus:9090/graph", "fingerprint": "0123456789abcdef",
-        }],
+        "version": "4",
+        "groupKey": '{}:{alertname="VllmCachePrefixCollapse"}',
+        "status": status,
+        "receiver": "page",
+        "externalURL": "http://alertmanager:9093",
+        "groupLabels": {"alertname": "VllmCachePrefixCollapse"},
+        "commonLabels": {},
+        "commonAnnotations": {},
+        "truncatedAlerts": 0,
+        "alerts": [
+            {
+                "status": status,
+                "labels": {
+                    "alertname": "VllmCachePrefixCollapse",
+                    "severity": "critical",
+                    "job": "vllm-cache-exporter",
+                    "caller": caller,
+                },
+                "annotations": {
+                    "summary": "A caller's prefix-cache hit ratio collapsed.",
+                    "description": description,
+                },
+                "startsAt": "2026-11-29T10:00:00Z",
+                "endsAt": "0001-01-01T00:00:00Z",
+                "generatorURL": "http://prometheus:9090/graph",
+                "fingerprint": "0123456789abcdef",
+            }
+        ],
     }
 
 
@@ -44,9 +59,12 @@ def free_port() -> int:
 async def test_logs_one_line_per_alert_and_survives_bad_bodies():
     port = free_port()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, str(SCRIPT), env={"ALERT_LOGGER_HOST": "127.0.0.1",
-                                          "ALERT_LOGGER_PORT": str(port)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        str(SCRIPT),
+        env={"ALERT_LOGGER_HOST": "127.0.0.1", "ALERT_LOGGER_PORT": str(port)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         assert process.stdout is not None
         ready = await asyncio.wait_for(process.stdout.readline(), timeout=30)
@@ -56,8 +74,12 @@ async def test_logs_one_line_per_alert_and_survives_bad_bodies():
             firing = notification("firing", "agent-a", "agent-a: 12% cached\nagent-b FIRING")
             async with session.post(f"{base}/page", json=firing) as response:
                 assert response.status == 200
-            for body in (b"not json", b'{"alerts": "none"}', b'{"alerts": [{"labels": []}]}',
-                         b"[]"):
+            for body in (
+                b"not json",
+                b'{"alerts": "none"}',
+                b'{"alerts": [{"labels": []}]}',
+                b"[]",
+            ):
                 async with session.post(f"{base}/ticket", data=body) as response:
                     assert response.status == 400, body
             resolved = notification("resolved", "agent-a", "back to 93% cached")

@@ -38,12 +38,18 @@ from tests.deploy.helpers import (
 OUR_IMAGE = f"vllm-cache-exporter:{__version__}"
 # Mode -> the --profile flags given on the command line ("demo" is .env's default).
 MODES = {"demo": (), "gpu": ("gpu",)}
-DEMO_SERVICES = {"simulator", "driver", "exporter", "prometheus", "alertmanager", "grafana",
-                 "alert-webhook"}
+DEMO_SERVICES = {
+    "simulator",
+    "driver",
+    "exporter",
+    "prometheus",
+    "alertmanager",
+    "grafana",
+    "alert-webhook",
+}
 GPU_SERVICES = DEMO_SERVICES - {"simulator", "driver"} | {"vllm"}
 # Ports the third-party images listen on by default (their documentation).
-IMAGE_PORTS = {"prom/prometheus": {9090}, "prom/alertmanager": {9093},
-               "grafana/grafana": {3000}}
+IMAGE_PORTS = {"prom/prometheus": {9090}, "prom/alertmanager": {9093}, "grafana/grafana": {3000}}
 VERSION_TAG = re.compile(r"^v?\d+\.\d+\.\d+(?:[-.][0-9A-Za-z.]+)?$")
 
 
@@ -92,7 +98,8 @@ def resolve(address: str, mode: str) -> tuple[str, int]:
     assert len(names[host]) == 1, f"{address}: {names[host]} all answer to {host!r} ({mode})"
     target = names[host][0]
     assert int(port) in listening_ports(target, model()["services"][target]), (
-        f"{address}: {target} does not listen on {port} ({mode})")
+        f"{address}: {target} does not listen on {port} ({mode})"
+    )
     return target, int(port)
 
 
@@ -142,7 +149,10 @@ def test_every_image_is_pinned_to_a_version():
             assert Path(svc["build"]["context"]).resolve() == ROOT
             assert (ROOT / svc["build"].get("dockerfile", "Dockerfile")).is_file()
     assert {svc["image"] for svc in model()["services"].values()} >= {
-        OUR_IMAGE, "prom/prometheus:v3.5.0", "prom/alertmanager:v0.28.1"}
+        OUR_IMAGE,
+        "prom/prometheus:v3.5.0",
+        "prom/alertmanager:v0.28.1",
+    }
 
 
 def test_every_published_port_is_bound_to_loopback():
@@ -185,8 +195,10 @@ def test_our_services_run_commands_the_cli_accepts():
 def test_scenario_and_speed_are_each_chosen_by_one_variable():
     from exporter.sim.scenario import available
 
-    for flag, variable, other in (("--scenario", "SCENARIO", "two-agents-fit"),
-                                  ("--speed", "SPEED", "20")):
+    for flag, variable, other in (
+        ("--scenario", "SCENARIO", "two-agents-fit"),
+        ("--speed", "SPEED", "20"),
+    ):
         default = flag_value(command_args(service("simulator")), flag)
         assert default and flag_value(command_args(service("driver")), flag) == default
         for name in ("simulator", "driver"):  # the two must agree, or time runs apart
@@ -196,8 +208,9 @@ def test_scenario_and_speed_are_each_chosen_by_one_variable():
 
 
 def test_the_driver_reports_to_the_exporter_which_reads_vllm_and_taps_it():
-    exporter = build_config(parse_our_command(service("exporter")),
-                            environ=service("exporter")["environment"])
+    exporter = build_config(
+        parse_our_command(service("exporter")), environ=service("exporter")["environment"]
+    )
     assert exporter.vllm_url == ("http://vllm:8000",)
     assert exporter.tap_upstream == "http://vllm:8000"
     assert exporter.tap_listen_address.startswith("0.0.0.0:")
@@ -206,10 +219,14 @@ def test_the_driver_reports_to_the_exporter_which_reads_vllm_and_taps_it():
     base_url = flag_value(driver, "--drive.base-url") or ""
     assert resolve(url_address(base_url), "demo")[0] == "simulator"
     assert resolve(url_address(flag_value(driver, "--drive.exporter-url") or ""), "demo") == (
-        "exporter", exporter.listen_host_port[1])
+        "exporter",
+        exporter.listen_host_port[1],
+    )
     # VLLM_URL points the exporter and its tap at a vLLM outside the stack instead.
-    other = build_config(parse_our_command(service("exporter", VLLM_URL="http://10.0.0.7:8000")),
-                         environ=service("exporter")["environment"])
+    other = build_config(
+        parse_our_command(service("exporter", VLLM_URL="http://10.0.0.7:8000")),
+        environ=service("exporter")["environment"],
+    )
     assert other.vllm_url == ("http://10.0.0.7:8000",)
     assert other.tap_upstream == "http://10.0.0.7:8000"
 
@@ -279,8 +296,12 @@ def test_promtool_accepts_the_config_as_the_container_sees_it(tmp_path):
     alerts = host_path(prometheus, "/etc/prometheus/alerts")
     assert alerts is not None and alerts.resolve() == ROOT / "alerts"
     (tmp_path / "alerts").symlink_to(alerts, target_is_directory=True)
-    result = subprocess.run([promtool, "check", "config", str(tmp_path / "prometheus.yml")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -291,12 +312,16 @@ def test_alertmanager_delivers_to_the_alert_logger(mode):
     path = host_path(alertmanager, config_flag)
     assert path is not None and path.resolve() == ROOT / "deploy" / "alertmanager.yml"
     amtool = require_tool("amtool")
-    result = subprocess.run([amtool, "check-config", str(path)], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [amtool, "check-config", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    urls = [hook["url"] for receiver in config["receivers"]
-            for hook in receiver.get("webhook_configs", [])]
+    urls = [
+        hook["url"]
+        for receiver in config["receivers"]
+        for hook in receiver.get("webhook_configs", [])
+    ]
     assert urls, "no webhook receiver to log alerts"
     for url in urls:
         assert resolve(url_address(url), mode)[0] == "alert-webhook"
@@ -309,8 +334,9 @@ def provisioning(kind: str) -> list[dict[str, Any]]:
     grafana = service("grafana")
     folder = host_path(grafana, f"/etc/grafana/provisioning/{kind}")
     assert folder is not None and folder.is_dir(), f"no Grafana {kind} provisioning mounted"
-    return [yaml.safe_load(path.read_text(encoding="utf-8"))
-            for path in sorted(folder.glob("*.y*ml"))]
+    return [
+        yaml.safe_load(path.read_text(encoding="utf-8")) for path in sorted(folder.glob("*.y*ml"))
+    ]
 
 
 def test_grafana_datasource_is_the_stacks_prometheus_with_a_fixed_uid():
@@ -331,8 +357,7 @@ def test_grafana_provisions_the_committed_dashboards():
     assert len(providers) == 1
     folder = host_path(grafana, providers[0]["options"]["path"])
     assert folder is not None and folder.resolve() == ROOT / "dashboards"
-    uids = {json.loads(path.read_text(encoding="utf-8"))["uid"]
-            for path in folder.glob("*.json")}
+    uids = {json.loads(path.read_text(encoding="utf-8"))["uid"] for path in folder.glob("*.json")}
     monitoring = MonitoringConfig()
     assert {monitoring.overview_uid, monitoring.caller_uid} <= uids
     home = host_path(grafana, grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])

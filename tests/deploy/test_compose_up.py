@@ -22,40 +22,32 @@ after 11.6-11.8 (three runs, two of them this test), 4x after 11.4, and 3x not w
 20x within 6: faster, the scenario loops, and whether its warm rounds fall inside the windows
 decides. 2x pages every time, so most of this test's time is that wait, for an event: the
 alert logger's line.
+
+That wait overlaps the rest of the suite: the engine, the images and ``compose up`` are
+started in the background when the session begins and this module runs last
+(tests/deploy/compose_stack.py, tests/deploy/conftest.py). So the checks below may run long
+after ``up``: the windows they wait in are measured from ``up`` and from the driver's start,
+and Docker's events and the alert logger's lines since then are read back.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import queue
 import re
-import shutil
-import subprocess
-import sys
-import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.deploy import dockerfile
-from tests.deploy import engine as engines
+from tests.deploy import compose_stack, dockerfile
+from tests.deploy.compose_stack import OVERRIDE, Stack
 from tests.deploy.helpers import (
-    COMPOSE_FILE,
     K8S_DIR,
     ROOT,
-    active_services,
     command_args,
-    compose_environment,
     flag_value,
     published_ports,
     resolved_compose,
@@ -71,18 +63,11 @@ from tests.deploy.stack_checks import (
     http_get,
     listening_addresses,
     parse_alert,
-    port_in_use,
     scrape_targets_up,
 )
 
 pytestmark = pytest.mark.compose
 
-OVERRIDE = ROOT / "tests" / "deploy" / "compose.images.yaml"
-SPEED = "2"
-LEFT_OUT = {"grafana"}  # no image for it here (above)
-# Services with a healthcheck (their own or their image's) are awaited healthy; the others
-# (Prometheus and Alertmanager, whose official images have none, and the driver, which
-# compose.yaml turns off) are awaited running and answering.
 HEALTHY_WITHIN = 120.0  # seconds from `up`; Docker first probes one interval (30 s) in
 PAGE_WITHIN = 22 * 60.0  # seconds from the driver's start; about 12 minutes measured
 STOP_WITHIN = 5.0  # seconds for `docker compose stop`; compose's SIGKILL comes at 10 s
@@ -95,99 +80,7 @@ def model() -> dict[str, Any]:
 
 
 def services() -> set[str]:
-    return active_services(model()) - LEFT_OUT
-
-
-# --- the stack -------------------------------------------------------------------------------
-
-
-@dataclass
-class Stack:
-    engine: engines.Engine
-    logs: Path
-    facts: dict[str, Any] = field(default_factory=dict)
-    up_at: float = 0.0  # wall clock, for docker's event and log times
-
-    def compose(self, *args: str, timeout: float = 300,
-                check: bool = True) -> subprocess.CompletedProcess[str]:
-        binary = shutil.which("docker-compose")
-        assert binary
-        result = subprocess.run(
-            [binary, "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE),
-             "-f", str(OVERRIDE), *args], cwd=ROOT,
-            env=compose_environment(SPEED=SPEED, **self.engine.env),
-            capture_output=True, text=True, timeout=timeout)
-        with open(self.logs / "compose.log", "a", encoding="utf-8") as out:
-            out.write(f"--- docker-compose {' '.join(args)}: {result.returncode}\n"
-                      f"{result.stdout}{result.stderr}")
-        if check:
-            assert result.returncode == 0, (f"docker-compose {' '.join(args)}:\n"
-                                            f"{result.stderr[-3000:]}")
-        return result
-
-    def container(self, service: str) -> str:
-        ids = self.compose("ps", "-q", service).stdout.split()
-        assert len(ids) == 1, f"{service}: containers {ids}"
-        return ids[0]
-
-    def inspect(self, service: str) -> dict[str, Any]:
-        return self.engine.inspect(self.container(service))[0]
-
-    def tail(self, service: str, lines: int = 25) -> str:
-        """The service's last log lines, for a failure's message."""
-        result = self.engine.run("logs", "--tail", str(lines), self.container(service),
-                                 check=False)
-        return f"--- {service}'s last log lines:\n{result.stdout}{result.stderr}"
-
-    def processes(self, service: str) -> list[dict[str, str]]:
-        """The container's processes as the host sees them (uid, RSS in KiB, command)."""
-        out = self.engine.run("top", self.container(service), "-eo", "pid,uid,rss,args").stdout
-        lines = out.splitlines()
-        return [dict(zip(("pid", "uid", "rss", "args"), line.split(None, 3), strict=True))
-                for line in lines[1:]]
-
-    def events(self, since: float, until: float, *filters: str) -> Iterator[dict[str, Any]]:
-        """Docker's events from ``since``, as they happen, until ``until`` (wall clock)."""
-        args = [arg for item in filters for arg in ("--filter", item)]
-        with subprocess.Popen(
-                [self.engine.docker, "events", "--since", f"{since:.3f}",
-                 "--until", f"{until:.3f}", "--format", "{{json .}}", *args],
-                env={**os.environ, **self.engine.env}, stdout=subprocess.PIPE,
-                text=True) as stream:
-            assert stream.stdout is not None
-            try:
-                for line in stream.stdout:
-                    yield json.loads(line)
-            finally:
-                stream.terminate()
-
-    def log_lines(self, service: str, since: float, until: float) -> Iterator[str]:
-        """The service's log lines from ``since``, as they are written, until ``until``."""
-        lines: queue.Queue[str | None] = queue.Queue()
-        with subprocess.Popen([self.engine.docker, "logs", "-f", "--since", f"{since:.3f}",
-                               self.container(service)],
-                              env={**os.environ, **self.engine.env},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) as follow:
-
-            def read() -> None:
-                assert follow.stdout is not None
-                for line in follow.stdout:
-                    lines.put(line.rstrip("\n"))
-                lines.put(None)
-
-            threading.Thread(target=read, daemon=True).start()
-            try:
-                while (remaining := until - time.time()) > 0:
-                    try:
-                        line = lines.get(timeout=remaining)
-                    except queue.Empty:
-                        return
-                    if line is None:
-                        return
-                    yield line
-            finally:
-                follow.terminate()
+    return compose_stack.services()
 
 
 def docker_time(text: str) -> float:
@@ -198,58 +91,18 @@ def docker_time(text: str) -> float:
     return whole.timestamp() + float("0." + (match[2] or "0"))
 
 
-def build_images(engine: engines.Engine, logs: Path, facts: dict[str, Any]) -> None:
-    build_log = logs / "build.log"
-    facts["base_image_seconds"] = engines.import_debian_base(engine, build_log)
-    base = {"BASE_IMAGE": engines.BASE_IMAGE}
-    ours = model()["services"]["exporter"]
-    context = Path(ours["build"]["context"])
-    facts["exporter_build_seconds"] = engines.build_image(
-        engine, ours["image"], context / ours["build"].get("dockerfile", "Dockerfile"),
-        context, base, build_log)
-    empty = logs / "empty-context"
-    empty.mkdir()
-    for name, image in override_images().items():
-        facts[f"{name}_build_seconds"] = engines.build_image(
-            engine, image, engines.IMAGES_DIR / f"{name}.Dockerfile", empty, base, build_log)
-    for name, image in {"base": engines.BASE_IMAGE, "exporter": ours["image"],
-                        **override_images()}.items():
-        facts[f"{name}_image_bytes"] = engines.image_size(engine, image)
-
-
-def override_images() -> dict[str, str]:
-    override = yaml.safe_load(OVERRIDE.read_text(encoding="utf-8"))
-    return {name: svc["image"] for name, svc in override["services"].items()}
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    engines.require(sys.platform == "linux", "Docker's engine runs on Linux")
-    taken = [port for name in services() for _ip, port in published_ports(model()["services"][name])
-             if port_in_use(int(port))]
-    engines.require(not taken, f"127.0.0.1:{taken} in use: the compose stack publishes them")
-    root = tmp_path_factory.mktemp("engine")
-    logs = root / "logs"
-    logs.mkdir()
-    facts: dict[str, Any] = {"install_seconds": engines.ensure_installed(logs / "apt.log")}
-    with engines.running_engine(root) as engine:
-        build_images(engine, logs, facts)
-        stack = Stack(engine, logs, facts)
-        stack.up_at = time.time()
-        try:
-            started = time.monotonic()
-            # `up` returns once the driver has started, which waits for the exporter and the
-            # simulator to be healthy (depends_on: service_healthy).
-            stack.compose("up", "-d", "--no-build", *sorted(services()))
-            facts["up_seconds"] = time.monotonic() - started
-            yield stack
-        finally:
-            stack.compose("logs", "--no-color", "--timestamps", check=False)
-            stack.compose("down", "--volumes", "--remove-orphans", "--timeout", "10",
-                          check=False)
-            facts.update(engine.facts)
-            facts.pop("interfaces_before", None)
-            print("\ncompose stack facts:", json.dumps(facts, sort_keys=True))
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """The stack started in the background since the session began (tests/deploy/
+    compose_stack.py): joined here, so that its start's error fails these tests, and taken
+    down after them."""
+    start = compose_stack.started(request.config, lambda: tmp_path_factory.mktemp("engine"))
+    try:
+        yield start.join()
+    finally:
+        start.close()
 
 
 # --- the override swaps images and nothing else ----------------------------------------------
@@ -272,34 +125,52 @@ def test_every_service_runs_and_is_healthy(stack: Stack):
     containers = {name: stack.container(name) for name in services()}
     ready_in: dict[str, float] = {}
     # Health first, from Docker's own events since `up` (none is missed: they are replayed).
-    expecting = {name for name, cid in containers.items()
-                 if stack.engine.inspect(cid)[0]["State"].get("Health")}
+    expecting = {
+        name
+        for name, cid in containers.items()
+        if stack.engine.inspect(cid)[0]["State"].get("Health")
+    }
     assert expecting >= {"exporter", "simulator", "alert-webhook"}
-    for event in stack.events(stack.up_at - 1, stack.up_at + HEALTHY_WITHIN,
-                              "event=health_status", "label=com.docker.compose.project"):
+    for event in stack.events(
+        stack.up_at - 1,
+        stack.up_at + HEALTHY_WITHIN,
+        "event=health_status",
+        "label=com.docker.compose.project",
+    ):
         name = event["Actor"]["Attributes"].get("com.docker.compose.service")
         assert event["status"] != "health_status: unhealthy", (
-            f"{name} became unhealthy\n{stack.tail(name)}")
+            f"{name} became unhealthy\n{stack.tail(name)}"
+        )
         if name in expecting and event["status"] == "health_status: healthy":
             ready_in[name] = event["timeNano"] / 1e9 - stack.up_at
             expecting.discard(name)
             if not expecting:
                 break
-    assert not expecting, (f"not healthy within {HEALTHY_WITHIN:.0f} s: {sorted(expecting)}\n"
-                           + "\n".join(stack.tail(name) for name in sorted(expecting)))
+    assert not expecting, (
+        f"not healthy within {HEALTHY_WITHIN:.0f} s: {sorted(expecting)}\n"
+        + "\n".join(stack.tail(name) for name in sorted(expecting))
+    )
     stack.facts["healthy_after_up_seconds"] = {k: round(v, 1) for k, v in ready_in.items()}
     # Prometheus and Alertmanager answer their readiness endpoint on the published ports.
     for name, port in (("prometheus", 9090), ("alertmanager", 9093)):
-        eventually(lambda port=port: http_get(f"http://127.0.0.1:{port}/-/ready")[0] == 200 or None,
-                   HEALTHY_WITHIN, f"{name} /-/ready", diagnose=lambda name=name: stack.tail(name))
+        eventually(
+            lambda port=port: http_get(f"http://127.0.0.1:{port}/-/ready")[0] == 200 or None,
+            HEALTHY_WITHIN,
+            f"{name} /-/ready",
+            diagnose=lambda name=name: stack.tail(name),
+        )
     # The driver plays the scenario: the exporter has counted agent-a's requests.
-    eventually(lambda: "agent-a" in http_get(f"{EXPORTER}/metrics")[2] or None,
-               HEALTHY_WITHIN, "the driver's usage reaching the exporter")
+    eventually(
+        lambda: "agent-a" in http_get(f"{EXPORTER}/metrics")[2] or None,
+        HEALTHY_WITHIN,
+        "the driver's usage reaching the exporter",
+    )
     for name, cid in containers.items():
         state = stack.engine.inspect(cid)[0]
         assert state["State"]["Running"], f"{name}: {state['State']}\n{stack.tail(name)}"
         assert state["RestartCount"] == 0, (
-            f"{name} restarted {state['RestartCount']} times\n{stack.tail(name)}")
+            f"{name} restarted {state['RestartCount']} times\n{stack.tail(name)}"
+        )
     stack.facts["exporter_rss_kib_at_healthy"] = exporter_rss_kib(stack)
     # Docker asks one interval in (30 s); the exporter itself listens much sooner.
     started = docker_time(stack.inspect("exporter")["State"]["StartedAt"])
@@ -307,28 +178,35 @@ def test_every_service_runs_and_is_healthy(stack: Stack):
     logged = logs.stdout + logs.stderr
     listening = next(line for line in logged.splitlines() if " listening on http" in line)
     stack.facts["exporter_listening_after_start_seconds"] = round(
-        docker_time(listening.split()[0]) - started, 2)
+        docker_time(listening.split()[0]) - started, 2
+    )
 
 
 def pod_sidecar() -> dict[str, Any]:
     """The exporter's container in deploy/kubernetes/deployment.yaml."""
     deployment = yaml.safe_load((K8S_DIR / "deployment.yaml").read_text(encoding="utf-8"))
     sidecar: dict[str, Any] = next(
-        c for c in deployment["spec"]["template"]["spec"]["containers"]
-        if c["name"] == "vllm-cache-exporter")
+        c
+        for c in deployment["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "vllm-cache-exporter"
+    )
     return sidecar
 
 
 def exporter_rss_kib(stack: Stack) -> int:
     """RSS of the exporter's process (not tini's) in its container, held to the memory the
     Kubernetes manifest requests for the sidecar: the same image, at the demo's load."""
-    found = [int(proc["rss"]) for proc in stack.processes("exporter")
-             if not proc["args"].startswith("/sbin/docker-init")]
+    found = [
+        int(proc["rss"])
+        for proc in stack.processes("exporter")
+        if not proc["args"].startswith("/sbin/docker-init")
+    ]
     assert len(found) == 1, stack.processes("exporter")
     request = pod_sidecar()["resources"]["requests"]["memory"]
     assert request.endswith("Mi"), request
     assert found[0] < int(request[:-2]) * 1024, (
-        f"the exporter's RSS, {found[0]} KiB, is over the pod's memory request, {request}")
+        f"the exporter's RSS, {found[0]} KiB, is over the pod's memory request, {request}"
+    )
     return found[0]
 
 
@@ -342,15 +220,18 @@ def test_prometheus_scrapes_every_target_and_loads_every_shipped_rule(stack: Sta
     # ...and sends its alerts to the stack's Alertmanager.
     alertmanagers = eventually(
         lambda: api(f"{PROMETHEUS}/api/v1/alertmanagers")["activeAlertmanagers"] or None,
-        60, "Prometheus discovering Alertmanager")
+        60,
+        "Prometheus discovering Alertmanager",
+    )
     assert [am["url"] for am in alertmanagers] == ["http://alertmanager:9093/api/v2/alerts"]
 
 
 def test_the_exporter_answers_on_loopback_only(stack: Stack):
     status, content_type, body = http_get(f"{EXPORTER}/metrics")
     assert status == 200 and content_type.startswith("text/plain"), (status, content_type)
-    assert re.search(r'^vllm_cache_engine_up\{[^}]*target="http://vllm:8000/metrics"[^}]*\} 1',
-                     body, flags=re.M), body[:2000]
+    assert re.search(
+        r'^vllm_cache_engine_up\{[^}]*target="http://vllm:8000/metrics"[^}]*\} 1', body, flags=re.M
+    ), body[:2000]
     status, content_type, page = http_get(f"{EXPORTER}/")
     assert status == 200 and content_type.startswith("text/html"), (status, content_type)
     assert "agent-a" in page  # the status page names the driver's callers
@@ -363,7 +244,8 @@ def test_the_exporter_answers_on_loopback_only(stack: Stack):
             assert binding["HostIp"] == "127.0.0.1", f"{name}: {binding}"
             assert listening_addresses(int(binding["HostPort"])) == {"127.0.0.1"}, (
                 f"{name}: port {binding['HostPort']} listens on "
-                f"{listening_addresses(int(binding['HostPort']))}")
+                f"{listening_addresses(int(binding['HostPort']))}"
+            )
 
 
 def test_our_image_runs_unprivileged_and_as_compose_asks(stack: Stack):
@@ -377,9 +259,15 @@ def test_our_image_runs_unprivileged_and_as_compose_asks(stack: Stack):
         assert state["Config"]["User"] == user.text, f"{name}: runs as {state['Config']['User']}"
         processes = stack.processes(name)
         assert processes and {proc["uid"] for proc in processes} == {user.text.split(":")[0]}, (
-            f"{name}: {processes}")
-        # tini as PID 1 (init: true), our process its child.
-        assert processes[0]["args"].startswith("/sbin/docker-init -- "), processes[0]
+            f"{name}: {processes}"
+        )
+        # tini as PID 1 (init: true), our process its child. PID 1 is found by its host pid
+        # (State.Pid), not as the first row: host pids wrap (pid_max), so tini's may be the
+        # larger.
+        init = [proc for proc in processes if int(proc["pid"]) == state["State"]["Pid"]]
+        assert len(init) == 1 and init[0]["args"].startswith("/sbin/docker-init -- "), (
+            f"{name}: PID 1 is host pid {state['State']['Pid']}: {processes}"
+        )
         assert state["HostConfig"]["Init"] is True
         assert state["HostConfig"]["ReadonlyRootfs"] is bool(svc.get("read_only")), name
 
@@ -393,12 +281,22 @@ def test_our_image_runs_with_the_pods_security_context(stack: Stack):
     image = model()["services"]["exporter"]["image"]
     started = time.time()
     cid = stack.engine.run(
-        "run", "-d", "--read-only", "--cap-drop=ALL", "--security-opt=no-new-privileges",
-        f"--user={context['runAsUser']}:{context['runAsGroup']}", "--network=none",
-        "--health-interval=1s", image, "run", "--vllm.url=http://127.0.0.1:9").stdout.strip()
+        "run",
+        "-d",
+        "--read-only",
+        "--cap-drop=ALL",
+        "--security-opt=no-new-privileges",
+        f"--user={context['runAsUser']}:{context['runAsGroup']}",
+        "--network=none",
+        "--health-interval=1s",
+        image,
+        "run",
+        "--vllm.url=http://127.0.0.1:9",
+    ).stdout.strip()
     try:
-        for event in stack.events(started - 1, started + 60, f"container={cid}",
-                                  "event=health_status", "event=die"):
+        for event in stack.events(
+            started - 1, started + 60, f"container={cid}", "event=health_status", "event=die"
+        ):
             assert event["status"] != "die", stack.engine.run("logs", cid).stderr
             if event["status"] == "health_status: healthy":
                 break
@@ -419,12 +317,24 @@ def test_the_collapse_pages_through_alertmanager(stack: Stack):
     driver_started = docker_time(stack.inspect("driver")["State"]["StartedAt"])
     exporter = model()["services"]["exporter"]
     target = (flag_value(command_args(exporter), "--vllm.url") or "") + "/metrics"
-    engine = {"alertname": COLLAPSE, "severity": "critical", "scope": "engine", "job": JOB,
-              "target": target, "model_name": "qwen3.8-27b"}
-    caller = {"alertname": COLLAPSE, "severity": "critical", "scope": "caller", "job": JOB,
-              "caller": "agent-a", "model": "qwen3.8-27b"}
+    engine = {
+        "alertname": COLLAPSE,
+        "severity": "critical",
+        "scope": "engine",
+        "job": JOB,
+        "target": target,
+        "model_name": "qwen3.8-27b",
+    }
+    caller = {
+        "alertname": COLLAPSE,
+        "severity": "critical",
+        "scope": "caller",
+        "job": JOB,
+        "caller": "agent-a",
+        "model": "qwen3.8-27b",
+    }
     seen = []
-    for line in stack.log_lines("alert-webhook", stack.up_at, driver_started + PAGE_WITHIN):
+    for stamp, line in stack.log_lines("alert-webhook", stack.up_at, driver_started + PAGE_WITHIN):
         alert = parse_alert(line)
         if alert is None:
             continue
@@ -433,23 +343,36 @@ def test_the_collapse_pages_through_alertmanager(stack: Stack):
         # The routing: pages are critical, and every critical alert pages.
         assert (alert["receiver"] == "page") == (labels.get("severity") == "critical"), alert
         if (alert["receiver"], alert["status"]) == ("page", "FIRING") and all(
-                labels.get(key) == value for key, value in engine.items()):
-            stack.facts["paged_after_driver_start_seconds"] = round(time.time() - driver_started)
+            labels.get(key) == value for key, value in engine.items()
+        ):
+            stack.facts["paged_after_driver_start_seconds"] = round(
+                docker_time(stamp) - driver_started
+            )
             break
     else:
-        pytest.fail(f"no page for the engine's collapse within {PAGE_WITHIN / 60:.0f} min of "
-                    f"the driver's start; the alert logger received: {seen}")
+        pytest.fail(
+            f"no page for the engine's collapse within {PAGE_WITHIN / 60:.0f} min of "
+            f"the driver's start; the alert logger received: {seen}"
+        )
 
     def routed_to_page(expected: dict[str, str]) -> list[dict[str, Any]] | None:
-        alerts = api(f"{ALERTMANAGER}/api/v2/alerts?active=true&filter=" +
-                     urllib.parse.quote(f'alertname="{COLLAPSE}"'))
-        found = [alert for alert in alerts
-                 if all(alert["labels"].get(key) == value for key, value in expected.items())]
+        alerts = api(
+            f"{ALERTMANAGER}/api/v2/alerts?active=true&filter="
+            + urllib.parse.quote(f'alertname="{COLLAPSE}"')
+        )
+        found = [
+            alert
+            for alert in alerts
+            if all(alert["labels"].get(key) == value for key, value in expected.items())
+        ]
         return found or None
 
     for expected in (engine, caller):
-        for alert in eventually(lambda expected=expected: routed_to_page(expected), 300,
-                                f"{expected['scope']} collapse in Alertmanager"):
+        for alert in eventually(
+            lambda expected=expected: routed_to_page(expected),
+            300,
+            f"{expected['scope']} collapse in Alertmanager",
+        ):
             assert [receiver["name"] for receiver in alert["receivers"]] == ["page"], alert
     stack.facts["exporter_rss_kib_after_page"] = exporter_rss_kib(stack)
 

@@ -54,8 +54,9 @@ def test_every_stage_builds_from_the_same_base_by_default_the_pinned_slim_python
     # One build argument chooses the base of every stage, so the venv the first builds
     # finds the same interpreter in the last (another Debian-like base with python3 works:
     # tests/deploy/test_compose_up.py builds on Debian's own).
-    assert {stage.base_text for stage in external} == {"${BASE_IMAGE}"}, (
-        [stage.base_text for stage in external])
+    assert {stage.base_text for stage in external} == {"${BASE_IMAGE}"}, [
+        stage.base_text for stage in external
+    ]
     assert dockerfile.build_args(DOCKERFILE)["BASE_IMAGE"] == external[0].base
 
 
@@ -76,8 +77,11 @@ def test_final_stage_runs_as_the_unprivileged_user_kubernetes_expects():
     assert re.search(rf"useradd\b[^&]*--uid {uid}\b", created), "USER uid is never created"
     # The sidecar's securityContext must name the same uid, or the pod runs as another one.
     deployment = yaml.safe_load((K8S_DIR / "deployment.yaml").read_text(encoding="utf-8"))
-    sidecar = next(c for c in deployment["spec"]["template"]["spec"]["containers"]
-                   if c["name"] == "vllm-cache-exporter")
+    sidecar = next(
+        c
+        for c in deployment["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "vllm-cache-exporter"
+    )
     assert str(sidecar["securityContext"]["runAsUser"]) == uid
 
 
@@ -87,7 +91,8 @@ def test_no_build_tools_or_caches_reach_the_image():
         for run in stage.all("RUN"):
             if "pip install" in run.text:
                 assert "--no-cache-dir" in run.text or "PIP_NO_CACHE_DIR=1" in stage_env, (
-                    f"RUN {run.text!r} keeps pip's cache in the layer")
+                    f"RUN {run.text!r} keeps pip's cache in the layer"
+                )
     final_runs = " ".join(item.text for item in FINAL.all("RUN"))
     for tool in ("pip install", "apt-get install", "apk add", "gcc", "build-essential"):
         assert tool not in final_runs, f"final stage installs with {tool!r}"
@@ -110,7 +115,7 @@ def test_entrypoint_is_the_console_script():
 def test_healthcheck_probes_healthy_with_the_images_own_python():
     check = FINAL.last("HEALTHCHECK")
     assert check is not None, "no HEALTHCHECK"
-    argv = check.exec_form(check.text[check.text.index("CMD") + 3:])
+    argv = check.exec_form(check.text[check.text.index("CMD") + 3 :])
     assert argv is not None and argv[0] == "python", "exec form with python: no curl needed"
     assert "/-/healthy" in argv[-1]
 
@@ -122,11 +127,15 @@ def test_the_build_context_holds_the_package_and_nothing_else():
             if "from" in copy.flags:
                 continue
             for source in copy.words[:-1]:
-                assert source in context or any(f.startswith(source.rstrip("/") + "/")
-                                                for f in context), f"COPY {source}: not in context"
+                assert source in context or any(
+                    f.startswith(source.rstrip("/") + "/") for f in context
+                ), f"COPY {source}: not in context"
     assert "pyproject.toml" in context and PYPROJECT["project"]["readme"] in context
-    package = {path.relative_to(ROOT).as_posix() for path in (ROOT / "exporter").rglob("*")
-               if path.is_file() and "__pycache__" not in path.parts}
+    package = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "exporter").rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    }
     assert package <= context, f"package files left out: {sorted(package - context)}"
     stray = [path for path in context if path.startswith(("tests/", ".git/", ".venv", "bench/"))]
     assert stray == [], f"not needed in the image: {stray[:5]}"
@@ -140,11 +149,15 @@ def console_script() -> list[str]:
 async def run_healthcheck(env: dict[str, str]) -> int:
     check = FINAL.last("HEALTHCHECK")
     assert check is not None
-    argv = check.exec_form(check.text[check.text.index("CMD") + 3:])
+    argv = check.exec_form(check.text[check.text.index("CMD") + 3 :])
     assert argv is not None
     process = await asyncio.create_subprocess_exec(
-        sys.executable, *argv[1:], env=env,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        sys.executable,
+        *argv[1:],
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     return await asyncio.wait_for(process.wait(), timeout=30)
 
 
@@ -154,13 +167,19 @@ async def test_container_command_serves_and_its_healthcheck_follows_the_port():
     assert env.get("VLLM_CACHE_EXPORTER_WEB_LISTEN_ADDRESS", "").startswith("0.0.0.0:")
     port = free_port()
     env = {key: value for key, value in env.items() if key != "PATH"}
-    env.update(PATH=str(Path(sys.executable).parent),
-               VLLM_CACHE_EXPORTER_WEB_LISTEN_ADDRESS=f"127.0.0.1:{port}")
+    env.update(
+        PATH=str(Path(sys.executable).parent),
+        VLLM_CACHE_EXPORTER_WEB_LISTEN_ADDRESS=f"127.0.0.1:{port}",
+    )
     cmd = FINAL.last("CMD")
     assert cmd is not None
     process = await asyncio.create_subprocess_exec(
-        *console_script(), *(cmd.exec_form() or []), env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        *console_script(),
+        *(cmd.exec_form() or []),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         async with aiohttp.ClientSession() as session:
             deadline = asyncio.get_running_loop().time() + 30

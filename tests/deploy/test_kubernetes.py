@@ -63,8 +63,11 @@ def documents() -> tuple[tuple[str, dict[str, Any]], ...]:
 
 
 def objects(kind: str, name: str | None = None) -> list[dict[str, Any]]:
-    found = [doc for _file, doc in documents() if doc["kind"] == kind
-             and (name is None or doc["metadata"]["name"] == name)]
+    found = [
+        doc
+        for _file, doc in documents()
+        if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name)
+    ]
     assert found, f"no {kind} {name or ''} in deploy/kubernetes"
     return found
 
@@ -107,9 +110,11 @@ def crd_validator(doc: Mapping[str, Any]) -> Any:
     schema = yaml.safe_load((SCHEMAS / CRD_SCHEMAS[key]).read_text(encoding="utf-8"))
     version = utils.latest_version()
     definitions = utils.schema_contents(
-        f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", version)
-    registry = Registry().with_resource("https://kubernetes.io/api/_definitions.json",
-                                        Resource.from_contents(definitions))
+        f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", version
+    )
+    registry = Registry().with_resource(
+        "https://kubernetes.io/api/_definitions.json", Resource.from_contents(definitions)
+    )
     return jsonschema.Draft202012Validator(schema, registry=registry)
 
 
@@ -150,8 +155,9 @@ def test_every_object_validates_offline(version):
         except Exception as err:  # show which object, then the validator's own message
             pytest.fail(f"{filename}: {doc['kind']} {doc['metadata'].get('name')}: {err}")
         validated.append(doc["kind"])
-    assert {"Deployment", "Service", "ServiceMonitor", "PrometheusRule",
-            "ConfigMap"} <= set(validated)
+    assert {"Deployment", "Service", "ServiceMonitor", "PrometheusRule", "ConfigMap"} <= set(
+        validated
+    )
 
 
 def broken(kind: str, change: Any) -> dict[str, Any]:
@@ -160,22 +166,41 @@ def broken(kind: str, change: Any) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.parametrize("case", [
-    ("Deployment", lambda d: d["spec"]["template"]["spec"]["containers"][1]["ports"][0]
-     .update(containerPort="10123")),
-    ("Deployment", lambda d: d["spec"]["template"]["spec"]["containers"][1]
-     .update(livenesProbe={})),
-    ("Service", lambda d: d["spec"].update(selecter={})),
-    ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].update(scrapeTimout="10s")),
-    ("ServiceMonitor", lambda d: d["spec"].pop("selector")),
-    ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].update(interval="15 seconds")),
-    ("ServiceMonitor", lambda d: d["metadata"].update(labels={"a": 1})),
-    ("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].update(alert="X")),
-    ("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].pop("expr")),
-    ("PrometheusRule", lambda d: d["spec"]["groups"][0].pop("name")),
-], ids=["port-as-string", "typo-in-container", "typo-in-service", "typo-in-endpoint",
-        "no-selector", "bad-duration", "label-not-string", "record-and-alert", "no-expr",
-        "group-without-name"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (
+            "Deployment",
+            lambda d: d["spec"]["template"]["spec"]["containers"][1]["ports"][0].update(
+                containerPort="10123"
+            ),
+        ),
+        (
+            "Deployment",
+            lambda d: d["spec"]["template"]["spec"]["containers"][1].update(livenesProbe={}),
+        ),
+        ("Service", lambda d: d["spec"].update(selecter={})),
+        ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].update(scrapeTimout="10s")),
+        ("ServiceMonitor", lambda d: d["spec"].pop("selector")),
+        ("ServiceMonitor", lambda d: d["spec"]["endpoints"][0].update(interval="15 seconds")),
+        ("ServiceMonitor", lambda d: d["metadata"].update(labels={"a": 1})),
+        ("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].update(alert="X")),
+        ("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].pop("expr")),
+        ("PrometheusRule", lambda d: d["spec"]["groups"][0].pop("name")),
+    ],
+    ids=[
+        "port-as-string",
+        "typo-in-container",
+        "typo-in-service",
+        "typo-in-endpoint",
+        "no-selector",
+        "bad-duration",
+        "label-not-string",
+        "record-and-alert",
+        "no-expr",
+        "group-without-name",
+    ],
+)
 def test_validation_rejects_broken_objects(case):
     kind, change = case
     with pytest.raises(Exception) as caught:
@@ -206,9 +231,22 @@ def test_prometheusrule_groups_equal_the_generated_rule_files():
 
 def test_prometheusrule_is_exactly_what_generate_writes():
     result = subprocess.run(
-        [sys.executable, "-m", "exporter", "generate", "--format", "prometheus-operator",
-         "--output", "deploy/kubernetes/prometheusrule.yaml", "--check"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "exporter",
+            "generate",
+            "--format",
+            "prometheus-operator",
+            "--output",
+            "deploy/kubernetes/prometheusrule.yaml",
+            "--check",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -224,12 +262,15 @@ def test_generated_manifests_are_up_to_date():
     files = prometheus_files(MonitoringConfig())
     for relative in (K8S_RULE_PATH, K8S_DASHBOARDS_PATH):
         assert (ROOT / relative).read_text(encoding="utf-8") == files[relative], (
-            f"{relative} is stale: run 'vllm-cache-exporter generate'")
+            f"{relative} is stale: run 'vllm-cache-exporter generate'"
+        )
 
 
 def test_dashboards_configmaps_carry_every_committed_dashboard_for_the_sidecar():
-    committed = {path.name: path.read_text(encoding="utf-8")
-                 for path in sorted((ROOT / "dashboards").glob("*.json"))}
+    committed = {
+        path.name: path.read_text(encoding="utf-8")
+        for path in sorted((ROOT / "dashboards").glob("*.json"))
+    }
     assert len(committed) >= 2, "the overview and per-caller dashboards"
     shipped: dict[str, str] = {}
     for configmap in objects("ConfigMap"):
@@ -277,9 +318,13 @@ def test_vllm_container_reports_cached_tokens_and_matches_the_compose_pin():
 
 def test_servicemonitor_scrapes_every_sidecar_as_the_job_the_rules_select():
     monitor = one("ServiceMonitor")
-    services = [service for service in objects("Service")
-                if selects(monitor["spec"]["selector"]["matchLabels"],
-                           service["metadata"].get("labels", {}))]
+    services = [
+        service
+        for service in objects("Service")
+        if selects(
+            monitor["spec"]["selector"]["matchLabels"], service["metadata"].get("labels", {})
+        )
+    ]
     assert len(services) == 1, "the ServiceMonitor must select exactly the metrics Service"
     service = services[0]
     assert service["spec"].get("clusterIP") == "None", "headless: one target per pod"
@@ -292,17 +337,25 @@ def test_servicemonitor_scrapes_every_sidecar_as_the_job_the_rules_select():
         assert container_port(target) == sidecar_config().listen_host_port[1]
         assert endpoint.get("path", "/metrics") == "/metrics"
     # The operator names the job after the Service unless spec.jobLabel says otherwise.
-    job = (service["metadata"]["labels"].get(monitor["spec"]["jobLabel"])
-           if "jobLabel" in monitor["spec"] else service["metadata"]["name"])
-    wanted = [value for name, op, value in parse_selector(MonitoringConfig().selector)
-              if name == "job" and op == "="]
+    job = (
+        service["metadata"]["labels"].get(monitor["spec"]["jobLabel"])
+        if "jobLabel" in monitor["spec"]
+        else service["metadata"]["name"]
+    )
+    wanted = [
+        value
+        for name, op, value in parse_selector(MonitoringConfig().selector)
+        if name == "job" and op == "="
+    ]
     assert wanted == [job]
 
 
 def test_clients_reach_vllm_through_the_tap():
     service = one("Service", "vllm")
-    assert selects(service["spec"]["selector"],
-                   one("Deployment", "vllm")["spec"]["template"]["metadata"]["labels"])
+    assert selects(
+        service["spec"]["selector"],
+        one("Deployment", "vllm")["spec"]["template"]["metadata"]["labels"],
+    )
     assert [port["targetPort"] for port in service["spec"]["ports"]] == ["tap"]
 
 
@@ -312,14 +365,16 @@ def relabel(rules: list[dict[str, Any]], labels: dict[str, str]) -> dict[str, st
     out = dict(labels)
     for rule in rules:
         assert rule.get("action", "replace").lower() == "replace", rule
-        joined = rule.get("separator", ";").join(out.get(name, "")
-                                                 for name in rule["sourceLabels"])
+        joined = rule.get("separator", ";").join(out.get(name, "") for name in rule["sourceLabels"])
         match = re.fullmatch(rule.get("regex", "(.*)"), joined)
         if match is None:
             continue
         groups = (match.group(0), *match.groups(default=""))
-        value = re.sub(r"\$\{?(\d+)\}?", lambda ref, groups=groups: groups[int(ref.group(1))],
-                       rule.get("replacement", "$1"))
+        value = re.sub(
+            r"\$\{?(\d+)\}?",
+            lambda ref, groups=groups: groups[int(ref.group(1))],
+            rule.get("replacement", "$1"),
+        )
         if value:
             out[rule["targetLabel"]] = value
         else:
@@ -333,17 +388,31 @@ def test_each_replicas_engine_keeps_its_own_identity_through_the_rules():
     rules = one("ServiceMonitor")["spec"]["endpoints"][0]["metricRelabelings"]
     target = sidecar_config().engine_targets[0]
     assert target.startswith("http://127.0.0.1:")
-    scraped = {"job": "vllm-cache-exporter", "namespace": "llm", "target": target,
-               "model_name": "qwen3.8-27b"}
-    engines = {relabel(rules, {**scraped, "pod": pod, "instance": f"{ip}:10123"})["target"]
-               for pod, ip in (("vllm-7c9d-a", "10.1.0.4"), ("vllm-7c9d-b", "10.1.0.5"))}
+    scraped = {
+        "job": "vllm-cache-exporter",
+        "namespace": "llm",
+        "target": target,
+        "model_name": "qwen3.8-27b",
+    }
+    engines = {
+        relabel(rules, {**scraped, "pod": pod, "instance": f"{ip}:10123"})["target"]
+        for pod, ip in (("vllm-7c9d-a", "10.1.0.4"), ("vllm-7c9d-b", "10.1.0.5"))
+    }
     assert engines == {"vllm-7c9d-a", "vllm-7c9d-b"}
-    caller = {"job": "vllm-cache-exporter", "pod": "vllm-7c9d-a", "caller": "agent-a",
-              "model": "qwen3.8-27b"}
+    caller = {
+        "job": "vllm-cache-exporter",
+        "pod": "vllm-7c9d-a",
+        "caller": "agent-a",
+        "model": "qwen3.8-27b",
+    }
     assert relabel(rules, caller) == caller, "per-caller series must sum across pods as they are"
     remote = {**scraped, "pod": "vllm-7c9d-a", "target": "http://vllm-0.vllm:8000/metrics"}
     assert relabel(rules, remote) == remote, "an exporter reading a remote vLLM keeps its URL"
     # The engine rules really do aggregate by target, which is why this matters.
-    engine_rules = [rule["expr"] for group in rule_file_groups() for rule in group["rules"]
-                    if "vllm_cache_engine_" in rule["expr"] and "record" in rule]
+    engine_rules = [
+        rule["expr"]
+        for group in rule_file_groups()
+        for rule in group["rules"]
+        if "vllm_cache_engine_" in rule["expr"] and "record" in rule
+    ]
     assert any("by (job, target, model_name)" in expr for expr in engine_rules)

@@ -27,8 +27,9 @@ SIDECAR = "vllm-cache-exporter"
 @cache
 def rendered() -> tuple[dict[str, Any], ...]:
     kubectl = require_tool("kubectl")
-    result = subprocess.run([kubectl, "kustomize", str(OVERLAY)], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [kubectl, "kustomize", str(OVERLAY)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
@@ -93,29 +94,29 @@ def test_sidecar_starts_with_the_mounted_web_config(tmp_path: Path):
 def test_probes_use_https_and_stay_on_the_open_paths():
     container = sidecar()
     for probe, path in (("livenessProbe", "/-/healthy"), ("readinessProbe", "/-/ready")):
-        assert container[probe]["httpGet"] == {"path": path, "port": "metrics",
-                                               "scheme": "HTTPS"}
+        assert container[probe]["httpGet"] == {"path": path, "port": "metrics", "scheme": "HTTPS"}
 
 
 def test_servicemonitor_scrapes_over_https_with_basic_auth():
-    endpoint, = one("ServiceMonitor", "vllm-cache-exporter")["spec"]["endpoints"]
+    (endpoint,) = one("ServiceMonitor", "vllm-cache-exporter")["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["scheme"] == "https"
-    assert endpoint["tlsConfig"]["ca"]["secret"] == {"name": "vllm-cache-exporter-tls",
-                                                     "key": "ca.crt"}
+    assert endpoint["tlsConfig"]["ca"]["secret"] == {
+        "name": "vllm-cache-exporter-tls",
+        "key": "ca.crt",
+    }
     assert endpoint["tlsConfig"]["serverName"]
     auth = endpoint["basicAuth"]
-    assert auth["username"]["name"] == auth["password"]["name"] == \
-        "vllm-cache-exporter-scrape-auth"
+    assert auth["username"]["name"] == auth["password"]["name"] == "vllm-cache-exporter-scrape-auth"
     # The base's relabeling survives the patch.
     assert endpoint["metricRelabelings"]
 
 
 def test_the_base_is_untouched_by_the_overlay():
     base = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
-    base_sidecar = next(container for container in
-                        base["spec"]["template"]["spec"]["containers"]
-                        if container["name"] == SIDECAR)
+    base_sidecar = next(
+        container
+        for container in base["spec"]["template"]["spec"]["containers"]
+        if container["name"] == SIDECAR
+    )
     assert "volumeMounts" not in base_sidecar
     assert base_sidecar["args"] == sidecar()["args"]
-
-

@@ -63,8 +63,12 @@ def test_the_section_starts_what_compose_starts():
         assert f"vllm-cache-exporter {command_args(model[name])[0]} " in start, name
     scenario = flag_value(command_args(model["simulator"]), "--scenario")
     assert start.count(f"--scenario {scenario} ") == 2, "the simulator's and the driver's"
-    published = {int(port) for name, svc in model.items() if name != "grafana"
-                 for _ip, port in published_ports(svc)}
+    published = {
+        int(port)
+        for name, svc in model.items()
+        if name != "grafana"
+        for _ip, port in published_ports(svc)
+    }
     assert published <= set(PORTS) and all(f"127.0.0.1:{port}" in start for port in PORTS)
     assert "amtool alert add" in check
 
@@ -78,11 +82,21 @@ def stack(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(f"127.0.0.1:{taken} in use")
     start, _check = readme_blocks()
     output = tmp_path / "stack.log"
-    env = {**os.environ, "TMPDIR": str(tmp_path),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
     with open(output, "w", encoding="utf-8") as out:
-        shell = subprocess.Popen(["bash", "-e", "-c", start], cwd=ROOT, env=env, stdout=out,
-                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        shell = subprocess.Popen(
+            ["bash", "-e", "-c", start],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     try:
         yield shell, output
     finally:
@@ -113,35 +127,51 @@ def test_the_readme_stack_is_wired_and_pages(stack: tuple[subprocess.Popen[str],
 
     def alive() -> None:
         if shell.poll() is not None:
-            pytest.fail(f"the docs/deployment.md block exited {shell.returncode}:\n"
-                        f"{output.read_text()}")
+            pytest.fail(
+                f"the docs/deployment.md block exited {shell.returncode}:\n{output.read_text()}"
+            )
 
     alive()
     start, check = readme_blocks()
     # The block's sed: compose's service names -> this machine's ports.
     rewrite = dict(re.findall(r"s/([\w.-]+:\d+)/([\w.-]+:\d+)/", start))
-    assert set(rewrite) >= {target for targets in prometheus_jobs().values()
-                            for target in targets}
+    assert set(rewrite) >= {target for targets in prometheus_jobs().values() for target in targets}
     eventually(scrape_targets_up(rewrite), 90, "every scrape target up")
     assert_every_shipped_rule_is_loaded_and_healthy(
-        eventually(evaluated_rules, 90, "every rule evaluated once"))
-    eventually(lambda: api(f"{PROMETHEUS}/api/v1/alertmanagers")["activeAlertmanagers"] or None,
-               60, "Prometheus discovering Alertmanager")
+        eventually(evaluated_rules, 90, "every rule evaluated once")
+    )
+    eventually(
+        lambda: api(f"{PROMETHEUS}/api/v1/alertmanagers")["activeAlertmanagers"] or None,
+        60,
+        "Prometheus discovering Alertmanager",
+    )
     for port in (10123, 9090, 9093):
         assert listening_addresses(port) == {"127.0.0.1"}, port
     # The test page goes out now; Alertmanager holds it group_wait (30 s) meanwhile.
-    result = subprocess.run(["bash", "-e", "-c", check], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", "-e", "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     # The driver's reports arrive (its first turn, a cold 75k-token prompt, takes a minute).
-    eventually(lambda: "agent-a" in http_get(f"{EXPORTER}/metrics")[2] or None, 180,
-               "agent-a's usage reaching the exporter")
+    eventually(
+        lambda: "agent-a" in http_get(f"{EXPORTER}/metrics")[2] or None,
+        180,
+        "agent-a's usage reaching the exporter",
+    )
     status, _type, page = http_get(f"{EXPORTER}/")
     assert status == 200 and "agent-a" in page
     line = eventually(
-        lambda: next((line for line in output.read_text().splitlines()
-                      if line.startswith("page FIRING VllmCacheTestPage")), None),
-        90, "the test page in the alert logger's output")
+        lambda: next(
+            (
+                line
+                for line in output.read_text().splitlines()
+                if line.startswith("page FIRING VllmCacheTestPage")
+            ),
+            None,
+        ),
+        90,
+        "the test page in the alert logger's output",
+    )
     alert = parse_alert(line)
     assert alert and alert["labels"] == {"severity": "critical"}, line
     alive()
