@@ -82,6 +82,29 @@ def ephemeral_ports() -> range:
 # --- the stack -------------------------------------------------------------------------------
 
 
+def _matches(event: dict[str, Any], filters: tuple[str, ...]) -> bool:
+    """Whether a Docker event passes ``docker events --filter`` style filters: values of one
+    key are alternatives, keys must all hold (an ``event`` value matches ``health_status:
+    healthy`` by its part before the colon, as dockerd does)."""
+    attributes = event.get("Actor", {}).get("Attributes", {})
+    action = event.get("Action") or event.get("status", "")
+    by_key: dict[str, list[str]] = {}
+    for item in filters:
+        key, _, value = item.partition("=")
+        by_key.setdefault(key, []).append(value)
+
+    def holds(key: str, value: str) -> bool:
+        if key == "event":
+            return value in (action, action.split(":")[0])
+        if key == "container":
+            return str(event.get("id", "")).startswith(value) or attributes.get("name") == value
+        if key == "label":
+            return value.split("=")[0] in attributes
+        raise ValueError(f"filter {key}= is not read back from the recording")
+
+    return all(any(holds(key, value) for value in values) for key, values in by_key.items())
+
+
 @dataclass
 class Stack:
     engine: engines.Engine
@@ -144,32 +167,46 @@ class Stack:
             for line in lines[1:]
         ]
 
-    def events(self, since: float, until: float, *filters: str) -> Iterator[dict[str, Any]]:
-        """Docker's events from ``since``, as they happen, until ``until`` (wall clock; those
-        already past are replayed)."""
-        args = [arg for item in filters for arg in ("--filter", item)]
-        with subprocess.Popen(
-            [
-                self.engine.docker,
-                "events",
-                "--since",
-                f"{since:.3f}",
-                "--until",
-                f"{until:.3f}",
-                "--format",
-                "{{json .}}",
-                *args,
-            ],
+    def record_events(self) -> subprocess.Popen[str]:
+        """Docker's events from now on, written to ``events.jsonl`` as they happen. dockerd
+        keeps only its last 256 events for ``docker events --since`` to replay, and the
+        healthchecks' exec events fill that in a minute or two: the compose tests run last,
+        so without a recording the health events of ``up`` are gone when they look."""
+        self.events_file = self.logs / "events.jsonl"
+        out = open(self.events_file, "w", encoding="utf-8")  # the process's stdout
+        self.events_from = time.time()
+        process = subprocess.Popen(
+            [self.engine.docker, "events", "--format", "{{json .}}", "--filter", "type=container"],
             env={**os.environ, **self.engine.env},
-            stdout=subprocess.PIPE,
+            stdout=out,
             text=True,
-        ) as stream:
-            assert stream.stdout is not None
-            try:
-                for line in stream.stdout:
-                    yield json.loads(line)
-            finally:
-                stream.terminate()
+        )
+        out.close()
+        return process
+
+    def events(self, since: float, until: float, *filters: str) -> Iterator[dict[str, Any]]:
+        """Docker's container events between ``since`` and ``until`` (wall clock) that match
+        every filter (``docker events`` syntax: ``event=``, ``container=``, ``label=``), from
+        the recording (``record_events``): those past are read back, the rest as they come."""
+        path = getattr(self, "events_file", None)
+        assert path is not None, "record_events() was not started"
+        with open(path, encoding="utf-8") as recording:
+            pending = ""
+            while True:
+                chunk = recording.readline()
+                if not chunk or not chunk.endswith("\n"):
+                    pending += chunk
+                    if time.time() > until + 1:  # the recorder is a second behind at most
+                        return
+                    time.sleep(0.2)  # another process's file: nothing to await but its growth
+                    continue
+                line, pending = pending + chunk, ""
+                event = json.loads(line)
+                stamp = event["timeNano"] / 1e9
+                if stamp > until:
+                    return
+                if stamp >= since and _matches(event, filters):
+                    yield event
 
     def log_lines(self, service: str, since: float, until: float) -> Iterator[tuple[str, str]]:
         """The service's log lines from ``since``, as they are written, until ``until`` (wall
@@ -262,6 +299,11 @@ class Cancelled(Exception):
     """The session ended before the stack was up."""
 
 
+def _stop(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    process.wait(timeout=10)
+
+
 class StackStart:
     """The engine, the images and ``docker compose up`` in a thread of their own."""
 
@@ -321,6 +363,8 @@ class StackStart:
         engines.require(not taken, f"127.0.0.1:{taken} in use: the compose stack publishes them")
         stack = Stack(engine, self.logs, self.facts)
         self._exit.callback(self._down, stack)
+        recorder = stack.record_events()
+        self._exit.callback(_stop, recorder)
         stack.up_at = time.time()
         self._cpu_at_up = engine.container_cpu_seconds() or 0.0  # the builds' (their cgroups)
         self.facts["up_after_session_start_seconds"] = round(time.monotonic() - self._started)
