@@ -18,26 +18,9 @@ from exporter.sim.engine import EngineConfig
 from exporter.sim.server import build_simulator, create_sim_app, start_site
 from tests.helpers import value
 from tests.litellm.proxy import free_port
+from tests.words import WORDS
 
-WORDS = [
-    "kalo",
-    "miren",
-    "tasvu",
-    "pedor",
-    "silny",
-    "quabex",
-    "torela",
-    "fingru",
-    "hapjis",
-    "kelmon",
-    "renvu",
-    "dorsil",
-    "nyqua",
-    "bexela",
-    "grufin",
-    "jiskel",
-]
-# A simulator token is a word of up to 8 characters; every word above is one token.
+# A simulator token is a word of up to 8 characters; every word of tests/words.py is one.
 USER_TURN_WORDS = 48
 # The simulator's block size, given to the exporter as G: no learning, no provisional G.
 BLOCK_SIZE = 16

@@ -20,25 +20,7 @@ from exporter.values import UsageEvent
 from exporter.wiring import signals_state, tap_app
 from tests.helpers import value
 from tests.vllm.server import MODEL_NAME, free_port
-
-WORDS = [
-    "kalo",
-    "miren",
-    "tasvu",
-    "pedor",
-    "silny",
-    "quabex",
-    "torela",
-    "fingru",
-    "hapjis",
-    "kelmon",
-    "renvu",
-    "dorsil",
-    "nyqua",
-    "bexela",
-    "grufin",
-    "jiskel",
-]
+from tests.words import WORDS
 
 
 @dataclass
