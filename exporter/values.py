@@ -121,6 +121,30 @@ SPLITS = {
 
 # Why a read of a vLLM's /metrics failed: the ``reason`` of its error counter, every one of
 # which exists at 0 from the start so that the first failure shows in increase().
+# A vLLM sample's largest believed value: 2^53, past which a float no longer holds every whole
+# number (a counter's increments of 1 are lost). A vLLM counting a million tokens a second
+# reaches it in 285 years; a sample above it is a lie or a bug, dropped and counted as
+# invalid (``too_large``), so that no carried total can be pushed towards +Inf.
+MAX_SAMPLE_VALUE = float(2**53)
+# Why the parser drops a vLLM sample (the ``reason`` of
+# vllm_cache_engine_invalid_samples_total; the carrier adds its own to these), and why it
+# folds one into ``__other__`` (vllm_cache_engine_samples_folded_total): defined here because
+# the parser (exporter/engine/) and the carrier (exporter/signals/) may not import each other.
+NOT_FINITE, NEGATIVE, ABOVE_ONE, TOO_LARGE, BAD_HISTOGRAM = (
+    "not_finite",
+    "negative",
+    "above_one",
+    "too_large",
+    "bad_histogram",
+)
+PARSE_INVALID_REASONS = (NOT_FINITE, NEGATIVE, ABOVE_ONE, TOO_LARGE, BAD_HISTOGRAM)
+TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP = (
+    "too_long",
+    "model_name_cap",
+    "engine_cap",
+    "row_cap",
+)
+FOLD_REASONS = (TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP)
 SCRAPE_ERROR_REASONS = (
     "connect",
     "timeout",

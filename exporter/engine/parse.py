@@ -16,9 +16,19 @@ from itertools import pairwise
 
 from exporter.engine import names
 from exporter.values import (
+    ABOVE_ONE,
+    BAD_HISTOGRAM,
     CACHE_CONFIG_KEYS,
+    ENGINE_CAP,
+    MAX_SAMPLE_VALUE,
+    MODEL_NAME_CAP,
+    NEGATIVE,
+    NOT_FINITE,
     OTHER_LABEL_VALUE,
+    ROW_CAP,
     SPLITS,
+    TOO_LARGE,
+    TOO_LONG,
     CacheConfig,
     EngineSnapshot,
     EngineValues,
@@ -32,22 +42,9 @@ _WANTED = names.wanted_sample_names()
 # and its samples counted as invalid, so one target cannot make the exporter serve
 # thousands of series per engine.
 MAX_HISTOGRAM_BUCKETS = 64
-# The largest sample value believed: 2**53, past which a float no longer holds every whole
-# number (a counter's increments of 1 are lost). A vLLM counting a million tokens a second
-# reaches it in 285 years; a sample above it is a lie or a bug, dropped and counted as
-# invalid (``too_large``), so that no carried total can be pushed towards +Inf.
-MAX_SAMPLE_VALUE = float(2**53)
-
-# Why a sample was dropped: the ``reason`` of vllm_cache_engine_invalid_samples_total. The
-# carrier adds its own (exporter/signals/engine.py, INVALID_REASONS, which lists these too).
-NOT_FINITE, NEGATIVE, ABOVE_ONE, TOO_LARGE, BAD_HISTOGRAM = (
-    "not_finite",
-    "negative",
-    "above_one",
-    "too_large",
-    "bad_histogram",
-)
-INVALID_REASONS = (NOT_FINITE, NEGATIVE, ABOVE_ONE, TOO_LARGE, BAD_HISTOGRAM)
+# The largest sample value believed (MAX_SAMPLE_VALUE), why a sample is dropped
+# (PARSE_INVALID_REASONS) and why one is folded (FOLD_REASONS): exporter/values.py, which the
+# carrier (exporter/signals/engine.py) reads too.
 
 # Caps on the label values a vLLM sends that become label values of ours, per target (what
 # the first reads admit stays admitted while the exporter runs). vLLM labels each series
@@ -65,13 +62,6 @@ MAX_ROWS = 32
 # Labels of one cache_config_info row kept (vLLM 0.32 has 37): the allow-listed ones
 # (values.CACHE_CONFIG_KEYS) first, then the others in the order sent.
 MAX_CONFIG_LABELS = 64
-TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP = (
-    "too_long",
-    "model_name_cap",
-    "engine_cap",
-    "row_cap",
-)
-FOLD_REASONS = (TOO_LONG, MODEL_NAME_CAP, ENGINE_CAP, ROW_CAP)
 
 Found = dict[str, list[tuple[dict[str, str], float]]]  # sample name -> (labels, value)
 RowKey = tuple[str, str]  # (model_name, engine)

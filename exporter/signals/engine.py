@@ -48,6 +48,9 @@ from typing import Any
 from exporter.redaction import redact_url
 from exporter.values import (
     COUNTER_SIGNALS,
+    FOLD_REASONS,
+    MAX_SAMPLE_VALUE,
+    PARSE_INVALID_REASONS,
     SCRAPE_ERROR_REASONS,
     CacheConfig,
     EngineSnapshot,
@@ -75,27 +78,20 @@ MAX_REMEMBERED_BOUNDS = 256
 MAX_INCREASE_PER_SECOND = 1e9
 # The largest raw reading believed (the parser's own bound, exporter/engine/parse.py,
 # checked again for snapshots that did not come from it).
-MAX_RAW_VALUE = float(2**53)
+MAX_RAW_VALUE = MAX_SAMPLE_VALUE  # the parser's bound, checked again here (module docstring)
 
-# Why a sample was dropped: the parser's reasons (exporter/engine/parse.py INVALID_REASONS;
-# tests/engine/test_lying_engines.py checks that the two lists agree) and the carrier's.
+# Why a sample was dropped: the parser's reasons (exporter/values.py) and the carrier's.
 IMPLAUSIBLE_INCREASE, FELL_WITHOUT_RESTART, CREATED_WENT_BACK = (
     "implausible_increase",
     "fell_without_restart",
     "created_went_back",
 )
 INVALID_REASONS = (
-    "not_finite",
-    "negative",
-    "above_one",
-    "too_large",
-    "bad_histogram",
+    *PARSE_INVALID_REASONS,
     IMPLAUSIBLE_INCREASE,
     FELL_WITHOUT_RESTART,
     CREATED_WENT_BACK,
 )
-# Why samples were counted under __other__ (exporter/engine/parse.py FOLD_REASONS).
-FOLD_REASONS = ("too_long", "model_name_cap", "engine_cap", "row_cap")
 
 # What one reading of a track shows, before the family vote (_Carry.vote).
 STEP, RESTART, FELL = "step", "restart", "fell"
