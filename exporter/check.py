@@ -5,7 +5,9 @@ shows: prefix caching silently off (the hybrid default in older vLLM), a renamed
 that a dashboard read as a reassuring 0, a KV pool too small for the conversations it has to
 hold. This command reads each vLLM once through the exporter's own engine reader and says
 what it finds, before any Prometheus or Grafana is set up. Exit status: 0 nothing wrong, 1 a
-problem found, 2 bad flags.
+problem found, 2 bad flags, 3 a condition that pages holds now (with ``--exporter.url``: the
+exporter's status model says an alert of critical severity, VllmCachePrefixCollapse as
+shipped, has its condition true; the line starting ``PAGE:`` names it).
 
 It also says how many tokens of conversation fit: the pool, the smallest pool it can know of,
 the admission budget under it; and, given ``--exporter.url`` (a running exporter, which has
@@ -22,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
@@ -33,6 +38,7 @@ from exporter.engine import names
 from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
 from exporter.engine.parse import Samples
 from exporter.redaction import redact_text, redact_url
+from exporter.server import STATUS_ROUTE
 from exporter.signals import advice, kvpool, timing
 from exporter.signals.foresight import admission_budget
 from exporter.values import EngineSnapshot, EngineValues, HistogramValue
@@ -71,6 +77,8 @@ class Report:
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # conditions of alerts that page, holding now (each a sentence naming the alert)
+    paging: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -99,6 +107,8 @@ class ExporterView:
     ttft: dict[str, dict[tuple[str, str], dict[float, float]]] = field(default_factory=dict)
     # (caller, model) -> the prompt-order counters, by their name after the prefix
     order: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    # the exporter's status model (GET /api/v1/status), as the status page shows it
+    status: dict[str, Any] | None = None
 
     def smallest_pool(self, target: str, engine: str) -> float | None:
         found = [
@@ -110,6 +120,8 @@ class ExporterView:
 
 
 ORDER_PREFIX = "vllm_cache_prompt_order_"
+# The exit status while a condition that pages holds (above 1, a problem, and 2, bad flags).
+EXIT_PAGING = 3
 
 
 def read_exporter(text: str) -> ExporterView:
@@ -178,6 +190,8 @@ def main(args: argparse.Namespace) -> int:
     if not args.exporter_url:
         print("note: " + advice.details_unknown_sentence())
         print("note: " + advice.per_request_metrics_unknown_sentence())
+    if any(report.paging for report in reports):
+        return EXIT_PAGING
     return 1 if any(report.problems for report in reports) else 0
 
 
@@ -196,6 +210,10 @@ async def check_all(
                 exporter_report.problems.append(
                     f"cannot read the exporter's /metrics: {redact_text(str(err))}"
                 )
+            if view is not None:
+                view.status = await read_status(
+                    session, status_url(exporter_url), timeout, max_bytes, exporter_report
+                )
         reports = list(
             await asyncio.gather(
                 *(check_one(session, url, timeout, max_bytes, headroom, view) for url in urls)
@@ -206,6 +224,29 @@ async def check_all(
             describe_exporter(view, exporter_report, headroom)
         reports.append(exporter_report)
     return reports
+
+
+def status_url(exporter_metrics_url: str) -> str:
+    """The exporter's status model, beside its /metrics."""
+    parts = urlsplit(exporter_metrics_url)
+    base = parts.path.removesuffix("/metrics").rstrip("/")
+    return urlunsplit((parts.scheme, parts.netloc, base + STATUS_ROUTE, "", ""))
+
+
+async def read_status(
+    session: aiohttp.ClientSession, url: str, timeout: float, max_bytes: int, report: Report
+) -> dict[str, Any] | None:
+    """The exporter's status model, or None with a note (an exporter older than the route)."""
+    try:
+        body = await fetch_body(session, url, timeout, max_bytes=max_bytes)
+        data = json.loads(body)
+    except (FetchError, ValueError) as err:
+        report.notes.append(
+            f"cannot read the exporter's status ({STATUS_ROUTE}): {redact_text(str(err))}; "
+            "the hit ratios over the alerts' windows and the collapse are not checked."
+        )
+        return None
+    return data if isinstance(data, dict) else None
 
 
 async def check_one(
@@ -239,6 +280,8 @@ def describe_exporter(view: ExporterView, report: Report, headroom: int) -> None
     _describe_order(view, report)
     _describe_reporting(view, report)
     _describe_ttft(view, report)
+    if view.status is not None:
+        _describe_status(view.status, report)
     if not (view.demand or view.model_demand or view.used or view.reported or view.unreported):
         report.lines.append("no conversations seen yet (send usage to it first).")
 
@@ -331,6 +374,31 @@ def _describe_ttft(view: ExporterView, report: Report) -> None:
         )
         if found.source is not None:
             report.lines.append(advice.ttft_sentence(caller, found.source, found.warm, found.cold))
+
+
+def _describe_status(data: dict[str, Any], report: Report) -> None:
+    """Each (caller, model) pair's hit ratio, baseline and warm share over the alerts'
+    windows, and the conditions that page: the status page's figures, from its model."""
+    short = advice.duration(float(data.get("window_seconds", 0)))
+    long = advice.duration(float(data.get("long_seconds", 0)))
+    baseline = advice.duration(float(data.get("baseline_seconds", 0)))
+    for caller in data.get("callers", []):
+        for pair in caller.get("pairs", []):
+            report.lines.append(
+                f"{caller.get('caller')} on {pair.get('model')}: hit ratio "
+                f"{_percent(pair.get('ratio_window'))} over the last {short} "
+                f"({_percent(pair.get('ratio_long'))} over the last {long}), baseline "
+                f"{_percent(pair.get('baseline'))} (p90 of the {long} ratio over the last "
+                f"{baseline}), warm share {_percent(pair.get('warm_share_window'))} over the "
+                f"last {short}."
+            )
+    for item in data.get("problems", []):
+        if item.get("pages"):
+            report.paging.append(f"{item.get('alert')}: {item.get('sentence')}")
+
+
+def _percent(value: object) -> str:
+    return advice.percent(float(value)) if isinstance(value, int | float) else "-"
 
 
 def describe(
@@ -468,4 +536,9 @@ def render(report: Report) -> Iterator[str]:
         yield f"  note: {note}"
     for problem in report.problems:
         yield f"  PROBLEM: {problem}"
-    yield "  " + ("problems found" if report.problems else "OK")
+    for condition in report.paging:
+        yield f"  PAGE: {condition}"
+    if report.paging:
+        yield "  paging: an alert of critical severity has its condition true now"
+    else:
+        yield "  " + ("problems found" if report.problems else "OK")

@@ -732,9 +732,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "exporter.url",
         "Foresight",
-        "A running exporter to read as well (its /metrics): the "
-        "live conversations' fit in the pool, the smallest pool it saw, and declared vs used "
-        "completion tokens per caller.",
+        "A running exporter to read as well (its /metrics and /api/v1/status): the "
+        "live conversations' fit in the pool, the smallest pool it saw, declared vs used "
+        "completion tokens, and each caller's hit ratio, baseline and warm share over the "
+        "alerts' windows; exit 3 while a condition that pages holds.",
         _to_str,
         "",
         metavar="URL",

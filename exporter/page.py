@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterable, Sequence
 
 from exporter.signals import advice
-from exporter.signals.history import SLOT_SECONDS
 from exporter.signals.status import CallerView, EngineView, Item, RowView, Status
 
 REFRESH_SECONDS = 10
@@ -89,7 +88,9 @@ def render(
         f"<h1>vllm-cache-exporter {escape(version)}</h1>",
         f'<p class="meta">Status at {escape(_clock(status.now))} UTC, refreshed every '
         f"{REFRESH_SECONDS} s. Live counts since the exporter started; ratios over the last "
-        f"{escape(advice.duration(status.window_seconds))} and the last hour. "
+        f"{escape(advice.duration(status.window_seconds))} and the last "
+        f"{escape(advice.duration(status.long_seconds))}, against a baseline over the last "
+        f"{escape(advice.duration(status.baseline_seconds))}, as the alerts read them. "
         + " · ".join(f'<a href="{escape(link)}">{escape(link)}</a>' for link in links)
         + "</p></header><main>",
         '<section id="problems"><h2>What is wrong</h2>',
@@ -107,7 +108,7 @@ def render(
             "</section>",
         ]
     parts += ['<section id="engines"><h2>vLLM engines</h2>']
-    parts += [_engine(view) for view in status.engines] or [
+    parts += [_engine(view, status) for view in status.engines] or [
         "<p>No vLLM configured (--vllm.url).</p>"
     ]
     parts += ["</section>", '<section id="callers"><h2>Callers</h2>']
@@ -122,10 +123,13 @@ def render(
         )
     parts += [
         "</section></main><footer>",
-        f"<p>The history behind the sparklines is one sample every {SLOT_SECONDS:g} s for the "
-        "last hour per caller and per vLLM, in the exporter's memory (lost on restart). "
-        "Prometheus and the shipped alerts and dashboards see the same counters, over longer "
-        "windows. Prompt order (is something variable at the top of the prompt?) is "
+        "<p>The history behind these figures is one sample every tenth of the short window "
+        f"({advice.duration(status.window_seconds / 10)}) for the last "
+        f"{escape(advice.duration(status.long_seconds))} per caller and model and per vLLM, "
+        "and 288 long-window ratios over the baseline window, in the exporter's memory "
+        "(lost on restart): the windows, baseline and collapse condition of the shipped "
+        "recording rules and alerts (docs/monitoring.md). Prompt order (is something "
+        "variable at the top of the prompt?) is "
         "diagnosed for requests that come through the tap, from fingerprints of their "
         "prompts: no prompt text is kept.</p>",
         "</footer></body></html>",
@@ -159,7 +163,8 @@ def _items(items: Iterable[Item], now: float) -> list[str]:
     return out
 
 
-def _engine(view: EngineView) -> str:
+def _engine(view: EngineView, status: Status) -> str:
+    short, long, baseline = _windows(status)
     parts = [
         f'<div class="card" data-target="{escape(view.target)}">',
         f"<h3>{escape(view.target)}</h3>",
@@ -181,15 +186,16 @@ def _engine(view: EngineView) -> str:
     if view.state == "up":
         parts += [
             "<dl>",
-            _pair("hit ratio now", _pct(view.ratio_window)),
-            _pair("last hour", _pct(view.ratio_hour)),
+            _pair(f"hit ratio, last {short}", _pct(view.ratio_window)),
+            _pair(f"last {long}", _pct(view.ratio_long)),
+            _pair("baseline", f"{_pct(view.baseline)} (p90 of the {long} ratio, last {baseline})"),
             _pair(
                 "preemptions",
                 f"{advice.tokens(view.preemptions)} "
                 f"({advice.tokens(view.preemptions_window)} lately)",
             ),
             "</dl>",
-            _sparkline(view.sparkline, "engine hit ratio, last hour"),
+            _sparkline(view.sparkline, f"engine hit ratio, last {long}", long),
         ]
     parts.append("</div>")
     return "\n".join(parts)
@@ -239,7 +245,17 @@ def _row(row: RowView) -> str:
     return "\n".join(lines)
 
 
+def _windows(status: Status) -> tuple[str, str, str]:
+    """The short, long and baseline windows, as people say them."""
+    return (
+        advice.duration(status.window_seconds),
+        advice.duration(status.long_seconds),
+        advice.duration(status.baseline_seconds),
+    )
+
+
 def _caller(view: CallerView, status: Status) -> str:
+    short, long, baseline = _windows(status)
     collapsed = " collapsed" if view.collapse is not None else ""
     other = sum(view.requests[state] for state in ("short", "unknown", "error"))
     lines = [
@@ -248,13 +264,20 @@ def _caller(view: CallerView, status: Status) -> str:
         f'<p class="meta">{escape(", ".join(view.models))} · first seen '
         f"{escape(advice.duration(status.now - view.first_seen))} ago</p>",
         _sparkline(
-            view.sparkline,
-            f"hit ratio of {view.caller} over "
-            f"{advice.duration(status.window_seconds)} windows, last hour",
+            view.sparkline, f"hit ratio of {view.caller} over {short} windows, last {long}", long
         ),
         "<dl>",
-        _pair("hit ratio now", _pct(view.ratio_window), "ratio-window"),
-        _pair("last hour", _pct(view.ratio_hour), "ratio-hour"),
+        _pair(f"hit ratio, last {short}", _pct(view.ratio_window), "ratio-window"),
+        _pair(f"last {long}", _pct(view.ratio_long), "ratio-long"),
+        *(
+            _pair(
+                f"baseline ({pair.model})" if len(view.pairs) > 1 else "baseline",
+                f"{_pct(pair.baseline)} (p90 of the {long} ratio, last {baseline})",
+                f"baseline-{pair.model}" if len(view.pairs) > 1 else "baseline",
+            )
+            for pair in view.pairs
+        ),
+        _pair(f"warm share, last {short}", _pct(view.warm_share_window), "warm-share-window"),
         _pair(
             "warm / partial / cold",
             f'<span class="warm" data-field="warm">'
@@ -307,7 +330,7 @@ def _pair(term: str, value: str, field: str = "", raw: bool = False) -> str:
     return f"<dt>{escape(term)}</dt><dd{attribute}>{shown}</dd>"
 
 
-def _sparkline(points: Sequence[float | None], label: str) -> str:
+def _sparkline(points: Sequence[float | None], label: str, long: str) -> str:
     """The points (0 to 1, oldest first, None where there was no traffic) as lines, broken
     where there was none; a lone point is a dot."""
     step = SPARK_WIDTH / max(1, len(points) - 1)
@@ -333,7 +356,8 @@ def _sparkline(points: Sequence[float | None], label: str) -> str:
         f'<line x1="0" y1="{SPARK_HEIGHT - 1}" x2="{SPARK_WIDTH}" y2="{SPARK_HEIGHT - 1}"/>'
         + "".join(shapes)
         + "</svg>"
-        '<p class="meta spark-caption">hit ratio, the last hour (now on the right)</p>'
+        f'<p class="meta spark-caption">hit ratio, the last {escape(long)} (now on the '
+        "right)</p>"
     )
 
 

@@ -39,6 +39,8 @@ REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 FIRST_READ_KEY = web.AppKey("first_read", asyncio.Task)
 BODIES_KEY = web.AppKey("metrics_bodies", MetricsBodies)
 SEND_KEY = web.AppKey("send_stats", SendStats)
+# The status model as JSON (check --exporter.url reads it).
+STATUS_ROUTE = "/api/v1/status"
 RULE_KEY = web.AppKey("collapse_rule", status.CollapseRule)
 # A body goes out in chunks, each written only once the last has left (aiohttp drains its
 # buffer above 64 KiB), so a reader that never reads holds ~128 KiB, not a copy of the body;
@@ -78,6 +80,7 @@ def create_app(
     app[REGISTRY_KEY].register(SendStatsCollector(app[SEND_KEY]))
     app.router.add_get("/", landing)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get(STATUS_ROUTE, status_json)
     app.router.add_get("/-/healthy", healthy)
     app.router.add_get("/-/ready", ready)
     app.router.add_post(USAGE_ROUTE, ingest.handle)
@@ -101,6 +104,7 @@ def collapse_rule(monitoring: MonitoringConfig | None = None) -> status.Collapse
     """What the page and the demo call a collapse: the generated alerts' own thresholds."""
     config = monitoring or MonitoringConfig()
     return status.CollapseRule(
+        pages=config.collapse_severity == "critical",
         window_seconds=config.short_seconds,
         drop_factor=config.collapse_drop_factor,
         min_baseline=config.collapse_min_baseline,
@@ -178,6 +182,14 @@ async def ready(request: web.Request) -> web.Response:
     return web.Response(
         status=503, text="waiting for a first read of: " + ", ".join(waiting) + "\n"
     )
+
+
+async def status_json(request: web.Request) -> web.Response:
+    """The status page's model as JSON (what ``check --exporter.url`` reads): the same fresh
+    read of every vLLM, the same figures and problems, and which of them page."""
+    app = request.app
+    await app[BODIES_KEY].engine_read(app[POLLER_KEY].timeout)
+    return web.json_response(current_status(app).as_json(), headers={"Cache-Control": "no-store"})
 
 
 async def landing(request: web.Request) -> web.Response:

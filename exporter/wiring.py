@@ -16,7 +16,9 @@ from aiohttp import web
 from exporter.config import Config
 from exporter.engine.fetch import EnginePoller
 from exporter.limits import FileDescriptors
+from exporter.monitoring.config import MonitoringConfig, load_config
 from exporter.signals.foresight import ForesightSettings
+from exporter.signals.history import Windows
 from exporter.signals.state import SignalsState
 from exporter.signals.usage import UsageSettings, UsageState
 from exporter.usage import formats
@@ -53,7 +55,14 @@ def usage_settings(config: Config) -> UsageSettings:
         prompt_order_window=config.signals_prompt_order_window,
         dedup_max_ids=config.usage_dedup_max_ids,
         dedup_window=config.usage_dedup_window,
+        windows=windows(load_config(config.monitoring_config_file)),
     )
+
+
+def windows(monitoring: MonitoringConfig) -> Windows:
+    """The alerts' windows, which the status page's history is read over (the same file
+    ``generate --config`` made the rules from, given to run as --monitoring.config-file)."""
+    return Windows(monitoring.short_seconds, monitoring.long_seconds, monitoring.baseline_seconds)
 
 
 def foresight_settings(config: Config) -> ForesightSettings:

@@ -67,7 +67,13 @@ def test_preemptions_are_noted():
 
 
 async def run_check(*urls: str) -> tuple[int, str, str]:
-    args = [arg for url in urls for arg in ("--vllm.url", url)]
+    """check on these vLLMs (a URL after a flag is that flag's value)."""
+    args: list[str] = []
+    for url in urls:
+        if url.startswith("--") or (args and args[-1].startswith("--exporter")):
+            args.append(url)
+        else:
+            args += ["--vllm.url", url]
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -467,3 +473,41 @@ def test_a_dense_engine_gets_no_hybrid_advice() -> None:
     assert not any(
         "hybrid" in line or "max-num-batched" in line for line in report.lines + report.notes
     )
+
+
+async def test_check_exits_3_while_the_collapse_alert_s_condition_holds(fake_vllm, aiohttp_server):
+    """check --exporter.url reads the exporter's status model (GET /api/v1/status): each
+    caller's figures over the alerts' windows as the page shows them, and, while the
+    VllmCachePrefixCollapse condition holds, a PAGE: line naming it and exit status 3."""
+    from exporter.config import Config
+    from exporter.server import create_app
+    from tests.replay import replay as replay_scenario
+
+    config = Config(vllm_url=(fake_vllm.url,))
+    replay = replay_scenario("two-agents-collapse", config=config)
+    replay.on_scrape = lambda text: setattr(fake_vllm, "body", text)
+    server = await aiohttp_server(create_app(config, state=replay.state, initial_refresh=False))
+    exporter = str(server.make_url("/"))
+
+    replay.until(250)  # agent-a alone and warm
+    code, text, _ = await run_check(fake_vllm.url, "--exporter.url", exporter)
+    assert code == 0, text
+    assert "PAGE:" not in text
+    page = replay.status(250).callers[0].pairs[0]
+    assert page.ratio_window is not None
+    assert (
+        f"agent-a on {page.model}: hit ratio {advice.percent(page.ratio_window)} over the last "
+        "5 min" in text
+    ), text
+
+    replay.until(700)  # agent-b arrived; agent-a's ratio fell under half its baseline
+    code, text, _ = await run_check(fake_vllm.url, "--exporter.url", exporter)
+    assert code == 3, text
+    paged = [line for line in text.splitlines() if line.strip().startswith("PAGE:")]
+    assert (
+        len(paged) == 1 and "VllmCachePrefixCollapse: Prefix cache collapse: agent-a." in (paged[0])
+    ), text
+    shown = replay.status(700)
+    collapse = shown.callers[0].collapse
+    assert collapse is not None
+    assert f"baseline {advice.percent(collapse.baseline)}" in text, text

@@ -120,8 +120,10 @@ async def test_the_status_page_in_a_browser_during_a_collapse(
         kinds = [problem["kind"] for problem in shown["problems"]]
         assert kinds[:2] == ["collapse", "overflow"], shown["problems"]
         collapse = shown["problems"][0]
-        assert collapse["callers"] == "agent-a,agent-b"
-        assert collapse["text"].startswith("Prefix cache collapse: agent-a and agent-b.")
+        # the alert's condition: agent-a fell from its baseline, agent-b never had one
+        assert collapse["callers"] == "agent-a"
+        assert collapse["text"].startswith("Prefix cache collapse: agent-a. agent-a on ")
+        assert "against its baseline of" in collapse["text"]
         assert "since " in collapse["text"] and " ago)" in collapse["text"]
         assert "They do not all fit" in shown["problems"][1]["text"]
         assert shown["title"].startswith("2 problem(s)")

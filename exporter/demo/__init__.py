@@ -218,6 +218,7 @@ class Shown:
         """The story's new lines (the same status model as the page at this moment)."""
         status = current_status(self.app)
         self.view.problems = [item.sentence for item in status.problems]
+        self.view.status = status
         return [line.render() for line in self.story.look(status, self.driver.stats.iterations)]
 
     async def scrape(self, session: aiohttp.ClientSession) -> None:
@@ -226,7 +227,7 @@ class Shown:
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             self.view.error = f"cannot read the exporter's /metrics: {err}"
             return
-        self.view.update(text, self.clock.now(), self.view.problems)
+        self.view.update(text, self.clock.now(), self.view.problems, self.view.status)
 
 
 async def _show(

@@ -1,9 +1,11 @@
 """The demo's live view, computed from the exporter's own /metrics.
 
 It parses exactly what Prometheus would scrape (prometheus_client's parser), so the numbers
-on screen are the exporter's numbers, not the simulator's. Hit ratios are computed over a
-sliding window of scrapes (a ratio of counter increases, as PromQL would), with the ratio
-since start beside it; TTFT p50 is interpolated from the exporter's histogram buckets the way
+on screen are the exporter's numbers, not the simulator's. The hit ratio now, the warm share
+and the baseline are the status page's (``signals.status``, the alerts' windows and baseline
+read from the exporter's history), handed in with its problems, so the table, the story, the
+page and ``check`` say the same figure at the same moment; the ratio since start is read here
+from the counters; TTFT p50 is interpolated from the exporter's histogram buckets the way
 ``histogram_quantile`` does, since start per state and over the window for all turns. Every
 time here is scenario time (the window too), like the TTFTs the simulator reports. What is
 wrong is not computed here: the demo hands in the status page's problems, in its words.
@@ -24,6 +26,7 @@ from rich.text import Text
 from exporter.engine.parse import Samples
 from exporter.monitoring.config import MonitoringConfig
 from exporter.signals import advice
+from exporter.signals.status import Status
 
 STATES = ("warm", "partial", "cold", "short", "unknown", "error")
 
@@ -152,8 +155,9 @@ def ratio(cached: float, prompt: float) -> float | None:
 class CallerRow:
     caller: str
     requests: int
-    ratio_window: float | None
+    ratio_window: float | None  # the status page's, over the alerts' short window
     ratio_total: float | None
+    baseline: float | None  # the status page's (one model: the pair's baseline)
     warm: int
     partial: int
     cold: int
@@ -191,12 +195,18 @@ class DemoView:
         self.scenario_seconds = 0.0
         self.error: str | None = None
         self.problems: list[str] = []
+        self.status: Status | None = None
 
     def update(
-        self, text: str, scenario_seconds: float, problems: list[str] | None = None
+        self,
+        text: str,
+        scenario_seconds: float,
+        problems: list[str] | None = None,
+        status: Status | None = None,
     ) -> Summary:
         """One scrape of the exporter, at ``scenario_seconds``; ``problems``: what the status
-        page says is wrong at the same moment."""
+        page says is wrong at the same moment, and ``status`` its model (the figures over the
+        alerts' windows)."""
         self.history.append(parse_snapshot(text, scenario_seconds))
         while (
             len(self.history) > 2 and self.history[1].time <= scenario_seconds - self.window_seconds
@@ -205,6 +215,7 @@ class DemoView:
         self.scenario_seconds = scenario_seconds
         self.error = None
         self.problems = list(problems or [])
+        self.status = status
         return self.summary()
 
     def summary(self) -> Summary:
@@ -224,21 +235,20 @@ class DemoView:
             )
         now, first = self.history[-1], self.history[0]
         rows = []
+        shown = {view.caller: view for view in self.status.callers} if self.status else {}
         for caller in sorted(now.callers):
             stats = now.callers[caller]
             before = first.callers.get(caller, CallerStats())
-            window = ratio(
-                stats.cached_tokens - before.cached_tokens,
-                stats.prompt_tokens - before.prompt_tokens,
-            )
+            page = shown.get(caller)
             requests = stats.requests
             other = sum(requests.get(state, 0.0) for state in ("short", "unknown", "error"))
             rows.append(
                 CallerRow(
                     caller,
                     int(stats.total),
-                    window,
+                    page.ratio_window if page else None,
                     ratio(stats.cached_tokens, stats.prompt_tokens),
+                    page.baseline if page else None,
                     int(requests.get("warm", 0)),
                     int(requests.get("partial", 0)),
                     int(requests.get("cold", 0)),
@@ -263,7 +273,7 @@ class DemoView:
             int(now.preemptions - first.preemptions),
             now.running,
             now.waiting,
-            ratio(now.engine_hits - first.engine_hits, now.engine_queries - first.engine_queries),
+            self.status.engines[0].ratio_window if self.status and self.status.engines else None,
             self._warnings(now, evicted, idle_share),
             evicted,
             idle_share,
@@ -299,7 +309,8 @@ class DemoView:
         for row in summary.rows:
             lines.append(
                 f"  {row.caller}: {row.requests} req, hit ratio {_pct(row.ratio_window)} over "
-                f"the last {window} (since start {_pct(row.ratio_total)}), warm/partial/cold "
+                f"the last {window} (baseline {_pct(row.baseline)}, since start "
+                f"{_pct(row.ratio_total)}), warm/partial/cold "
                 f"{row.warm}/{row.partial}/{row.cold}, TTFT p50 {_secs(row.ttft_window_p50)} "
                 f"over the last {window} (since start: warm {_secs(row.ttft_warm_p50)}, cold "
                 f"{_secs(row.ttft_cold_p50)})"
@@ -332,6 +343,7 @@ class DemoView:
         for column, width in (
             ("req", 4),
             ("hit now", 7),
+            ("base", 5),
             ("hit all", 7),
             ("w/p/c/u", 7),
             ("TTFT now", 8),
@@ -351,6 +363,7 @@ class DemoView:
                 row.caller,
                 str(row.requests),
                 _ratio_text(row.ratio_window),
+                _pct(row.baseline),
                 _pct(row.ratio_total),
                 states,
                 _secs(row.ttft_window_p50),
@@ -358,7 +371,7 @@ class DemoView:
                 _secs(row.ttft_cold_p50),
             )
         if not summary.rows:
-            table.add_row("(no requests yet)", "", "", "", "", "", "", "")
+            table.add_row("(no requests yet)", "", "", "", "", "", "", "", "")
         engine = Text()
         engine.append("KV used/pool ")
         engine.append(

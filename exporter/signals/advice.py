@@ -51,40 +51,28 @@ def names(items: Sequence[str]) -> str:
 
 @dataclass(frozen=True)
 class Collapse:
-    """One caller whose cache stopped holding its conversations, and how it shows.
-
-    ``dropped``: its hit ratio over the window fell under a fraction of its baseline (the
-    rule of the VllmCachePrefixCollapse alert). ``evicted``: its conversations' follow-up
-    turns, which should find the previous turn cached, came back cold.
-    """
+    """One (caller, model) pair whose hit ratio collapsed: the condition of the
+    VllmCachePrefixCollapse alert, held now (the ratio over the short window under a fraction
+    of the baseline, the baseline worth losing, traffic then and one window before)."""
 
     caller: str
+    model: str
     since: float
     window_seconds: float
-    ratio_now: float | None
-    baseline: float | None
-    followups: int
-    followups_cold: int
-    dropped: bool
-    evicted: bool
+    ratio_now: float
+    baseline: float
+    baseline_window_seconds: float
 
 
 def collapse_sentence(collapses: Sequence[Collapse]) -> str:
-    parts = []
-    for collapse in collapses:
-        window = duration(collapse.window_seconds)
-        if collapse.dropped and collapse.ratio_now is not None and collapse.baseline is not None:
-            parts.append(
-                f"{collapse.caller} got {percent(collapse.ratio_now)} of its prompt "
-                f"tokens from the cache over the last {window}, against "
-                f"{percent(collapse.baseline)} before"
-            )
-        else:
-            parts.append(
-                f"{collapse.followups_cold} of {collapse.followups} follow-up turn(s) "
-                f"of {collapse.caller} in the last {window} found nothing cached"
-            )
-    who = names([collapse.caller for collapse in collapses])
+    parts = [
+        f"{collapse.caller} on {collapse.model} got {percent(collapse.ratio_now)} of its "
+        f"prompt tokens from the cache over the last {duration(collapse.window_seconds)}, "
+        f"against its baseline of {percent(collapse.baseline)} (the last "
+        f"{duration(collapse.baseline_window_seconds)})"
+        for collapse in collapses
+    ]
+    who = names(list(dict.fromkeys(collapse.caller for collapse in collapses)))
     return (
         f"Prefix cache collapse: {who}. " + "; ".join(parts) + ". Each turn now reads its "
         "whole prompt again, minutes instead of seconds to the first token. Most often "
@@ -94,12 +82,17 @@ def collapse_sentence(collapses: Sequence[Collapse]) -> str:
 
 
 def engine_collapse_sentence(
-    target: str, ratio_now: float, baseline: float, window_seconds: float
+    target: str,
+    ratio_now: float,
+    baseline: float,
+    window_seconds: float,
+    baseline_window_seconds: float,
 ) -> str:
     return (
         f"Prefix cache collapse on vLLM {target}: {percent(ratio_now)} of looked-up prompt "
-        f"tokens were hits over the last {duration(window_seconds)}, against "
-        f"{percent(baseline)} before, while prompts keep coming."
+        f"tokens were hits over the last {duration(window_seconds)}, against its baseline of "
+        f"{percent(baseline)} (the last {duration(baseline_window_seconds)}), while prompts "
+        "keep coming."
     )
 
 

@@ -7,25 +7,28 @@ history of the last hour (``signals.history``). Pure: the time is handed in, and
 collapse thresholds (the top takes them from the alerts' configuration, so that the page and
 the pager agree on what a collapse is).
 
-A caller's cache has collapsed now when, over the last ``window_seconds``, either
-
-- its hit ratio fell under ``drop_factor`` times its baseline (the ratio over the rest of the
-  hour), the baseline above ``min_baseline`` and its prompt traffic above the floor: the rule
-  of the VllmCachePrefixCollapse alert, over the hour the exporter keeps; or
-- at least ``MIN_FOLLOWUPS`` follow-up turns of its conversations (turns whose previous turn
-  the exporter saw) came back, and at least ``COLD_FOLLOWUP_SHARE`` of them found nothing
-  cached: the cache no longer holds its conversations from one turn to the next. This is how
-  a caller that was never warm shows it (the second agent of a pair that does not fit).
-
-It has been so since the start of the earliest 30-second slot of the unbroken run of slots
-that meet the same conditions. Windows are read to the slot (``Slots``). A vLLM's own
-prefix-cache counters follow the first rule too (the engine form of the alert), which says it
+A caller's cache has collapsed now when the condition of the VllmCachePrefixCollapse alert
+holds for one of its (caller, model) pairs, read from the exporter's own history
+(``signals.history``) over the same windows the rules were generated with: its hit ratio over
+the short window under ``drop_factor`` times its baseline (the 0.9-quantile of its long-window
+ratio over the baseline window, as ``caller_model:vllm_cache_hit_ratio:p90_1d_rate1h``
+records it), the baseline above ``min_baseline``, and prompt traffic above the floor over the
+short window and over the one before it. The alert pages once the condition has held for its
+``for:``; the page says it from the first moment, with the time it started: the start of the
+earliest slot of the unbroken run of slots whose own ratio is under the same bar. A vLLM's own
+prefix-cache counters follow the same condition (the engine form of the alert), which says it
 when no proxy reports usage; when callers' collapse is said, the engine's would repeat it.
+
+Where the page and Prometheus differ, it is by their samples: a window here starts at the
+first slot boundary inside it (a tenth of the short window), Prometheus' at the first scrape
+inside it; the baseline here has one long-window ratio every ``baseline_interval`` (5 minutes
+of a day), the recorded one every rule evaluation; and the page knows only what the exporter
+has seen since it started.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,9 +37,10 @@ from exporter.signals.classify import STATES
 from exporter.signals.engine import EngineState, TargetState
 from exporter.signals.history import (
     FIELD,
-    SLOT_SECONDS,
+    SHORT_SLOTS,
     TARGET_FIELD,
     Timeline,
+    Windows,
     at_times,
     slot_starts,
 )
@@ -51,10 +55,10 @@ from exporter.values import (
     REQUESTS_WAITING,
 )
 
-# Follow-up turns in the window before "they come back cold" is a collapse, and the share of
-# them that must be cold: two turns of a conversation in a row that found nothing cached.
-MIN_FOLLOWUPS = 2
-COLD_FOLLOWUP_SHARE = 0.5
+# The baseline: this quantile of the long-window ratio over the baseline window (the
+# rules' BASELINE_QUANTILE, which tests/test_status_windows.py holds equal).
+BASELINE_QUANTILE = 0.9
+COLLAPSE_ALERT = "VllmCachePrefixCollapse"
 # Engine signals whose absence breaks the cache signals (as ``check`` says).
 REQUIRED_SIGNALS = (
     PREFIX_CACHE_QUERIES,
@@ -77,6 +81,8 @@ class CollapseRule:
     min_baseline: float
     caller_min_tokens_per_second: float
     engine_min_tokens_per_second: float
+    # VllmCachePrefixCollapse's severity is critical: its condition pages
+    pages: bool = True
 
 
 @dataclass(frozen=True)
@@ -89,10 +95,26 @@ class Item:
     where: str = ""
     since: float | None = None
     callers: tuple[str, ...] = ()
+    # the alert whose condition this is, and whether it pages (its severity is critical)
+    alert: str = ""
+    pages: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
         return self.kind, self.where
+
+
+@dataclass(frozen=True)
+class PairView:
+    """One (caller, model) pair over the alerts' windows: what the caller rules record."""
+
+    model: str
+    ratio_window: float | None  # caller_model:vllm_cache_hit_ratio:rate5m
+    ratio_long: float | None  # caller_model:vllm_cache_hit_ratio:rate1h
+    baseline: float | None  # caller_model:vllm_cache_hit_ratio:p90_1d_rate1h
+    warm_share_window: float | None  # caller_model:vllm_cache_warm_request_share:rate5m
+    prompt_tokens_per_second: float | None  # caller_model:vllm_cache_prompt_tokens:rate5m
+    collapse: advice.Collapse | None
 
 
 @dataclass(frozen=True)
@@ -104,10 +126,12 @@ class CallerView:
     prompt_tokens: int
     cached_tokens: int
     unreported_prompt_tokens: int
+    # over all of its models: the short and long windows, and since the exporter started
     ratio_window: float | None
-    ratio_hour: float | None
+    ratio_long: float | None
     ratio_total: float | None
-    # median TTFT of warm and of cold turns since the exporter started, and whose it is
+    warm_share_window: float | None
+    # median TTFT of warm and cold turns since the exporter started, and whose it is
     # (signals/timing.py: vLLM's own where it timed any, else the proxy's)
     ttft_warm_p50: float | None
     ttft_cold_p50: float | None
@@ -116,9 +140,19 @@ class CallerView:
     # over the window's turns)
     ttft_window_mean: float | None
     ttft_window_source: str | None
-    # the hit ratio over the window ending at each 30-s slot of the last hour
+    # the hit ratio over the short window ending at each slot of the long window
     sparkline: tuple[float | None, ...]
-    collapse: advice.Collapse | None
+    pairs: tuple[PairView, ...]
+
+    @property
+    def collapse(self) -> advice.Collapse | None:
+        """The first of its pairs whose cache collapsed, if any."""
+        return next((pair.collapse for pair in self.pairs if pair.collapse is not None), None)
+
+    @property
+    def baseline(self) -> float | None:
+        """Its baseline, when it has one model (a baseline is per pair)."""
+        return self.pairs[0].baseline if len(self.pairs) == 1 else None
 
 
 @dataclass(frozen=True)
@@ -152,7 +186,8 @@ class EngineView:
     rows: tuple[RowView, ...]
     fits: tuple[FitView, ...]
     ratio_window: float | None
-    ratio_hour: float | None
+    ratio_long: float | None
+    baseline: float | None
     preemptions: float
     preemptions_window: float
     sparkline: tuple[float | None, ...]
@@ -162,6 +197,8 @@ class EngineView:
 class Status:
     now: float
     window_seconds: float
+    long_seconds: float = 3600.0
+    baseline_seconds: float = 86_400.0
     problems: list[Item] = field(default_factory=list)
     advice: list[Item] = field(default_factory=list)
     engines: list[EngineView] = field(default_factory=list)
@@ -170,35 +207,62 @@ class Status:
     def problem(self, kind: str) -> Item | None:
         return next((item for item in self.problems if item.kind == kind), None)
 
+    def as_json(self) -> dict[str, object]:
+        """The model as GET /api/v1/status serves it (``check --exporter.url`` reads it):
+        every figure the page shows, sparklines left out. Plain types only."""
+        data = dataclasses.asdict(self)
+        for view in (*data["engines"], *data["callers"]):
+            view.pop("sparkline", None)
+        data["paging"] = [item.alert for item in self.problems if item.pages]
+        return data
+
 
 def ratio(cached: float, prompt: float) -> float | None:
     return cached / prompt if prompt > 0 else None
 
 
 class Slots:
-    """One key's totals at every 30-s boundary of the last hour and now, read in one pass;
+    """One key's totals at every slot boundary of the long window and now, read in one pass;
     every window is read from them, to the slot: "the last 5 minutes" starts at the boundary
     of the tenth slot back (270 to 300 s ago), "the last hour" at the oldest one."""
 
     def __init__(
-        self, timeline: Timeline | None, current: Sequence[float], now: float, window_slots: int
+        self, timeline: Timeline | None, current: Sequence[float], now: float, windows: Windows
     ) -> None:
-        self.starts = slot_starts(now)
+        self.now = now
+        self.starts = slot_starts(now, windows.samples - 1, windows.slot_seconds)
         self.values = at_times(timeline, current, [*self.starts, now])
-        self.window_slots = window_slots
+        self.window_slots = SHORT_SLOTS
+
+    @classmethod
+    def summed(cls, parts: Sequence[Slots]) -> Slots:
+        """The totals of several keys added up (a caller over its models)."""
+        first = parts[0]
+        total = object.__new__(cls)
+        total.now, total.starts, total.window_slots = first.now, first.starts, first.window_slots
+        total.values = []
+        for index, head in enumerate(first.values):
+            row = [head[0], *([0.0] * (len(head) - 1))]
+            for part in parts:
+                for column, value in enumerate(part.values[index][1:], start=1):
+                    row[column] += value
+            total.values.append(row)
+        return total
 
     def grew(self, slot: int, field: int) -> float:
         return self.values[slot + 1][field] - self.values[slot][field]
 
-    def window(self, field: int) -> float:
-        """Growth over the window that ends now."""
-        return self.values[-1][field] - self.values[-1 - self.window_slots][field]
+    def window(self, field: int, back: int = 0) -> float:
+        """Growth over the short window that ends now (``back`` windows earlier)."""
+        end = -1 - back * self.window_slots
+        return self.values[end][field] - self.values[end - self.window_slots][field]
 
-    def before_window(self, field: int) -> float:
-        """Growth over the rest of the hour, before the window."""
-        return self.values[-1 - self.window_slots][field] - self.values[0][field]
+    def window_seconds(self, back: int = 0) -> float:
+        """How long that window is, as read: from its first boundary to its end."""
+        end = self.now if back == 0 else self.starts[-back * self.window_slots]
+        return end - self.starts[-(back + 1) * self.window_slots]
 
-    def hour(self, field: int) -> float:
+    def long(self, field: int) -> float:
         return self.values[-1][field] - self.values[0][field]
 
     @property
@@ -207,7 +271,7 @@ class Slots:
 
     def ratios(self, prompt: int, cached: int) -> tuple[float | None, ...]:
         """The hit ratio over the window ending with each slot (None where nothing was looked
-        up): the "hit ratio now" of every moment of the hour."""
+        up): the "hit ratio now" of every moment of the long window."""
         values = self.values
         out = []
         for end in range(1, len(values)):
@@ -224,7 +288,8 @@ class Slots:
 def build(engine: EngineState, usage: UsageState, now: float, rule: CollapseRule) -> Status:
     """Everything the page shows, as of ``now`` (call ``usage.catch_up(now)`` first, so that
     the history holds the last boundary)."""
-    status = Status(now, rule.window_seconds)
+    windows = usage.history.windows
+    status = Status(now, windows.short_seconds, windows.long_seconds, windows.baseline_seconds)
     caching_off = _engines(status, engine, usage, now, rule)
     _callers(status, usage, now, rule, all_caching_off=caching_off)
     if status.problem("collapse") is not None:  # the callers' collapse says it, and who
@@ -277,7 +342,8 @@ def _engines(
                 status.problems.append(
                     Item("overflow", PROBLEM, sentence, f"{target.shown} {model_name}")
                 )
-        slots = Slots(usage.history.target(target.shown), current, now, _window_slots(rule))
+        timeline = usage.history.target(target.shown)
+        slots = Slots(timeline, current, now, usage.history.windows)
         queries, hits = TARGET_FIELD["queries"], TARGET_FIELD["hits"]
         view = EngineView(
             target.shown,
@@ -286,7 +352,8 @@ def _engines(
             rows,
             tuple(target_fits),
             ratio(slots.window(hits), slots.window(queries)),
-            ratio(slots.hour(hits), slots.hour(queries)),
+            ratio(slots.long(hits), slots.long(queries)),
+            usage.history.baseline(timeline, now, BASELINE_QUANTILE),
             current[TARGET_FIELD["preemptions"]],
             slots.window(TARGET_FIELD["preemptions"]),
             slots.ratios(queries, hits),
@@ -347,16 +414,24 @@ def _engine_problems(
                     )
                 )
     queries, hits = TARGET_FIELD["queries"], TARGET_FIELD["hits"]
-    dropped = _dropped(slots, rule, queries, hits, rule.engine_min_tokens_per_second)
-    if dropped is not None:
-        ratio_now, baseline = dropped
+    if view.baseline is not None and collapsed(
+        slots, rule, queries, hits, view.baseline, rule.engine_min_tokens_per_second
+    ):
         status.problems.append(
             Item(
                 "engine_collapse",
                 PROBLEM,
-                advice.engine_collapse_sentence(where, ratio_now, baseline, rule.window_seconds),
+                advice.engine_collapse_sentence(
+                    where,
+                    view.ratio_window or 0.0,
+                    view.baseline,
+                    status.window_seconds,
+                    status.baseline_seconds,
+                ),
                 where,
-                _since(slots, rule, queries, hits, baseline, False),
+                _since(slots, rule, queries, hits, view.baseline),
+                alert=COLLAPSE_ALERT,
+                pages=rule.pages,
             )
         )
 
@@ -395,44 +470,51 @@ def _row(target: TargetState, index: int, headroom: int) -> RowView:
 def _callers(
     status: Status, usage: UsageState, now: float, rule: CollapseRule, all_caching_off: bool
 ) -> None:
-    totals = usage.caller_totals()
+    totals = usage.pair_totals()
     first_seen = usage.first_seen()
-    models: dict[str, list[str]] = {}
-    for caller, model in usage.series:
-        models.setdefault(caller, []).append(model)
+    pairs: dict[str, list[tuple[str, str]]] = {}
+    for pair in sorted(totals):
+        pairs.setdefault(pair[0], []).append(pair)
     medians = _ttft_medians(usage)
     prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]
     unreported: list[str] = []
     collapses: list[advice.Collapse] = []
-    for caller in sorted(totals):
-        current = [now, *totals[caller]]
-        slots = Slots(usage.history.caller(caller), current, now, _window_slots(rule))
+    for caller, keys in pairs.items():
+        views, parts = [], []
+        for key in keys:
+            timeline = usage.history.caller(key)
+            slots = Slots(timeline, [now, *totals[key]], now, usage.history.windows)
+            parts.append(slots)
+            view = _pair(key, slots, usage, status, rule, all_caching_off)
+            views.append(view)
+            if view.collapse is not None:
+                collapses.append(view.collapse)
+        slots = parts[0] if len(parts) == 1 else Slots.summed(parts)
+        current = slots.values[-1]
         window_source, window_mean = _window_ttft(slots)
         caller_medians = medians.get(caller, timing.Medians(None, None, None))
-        collapse = None if all_caching_off else _caller_collapse(caller, slots, rule)
-        if collapse is not None:
-            collapses.append(collapse)
-        if slots.hour(FIELD["unreported_prompt_tokens"]) > 0:
+        if slots.long(FIELD["unreported_prompt_tokens"]) > 0:
             unreported.append(caller)
         status.callers.append(
             CallerView(
                 caller,
-                tuple(sorted(models.get(caller, ()))),
-                first_seen.get(caller, now),
+                tuple(model for _caller, model in keys),
+                min(first_seen.get(key, now) for key in keys),
                 {state: int(current[FIELD[state]]) for state in STATES},
                 int(current[prompt]),
                 int(current[cached]),
                 int(current[FIELD["unreported_prompt_tokens"]]),
                 ratio(slots.window(cached), slots.window(prompt)),
-                ratio(slots.hour(cached), slots.hour(prompt)),
+                ratio(slots.long(cached), slots.long(prompt)),
                 ratio(current[cached], current[prompt]),
+                _warm_share(slots),
                 caller_medians.warm,
                 caller_medians.cold,
                 caller_medians.source,
                 window_mean,
                 window_source,
                 slots.ratios(prompt, cached),
-                collapse,
+                tuple(views),
             )
         )
     if collapses:
@@ -443,7 +525,9 @@ def _callers(
                 advice.collapse_sentence(collapses),
                 "callers",
                 min(collapse.since for collapse in collapses),
-                tuple(collapse.caller for collapse in collapses),
+                tuple(dict.fromkeys(collapse.caller for collapse in collapses)),
+                alert=COLLAPSE_ALERT,
+                pages=rule.pages,
             )
         )
     if unreported:
@@ -456,6 +540,52 @@ def _callers(
                 callers=tuple(unreported),
             )
         )
+
+
+def _pair(
+    key: tuple[str, str],
+    slots: Slots,
+    usage: UsageState,
+    status: Status,
+    rule: CollapseRule,
+    all_caching_off: bool,
+) -> PairView:
+    """One pair's figures over the alerts' windows, and its collapse when the alert's
+    condition holds (never where every engine has prefix caching off: there was no cache)."""
+    prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]
+    baseline = usage.history.baseline(usage.history.caller(key), status.now, BASELINE_QUANTILE)
+    ratio_now = ratio(slots.window(cached), slots.window(prompt))
+    collapse = None
+    if (
+        not all_caching_off
+        and baseline is not None
+        and collapsed(slots, rule, prompt, cached, baseline, rule.caller_min_tokens_per_second)
+    ):
+        collapse = advice.Collapse(
+            key[0],
+            key[1],
+            _since(slots, rule, prompt, cached, baseline),
+            status.window_seconds,
+            ratio_now or 0.0,
+            baseline,
+            status.baseline_seconds,
+        )
+    seconds = slots.window_seconds()
+    return PairView(
+        key[1],
+        ratio_now,
+        ratio(slots.long(cached), slots.long(prompt)),
+        baseline,
+        _warm_share(slots),
+        slots.window(prompt) / seconds if seconds > 0 else None,
+        collapse,
+    )
+
+
+def _warm_share(slots: Slots) -> float | None:
+    """Warm turns among the classified ones (warm, partial, cold) over the short window."""
+    classified = sum(slots.window(FIELD[state]) for state in ("warm", "partial", "cold"))
+    return slots.window(FIELD["warm"]) / classified if classified > 0 else None
 
 
 def _ttft_medians(usage: UsageState) -> dict[str, timing.Medians]:
@@ -489,81 +619,39 @@ def _window_ttft(slots: Slots) -> tuple[str | None, float | None]:
     return source, total / count
 
 
-def _caller_collapse(caller: str, slots: Slots, rule: CollapseRule) -> advice.Collapse | None:
-    prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]
-    dropped = _dropped(slots, rule, prompt, cached, rule.caller_min_tokens_per_second)
-    followups = slots.window(FIELD["followups"])
-    cold = slots.window(FIELD["followups_cold"])
-    evicted = followups >= MIN_FOLLOWUPS and cold >= COLD_FOLLOWUP_SHARE * followups
-    if dropped is None and not evicted:
-        return None
-    baseline = _baseline(slots, rule, prompt, cached)
-    return advice.Collapse(
-        caller,
-        _since(slots, rule, prompt, cached, baseline, True),
-        rule.window_seconds,
-        ratio(slots.window(cached), slots.window(prompt)),
-        baseline,
-        int(followups),
-        int(cold),
-        dropped is not None,
-        evicted,
-    )
-
-
-def _baseline(slots: Slots, rule: CollapseRule, prompt: int, cached: int) -> float | None:
-    """The ratio over the hour before the window, when there was a cache to lose."""
-    value = ratio(slots.before_window(cached), slots.before_window(prompt))
-    return value if value is not None and value > rule.min_baseline else None
-
-
-def _dropped(
-    slots: Slots, rule: CollapseRule, prompt: int, cached: int, min_tokens_per_second: float
-) -> tuple[float, float] | None:
-    """(ratio now, baseline) when the ratio over the window fell under the drop factor times
-    the baseline while traffic continues; else None."""
-    baseline = _baseline(slots, rule, prompt, cached)
-    if baseline is None:
-        return None
-    window_prompt = slots.window(prompt)
-    if window_prompt < min_tokens_per_second * rule.window_seconds:
-        return None
-    now_ratio = slots.window(cached) / window_prompt
-    return (now_ratio, baseline) if now_ratio < rule.drop_factor * baseline else None
-
-
-def _window_slots(rule: CollapseRule) -> int:
-    return max(1, math.ceil(rule.window_seconds / SLOT_SECONDS))
-
-
-def _since(
+def collapsed(
     slots: Slots,
     rule: CollapseRule,
     prompt: int,
     cached: int,
-    baseline: float | None,
-    followups: bool,
-) -> float:
-    """The start of the earliest slot of the unbroken run of bad slots that ends now (a slot
-    without traffic neither breaks nor extends the run)."""
+    baseline: float,
+    min_tokens_per_second: float,
+) -> bool:
+    """The VllmCachePrefixCollapse alert's condition (exporter/monitoring/alerts.py): the
+    ratio over the short window under ``drop_factor`` times the baseline, the baseline above
+    ``min_baseline``, and prompt traffic above the floor over this short window and the one
+    before it (a collapse happens while traffic continues)."""
+    if baseline <= rule.min_baseline:
+        return False
+    for back in (0, 1):
+        seconds = slots.window_seconds(back)
+        if seconds <= 0 or slots.window(prompt, back) / seconds <= min_tokens_per_second:
+            return False
+    now_ratio = slots.window(cached) / slots.window(prompt)
+    return now_ratio < rule.drop_factor * baseline
+
+
+def _since(slots: Slots, rule: CollapseRule, prompt: int, cached: int, baseline: float) -> float:
+    """The start of the earliest slot of the unbroken run of slots under the bar that ends
+    now (a slot without traffic neither breaks nor extends the run)."""
     since = slots.window_start
     for slot in range(len(slots.starts) - 1, -1, -1):
         slot_ratio = ratio(slots.grew(slot, cached), slots.grew(slot, prompt))
-        bad = good = False
-        if baseline is not None and slot_ratio is not None:
-            bad = slot_ratio < rule.drop_factor * baseline
-            good = not bad
-        if followups:
-            turns = slots.grew(slot, FIELD["followups"])
-            if turns > 0:
-                if slots.grew(slot, FIELD["followups_cold"]) >= COLD_FOLLOWUP_SHARE * turns:
-                    bad, good = True, False
-                elif not bad:
-                    good = True
-        if good:
+        if slot_ratio is None:
+            continue
+        if slot_ratio >= rule.drop_factor * baseline:
             break
-        if bad:
-            since = slots.starts[slot]
+        since = slots.starts[slot]
     return since
 
 

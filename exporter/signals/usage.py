@@ -28,7 +28,7 @@ from exporter.signals.classify import COLD, ERROR, STATES, WARM, classify
 from exporter.signals.engine import EngineState
 from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner
-from exporter.signals.history import CALLER_FIELDS, FIELD, History
+from exporter.signals.history import CALLER_FIELDS, DEFAULT_WINDOWS, FIELD, History, Windows
 from exporter.signals.kvpool import granule
 from exporter.signals.order import DEFAULT_WINDOW_SECONDS, OrderTracker
 from exporter.values import (
@@ -278,6 +278,9 @@ class UsageSettings:
     # Event ids and Idempotency-Keys remembered, and for how long at least (RecentKeys).
     dedup_max_ids: int = DEFAULT_MAX_IDS
     dedup_window: float = DEFAULT_ID_WINDOW_SECONDS
+    # The alerts' short, long and baseline windows, which the status page reads its history
+    # over (the monitoring config's).
+    windows: Windows = DEFAULT_WINDOWS
 
 
 class UsageState:
@@ -319,9 +322,9 @@ class UsageState:
         self.new_series_hold = settings.new_series_hold
         self.conversations = ConversationTracker(settings.foresight)
         self.order = OrderTracker(settings.prompt_order_window)
-        # The last hour every 30 s, for the status page (signals/history.py): one timeline
-        # per caller label, so bounded like them.
-        self.history = History(settings.callers_max + len(settings.callers_allow) + 1)
+        # The alerts' windows, for the status page (signals/history.py): one timeline per
+        # pair the budget admits, so bounded like them.
+        self.history = History(self.max_pairs, settings.windows)
         # (reader, reason) -> time from which its rejection counter shows (as for series).
         self.rejected_shown_from: dict[tuple[str, str], float] = {}
         # Retried copies: the (caller, id) of events counted lately, and the Idempotency-Keys
@@ -364,7 +367,7 @@ class UsageState:
         state (``classify``), then the counts, the timings, the conversation kept with its
         latest turn and the completion budget it declared. A body's events come here
         together, so what does not depend on the event is done once (the clock read, the
-        history's 30-s check, the reader's counters, the lookups of the steps). The events of
+        history's slot check, the reader's counters, the lookups of the steps). The events of
         one call are counted as of one clock reading: the call runs without yielding, so
         nothing can observe the state between two of them. Order still matters within the
         call (a session's previous prompt, the granularity learner), and is kept.
@@ -372,7 +375,7 @@ class UsageState:
         if not events:
             return None, 0
         now = self._clock()
-        if self.history.next_due <= now < math.inf:  # a 30-s boundary passed: keep the
+        if self.history.next_due <= now < math.inf:  # a slot boundary passed: keep the
             self.sample_history(now)  # totals at it (never for a clock gone wrong)
         pairs_get = self._pairs.get
         resolve_pair = self._pair
@@ -616,23 +619,21 @@ class UsageState:
 
     # ---- the last hour, for the status page ------------------------------------------------
 
-    def caller_totals(self) -> dict[str, list[float]]:
-        """Cumulative totals per caller label (summed over its models), without the time, in
+    def pair_totals(self) -> dict[tuple[str, str], list[float]]:
+        """Cumulative totals per (caller, model) pair, without the time, in
         ``history.CALLER_FIELDS`` order: what the status page shows and the history keeps."""
-        totals: dict[str, list[float]] = {}
+        totals: dict[tuple[str, str], list[float]] = {}
         width = len(CALLER_FIELDS) - 1
-        for (caller, _model), series in self.series.items():
-            row = totals.get(caller)
-            if row is None:
-                row = totals[caller] = [0.0] * width
+        for pair, series in self.series.items():
+            row = totals[pair] = [0.0] * width
             requests = series.requests
-            row[0] += series.prompt_tokens
-            row[1] += series.cached_tokens
-            row[2] += series.unreported_prompt_tokens
+            row[0] = series.prompt_tokens
+            row[1] = series.cached_tokens
+            row[2] = series.unreported_prompt_tokens
             for index, state in enumerate(STATES, start=3):
-                row[index] += requests[state]
-            row[9] += series.followups
-            row[10] += series.followups_cold
+                row[index] = requests[state]
+            row[9] = series.followups
+            row[10] = series.followups_cold
             for offset, timed in ((_ENGINE_TTFT, series.engine_ttft), (_PROXY_TTFT, series.ttft)):
                 for at, state in ((offset, WARM), (offset + 2, COLD)):
                     hist = timed.get(state)
@@ -641,24 +642,32 @@ class UsageState:
                         row[at + 1] += sum(hist.counts)
         return totals
 
-    def first_seen(self) -> dict[str, float]:
-        """When each caller label first sent anything (the earliest of its models)."""
-        seen: dict[str, float] = {}
-        for (caller, _model), series in self.series.items():
-            known = seen.get(caller)
-            seen[caller] = series.first_seen if known is None else min(known, series.first_seen)
-        return seen
+    def caller_totals(self) -> dict[str, list[float]]:
+        """``pair_totals`` summed over each caller's models."""
+        totals: dict[str, list[float]] = {}
+        for (caller, _model), values in self.pair_totals().items():
+            row = totals.get(caller)
+            if row is None:
+                totals[caller] = list(values)
+            else:
+                for index, value in enumerate(values):
+                    row[index] += value
+        return totals
+
+    def first_seen(self) -> dict[tuple[str, str], float]:
+        """When each (caller, model) pair first sent anything."""
+        return {pair: series.first_seen for pair, series in self.series.items()}
 
     def catch_up(self, now: float) -> None:
-        """Sample the history if a 30-s boundary passed: call before anything changes the
+        """Sample the history if a slot boundary passed: call before anything changes the
         totals (an engine read; ``record`` does it itself) and before reading the history."""
         if self.history.due(now):
             self.sample_history(now)
 
     def sample_history(self, now: float) -> None:
-        """Keep the totals as they stand, as those at the last 30-s boundary (the caller
+        """Keep the totals as they stand, as those at the last slot boundary (the caller
         makes sure nothing changed since it: see signals/history.py)."""
-        self.history.record(now, self.caller_totals(), self.target_totals(), self.first_seen())
+        self.history.record(now, self.pair_totals(), self.target_totals(), self.first_seen())
 
     def target_totals(self) -> dict[str, list[float]]:
         """Per vLLM target (as shown): preemptions, prefix-cache queries and hits, summed
