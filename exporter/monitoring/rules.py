@@ -103,6 +103,9 @@ class Names:
         self.caller_completion_declared = (
             f"caller_model:vllm_cache_completion_declared_tokens:mean_{long}"
         )
+        self.caller_completion_used_mean = (
+            f"caller_model:vllm_cache_completion_used_tokens:mean_{long}"
+        )
         self.caller_completion_overstatement = (
             f"caller_model:vllm_cache_completion_overstatement:ratio_{long}"
         )
@@ -369,13 +372,20 @@ def _completion_rules(
         f"sum {promql.by(*CALLER)} (rate("
         f"{families.COMPLETION_USED_TOKENS.count}{promql.sel()}[{window}]))"
     )
+    used = (
+        f"sum {promql.by(*CALLER)} (rate("
+        f"{families.COMPLETION_USED_TOKENS.sum}{promql.sel()}[{window}]))"
+    )
     rules.append(_rule(names.caller_completion_declared, over(declared, requests)))
+    # The means are exact (sums over counts), as the page and check say them: a median read
+    # inside a bucket said "used 384" when every request used 300.
+    rules.append(_rule(names.caller_completion_used_mean, over(used, requests)))
     rules.append(
         _rule(
             names.caller_completion_overstatement,
             over(
                 names.caller_completion_declared + promql.sel(),
-                names.caller_completion_used["p50"] + promql.sel(),
+                names.caller_completion_used_mean + promql.sel(),
             ),
         )
     )
