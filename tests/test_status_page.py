@@ -33,7 +33,11 @@ def test_report_000_the_collapse_named_with_both_callers_and_since_when():
     assert kinds(alone) == []
     assert [view.caller for view in alone.callers] == ["agent-a"]
     assert alone.callers[0].ratio_window is not None and alone.callers[0].ratio_window > 0.8
-    arrived = replay.status(300)  # agent-b's first turn is in: the pair no longer fits
+    first = replay.status(300)  # agent-b's first turn alone is no conversation yet
+    assert kinds(first) == []
+    # agent-b's second turn is in (6:49, after its cold first one): the pair no longer fits,
+    # before either hit ratio falls
+    arrived = replay.status(415)
     assert kinds(arrived) == ["overflow"]
     assert "They do not all fit" in arrived.problems[0].sentence
     collapsed = replay.status(700)
