@@ -9,6 +9,7 @@ import pytest
 
 from exporter.cli import parse as parse_args
 from exporter.config import Config, ConfigError, build_config
+from exporter.metrics import build_registry
 from exporter.monitoring.config import load_config as load_monitoring_config
 from exporter.server import RULE_KEY, collapse_rule, create_app
 from exporter.signals import advice, status
@@ -326,3 +327,51 @@ def test_a_bad_monitoring_config_is_a_configuration_error_of_run(tmp_path, conte
     with pytest.raises(ConfigError) as caught:
         build_config(parse_args(["run", "--monitoring.config-file", str(bad)]), {})
     assert "--monitoring.config-file" in str(caught.value) and problem in str(caught.value)
+
+
+def _fit_ratios(replay: Replay, seconds: float) -> list[tuple[int, float]]:
+    """(conversations, demand / pool) of every fit the page shows, and the same from the
+    exporter's /metrics (the series VllmCacheConversationsExceedKVPool reads)."""
+    page = replay.status(seconds)
+    fits = [(fit.fit.conversations, fit.fit.ratio) for view in page.engines for fit in view.fits]
+    registry = build_registry(replay.state)
+    for family in registry.collect():
+        if family.name != "vllm_cache_engine_conversations_demand_tokens":
+            continue
+        for sample in family.samples:
+            pool = registry.get_sample_value(
+                "vllm_cache_engine_kv_pool_tokens", {**sample.labels, "engine": "0"}
+            )
+            assert pool
+            fits.append((-1, sample.value / pool))
+    return fits
+
+
+def test_a_looped_scenario_is_a_vllm_restart_and_never_counts_the_last_loops_conversations():
+    """The demo loops its scenario as a vLLM restart (new _created, counters from 0). Played
+    three times, two-agents-fit's demand never exceeds the pool at any step, as the page and
+    /metrics report it: each restart ends the previous loop's conversations (without it, the
+    previous loop's two 91k conversations stay live ten minutes beside the new ones and the
+    demand reads up to 2.4x the pool)."""
+    replay = replay_scenario("two-agents-fit", TARGET, iterations=3)
+    most = 0.0
+    for seconds in range(0, int(replay.end) + 16, 5):
+        for conversations, share in _fit_ratios(replay, seconds):
+            assert share <= 1.0, (seconds, conversations, share)
+            most = max(most, share)
+    assert most > 0.8, "the fit was measured: two ~91k conversations in a 210k pool"
+    assert replay.state.engine.targets[TARGET].restarts == 2
+    assert replay.state.usage.conversations.ended_by_restart == 4  # two per restart
+
+
+def test_a_looped_collapse_still_overflows_in_every_loop():
+    """two-agents-collapse looped: every loop still reports its overflow, each after its own
+    restart (the previous loop's conversations ended, not carried)."""
+    replay = replay_scenario("two-agents-collapse", TARGET, iterations=3)
+    overflowing = set()
+    for seconds in range(0, int(replay.end) + 16, 15):
+        replay.until(seconds)
+        loop = replay.state.engine.targets[TARGET].restarts
+        if "overflow" in kinds(replay.status(seconds)):
+            overflowing.add(loop)
+    assert overflowing == {0, 1, 2}
