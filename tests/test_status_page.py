@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from exporter import page
 from exporter.cli import parse as parse_args
 from exporter.config import Config, ConfigError, build_config
+from exporter.demo.story import Story
 from exporter.metrics import build_registry
 from exporter.monitoring.config import load_config as load_monitoring_config
 from exporter.server import RULE_KEY, collapse_rule, create_app
@@ -375,3 +377,46 @@ def test_a_looped_collapse_still_overflows_in_every_loop():
         if "overflow" in kinds(replay.status(seconds)):
             overflowing.add(loop)
     assert overflowing == {0, 1, 2}
+
+
+def test_the_demo_story_tells_its_loop_as_a_vllm_restart():
+    """The demo's story over two loops of two-agents-collapse, fed the status model at each
+    look: the loop is told as a vLLM restart; the previous loop's collapse is not announced
+    as cured when it leaves the window (the restart ended it); right after the restart one
+    conversation is live (the new loop's), not the previous loop's two; and the new loop's
+    overflow and collapse are told again as they happen."""
+    replay = replay_scenario("two-agents-collapse", TARGET, iterations=2)
+    story = Story(BASE)
+    lines = []
+    for seconds in range(0, int(replay.end) + 16, 5):
+        page = replay.status(seconds)
+        lines += story.look(page, replay.state.engine.targets[TARGET].restarts)
+    kinds_told = [line.kind for line in lines]
+    assert kinds_told.count("restart") == 1
+    restart = kinds_told.index("restart")
+    assert "collapse" in kinds_told[:restart] and "overflow" in kinds_told[:restart]
+    after = lines[restart + 1 :]
+    assert not [line for line in after if line.kind == "cleared"], after
+    assert "vLLM restarts" in lines[restart].sentence
+    fits = [line.sentence for line in after if line.kind in ("fit", "overflow")]
+    assert fits[0].startswith(f"{TARGET} (qwen3.8-27b): 1 conversation(s) active"), fits
+
+    def told(part: list) -> list[str]:  # type: ignore[type-arg]
+        return [line.kind for line in part if line.kind in ("overflow", "collapse")]
+
+    assert told(after) == told(lines[:restart]) and told(after)[0] == "overflow"
+
+
+def test_the_demo_page_says_scenario_time_and_a_real_one_utc():
+    """The demo's exporter runs on a sped-up clock: its page tells scenario time, never a
+    UTC time 15 minutes ahead of the real one; a real deployment's page is unchanged."""
+    replay = replayed("two-agents-collapse")
+    seen = replay.status(750)
+    assert seen.problems and seen.problems[0].since is not None
+    demo = page.render(seen, "test", scenario_origin=BASE)
+    assert "Status at scenario time 0:12:30," in demo
+    assert "since scenario time 0:" in demo
+    assert "UTC" not in demo
+    real = page.render(seen, "test")
+    assert "Status at 22:25:50 UTC," in real  # BASE + 750 s
+    assert "scenario time" not in real

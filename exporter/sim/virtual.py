@@ -18,7 +18,6 @@ from typing import Any
 from exporter.sim.client import InProcessClient
 from exporter.sim.clock import SimClock, run_virtual
 from exporter.sim.driver import Driver, DriverStats
-from exporter.sim.engine import EngineConfig
 from exporter.sim.report import ListReporter
 from exporter.sim.scenario import Scenario
 from exporter.sim.server import Simulator, build_simulator
@@ -66,7 +65,7 @@ def play(
         if restart_between:
 
             async def between(iteration: int) -> None:
-                await sim.restart(next_boot(scenario, boot + iteration, **engine_overrides))
+                await sim.restart(scenario.start_config(boot + iteration, **engine_overrides))
 
         driver = Driver(
             scenario, client, reporter, clock, sim.config.served_model_name, between=between
@@ -90,11 +89,6 @@ def play(
             await sim.runner.close()
 
     return run_virtual(main())
-
-
-def next_boot(scenario: Scenario, boot: int, **engine_overrides: Any) -> EngineConfig:
-    """The engine settings of the ``boot``-th start, cycling through the scenario's boots."""
-    return scenario.engine_config(boot % max(1, len(scenario.boots)), **engine_overrides)
 
 
 def play_boots(
