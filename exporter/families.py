@@ -439,7 +439,8 @@ CONVERSATIONS_ACTIVE = Family(
     GAUGE,
     ("model",),
     "Conversations (sessions, else caller and model) with a successful turn within the idle"
-    " window (--signals.conversation-idle).",
+    " window (--signals.conversation-idle), counted from their first follow-up turn and"
+    " until a restart of their vLLM ends them.",
 )
 CONVERSATIONS_DEMAND_TOKENS = Family(
     "vllm_cache_conversations_demand_tokens",

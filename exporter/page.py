@@ -74,8 +74,15 @@ def escape(value: object) -> str:
 
 
 def render(
-    status: Status, version: str, links: Sequence[str] = ("/metrics", "/-/healthy", "/-/ready")
+    status: Status,
+    version: str,
+    links: Sequence[str] = ("/metrics", "/-/healthy", "/-/ready"),
+    scenario_origin: float | None = None,
 ) -> str:
+    """The page. ``scenario_origin``: the exporter's time at scenario second 0 when it runs in
+    the demo, on a clock faster than real time: its times are then shown as scenario time,
+    never as a wall-clock UTC time they are not."""
+    clock = Clock(scenario_origin)
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -86,7 +93,7 @@ def render(
         f"<style>{STYLE}</style></head><body>",
         "<header>",
         f"<h1>vllm-cache-exporter {escape(version)}</h1>",
-        f'<p class="meta">Status at {escape(_clock(status.now))} UTC, refreshed every '
+        f'<p class="meta">Status at {escape(clock.at(status.now))}, refreshed every '
         f"{REFRESH_SECONDS} s. Live counts since the exporter started; ratios over the last "
         f"{escape(advice.duration(status.window_seconds))} and the last "
         f"{escape(advice.duration(status.long_seconds))}, against a baseline over the last "
@@ -94,7 +101,7 @@ def render(
         + " · ".join(f'<a href="{escape(link)}">{escape(link)}</a>' for link in links)
         + "</p></header><main>",
         '<section id="problems"><h2>What is wrong</h2>',
-        *_items(status.problems, status.now),
+        *_items(status.problems, status.now, clock),
     ]
     if not status.problems:
         parts.append(
@@ -104,7 +111,7 @@ def render(
     if status.advice:
         parts += [
             '<section id="advice"><h2>Advice</h2>',
-            *_items(status.advice, status.now),
+            *_items(status.advice, status.now, clock),
             "</section>",
         ]
     parts += ['<section id="engines"><h2>vLLM engines</h2>']
@@ -142,18 +149,27 @@ def _title(status: Status) -> str:
     return f"{count} problem(s)" if count else "OK"
 
 
-def _clock(when: float) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(when))
+class Clock:
+    """How the page writes a time: UTC, or in the demo the scenario time since its start."""
+
+    def __init__(self, scenario_origin: float | None = None) -> None:
+        self.scenario_origin = scenario_origin
+
+    def at(self, when: float) -> str:
+        if self.scenario_origin is None:
+            return time.strftime("%H:%M:%S", time.gmtime(when)) + " UTC"
+        seconds = int(max(0.0, when - self.scenario_origin))
+        return f"scenario time {seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def _items(items: Iterable[Item], now: float) -> list[str]:
+def _items(items: Iterable[Item], now: float, clock: Clock) -> list[str]:
     out = []
     for item in items:
         callers = ",".join(item.callers)
         since = ""
         if item.since is not None:
             since = (
-                f'<span class="since">since {escape(_clock(item.since))} UTC '
+                f'<span class="since">since {escape(clock.at(item.since))} '
                 f"({escape(advice.duration(now - item.since))} ago)</span>"
             )
         out.append(

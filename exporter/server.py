@@ -42,6 +42,9 @@ SEND_KEY = web.AppKey("send_stats", SendStats)
 # The status model as JSON (check --exporter.url reads it).
 STATUS_ROUTE = "/api/v1/status"
 RULE_KEY = web.AppKey("collapse_rule", status.CollapseRule)
+# The demo's exporter runs on a clock faster than real time: its time at scenario second 0,
+# so that the page shows scenario time rather than a UTC time it is not (absent: UTC).
+SCENARIO_ORIGIN_KEY = web.AppKey("scenario_origin", float)
 # A body goes out in chunks, each written only once the last has left (aiohttp drains its
 # buffer above 64 KiB), so a reader that never reads holds ~128 KiB, not a copy of the body;
 # one that has not taken the whole body within SEND_TIMEOUT_SECONDS is cut off.
@@ -197,7 +200,9 @@ async def landing(request: web.Request) -> web.Response:
     state in plain words (exporter/page.py)."""
     app = request.app
     await app[BODIES_KEY].engine_read(app[POLLER_KEY].timeout)
-    body = page.render(current_status(app), __version__)
+    body = page.render(
+        current_status(app), __version__, scenario_origin=app.get(SCENARIO_ORIGIN_KEY)
+    )
     return web.Response(
         text=body,
         content_type="text/html",

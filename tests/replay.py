@@ -67,15 +67,22 @@ class Replay:
 
 
 def replay(
-    name: str, target: str = "http://vllm:8000/metrics", config: Config | None = None
+    name: str,
+    target: str = "http://vllm:8000/metrics",
+    config: Config | None = None,
+    iterations: int = 1,
 ) -> Replay:
     """The scenario ``name``, ready to replay into a fresh state for ``config`` (default: one
-    vLLM at ``target``, nothing else: run's defaults, as compose.yaml starts it)."""
+    vLLM at ``target``, nothing else: run's defaults, as compose.yaml starts it).
+    ``iterations`` > 1: played that many times with the engine restarted between two, as
+    the demo loops it."""
     scenario = scenarios.load(name)
     scrapes: list[tuple[float, str, object]] = []
     run = play(
         scenario,
+        iterations,
         sampler=lambda when, sim: scrapes.append((when, SCRAPE, sim.render_metrics().decode())),
+        restart_between=iterations > 1,
     )
     steps = sorted(
         [*scrapes, *((when, EVENT, event) for when, event in run.events)],

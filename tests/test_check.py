@@ -176,15 +176,17 @@ def test_the_exporter_remembers_the_smallest_pool_across_restarts():
 
 
 def test_live_fit_in_words_and_a_pool_that_does_not_hold_them_is_a_problem():
-    """Report 000: a ~91k and a ~38k conversation plus their hybrid state in a 160,779 pool
-    (the state as the simulator's cache configuration implies it: no flag)."""
+    """Report 000: a ~91k and a ~40k conversation plus their hybrid state in a 160,779 pool
+    (the state as the simulator's cache configuration implies it: no flag). agent-b counts
+    from its second turn: one request alone is no conversation yet."""
     from exporter.sim import scenario as scenarios
     from exporter.sim.virtual import play
 
     run = play(scenarios.load("two-agents-collapse"))
     now = 1_700_000_000.0
-    b_first = next(i for i, (_, event) in enumerate(run.events) if event["caller"] == "agent-b")
-    events = [{**event, "time": now} for _, event in run.events[: b_first + 1]]
+    b_turns = [i for i, (_, event) in enumerate(run.events) if event["caller"] == "agent-b"]
+    b_first, b_second = b_turns[:2]
+    events = [{**event, "time": now} for _, event in run.events[: b_second + 1]]
     view = read_exporter(exporter_after([run.metrics_text], events, now))
     report = Report("exporter")
     describe_exporter(view, report, headroom=4096)
@@ -196,8 +198,8 @@ def test_live_fit_in_words_and_a_pool_that_does_not_hold_them_is_a_problem():
     share = re.search(r"tokens of KV cache: ([0-9.]+)% of the 160,779-token pool", sentence)
     assert share and float(share[1]) > 100, sentence
     assert "They do not all fit" in sentence
-    # agent-a alone fits, and says so without a problem
-    alone = read_exporter(exporter_after([run.metrics_text], events[:b_first], now))
+    # agent-a alone fits, and says so without a problem; so with agent-b's first turn in
+    alone = read_exporter(exporter_after([run.metrics_text], events[: b_first + 1], now))
     report = Report("exporter")
     describe_exporter(alone, report, headroom=4096)
     assert report.problems == []

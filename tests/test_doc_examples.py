@@ -23,6 +23,7 @@ import pytest
 
 from exporter.cli import parse
 from exporter.config import RUN, resolve
+from tests.helpers import value
 
 ROOT = Path(__file__).resolve().parent.parent
 USAGE = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
@@ -229,3 +230,34 @@ async def test_the_openai_examples_are_accepted_as_posted(tmp_path):
             pytest.skip("the jq example needs jq and curl")
         answer = json.loads(await run_shell(command, tmp_path, url))
     assert answer == {"accepted": 1, "rejected": 0, "errors": []}
+
+
+async def test_the_native_record_posted_by_hand_is_no_live_conversation():
+    """docs/usage.md's native record (91,070 prompt tokens, session conv-42), posted by hand
+    as a test, stamped now: one request alone, and the same sent again, is no conversation,
+    so it adds nothing to the live demand the KV-fit signal and its alert compare with the
+    pool. Its follow-up (a longer prompt in the same session) is one."""
+    block = USAGE.split("**The native record**", 1)[1].split("```json\n", 1)[1].split("```")[0]
+    record = json.loads(block)
+    record.pop("time")  # as a reader trying it now would: the event is live
+    body = json.dumps(record).encode()
+    model = {"model": "qwen3.8-27b"}
+    async with running_exporter() as url:
+        for _ in range(2):
+            assert await post(url, "/v1/usage", body) == (
+                200,
+                {"accepted": 1, "rejected": 0, "errors": []},
+            )
+            metrics = await get_text(f"{url}/metrics")
+            assert value(metrics, "vllm_cache_conversations_active", **model) == 0
+            assert value(metrics, "vllm_cache_conversations_demand_tokens", **model) == 0
+        follow_up = {**record, "prompt_tokens": record["prompt_tokens"] + 2_300}
+        await post(url, "/v1/usage", json.dumps(follow_up).encode())
+        metrics = await get_text(f"{url}/metrics")
+        assert value(metrics, "vllm_cache_conversations_active", **model) == 1
+
+
+async def get_text(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        assert response.status == 200
+        return await response.text()

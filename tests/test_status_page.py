@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from exporter import page
 from exporter.cli import parse as parse_args
 from exporter.config import Config, ConfigError, build_config
+from exporter.demo.story import Story
+from exporter.metrics import build_registry
 from exporter.monitoring.config import load_config as load_monitoring_config
 from exporter.server import RULE_KEY, collapse_rule, create_app
 from exporter.signals import advice, status
@@ -33,7 +36,11 @@ def test_report_000_the_collapse_named_with_both_callers_and_since_when():
     assert kinds(alone) == []
     assert [view.caller for view in alone.callers] == ["agent-a"]
     assert alone.callers[0].ratio_window is not None and alone.callers[0].ratio_window > 0.8
-    arrived = replay.status(300)  # agent-b's first turn is in: the pair no longer fits
+    first = replay.status(300)  # agent-b's first turn alone is no conversation yet
+    assert kinds(first) == []
+    # agent-b's second turn is in (6:49, after its cold first one): the pair no longer fits,
+    # before either hit ratio falls
+    arrived = replay.status(415)
     assert kinds(arrived) == ["overflow"]
     assert "They do not all fit" in arrived.problems[0].sentence
     collapsed = replay.status(700)
@@ -325,3 +332,94 @@ def test_a_bad_monitoring_config_is_a_configuration_error_of_run(tmp_path, conte
     with pytest.raises(ConfigError) as caught:
         build_config(parse_args(["run", "--monitoring.config-file", str(bad)]), {})
     assert "--monitoring.config-file" in str(caught.value) and problem in str(caught.value)
+
+
+def _fit_ratios(replay: Replay, seconds: float) -> list[tuple[int, float]]:
+    """(conversations, demand / pool) of every fit the page shows, and the same from the
+    exporter's /metrics (the series VllmCacheConversationsExceedKVPool reads)."""
+    page = replay.status(seconds)
+    fits = [(fit.fit.conversations, fit.fit.ratio) for view in page.engines for fit in view.fits]
+    registry = build_registry(replay.state)
+    for family in registry.collect():
+        if family.name != "vllm_cache_engine_conversations_demand_tokens":
+            continue
+        for sample in family.samples:
+            pool = registry.get_sample_value(
+                "vllm_cache_engine_kv_pool_tokens", {**sample.labels, "engine": "0"}
+            )
+            assert pool
+            fits.append((-1, sample.value / pool))
+    return fits
+
+
+def test_a_looped_scenario_is_a_vllm_restart_and_never_counts_the_last_loops_conversations():
+    """The demo loops its scenario as a vLLM restart (new _created, counters from 0). Played
+    three times, two-agents-fit's demand never exceeds the pool at any step, as the page and
+    /metrics report it: each restart ends the previous loop's conversations (without it, the
+    previous loop's two 91k conversations stay live ten minutes beside the new ones and the
+    demand reads up to 2.4x the pool)."""
+    replay = replay_scenario("two-agents-fit", TARGET, iterations=3)
+    most = 0.0
+    for seconds in range(0, int(replay.end) + 16, 5):
+        for conversations, share in _fit_ratios(replay, seconds):
+            assert share <= 1.0, (seconds, conversations, share)
+            most = max(most, share)
+    assert most > 0.8, "the fit was measured: two ~91k conversations in a 210k pool"
+    assert replay.state.engine.targets[TARGET].restarts == 2
+    assert replay.state.usage.conversations.ended_by_restart == 4  # two per restart
+
+
+def test_a_looped_collapse_still_overflows_in_every_loop():
+    """two-agents-collapse looped: every loop still reports its overflow, each after its own
+    restart (the previous loop's conversations ended, not carried)."""
+    replay = replay_scenario("two-agents-collapse", TARGET, iterations=3)
+    overflowing = set()
+    for seconds in range(0, int(replay.end) + 16, 15):
+        replay.until(seconds)
+        loop = replay.state.engine.targets[TARGET].restarts
+        if "overflow" in kinds(replay.status(seconds)):
+            overflowing.add(loop)
+    assert overflowing == {0, 1, 2}
+
+
+def test_the_demo_story_tells_its_loop_as_a_vllm_restart():
+    """The demo's story over two loops of two-agents-collapse, fed the status model at each
+    look: the loop is told as a vLLM restart; the previous loop's collapse is not announced
+    as cured when it leaves the window (the restart ended it); right after the restart one
+    conversation is live (the new loop's), not the previous loop's two; and the new loop's
+    overflow and collapse are told again as they happen."""
+    replay = replay_scenario("two-agents-collapse", TARGET, iterations=2)
+    story = Story(BASE)
+    lines = []
+    for seconds in range(0, int(replay.end) + 16, 5):
+        page = replay.status(seconds)
+        lines += story.look(page, replay.state.engine.targets[TARGET].restarts)
+    kinds_told = [line.kind for line in lines]
+    assert kinds_told.count("restart") == 1
+    restart = kinds_told.index("restart")
+    assert "collapse" in kinds_told[:restart] and "overflow" in kinds_told[:restart]
+    after = lines[restart + 1 :]
+    assert not [line for line in after if line.kind == "cleared"], after
+    assert "vLLM restarts" in lines[restart].sentence
+    fits = [line.sentence for line in after if line.kind in ("fit", "overflow")]
+    assert fits[0].startswith(f"{TARGET} (qwen3.8-27b): 1 conversation(s) active"), fits
+
+    def told(part: list) -> list[str]:  # type: ignore[type-arg]
+        return [line.kind for line in part if line.kind in ("overflow", "collapse")]
+
+    assert told(after) == told(lines[:restart]) and told(after)[0] == "overflow"
+
+
+def test_the_demo_page_says_scenario_time_and_a_real_one_utc():
+    """The demo's exporter runs on a sped-up clock: its page tells scenario time, never a
+    UTC time 15 minutes ahead of the real one; a real deployment's page is unchanged."""
+    replay = replayed("two-agents-collapse")
+    seen = replay.status(750)
+    assert seen.problems and seen.problems[0].since is not None
+    demo = page.render(seen, "test", scenario_origin=BASE)
+    assert "Status at scenario time 0:12:30," in demo
+    assert "since scenario time 0:" in demo
+    assert "UTC" not in demo
+    real = page.render(seen, "test")
+    assert "Status at 22:25:50 UTC," in real  # BASE + 750 s
+    assert "scenario time" not in real

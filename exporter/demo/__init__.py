@@ -4,8 +4,9 @@ One process runs a simulated vLLM (a field report's scenario, docs/field-reports
 exporter reading it, and the traffic driver reporting each request's usage to the exporter,
 all on free loopback ports. It prints the status page's URL, then tells what happens in
 plain words as it happens, each line with its scenario time (a caller warm, the second
-agent's arrival, the conversations no longer fitting the pool, the collapse, a restart of
-the scenario: the status page's own model and sentences, demo/story.py), and shows what the
+agent's arrival, the conversations no longer fitting the pool, the collapse, the loop back
+to the start, which is a restart of the simulated vLLM: the status page's own model and
+sentences, demo/story.py), and shows what the
 exporter's /metrics says, refreshed every few seconds: a live terminal view when stdout is a
 terminal, plain summaries when it is not. Ctrl-C (or --duration) stops everything cleanly.
 ``--web.listen-address`` and ``--sim.listen-address`` fix the exporter's and the simulator's
@@ -33,7 +34,14 @@ from exporter import logs, wiring
 from exporter.config import Config, split_host_port
 from exporter.demo.story import Story
 from exporter.demo.view import DemoView
-from exporter.server import collapse_rule, create_app, current_status
+from exporter.server import (
+    BODIES_KEY,
+    POLLER_KEY,
+    SCENARIO_ORIGIN_KEY,
+    collapse_rule,
+    create_app,
+    current_status,
+)
 from exporter.sim import scenario as scenarios
 from exporter.sim.client import HttpClient
 from exporter.sim.clock import SimClock
@@ -100,6 +108,7 @@ async def run_demo(
     config = exporter_config(scenario, sim_base, listen.web)
     state = wiring.signals_state(config, clock=exporter_clock)
     app = create_app(config, state=state)
+    app[SCENARIO_ORIGIN_KEY] = origin  # the page says scenario time, not a UTC it is not
     try:
         exporter_runner, exporter_port = await start_site(app, web_host, web_port)
     except OSError:
@@ -133,6 +142,16 @@ async def run_demo(
         print(f"The scenario's clients go through the tap: http://{HOST}:{tap_port}", file=out)
     else:
         client = HttpClient(sim_base)
+
+    async def restart_vllm(iteration: int) -> None:
+        """The loop is a vLLM restart, as the exporter sees one (counters from 0, a new
+        _created, the cache empty; the next boot's pool where the scenario has boots), read
+        at once so that the story's next look already has it."""
+        await sim.restart(scenario.start_config(iteration))
+        bodies, timeout = app[BODIES_KEY], app[POLLER_KEY].timeout
+        await bodies.engine_read(timeout)  # joins a read in flight: it may predate the restart
+        await bodies.engine_read(timeout)
+
     driver = Driver(
         scenario,
         client,
@@ -142,6 +161,7 @@ async def run_demo(
         loop=True,
         seed=int(time.time()),
         wall_clock=exporter_clock,
+        between=restart_vllm,
     )
     drive = asyncio.ensure_future(driver.run())
     view = DemoView(

@@ -5,8 +5,10 @@ Fed the same status model as the status page (``signals.status``) at every look,
 what is new since the last look: a caller's first warm stretch, a caller's arrival, the live
 conversations' fit in the pool (and the moment they stop fitting), each problem as it
 appears (a collapse, with who and since when) and as it clears, the advice a scenario is
-there to show (once, when it first appears), and a scenario that starts again (so that a
-climbing hit ratio is not taken for a recovery). The sentences are ``signals.advice``'s, the
+there to show (once, when it first appears), and the loop back to the start, which the demo
+plays as a restart of its simulated vLLM (so that a climbing hit ratio is not taken for a
+recovery, and what was wrong before the restart is not announced as cured when it leaves
+the window: the restart ended it). The sentences are ``signals.advice``'s, the
 same ``check`` and the page use.
 """
 
@@ -52,6 +54,8 @@ class Story:
     problems: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
     advised: set[tuple[str, str]] = field(default_factory=set)
     iterations: int = 0
+    # Problems told before the last restart: they leave the window in silence.
+    before_restart: set[tuple[str, str]] = field(default_factory=set)
 
     def at(self, when: float) -> float:
         return when - self.origin
@@ -62,6 +66,8 @@ class Story:
         if iterations > self.iterations:
             self.iterations = iterations
             lines.append(Line(now, "restart", restart_sentence()))
+            self.before_restart = set(self.problems)
+            self.fits.clear()  # the new loop's conversations are told afresh
         self._callers(status, lines)
         self._fits(status, now, lines)
         self._problems(status, now, lines)
@@ -109,6 +115,8 @@ class Story:
     def _problems(self, status: Status, now: float, lines: list[Line]) -> None:
         current = {item.key: item for item in status.problems if item.kind not in TOLD_OTHERWISE}
         for key, item in current.items():
+            if key in self.before_restart:
+                continue  # the previous loop's, still in the window: the restart ended it
             told = self.problems.get(key)
             if told is not None and set(item.callers) <= set(told):
                 continue
@@ -117,6 +125,9 @@ class Story:
             lines.append(Line(max(0.0, when), item.kind, item.sentence))
         for key in [key for key in self.problems if key not in current]:
             callers = self.problems.pop(key)
+            if key in self.before_restart:
+                self.before_restart.discard(key)
+                continue  # not a recovery: it ended with the restart, already told
             kind, where = key
             sentence = (
                 advice.recovered_sentence(list(callers))
@@ -134,10 +145,11 @@ class Story:
 
 def restart_sentence() -> str:
     return (
-        "The scenario starts again with new conversations: their first turns are cold, "
-        "then warm. A hit ratio climbing now is this restart, not a recovery (and the "
-        "previous conversations count as live until they have been idle for the idle "
-        "window)."
+        "vLLM restarts (the demo loops as a restart: counters from 0, the cache empty) and "
+        "the scenario starts again. The conversations it held are over: their demand leaves "
+        "the fit at once. The new conversations' first turns are cold, then warm: a hit "
+        "ratio climbing now is this restart, not a recovery, and what was wrong before it "
+        "ended with it."
     )
 
 

@@ -41,7 +41,7 @@ change that fell between two old bounds are counted in a higher bucket.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,8 +279,15 @@ def _add(counts: dict[str, int], more: Mapping[str, int]) -> None:
             counts[reason] = counts.get(reason, 0) + count
 
 
+# Told of each restart a read shows, once the read is carried: (the target, when it restarted
+# by its ``_created`` time where that falls between the previous read and this one, else
+# None, and this read's time). SignalsState ends the conversations that vLLM held.
+RestartListener = Callable[[TargetState, float | None, float], None]
+
+
 class EngineState:
-    def __init__(self, targets: tuple[str, ...]) -> None:
+    def __init__(self, targets: tuple[str, ...], on_restart: RestartListener | None = None) -> None:
+        self.on_restart = on_restart
         self.targets: dict[str, TargetState] = {}
         shown_already: set[str] = set()
         for target in targets:
@@ -322,6 +329,7 @@ class EngineState:
         ``invalid_samples`` (without it they are counted under ``other``), ``folded`` how
         many samples it counted under __other__, by reason."""
         state = self.targets[target]
+        previous_read = state.last_success_time
         state.attempted = True
         state.up = True
         state.last_duration_seconds = duration
@@ -345,6 +353,16 @@ class EngineState:
         remember_smallest_pool(state.smallest_pool, snapshot)
         carry.forget_beyond_bounds()
         state.rows = rows
+        if carry.restarted and self.on_restart is not None:
+            created = carry.restart_created
+            at = (
+                created
+                if created is not None
+                and previous_read is not None
+                and previous_read < created <= now
+                else None
+            )
+            self.on_restart(state, at, now)
 
 
 def remember_smallest_pool(smallest: dict[str, int], snapshot: EngineSnapshot) -> None:
@@ -420,6 +438,7 @@ class _Carry:
         self.state = state
         self.now = now
         self.restarted = False
+        self.restart_created: float | None = None  # the newest _created of a restart seen
         self.invalid: dict[str, int] = {}
         self.seen: set[TrackKey] = set()
         self.seen_histograms: set[HistogramKey] = set()
@@ -526,6 +545,10 @@ class _Carry:
             self.count(refused)
         elif verdict == RESTART:
             self.restarted = True
+            if created is not None and (
+                self.restart_created is None or created > self.restart_created
+            ):
+                self.restart_created = created
 
     def forget_beyond_bounds(self) -> None:
         """A counter missing from one read (NaN, absent, a partial exposition) keeps its

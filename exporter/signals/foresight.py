@@ -8,8 +8,11 @@ another's blocks. So this module keeps:
 
 - the live conversations: each one's latest context (prompt + completion of its last turn)
   and when it was last seen, in an LRU of ``ForesightSettings.max_conversations``;
-  "active" means seen within ``conversation_idle_seconds``. What they hold against the pool
-  is the demand the rules and ``check`` compare;
+  "active" means a conversation (it has had a follow-up turn: one request alone, a test
+  record posted by hand say, is no conversation yet) seen within
+  ``conversation_idle_seconds`` and not ended by a restart of the vLLM it lives on
+  (``end_on_target``). What they hold against the pool is the demand the rules and
+  ``check`` compare;
 - which vLLM a model's conversations live on (``attribute``), so demand can be set against
   that engine's pool, in that engine's terms (``kvpool.PoolLayout``, read from its
   ``vllm:cache_config_info``): each context in whole blocks at what a block is worth of the
@@ -54,19 +57,40 @@ class ForesightSettings:
 
 
 class Conversation:
-    """What is known of one conversation: its latest turn's prompt and context, and when it
-    was last seen."""
+    """What is known of one conversation: its latest turn's prompt and context, when it was
+    last seen, whether it has had a follow-up turn, and whether a vLLM restart ended it."""
 
-    __slots__ = ("model_name", "model", "prompt_tokens", "context_tokens", "last_seen")
+    __slots__ = (
+        "model_name",
+        "model",
+        "prompt_tokens",
+        "context_tokens",
+        "last_seen",
+        "followed",
+        "ended",
+    )
 
     def __init__(
         self, model_name: str, model: str, prompt_tokens: int, context_tokens: int, last_seen: float
     ) -> None:
         self.model_name = model_name  # as the usage event names it
         self.model = model  # its label (after the model cap)
-        self.prompt_tokens = prompt_tokens  # the classifier's "previous turn" for the next
+        # The classifier's "previous turn" for the next; None once a vLLM restart ended the
+        # conversation (its next turn finds nothing cached, and is judged as a first turn).
+        self.prompt_tokens: int | None = prompt_tokens
         self.context_tokens = context_tokens
         self.last_seen = last_seen
+        # A later turn came with a longer prompt than the one before (a follow-up): only
+        # then is it a conversation whose prefix a next turn wants back, and counted.
+        self.followed = False
+        # Its vLLM restarted after its last turn: what it had cached is gone, so it holds
+        # nothing in the pool until it comes back (its next turn counts it again).
+        self.ended = False
+
+    @property
+    def counted(self) -> bool:
+        """Does it count as live demand (when seen within the idle window)?"""
+        return self.followed and not self.ended
 
 
 @dataclass
@@ -102,9 +126,11 @@ class ConversationTracker:
     A conversation is the usage events of one ``session`` (else of one caller and model).
     Its context is the prompt plus the completion of its latest successful turn: what the
     next turn will find in the cache if nothing evicts it; that turn's prompt is the
-    classifier's "previous turn" for the next one. Bounded by ``max_conversations``; a
-    conversation dropped by the bound while still active is counted in ``dropped_active``
-    (the demand is then a lower bound), and its next turn is classified as a first one.
+    classifier's "previous turn" for the next one. It counts as demand once it has had a
+    follow-up turn (``Conversation.followed``), until it is idle or its vLLM restarts
+    (``end_on_target``). Bounded by ``max_conversations``; a conversation dropped by the
+    bound while still active is counted in ``dropped_active`` (the demand is then a lower
+    bound), and its next turn is classified as a first one.
     """
 
     def __init__(self, settings: ForesightSettings) -> None:
@@ -115,6 +141,7 @@ class ConversationTracker:
         # (caller, model name, session) -> its conversation, least recently seen first.
         self.by_key: dict[tuple[str, str, str | None], Conversation] = {}
         self.dropped_active = 0
+        self.ended_by_restart = 0  # conversations ended by a restart of their vLLM
         self.models: dict[str, None] = {}  # model labels seen, for series kept at 0
 
     def keep(
@@ -137,6 +164,10 @@ class ConversationTracker:
         if known is None:
             known = Conversation(event.model, model, prompt_tokens, context_tokens, when)
         else:
+            previous = known.prompt_tokens
+            if previous is not None and previous < prompt_tokens:
+                known.followed = True
+            known.ended = False  # back after a restart: it holds its new context again
             known.prompt_tokens = prompt_tokens
             known.context_tokens = context_tokens
             if when > known.last_seen:
@@ -151,7 +182,7 @@ class ConversationTracker:
     def drop_oldest(self, now: float) -> None:
         """Forget the least recently seen conversation (the bound is passed)."""
         oldest = self.by_key.pop(next(iter(self.by_key)))
-        if oldest.last_seen >= now - self.idle_seconds:
+        if oldest.counted and oldest.last_seen >= now - self.idle_seconds:
             self.dropped_active += 1
 
     def state_tokens(self, model_name: str, pool: PoolLayout | None = None) -> int:
@@ -163,11 +194,12 @@ class ConversationTracker:
         return round(pool.state_tokens) if pool is not None else 0
 
     def active(self, now: float) -> Iterator[Conversation]:
-        """Conversations seen within the idle window (a full scan: event times need not
-        arrive in order, so recency of arrival says nothing; bounded by the LRU)."""
+        """Conversations that count (``Conversation.counted``) seen within the idle window
+        (a full scan: event times need not arrive in order, so recency of arrival says
+        nothing; bounded by the LRU)."""
         cutoff = now - self.idle_seconds
         for conversation in self.by_key.values():
-            if conversation.last_seen >= cutoff:
+            if conversation.last_seen >= cutoff and conversation.counted:
                 yield conversation
 
     def live(
@@ -182,7 +214,7 @@ class ConversationTracker:
         # [conversations, context tokens, context blocks]
         sums: dict[tuple[str, str], list[int]] = {}
         for conversation in self.by_key.values():
-            if conversation.last_seen >= cutoff:
+            if conversation.last_seen >= cutoff and conversation.counted:
                 key = (conversation.model, conversation.model_name)
                 pool = layouts.get(conversation.model_name)
                 context = conversation.context_tokens
@@ -322,6 +354,37 @@ def by_target(
         if where is not None:
             demand[where].merge(part)
     return demand
+
+
+def end_on_target(
+    tracker: ConversationTracker, engine: EngineState, shown: str, before: float
+) -> int:
+    """A vLLM restart: end the conversations attributed to the target shown as ``shown``
+    whose last turn came at or before ``before`` (the restart), and return how many.
+
+    What they had cached went with the process, so they hold nothing in its pool: their
+    demand leaves the fit at once, and each one's next turn, which finds nothing cached, is
+    judged as a first turn (cold, never a follow-up that came back cold, which the status
+    page would take for a collapse). It counts again from that turn. Conversations of a
+    model several targets serve are not attributed to any, so a restart of one of them ends
+    none (which pool they were in cannot be told).
+    """
+    served = served_models(engine)
+    ended = 0
+    where: dict[str, tuple[str, str] | None] = {}
+    for conversation in tracker.by_key.values():
+        if conversation.ended or conversation.last_seen > before:
+            continue
+        name = conversation.model_name
+        if name not in where:
+            where[name] = attribute(name, served)
+        attributed = where[name]
+        if attributed is not None and attributed[0] == shown:
+            conversation.ended = True
+            conversation.prompt_tokens = None
+            ended += 1
+    tracker.ended_by_restart += ended
+    return ended
 
 
 # ---- the admission budget ------------------------------------------------------------------

@@ -20,7 +20,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -63,6 +63,7 @@ class Driver:
         loop: bool = False,
         seed: int = 0,
         wall_clock: Callable[[], float] = time.time,
+        between: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self.scenario = scenario
         self.client = client
@@ -71,6 +72,9 @@ class Driver:
         self.model = model
         self.loop = loop
         self.wall_clock = wall_clock
+        # Awaited after each iteration that another follows (with the number of the next):
+        # the demo restarts its simulated vLLM there, so a loop is a restart as seen outside.
+        self.between = between
         self.stats = DriverStats()
         self._tags = itertools.count(seed % _TAG_SPACE)
 
@@ -85,8 +89,10 @@ class Driver:
         iteration = 0
         while not iterations or iteration < iterations:
             await asyncio.gather(*(self._agent(agent, iteration) for agent in self.scenario.agents))
-            self.stats.iterations += 1
             iteration += 1
+            if self.between is not None and (not iterations or iteration < iterations):
+                await self.between(iteration)
+            self.stats.iterations += 1
         return self.stats
 
     async def _agent(self, agent: AgentSpec, iteration: int) -> None:

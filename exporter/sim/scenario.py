@@ -110,6 +110,11 @@ class Scenario:
     # prompts: their order), instead of the driver reporting each request itself.
     demo_tap: bool = False
 
+    def start_config(self, start: int, **overrides: Any) -> EngineConfig:
+        """The engine settings of its ``start``-th start (0 the first), cycling through the
+        boots: what it restarts with when it loops."""
+        return self.engine_config(start % max(1, len(self.boots)), **overrides)
+
     def engine_config(self, boot: int = 0, **overrides: Any) -> EngineConfig:
         """The EngineConfig of boot ``boot``; ``overrides`` (flags) win when not None."""
         values = dict(self.engine)

@@ -50,6 +50,20 @@ class Simulator:
         self.runner.refresh()
         return self.metrics.render(self.engine)
 
+    async def restart(self, config: EngineConfig | None = None) -> None:
+        """Restart as vLLM does: the requests in flight are dropped, the cache is empty, and
+        every counter starts again from 0 with a new ``_created`` time (a new registry);
+        ``config``: the new boot's engine settings (another pool, say), else the same."""
+        await self.runner.close()
+        if config is not None:
+            self.config = self.service.config = config
+        self.engine = Engine(self.config)
+        self.metrics = SimMetrics(self.config)
+        self.runner.engine = self.engine
+        self.runner.observers = [self.metrics.observe]
+        self.started = time.time()
+        await self.runner.start()
+
 
 def build_simulator(config: EngineConfig, clock: SimClock | None = None) -> Simulator:
     clock = clock or SimClock()

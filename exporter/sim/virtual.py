@@ -43,6 +43,7 @@ def play(
     boot: int = 0,
     sampler: Sampler | None = None,
     sample_every: float = 15.0,
+    restart_between: bool = False,
     **engine_overrides: Any,
 ) -> VirtualRun:
     """Run ``iterations`` iterations of the scenario on boot ``boot`` of its engine, in
@@ -50,6 +51,8 @@ def play(
 
     ``sampler``, when given, is called every ``sample_every`` scenario seconds from the start
     and once more at the end: what a scraper of the simulator would see along the way.
+    ``restart_between``: the engine restarts between two iterations, as the demo's loop does
+    (``Simulator.restart``; the next boot's settings when the scenario has boots).
     """
 
     async def main() -> VirtualRun:
@@ -58,7 +61,15 @@ def play(
         await sim.runner.start()
         reporter = ListReporter(clock.now)
         client = InProcessClient(sim.service, clock)
-        driver = Driver(scenario, client, reporter, clock, sim.config.served_model_name)
+        between = None
+        if restart_between:
+
+            async def between(iteration: int) -> None:
+                await sim.restart(scenario.start_config(boot + iteration, **engine_overrides))
+
+        driver = Driver(
+            scenario, client, reporter, clock, sim.config.served_model_name, between=between
+        )
         sampling = (
             asyncio.ensure_future(_sample(sampler, sim, clock, sample_every))
             if sampler is not None

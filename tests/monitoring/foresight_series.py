@@ -154,7 +154,7 @@ tests:
       - expr: max_over_time(ALERTS{{alertname="VllmCacheConversationsExceedKVPool"}}[{end}s])
         eval_time: {end}s
         exp_samples: []
-      # ...while the rules did see its live conversations (the silence is not for lack of data)
+      # {seen}
       - expr: max_over_time(target_model:vllm_cache_conversations_active:sum[{end}s])
         eval_time: {end}s
         exp_samples:
@@ -171,6 +171,7 @@ def healthy_file(scenario: str, played: Played) -> str:
         for name, values in played.series.items()
         if name.startswith("vllm_cache_engine_conversations_active{")
     )
+    most_active = max(value or 0 for value in active)
     return _HEALTHY_FILE.format(
         scenario=scenario,
         title=loaded.title,
@@ -180,7 +181,14 @@ def healthy_file(scenario: str, played: Played) -> str:
         end=played.steps * STEP_SECONDS,
         model=loaded.engine_config().served_model_name,
         target=TARGET,
-        most_active=max(value or 0 for value in active),
+        most_active=most_active,
+        seen=(
+            "...while the rules did see its live conversations (the silence is not for lack of "
+            "data)"
+            if most_active
+            else "...and no conversation at all: its requests are one-shots, never followed up "
+            "(one request alone holds nothing a next turn wants)"
+        ),
     )
 
 

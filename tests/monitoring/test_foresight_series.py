@@ -68,8 +68,9 @@ def test_every_scenario_file_runs_the_series_through_the_shipped_rules() -> None
 
 def test_the_collapse_is_seen_in_the_demand_before_the_hit_ratio() -> None:
     """The data behind conversations_two_agents_collapse.yaml, read without promtool: the
-    demand of two live conversations passes the exporter's admission budget at 4m45s,
-    when the engine's hit ratio over the last 5 minutes still reads healthy."""
+    demand of two live conversations passes the exporter's admission budget at 7m (once
+    agent-b's second turn has ended: one request alone is no conversation yet), when the
+    engine's hit ratio over the last 5 minutes still reads healthy."""
     played = foresight_series.exporter_series("two-agents-collapse")
     series = {name.split("{")[0]: values for name, values in played.series.items()}
     demand = series["vllm_cache_engine_conversations_demand_tokens"]
@@ -83,13 +84,14 @@ def test_the_collapse_is_seen_in_the_demand_before_the_hit_ratio() -> None:
         and active[step] >= 2
         and demand[step] > budget[step]
     ]
-    assert over[0] * foresight_series.STEP_SECONDS == 4 * 60 + 45
+    assert over[0] * foresight_series.STEP_SECONDS == 7 * 60
     hits = series["vllm_cache_engine_prefix_cache_hits_tokens_total"]
     queries = series["vllm_cache_engine_prefix_cache_queries_tokens_total"]
     window = 5 * 60 // foresight_series.STEP_SECONDS
     start, end = max(0, over[0] - window), over[0]
     ratio = (hits[end] - hits[start]) / (queries[end] - queries[start])  # type: ignore[operator]
-    assert ratio > 0.6, "the hit ratio must still look healthy when the demand passes"
+    # Over half, agent-b's cold first read in it (0 at the collapse): nothing alarming yet.
+    assert ratio > 0.5, "the hit ratio must still look healthy when the demand passes"
 
 
 def test_the_promtool_files_quote_the_shipped_alert() -> None:

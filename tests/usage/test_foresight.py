@@ -3,6 +3,9 @@ restarts and the budget under it, declared vs used completion tokens; every boun
 
 from __future__ import annotations
 
+import re
+
+import msgspec
 import pytest
 
 from exporter.engine.parse import parse
@@ -28,6 +31,14 @@ def turn(
     return UsageEvent(caller, model, prompt, 0, completion, session=session, **fields)  # type: ignore[arg-type]
 
 
+def follow(state, event: UsageEvent, reader: str = "http") -> None:  # type: ignore[no-untyped-def]
+    """``event`` as the follow-up of a first, shorter turn of its conversation: only a
+    conversation that has had a follow-up counts as live demand."""
+    first = msgspec.structs.replace(event, prompt_tokens=max(1, event.prompt_tokens - 1_000))
+    state.usage.record(first, reader)
+    state.usage.record(event, reader)
+
+
 def demand(state, model: str = "qwen") -> tuple[float, float]:  # type: ignore[no-untyped-def]
     registry = build_registry(state)
     return (
@@ -41,8 +52,8 @@ def test_demand_is_the_latest_context_of_each_live_conversation():
     state = make_state(clock)
     state.usage.record(turn("a", 60_000, session="s1"), "http")
     state.usage.record(turn("a", 62_300, session="s1"), "http")  # the same conversation grew
-    state.usage.record(turn("a", 30_000, completion=None, session="s2"), "http")
-    state.usage.record(turn("b", 35_000), "http")  # no session: the caller's conversation
+    follow(state, turn("a", 30_000, completion=None, session="s2"))
+    follow(state, turn("b", 35_000))  # no session: the caller's conversation
     # A failed turn says nothing about what is cached.
     state.usage.record(turn("b", 0, completion=None, status=503), "http")
     assert demand(state) == (3, 62_600 + 30_000 + 35_300)
@@ -51,9 +62,9 @@ def test_demand_is_the_latest_context_of_each_live_conversation():
 def test_a_conversation_stops_counting_after_the_idle_window():
     clock = FakeClock()
     state = make_state(clock, signals_conversation_idle=600.0)
-    state.usage.record(turn("a", 60_000), "http")
+    follow(state, turn("a", 60_000))
     clock.now += 300
-    state.usage.record(turn("b", 35_000), "http")
+    follow(state, turn("b", 35_000))
     clock.now += 300  # a's last turn is exactly 600 s old: still live
     assert demand(state) == (2, 95_600)
     clock.now += 1
@@ -65,8 +76,8 @@ def test_a_conversation_stops_counting_after_the_idle_window():
 def test_event_times_decide_liveness_so_a_replayed_file_is_not_live():
     clock = FakeClock()
     state = make_state(clock)
-    state.usage.record(turn("old", 90_000, time=clock.now - 3_600), "file")
-    state.usage.record(turn("new", 10_000, time=clock.now - 5), "file")
+    follow(state, turn("old", 90_000, time=clock.now - 3_600), "file")
+    follow(state, turn("new", 10_000, time=clock.now - 5), "file")
     assert demand(state) == (1, 10_300)
 
 
@@ -74,9 +85,9 @@ def test_a_configured_state_is_charged_per_conversation_and_for_the_turn_in_flig
     """--signals.state-tokens: one copy per live conversation (the checkpoint its next turn
     resumes from) and one for the turn being computed (its live state); not on other models."""
     state = make_state(signals_state_tokens=(("qwen", 12_288),))
-    state.usage.record(turn("a", 90_000), "http")
-    state.usage.record(turn("b", 35_000), "http")
-    state.usage.record(turn("c", 1_000, model="dense"), "http")
+    follow(state, turn("a", 90_000))
+    follow(state, turn("b", 35_000))
+    follow(state, turn("c", 1_000, model="dense"))
     assert demand(state) == (2, 90_300 + 35_300 + 3 * 12_288)
     assert demand(state, "dense") == (1, 1_300)
 
@@ -87,7 +98,7 @@ def test_the_conversation_lru_is_bounded_and_counts_live_ones_it_forgets():
     cap = 50
     state = make_state(signals_conversations_max=cap)
     for index in range(cap + 7):
-        state.usage.record(turn(f"c{index}", 1_000 + index, completion=0), "http")
+        follow(state, turn(f"c{index}", 1_000 + index, completion=0))
     assert len(state.usage.conversations) == cap
     registry = build_registry(state)
     assert value(registry, "vllm_cache_conversations_dropped_total") == 7
@@ -100,9 +111,9 @@ def test_the_conversation_lru_is_bounded_and_counts_live_ones_it_forgets():
 def test_forgetting_an_idle_conversation_is_not_a_loss():
     clock = FakeClock()
     state = make_state(clock, signals_conversations_max=1)
-    state.usage.record(turn("a", 1_000), "http")
+    follow(state, turn("a", 1_000))
     clock.now += 3_600
-    state.usage.record(turn("b", 2_000), "http")
+    follow(state, turn("b", 2_000))
     assert value(build_registry(state), "vllm_cache_conversations_dropped_total") == 0
 
 
@@ -132,8 +143,8 @@ def test_attribution_by_model_name():
 async def test_demand_is_attributed_to_the_vllm_serving_the_model():
     state = make_state(vllm_url=(TARGET,))
     state.engine.record_success(TARGET, parse(REAL), 0.01, 1.0)
-    state.usage.record(turn("a", 1_000, model="tiny-llama"), "http")
-    state.usage.record(turn("b", 2_000, model="tiny-llama"), "http")
+    follow(state, turn("a", 1_000, model="tiny-llama"))
+    follow(state, turn("b", 2_000, model="tiny-llama"))
     registry = build_registry(state)
     labels = {"target": TARGET, "model_name": "tiny-llama"}
     assert value(registry, "vllm_cache_engine_conversations_active", **labels) == 2
@@ -165,8 +176,8 @@ def test_a_hybrid_engine_says_what_its_conversations_hold_without_a_flag():
     state = make_state(vllm_url=(TARGET,))
     state.engine.record_success(TARGET, parse(HYBRID), 0.01, 1.0)
     model = "tiny-granite-2048"
-    state.usage.record(turn("a", 7_000, completion=50, model=model), "http")  # 4 blocks
-    state.usage.record(turn("b", 20_000, completion=500, model=model), "http")  # 11 blocks
+    follow(state, turn("a", 7_000, completion=50, model=model))  # 4 blocks
+    follow(state, turn("b", 20_000, completion=500, model=model))  # 11 blocks
     block = 883_011 / 512
     expected = round((4 + 11) * block) + 2 * round(block) + round(block)
     labels = {"target": TARGET, "model_name": model}
@@ -176,7 +187,7 @@ def test_a_hybrid_engine_says_what_its_conversations_hold_without_a_flag():
     # --signals.state-tokens still overrides what the engine implies
     state = make_state(vllm_url=(TARGET,), signals_state_tokens=((model, 10_000),))
     state.engine.record_success(TARGET, parse(HYBRID), 0.01, 1.0)
-    state.usage.record(turn("a", 7_000, completion=50, model=model), "http")
+    follow(state, turn("a", 7_000, completion=50, model=model))
     registry = build_registry(state)
     assert (
         value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels)
@@ -305,3 +316,113 @@ def test_completion_series_start_at_zero_while_held():
     clock.now += 61
     assert registry.get_sample_value("vllm_cache_completion_used_tokens_count", pair) == 1
     assert registry.get_sample_value("vllm_cache_completion_declared_tokens_total", pair) == 65_536
+
+
+# ---- what counts as a conversation, and what ends one ---------------------------------------
+
+
+def test_one_request_alone_is_no_conversation():
+    """A record posted by hand (or a one-shot request) holds nothing a next turn wants: it
+    counts as live demand only once its conversation has had a follow-up, a later turn whose
+    prompt is longer. The same record sent again is no follow-up either."""
+    state = make_state()
+    state.usage.record(turn("a", 91_070, session="conv-42"), "http")
+    assert demand(state) == (0, 0)
+    state.usage.record(turn("a", 91_070, session="conv-42"), "http")
+    assert demand(state) == (0, 0)
+    state.usage.record(turn("a", 93_370, session="conv-42"), "http")
+    assert demand(state) == (1, 93_670)
+
+
+def restarted(text: str, seconds: float) -> str:
+    """The exposition of the same vLLM started ``seconds`` later: every _created moved."""
+    return re.sub(
+        r"^(\S+_created(?:\{[^}]*\})?) (\S+)$",
+        lambda m: f"{m.group(1)} {float(m.group(2)) + seconds!r}",
+        text,
+        flags=re.M,
+    )
+
+
+def counters_fallen(text: str) -> str:
+    """The same process (its _created unchanged) with every counter read as 0: a glitch."""
+    return re.sub(r"^(\S+_total(?:\{[^}]*\})?) (\S+)$", r"\1 0.0", text, flags=re.M)
+
+
+CREATED = 1.7959921637417994e09  # the capture's _created times, about
+
+
+def engine_demand(state) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    registry = build_registry(state)
+    labels = {"target": TARGET, "model_name": "tiny-llama"}
+    return (
+        value(registry, "vllm_cache_engine_conversations_active", **labels),
+        value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels),
+    )
+
+
+def test_a_vllm_restart_ends_the_conversations_it_held():
+    """vLLM restarts (a newer _created): what its conversations had cached is gone, so their
+    demand leaves the fit at once; one that came back between the restart and the read that
+    showed it still counts, and one that comes back later counts again from that turn, which
+    is judged as a first turn (cold, not a follow-up the cache lost)."""
+    clock = FakeClock()
+    state = make_state(clock, vllm_url=(TARGET,))
+    state.engine.record_success(TARGET, parse(REAL), 0.01, CREATED + 100)
+    follow(state, turn("a", 2_000, model="tiny-llama"))
+    follow(state, turn("b", 3_000, model="tiny-llama"))
+    assert engine_demand(state) == (2, (72 + 104) * 32)
+    # vLLM restarts 100 s later; b's next turn comes 50 s after that, before the exporter
+    # reads the restarted vLLM, 100 s after the restart.
+    clock.now += 150
+    state.usage.record(turn("b", 3_500, model="tiny-llama"), "http")
+    clock.now += 50
+    state.engine.record_success(TARGET, parse(restarted(REAL, 900)), 0.01, CREATED + 1_000)
+    assert engine_demand(state) == (1, 119 * 32), "only b, which came back, is live"
+    assert value(build_registry(state), "vllm_cache_conversations_active", model="tiny-llama") == 1
+    # a comes back: live again, its turn cold and a first turn (nothing was lost to eviction)
+    followups = state.usage.series[("a", "tiny-llama")].followups
+    clock.now += 30
+    state.usage.record(turn("a", 2_500, model="tiny-llama"), "http")
+    assert engine_demand(state) == (2, (88 + 119) * 32)
+    series = state.usage.series[("a", "tiny-llama")]
+    assert series.requests["cold"] == 3  # its two first turns and this one (0 cached)
+    assert series.followups == followups
+    assert state.usage.conversations.ended_by_restart == 1
+
+
+def test_without_created_times_a_restart_ends_every_conversation_seen_before_the_read():
+    """A vLLM exposing no _created (an old one) shows its restart by its counters falling:
+    when it restarted within the last read interval cannot be told, so every conversation
+    on it seen before the read ends (each counts again from its next turn)."""
+    clock = FakeClock()
+    state = make_state(clock, vllm_url=(TARGET,))
+    bare = "\n".join(line for line in REAL.splitlines() if "_created" not in line) + "\n"
+    state.engine.record_success(TARGET, parse(bare), 0.01, 100.0)
+    follow(state, turn("a", 2_000, model="tiny-llama"))
+    clock.now += 10
+    state.engine.record_success(TARGET, parse(counters_fallen(bare)), 0.01, 115.0)
+    assert state.engine.targets[TARGET].restarts == 1
+    assert engine_demand(state) == (0, 0)
+
+
+def test_a_glitch_or_another_vllm_restarting_ends_nothing():
+    """Counters falling with their _created unchanged are a glitch, not a restart; and a
+    restart of one vLLM ends only the conversations attributed to it."""
+    other = "http://vllm-2:8000/metrics"
+    clock = FakeClock()
+    state = make_state(clock, vllm_url=(TARGET, other))
+    granite = "tiny-granite-2048"
+    state.engine.record_success(TARGET, parse(REAL), 0.01, CREATED + 100)
+    state.engine.record_success(other, parse(HYBRID), 0.01, CREATED + 100)
+    follow(state, turn("a", 2_000, model="tiny-llama"))
+    follow(state, turn("b", 7_000, completion=50, model=granite))
+    clock.now += 60
+    state.engine.record_success(TARGET, parse(counters_fallen(REAL)), 0.01, CREATED + 160)
+    assert state.engine.targets[TARGET].invalid["fell_without_restart"] > 0
+    assert engine_demand(state) == (1, 72 * 32)
+    state.engine.record_success(other, parse(restarted(HYBRID, 1_000)), 0.01, CREATED + 5_000)
+    assert state.engine.targets[other].restarts == 1
+    assert engine_demand(state) == (1, 72 * 32), "tiny-llama's vLLM did not restart"
+    registry = build_registry(state)
+    assert value(registry, "vllm_cache_conversations_active", model=granite) == 0

@@ -371,3 +371,44 @@ def samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
         for sample in family.samples
         if sample.name == name
     ]
+
+
+async def test_a_vllm_restart_ends_the_conversations_it_held(start_vllm):
+    """Two conversations live on a real vLLM; it restarts (the same port, a new process: its
+    counters start again with a new _created). The exporter's next read ends both (their
+    cache went with the process); the one that comes back counts again, alone, and its turn
+    is judged as a first turn (cold: nothing cached, and not a follow-up the cache lost)."""
+    vllm = start_vllm("restart", "--max-model-len", "4096", "--enable-prompt-tokens-details")
+    exporter = await start_exporter(vllm.url)
+    labels = {"target": vllm.url + "/metrics", "model_name": MODEL_NAME}
+    try:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+            await exporter.scrape(session)  # the exporter has read this vLLM once
+            alice, bob = await asyncio.gather(
+                conversation(session, exporter.tap_url, "alice", 1, ["whole", "whole"]),
+                conversation(session, exporter.tap_url, "bob", 2, ["whole", "whole"]),
+            )
+            assert alice[1].cached_tokens and bob[1].cached_tokens  # warm follow-ups
+            text = await exporter.scrape(session)
+            assert metric(text, "vllm_cache_engine_conversations_active", **labels) == 2
+            both = metric(text, "vllm_cache_engine_conversations_demand_tokens", **labels)
+
+            await asyncio.to_thread(vllm.stop)
+            await asyncio.to_thread(vllm.start)
+            await asyncio.to_thread(vllm.wait_ready)
+            text = await exporter.scrape(session)  # the read that shows the restart
+            assert metric(text, "vllm_cache_engine_restarts_total", target=labels["target"]) == 1
+            assert metric(text, "vllm_cache_engine_conversations_active", **labels) == 0
+            assert metric(text, "vllm_cache_engine_conversations_demand_tokens", **labels) == 0
+
+            # alice comes back: her conversation's next turn, its whole history resent
+            back = await conversation(session, exporter.tap_url, "alice", 1, ["whole"] * 3)
+            text = await exporter.scrape(session)
+    finally:
+        await exporter.close()
+    assert back[0].cached_tokens == 0 and back[2].cached_tokens  # cold after the restart
+    assert metric(text, "vllm_cache_engine_conversations_active", **labels) == 1
+    alone = metric(text, "vllm_cache_engine_conversations_demand_tokens", **labels)
+    assert alone is not None and both is not None and 0 < alone < both
+    series = exporter.state.usage.series[("alice", MODEL_NAME)]
+    assert series.followups_cold == 0  # the restart's cold turn is no cache loss
