@@ -64,3 +64,29 @@ def test_the_demo_colours_a_hit_ratio_as_the_dashboards_do() -> None:
         value: view._ratio_text(value).style for value in (fair - 0.01, fair, good - 0.01, good)
     }
     assert colours == {fair - 0.01: "red", fair: "yellow", good - 0.01: "yellow", good: "green"}
+
+
+def test_the_table_s_hit_ratio_and_baseline_are_the_status_page_s():
+    """The demo's table says the page's figures (the alerts' windows and baseline), not a
+    ratio of its own over its own scrapes: at 700 s of report 000 agent-a's row shows the
+    page's 0.0% now against its baseline, and the plain view says both."""
+    from prometheus_client import generate_latest
+
+    from exporter.metrics import build_registry
+    from exporter.signals import advice
+    from tests.replay import replay
+
+    replayed = replay("two-agents-collapse")
+    page = replayed.status(700)
+    text = generate_latest(build_registry(replayed.state)).decode()
+    view = DemoView("demo", "http://page/")
+    summary = view.update(text, 700.0, [item.sentence for item in page.problems], page)
+    rows = {row.caller: row for row in summary.rows}
+    shown = {caller.caller: caller for caller in page.callers}
+    assert set(rows) == set(shown) == {"agent-a", "agent-b"}
+    for caller, row in rows.items():
+        assert row.ratio_window == shown[caller].ratio_window
+        assert row.baseline == shown[caller].baseline
+    assert rows["agent-a"].baseline is not None and rows["agent-a"].ratio_window == 0.0
+    plain = view.render_plain(summary)
+    assert f"baseline {advice.percent(rows['agent-a'].baseline)}" in plain
