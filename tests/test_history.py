@@ -177,3 +177,20 @@ def test_a_clock_gone_wrong_costs_nothing_and_breaks_nothing():
             state.catch_up(clock.now)
         assert state.history.callers == {}
         assert state.caller_totals()["a"][FIELD["prompt_tokens"] - 1] == 3000
+
+
+def test_a_clock_far_out_ends_every_loop():
+    """Times where adding a slot or a baseline interval changes nothing (1e20 s), or where a
+    boundary rounds to infinity (the largest float), and a jump from now to there and back:
+    each record returns, and the ratios kept stay within their bound."""
+    for far in (1e20, 1.7976931348623157e308):
+        clock = Clock(T0)
+        state = usage(clock)
+        for when in (T0, far, T0 + 60, far, T0 + 120):
+            clock.now = when
+            state.record(event("a", 1000, 500), "http")
+            state.catch_up(clock.now)
+        timeline = state.history.caller(("a", "m"))
+        assert timeline is not None
+        assert len(timeline.baseline.times) <= BASELINE_SAMPLES + 1
+        assert state.caller_totals()["a"][FIELD["prompt_tokens"] - 1] == 5000

@@ -224,6 +224,8 @@ class History:
         without its time field, in ``CALLER_FIELDS`` / ``TARGET_FIELDS`` order)."""
         windows = self.windows
         boundary = slot_start(now, windows.slot_seconds)
+        if not math.isfinite(boundary):  # a clock at the float's edge rounds past it
+            return
         self.next_due = boundary + windows.slot_seconds
         cutoff = boundary - windows.span_seconds
         self._store(
@@ -264,16 +266,20 @@ class History:
         ratios = timeline.baseline
         boundary = sample[0]
         latest = math.floor(boundary / interval) * interval
-        if latest <= ratios.checked:
+        if not latest > ratios.checked:
             return
         # the instants since the last one looked at (a new key: this one), at most a baseline
-        # window of them
-        when = latest
+        # window of them; counted, not stepped, so a clock far out (where adding an interval
+        # changes nothing) still ends the loop
+        count = 1
         if ratios.checked > -math.inf:
-            when = max(ratios.checked + interval, latest - windows.baseline_seconds + interval)
+            most = math.ceil(windows.baseline_seconds / interval)
+            gap = (latest - ratios.checked) / interval  # inf for a clock at the float's edge
+            count = max(1, math.floor(gap + 1e-9)) if gap < most else most
         ratios.checked = latest
         cached, prompt = fields
-        while when <= latest:
+        for back in range(count - 1, -1, -1):
+            when = latest - back * interval
             end = sample if when >= boundary else timeline.at(when, sample)
             start = timeline.at(when - long, sample)
             looked_up = end[prompt] - start[prompt]
@@ -281,7 +287,6 @@ class History:
                 ratios.add(
                     when, (end[cached] - start[cached]) / looked_up, when - windows.baseline_seconds
                 )
-            when += interval
 
     def caller(self, key: Hashable) -> Timeline | None:
         return self.callers.get(key)
