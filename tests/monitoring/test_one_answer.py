@@ -63,6 +63,11 @@ SPEED = 20
 CALLER = "agent-a"
 SLACK = 4.0  # seconds either side of T: a slot, a scrape and an evaluation, rounded up
 POINT = 0.01
+# The baseline is a quantile over instants: the page's 288 over the baseline window (one every
+# 2.1 s here), the recorded one's every evaluation (1 s); on a ratio that climbs and falls
+# within minutes the two 0.9-quantiles differ by up to ~1.5 points (measured 1.2 under CI's
+# load): the documented difference of window.
+BASELINE_POINTS = 0.02
 COLLAPSE_HELD = 25.0  # seconds of collapse sampled after the alert's expression first holds
 DEADLINE = 150.0  # from the driver's start
 
@@ -293,7 +298,8 @@ async def test_the_page_check_and_prometheus_say_the_same_through_a_collapse(
             if sample.at < settled and key != "baseline":
                 continue
             value = sample.pair.get(key)
-            agrees = None if value is None else within(points, sample.at, value, POINT)
+            slack = BASELINE_POINTS if key == "baseline" else POINT
+            agrees = None if value is None else within(points, sample.at, value, slack)
             if agrees is None:
                 continue
             compared[key] += 1
@@ -330,10 +336,13 @@ async def test_the_page_check_and_prometheus_say_the_same_through_a_collapse(
             assert "agent-a" not in run.text or " on " not in run.text, run.text
             continue
         middle = (run.start + run.end) / 2
-        for key, group in (("ratio_window", "ratio"), ("baseline", "baseline")):
-            if found[group] != "-":
+        for key, group, slack in (
+            ("ratio_window", "ratio", POINT),
+            ("baseline", "baseline", BASELINE_POINTS),
+        ):
+            if found[group] != "-" and (middle >= settled or key == "baseline"):
                 shown = float(found[group]) / 100
-                assert within(series[key], middle, shown, POINT + 0.001) is not False, (
+                assert within(series[key], middle, shown, slack + 0.001) is not False, (
                     key,
                     run.text,
                 )
