@@ -25,6 +25,7 @@ ALERT_NAMES = (
     "VllmCacheKVPoolNearFull",
     "VllmCacheConversationsExceedKVPool",
     "VllmCachePromptVariableTop",
+    "VllmCacheUnseenHistory",
     "VllmCacheEngineDown",
     "VllmCacheEngineMetricAbsent",
     "VllmCacheExporterDown",
@@ -340,6 +341,31 @@ and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
             self.dashboard_link(config.caller_uid, CALLER),
         )
 
+    def unseen_history(self) -> dict[str, Any]:
+        """Several exporters behind one stream, split by request instead of by session: a
+        share of a model's turns cached more than the exporter saw of their conversation."""
+        config, promql, names = self.config, self.promql, self.names
+        selector = promql.sel()
+        expr = f"""
+{names.model_unseen_share}{selector} > {number(config.unseen_history_share)}
+and {names.model_unseen}{selector} * {number(config.long_seconds)}
+  >= {number(config.unseen_history_min_requests)}"""
+        return self.alert(
+            "VllmCacheUnseenHistory",
+            expr,
+            config.unseen_history_for,
+            config.unseen_history_severity,
+            "Many turns find more cached than the exporter saw of their conversation: the "
+            "stream is split over exporters by request, not by session.",
+            f"""{{{{ $value | humanizePercentage }}}} of the turns to {{{{ $labels.model }}}}
+            over the last {config.long_window} had more tokens cached than the exporter that
+            counted them saw of their conversation: their earlier turns went through another
+            exporter. Their warm/cold classification, follow-ups and the conversations' demand
+            on the KV pool are misread. Route each session to one exporter (sticky by session
+            id, or by caller), or send every usage event to one exporter.""",
+            self.dashboard_link(config.overview_uid, ("model",)),
+        )
+
     def engine_down(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         return self.alert(
@@ -449,6 +475,7 @@ def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
         alerts.kv_pool_near_full(),
         alerts.conversations_exceed_pool(),
         alerts.prompt_variable_top(),
+        alerts.unseen_history(),
         alerts.engine_down(),
         alerts.engine_metric_absent(),
         alerts.exporter_down(),

@@ -131,6 +131,14 @@ class MonitoringConfig:
     prompt_order_min_requests: float = 2.0
     prompt_order_for: str = "15m"
     prompt_order_severity: str = "warning"
+    # --- VllmCacheUnseenHistory ------------------------------------------------------------
+    # Share of a model's turns, over the long window, whose cached tokens the exporter's
+    # memory of their conversation cannot explain (earlier turns went to another exporter),
+    # and how many of those at least.
+    unseen_history_share: float = 0.25
+    unseen_history_min_requests: float = 10.0
+    unseen_history_for: str = "15m"
+    unseen_history_severity: str = "warning"
     # --- VllmCacheEngineDown / VllmCacheExporterDown ----------------------------------------
     engine_down_for: str = "5m"
     engine_down_severity: str = "warning"
@@ -279,6 +287,7 @@ def _check_fractions(config: MonitoringConfig) -> None:
         "warm_ttft_min_warm_share",
         "kv_pool_full_ratio",
         "prompt_order_share",
+        "unseen_history_share",
         "hit_ratio_fair",
         "hit_ratio_good",
         "warm_share_fair",

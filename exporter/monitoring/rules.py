@@ -169,6 +169,10 @@ class Names:
             histogram: f"target_model:vllm_cache_engine_kv_block_{histogram}_seconds:p50_{short}"
             for histogram in KV_BLOCK_HISTOGRAMS
         }
+        # several exporters behind one stream: turns whose history another exporter saw
+        self.model_turns = f"model:vllm_cache_conversation_turns:{long}"
+        self.model_unseen = f"model:vllm_cache_unseen_history_requests:{long}"
+        self.model_unseen_share = f"model:vllm_cache_unseen_history_request_share:{long}"
         self.target_kv_block_idle_share = (
             f"target_model:vllm_cache_engine_kv_block_idle_lifetime_share:{short}"
         )
@@ -316,6 +320,7 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
                 f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0",
             )
         )
+    rules.extend(_unseen_history_rules(config, promql, names))
     rules.extend(_completion_rules(config, promql, names))
     rules.extend(_prompt_order_rules(config, promql, names))
     return rules
@@ -345,6 +350,27 @@ def _prompt_order_rules(
             names.caller_order_first_difference,
             over(rate(families.PROMPT_ORDER_FIRST_DIFFERENCE_BYTES), flagged + promql.sel()),
         ),
+    ]
+
+
+def _unseen_history_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
+    """Per model, over the long window: the share of turns whose cached tokens the
+    exporter's memory of their conversation cannot explain, summed over every exporter
+    before dividing (each counts the turns it misread)."""
+    window = config.long_window
+    turns, unseen = families.CONVERSATION_TURNS, families.UNSEEN_HISTORY_REQUESTS
+    return [
+        _rule(
+            names.model_turns,
+            promql.sum_by(CALLER_MODEL, f"rate({turns.total}{promql.sel()}[{window}])"),
+        ),
+        _rule(
+            names.model_unseen,
+            promql.sum_by(CALLER_MODEL, f"rate({unseen.total}{promql.sel()}[{window}])"),
+        ),
+        _rule(names.model_unseen_share, _ratio(promql, names.model_unseen, names.model_turns)),
     ]
 
 
