@@ -6,6 +6,7 @@ The variant's expressions are PromQL too, so promtool runs the committed tests o
 that keep firing on it: the same alerts, with the same labels, at the same instants. Only the
 annotations are left out of that comparison: while an alert is kept firing, the variant reads
 their figures anew, where Prometheus keeps the last ones (the header of the file says so).
+tests/monitoring/test_fleet_store.py runs the variant in a real vmalert on VictoriaMetrics.
 """
 
 from __future__ import annotations
