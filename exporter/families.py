@@ -485,7 +485,7 @@ UNSEEN_HISTORY_REQUESTS = Family(
     ("model",),
     "Requests with more tokens cached than the exporter's memory of their conversation "
     "explains by more than a granule (its last context; for a conversation it never saw, the "
-    "largest context of the caller's others on the model): earlier turns went to another "
+    "largest context of any conversation on the model): earlier turns went to another "
     "exporter (a split that is not sticky by session), or a caller interleaves conversations "
     "without a session id. Either way those turns are misread.",
 )

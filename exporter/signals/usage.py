@@ -421,7 +421,7 @@ class UsageState:
             granule = configured or learned_get(model) or self._classifying_granularity(model)
             state = classify(prompt_tokens, cached, granule, previous, warm_tail)
             if cached is not None:  # turns whose earlier ones another exporter saw
-                check_history(conversation, caller, model, cached, granule)
+                check_history(conversation, model, cached, granule)
             series.requests[state] += 1
             if previous is not None and previous < prompt_tokens:
                 series.followups += 1

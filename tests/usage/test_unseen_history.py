@@ -49,8 +49,9 @@ def test_a_split_by_request_shows_on_both_exporters() -> None:
 
 def test_a_shared_prefix_is_not_unseen_history() -> None:
     """A fan-out's sub-agents, each its own session, share the caller's 2,400-token prefix:
-    a conversation never seen may cache what the caller's others hold. A conversation
-    without session id, its completion unreported, explains whatever it caches."""
+    a conversation never seen may cache what any conversation on the model holds (another
+    caller's too: a system prompt, a chat template). A conversation without session id, its
+    completion unreported, explains whatever it caches."""
     state = make_state(FakeClock(), signals_granularity=16)
     state.usage.record(turn(3_000, 0, session="agent-0", caller="fan"), "http")
     for agent in range(1, 6):
@@ -58,6 +59,9 @@ def test_a_shared_prefix_is_not_unseen_history() -> None:
     state.usage.record(UsageEvent("b", "qwen", 5_000, 0, None), "http")
     state.usage.record(UsageEvent("b", "qwen", 6_000, 5_600, None), "http")
     assert counts(state) == (8, 0)
-    # ...but another caller's first conversation caching all of that is not explained.
+    # Another caller's first conversation sharing that prefix is explained too...
     state.usage.record(turn(3_100, 2_400, session="x", caller="other"), "http")
-    assert counts(state) == (9, 1)
+    assert counts(state) == (9, 0)
+    # ...but not one that found more cached than any conversation on the model ever held.
+    state.usage.record(turn(9_000, 8_000, session="y", caller="other"), "http")
+    assert counts(state) == (10, 1)
