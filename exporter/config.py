@@ -1101,11 +1101,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "format",
         "Generate",
-        "prometheus: rule files + dashboards; prometheus-operator: one PrometheusRule manifest.",
+        "prometheus: rule files + dashboards; prometheus-operator: one PrometheusRule manifest; "
+        "vmalert: the two rule files for vmalert (VictoriaMetrics), keep_firing_for emulated.",
         _to_str,
         "prometheus",
         metavar="FORMAT",
-        check=_one_of(("prometheus", "prometheus-operator")),
+        check=_one_of(("prometheus", "prometheus-operator", "vmalert")),
         commands=frozenset({GENERATE}),
     ),
     Flag(

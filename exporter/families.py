@@ -472,6 +472,23 @@ CONVERSATIONS_DROPPED = Family(
     "Conversations forgotten while still active because more than "
     "--signals.conversations-max were tracked: demand is then a lower bound.",
 )
+CONVERSATION_TURNS = Family(
+    "vllm_cache_conversation_turns",
+    COUNTER,
+    ("model",),
+    "Successful requests with a reported cached count, each held against the exporter's "
+    "memory of its conversation (the denominator of vllm_cache_unseen_history_requests_total).",
+)
+UNSEEN_HISTORY_REQUESTS = Family(
+    "vllm_cache_unseen_history_requests",
+    COUNTER,
+    ("model",),
+    "Requests with more tokens cached than the exporter's memory of their conversation "
+    "explains by more than a granule (its last context; for a conversation it never saw, the "
+    "largest context of any conversation on the model): earlier turns went to another "
+    "exporter (a split that is not sticky by session), or a caller interleaves conversations "
+    "without a session id. Either way those turns are misread.",
+)
 CONVERSATION_IDLE_WINDOW_SECONDS = Family(
     "vllm_cache_conversation_idle_window_seconds",
     GAUGE,

@@ -60,7 +60,12 @@ class ForesightCollector:
         dropped.add_metric([], tracker.dropped_active)
         idle = families.gauge(families.CONVERSATION_IDLE_WINDOW_SECONDS)
         idle.add_metric([], tracker.idle_seconds)
-        yield from (active, demand, engine_active, engine_demand, dropped, idle)
+        turns = families.counter(families.CONVERSATION_TURNS)
+        unseen = families.counter(families.UNSEEN_HISTORY_REQUESTS)
+        for model in sorted(tracker.models):
+            turns.add_metric([model], tracker.turns.get(model, 0))
+            unseen.add_metric([model], tracker.unseen_history.get(model, 0))
+        yield from (active, demand, engine_active, engine_demand, dropped, idle, turns, unseen)
 
     def _pools(self) -> Iterator[Metric]:
         headroom = self.usage.conversations.settings.admission_headroom_tokens

@@ -25,9 +25,12 @@ ALERT_NAMES = (
     "VllmCacheKVPoolNearFull",
     "VllmCacheConversationsExceedKVPool",
     "VllmCachePromptVariableTop",
+    "VllmCacheUnseenHistory",
     "VllmCacheEngineDown",
     "VllmCacheEngineMetricAbsent",
     "VllmCacheExporterDown",
+    "VllmCacheExporterAbsent",
+    "VllmCacheDuplicateTarget",
 )
 
 # alert label -> dashboard variable it fills
@@ -338,11 +341,36 @@ and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
             self.dashboard_link(config.caller_uid, CALLER),
         )
 
+    def unseen_history(self) -> dict[str, Any]:
+        """Several exporters behind one stream, split by request instead of by session: a
+        share of a model's turns cached more than the exporter saw of their conversation."""
+        config, promql, names = self.config, self.promql, self.names
+        selector = promql.sel()
+        expr = f"""
+{names.model_unseen_share}{selector} > {number(config.unseen_history_share)}
+and {names.model_unseen}{selector} * {number(config.long_seconds)}
+  >= {number(config.unseen_history_min_requests)}"""
+        return self.alert(
+            "VllmCacheUnseenHistory",
+            expr,
+            config.unseen_history_for,
+            config.unseen_history_severity,
+            "Many turns find more cached than the exporter saw of their conversation: the "
+            "stream is split over exporters by request, not by session.",
+            f"""{{{{ $value | humanizePercentage }}}} of the turns to {{{{ $labels.model }}}}
+            over the last {config.long_window} had more tokens cached than the exporter that
+            counted them saw of their conversation: their earlier turns went through another
+            exporter. Their warm/cold classification, follow-ups and the conversations' demand
+            on the KV pool are misread. Route each session to one exporter (sticky by session
+            id, or by caller), or send every usage event to one exporter.""",
+            self.dashboard_link(config.overview_uid, ("model",)),
+        )
+
     def engine_down(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         return self.alert(
             "VllmCacheEngineDown",
-            f"{families.ENGINE_UP.series}{promql.sel()} == 0",
+            promql.dedup(f"{families.ENGINE_UP.series}{promql.sel()}") + " == 0",
             config.engine_down_for,
             config.engine_down_severity,
             "The exporter cannot read a vLLM engine's metrics.",
@@ -356,7 +384,7 @@ and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
         config, promql = self.config, self.promql
         return self.alert(
             "VllmCacheExporterDown",
-            f"up{promql.sel()} == 0",
+            promql.dedup(f"up{promql.sel()}") + " == 0",
             config.exporter_down_for,
             config.exporter_down_severity,
             "Prometheus cannot scrape vllm-cache-exporter, so no cache alert can fire.",
@@ -366,12 +394,66 @@ and {names.caller_order_variable_top}{selector} * {number(config.long_seconds)}
             self.dashboard_link(config.overview_uid, ()),
         )
 
+    def exporter_absent(self) -> dict[str, Any]:
+        """No exporter of a topology group has a sample any more, although one had within
+        ``exporter_absent_window``; or none of the selector exists at all. VllmCacheExporterDown
+        needs an ``up`` of 0, which a crashed Prometheus agent, a remote write that stopped or
+        a target dropped from service discovery never writes: the series just end."""
+        config, promql = self.config, self.promql
+        topology = promql.by()
+        recent = f"max_over_time(up{promql.sel()}[{config.exporter_absent_window}])"
+        expr = f"""
+group {topology} ({recent})
+unless {promql.on()}
+group {topology} (up{promql.sel()})
+or
+absent(up{promql.sel()})"""
+        return self.alert(
+            "VllmCacheExporterAbsent",
+            expr,
+            config.exporter_absent_for,
+            config.exporter_absent_severity,
+            "No sample of vllm-cache-exporter reaches this Prometheus, so no cache alert can fire.",
+            f"""No exporter of job {{{{ $labels.job }}}}{{{{ with $labels.cluster }}}} in
+            cluster {{{{ . }}}}{{{{ end }}}}{{{{ with $labels.namespace }}}} in namespace
+            {{{{ . }}}}{{{{ end }}}} has an `up` sample any more (one had within the last
+            {config.exporter_absent_window}, or none ever did): the Prometheus or agent that
+            scrapes them stopped writing here, or service discovery no longer finds them.
+            Every prefix-cache alert of these exporters is blind.""",
+            self.dashboard_link(config.overview_uid, ()),
+        )
+
+    def duplicate_target(self) -> dict[str, Any]:
+        """Two exporters (instances) report one vLLM target under the same topology labels:
+        the per-target rules sum them into one engine, doubling pools and merging hit
+        ratios. Sidecars all read http://localhost:8000/metrics; without the relabelling of
+        ``target`` to the pod they are indistinguishable."""
+        config, promql = self.config, self.promql
+        expr = (
+            f"count {promql.by('target')} "
+            f"({promql.dedup(f'{families.ENGINE_UP.series}{promql.sel()}')}) > 1"
+        )
+        return self.alert(
+            "VllmCacheDuplicateTarget",
+            expr,
+            config.duplicate_target_for,
+            config.duplicate_target_severity,
+            "Several exporters report the same vLLM target, so the per-engine rules merge "
+            "different engines into one.",
+            """{{ $value }} exporters report vLLM {{ $labels.target }} under the same labels:
+            every target_model:* series sums them as one engine (pools, KV in use, hit
+            ratio). Sidecars that read vLLM on localhost need their target label rewritten to
+            the pod (deploy/kubernetes/servicemonitor.yaml), or a topology label that tells
+            them apart.""",
+            self.dashboard_link(config.overview_uid, ("target",)),
+        )
+
     def engine_metric_absent(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         signals = 'signal=~"' + "|".join(config.required_signals) + '"'
         return self.alert(
             "VllmCacheEngineMetricAbsent",
-            f"{families.ENGINE_METRIC_PRESENT.series}{promql.sel(signals)} == 0",
+            promql.dedup(f"{families.ENGINE_METRIC_PRESENT.series}{promql.sel(signals)}") + " == 0",
             config.metric_absent_for,
             config.metric_absent_severity,
             "vLLM no longer exposes a metric the cache rules depend on.",
@@ -393,9 +475,12 @@ def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
         alerts.kv_pool_near_full(),
         alerts.conversations_exceed_pool(),
         alerts.prompt_variable_top(),
+        alerts.unseen_history(),
         alerts.engine_down(),
         alerts.engine_metric_absent(),
         alerts.exporter_down(),
+        alerts.exporter_absent(),
+        alerts.duplicate_target(),
     ]
     group: dict[str, Any] = {"name": "vllm-cache.alerts"}
     if config.rule_interval:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from exporter.monitoring.config import MonitoringConfigError, load_config
-from exporter.monitoring.render import prometheus_files, prometheus_rule_manifest
+from exporter.monitoring.render import prometheus_files, prometheus_rule_manifest, vmalert_files
 
 DIFF_LINES_PER_FILE = 40
 
@@ -46,6 +46,9 @@ def main(args: argparse.Namespace) -> int:
             return 0
         files = {args.output: manifest}
         root = Path(".")
+    elif args.format == "vmalert":
+        files = vmalert_files(config)
+        root = Path(args.output_dir)
     else:
         files = prometheus_files(config)
         root = Path(args.output_dir)

@@ -50,8 +50,16 @@ class MonitoringConfig:
     # Label matchers every expression carries. The labels they name are also kept by every
     # aggregation, so recorded series can be selected with the same matchers.
     selector: str = 'job="vllm-cache-exporter"'
-    # More labels every aggregation keeps (e.g. cluster, namespace) for a multi-cluster Prometheus.
+    # The operator's topology labels (target labels or a Prometheus' external labels) that
+    # every aggregation keeps, so one cluster's callers and engines are never summed with
+    # another's in a fleet's Prometheus; a label a series lacks costs nothing.
+    topology_labels: tuple[str, ...] = ("cluster", "namespace")
+    # More labels every aggregation keeps, beside the topology ones (e.g. instance).
     extra_group_labels: tuple[str, ...] = ()
+    # The label an HA pair of Prometheus servers (or agents) tell their copies apart by, in
+    # their external labels: the exporter's series are read through `max without (...)` of it
+    # before any sum, so a store that holds both copies does not double every sum. Empty: off.
+    replica_labels: tuple[str, ...] = ("prometheus_replica",)
     short_window: str = "5m"
     long_window: str = "1h"
     # How far back the collapse alerts' baseline remembers what the cache does when it works.
@@ -123,11 +131,31 @@ class MonitoringConfig:
     prompt_order_min_requests: float = 2.0
     prompt_order_for: str = "15m"
     prompt_order_severity: str = "warning"
+    # --- VllmCacheUnseenHistory ------------------------------------------------------------
+    # Share of a model's turns, over the long window, whose cached tokens the exporter's
+    # memory of their conversation cannot explain (earlier turns went to another exporter),
+    # and how many of those at least.
+    unseen_history_share: float = 0.25
+    unseen_history_min_requests: float = 10.0
+    unseen_history_for: str = "15m"
+    unseen_history_severity: str = "warning"
     # --- VllmCacheEngineDown / VllmCacheExporterDown ----------------------------------------
     engine_down_for: str = "5m"
     engine_down_severity: str = "warning"
     exporter_down_for: str = "5m"
     exporter_down_severity: str = "warning"
+    # --- VllmCacheExporterAbsent ------------------------------------------------------------
+    # Every exporter of a topology group (or of the whole selector) gone from the store
+    # without a failed scrape: a crashed Prometheus agent, a target dropped from service
+    # discovery. Remembered this long after the last sample, then it is the new normal.
+    exporter_absent_window: str = "1h"
+    exporter_absent_for: str = "5m"
+    exporter_absent_severity: str = "warning"
+    # --- VllmCacheDuplicateTarget -----------------------------------------------------------
+    # Two exporters report the same vLLM target under the same topology labels (sidecars
+    # without the `target` relabel all read localhost): every per-target rule merges them.
+    duplicate_target_for: str = "5m"
+    duplicate_target_severity: str = "warning"
     # --- VllmCacheEngineMetricAbsent --------------------------------------------------------
     required_signals: tuple[str, ...] = DEFAULT_REQUIRED_SIGNALS
     metric_absent_for: str = "10m"
@@ -150,8 +178,10 @@ class MonitoringConfig:
 
     @property
     def group_labels(self) -> tuple[str, ...]:
-        """Labels every aggregation keeps: the selector's, then the extra ones."""
-        return tuple(dict.fromkeys((*self.selector_labels, *self.extra_group_labels)))
+        """Labels every aggregation keeps: the selector's, the topology's, the extra ones."""
+        return tuple(
+            dict.fromkeys((*self.selector_labels, *self.topology_labels, *self.extra_group_labels))
+        )
 
     @property
     def short_seconds(self) -> float:
@@ -211,9 +241,13 @@ def _check_labels(config: MonitoringConfig) -> None:
         parse_selector(config.selector)
     except ValueError as err:
         _fail("selector", str(err))
-    for label in config.extra_group_labels:
-        if not _LABEL.match(label):
-            _fail("extra_group_labels", f"{label!r} is not a label name")
+    for key in ("topology_labels", "extra_group_labels", "replica_labels"):
+        for label in getattr(config, key):
+            if not _LABEL.match(label):
+                _fail(key, f"{label!r} is not a label name")
+    for label in config.replica_labels:
+        if label in config.group_labels:
+            _fail("replica_labels", f"{label!r} is also a label every aggregation keeps")
     if not config.required_signals:
         _fail("required_signals", "must name at least one signal")
     for signal in config.required_signals:
@@ -253,6 +287,7 @@ def _check_fractions(config: MonitoringConfig) -> None:
         "warm_ttft_min_warm_share",
         "kv_pool_full_ratio",
         "prompt_order_share",
+        "unseen_history_share",
         "hit_ratio_fair",
         "hit_ratio_good",
         "warm_share_fair",

@@ -32,6 +32,21 @@ class PromQL:
     def on(self, *level: str) -> str:
         return "on (" + ", ".join(self.labels(*level)) + ")"
 
+    def dedup(self, expr: str) -> str:
+        """``expr`` (the exporter's own series, or a function of them) with the copies an HA
+        pair of Prometheus servers made folded into one: ``max without (<replica_labels>)``.
+        Every sum of the exporter's series goes through it, so a store holding both replicas'
+        copies (a central Prometheus fed by remote write, VictoriaMetrics) does not double it;
+        where the label is absent it changes nothing."""
+        if not self.config.replica_labels:
+            return expr
+        return f"max without ({', '.join(self.config.replica_labels)}) ({expr})"
+
+    def sum_by(self, level: tuple[str, ...], expr: str) -> str:
+        """``sum by (<group labels>, <level>) (<dedup(expr)>)``: the one way the exporter's
+        own series are summed."""
+        return f"sum {self.by(*level)} ({self.dedup(expr)})"
+
     @staticmethod
     def window_suffix(window: str) -> str:
         return "rate" + window

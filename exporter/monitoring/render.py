@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from exporter.monitoring.alerts import alert_rule_groups
-from exporter.monitoring.config import MonitoringConfig
+from exporter.monitoring.config import MonitoringConfig, duration_seconds
 from exporter.monitoring.rules import recording_rule_groups
 
 RULES_PATH = "alerts/vllm-cache-rules.yaml"
@@ -72,6 +72,50 @@ def prometheus_files(config: MonitoringConfig) -> dict[str, str]:
     files[K8S_RULE_PATH] = prometheus_rule_manifest(config)
     files[K8S_DASHBOARDS_PATH] = dashboards_manifest(dashboards)
     return files
+
+
+VMALERT_HEADER = (
+    "# For vmalert (VictoriaMetrics), which does not know keep_firing_for before v1.90: each\n"
+    "# alert that has one reads its condition as it held at any evaluation of that long past\n"
+    "# (last_over_time of a subquery), so it resolves as late after recovery. Its one difference:\n"
+    "# a gap shorter than keep_firing_for does not restart the for: clock of a pending alert;\n"
+    "# and while kept, the annotations' figures are read anew (Prometheus keeps the last ones).\n"
+)
+
+
+def vmalert_step(config: MonitoringConfig) -> str:
+    """The subquery step that emulates keep_firing_for: the groups' evaluation interval, or a
+    minute where it is the server's own (vmalert's default)."""
+    return config.rule_interval or "1m"
+
+
+def vmalert_alert_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
+    """The alert groups with ``keep_firing_for`` emulated: ``last_over_time((expr)[K:step])``
+    is true while the condition held at any step of the last K, and has the value it had
+    then (so the annotations still read the condition's own value)."""
+    step = vmalert_step(config)
+    groups = []
+    for group in alert_rule_groups(config):
+        rules = []
+        for rule in group["rules"]:
+            keep = rule.get("keep_firing_for")
+            if keep is None or duration_seconds(keep) == 0:
+                rules.append(rule)
+                continue
+            emulated = {key: value for key, value in rule.items() if key != "keep_firing_for"}
+            emulated["expr"] = f"last_over_time((\n{rule['expr']}\n)[{keep}:{step}])"
+            rules.append(emulated)
+        groups.append({**group, "rules": rules})
+    return groups
+
+
+def vmalert_files(config: MonitoringConfig) -> dict[str, str]:
+    """``generate --format vmalert``: the recording rules as they are, the alerts with
+    keep_firing_for emulated (``vmalert_alert_groups``), at the same paths."""
+    return {
+        RULES_PATH: HEADER + dump_yaml({"groups": recording_rule_groups(config)}),
+        ALERTS_PATH: HEADER + VMALERT_HEADER + dump_yaml({"groups": vmalert_alert_groups(config)}),
+    }
 
 
 def prometheus_rule_manifest(config: MonitoringConfig) -> str:

@@ -169,6 +169,10 @@ class Names:
             histogram: f"target_model:vllm_cache_engine_kv_block_{histogram}_seconds:p50_{short}"
             for histogram in KV_BLOCK_HISTOGRAMS
         }
+        # several exporters behind one stream: turns whose history another exporter saw
+        self.model_turns = f"model:vllm_cache_conversation_turns:{long}"
+        self.model_unseen = f"model:vllm_cache_unseen_history_requests:{long}"
+        self.model_unseen_share = f"model:vllm_cache_unseen_history_request_share:{long}"
         self.target_kv_block_idle_share = (
             f"target_model:vllm_cache_engine_kv_block_idle_lifetime_share:{short}"
         )
@@ -205,15 +209,17 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
         rules.append(
             _rule(
                 names.caller_prompt[suffix],
-                f"sum {promql.by(*CALLER)} (rate({families.PROMPT_TOKENS.total}"
-                f"{promql.sel()}[{window}]))",
+                promql.sum_by(
+                    CALLER, f"rate({families.PROMPT_TOKENS.total}{promql.sel()}[{window}])"
+                ),
             )
         )
         rules.append(
             _rule(
                 names.caller_cached[suffix],
-                f"sum {promql.by(*CALLER)} (rate({families.CACHED_TOKENS.total}"
-                f"{promql.sel()}[{window}]))",
+                promql.sum_by(
+                    CALLER, f"rate({families.CACHED_TOKENS.total}{promql.sel()}[{window}])"
+                ),
             )
         )
         rules.append(
@@ -228,16 +234,19 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
         rules.append(
             _rule(
                 names.caller_unreported[suffix],
-                f"sum {promql.by(*CALLER)} ("
-                f"rate({families.UNREPORTED_PROMPT_TOKENS.total}"
-                f"{promql.sel()}[{window}]))",
+                promql.sum_by(
+                    CALLER,
+                    f"rate({families.UNREPORTED_PROMPT_TOKENS.total}{promql.sel()}[{window}])",
+                ),
             )
         )
     rules.append(
         _rule(
             names.caller_state_requests,
-            f"sum {promql.by(*CALLER_STATE)} (rate({families.REQUESTS.total}"
-            f"{promql.sel()}[{config.short_window}]))",
+            promql.sum_by(
+                CALLER_STATE,
+                f"rate({families.REQUESTS.total}{promql.sel()}[{config.short_window}])",
+            ),
         )
     )
     classified = promql.states_matcher()
@@ -251,13 +260,11 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
                 f"sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(classified)})"
             )
         else:
-            warm = (
-                f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
-                f"{promql.sel(warm_only)}[{window}]))"
+            warm = promql.sum_by(
+                CALLER, f"rate({families.REQUESTS.total}{promql.sel(warm_only)}[{window}])"
             )
-            total = (
-                f"sum {promql.by(*CALLER)} (rate({families.REQUESTS.total}"
-                f"{promql.sel(classified)}[{window}]))"
+            total = promql.sum_by(
+                CALLER, f"rate({families.REQUESTS.total}{promql.sel(classified)}[{window}])"
             )
         # Short (too small for one granule), unknown (cached tokens not reported) and error
         # turns say nothing about the cache, so they are out of the denominator.
@@ -279,9 +286,11 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
     rules.append(
         _rule(
             names.caller_state_ttft_bucket,
-            f"sum {promql.by(*CALLER_STATE, 'source', 'le')} ("
-            f"rate({families.TTFT_SECONDS.bucket}"
-            f"{promql.sel(classified)}[{config.short_window}]))",
+            promql.sum_by(
+                (*CALLER_STATE, "source", "le"),
+                f"rate({families.TTFT_SECONDS.bucket}"
+                f"{promql.sel(classified)}[{config.short_window}])",
+            ),
         )
     )
     # ">= 0" drops the NaN histogram_quantile returns for a window without requests.
@@ -311,6 +320,7 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
                 f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0",
             )
         )
+    rules.extend(_unseen_history_rules(config, promql, names))
     rules.extend(_completion_rules(config, promql, names))
     rules.extend(_prompt_order_rules(config, promql, names))
     return rules
@@ -325,7 +335,7 @@ def _prompt_order_rules(
     window = config.long_window
 
     def rate(family: families.Family) -> str:
-        return f"sum {promql.by(*CALLER)} (rate({family.total}{promql.sel()}[{window}]))"
+        return promql.sum_by(CALLER, f"rate({family.total}{promql.sel()}[{window}])")
 
     flagged = names.caller_order_variable_top
     return [
@@ -343,6 +353,27 @@ def _prompt_order_rules(
     ]
 
 
+def _unseen_history_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
+    """Per model, over the long window: the share of turns whose cached tokens the
+    exporter's memory of their conversation cannot explain, summed over every exporter
+    before dividing (each counts the turns it misread)."""
+    window = config.long_window
+    turns, unseen = families.CONVERSATION_TURNS, families.UNSEEN_HISTORY_REQUESTS
+    return [
+        _rule(
+            names.model_turns,
+            promql.sum_by(CALLER_MODEL, f"rate({turns.total}{promql.sel()}[{window}])"),
+        ),
+        _rule(
+            names.model_unseen,
+            promql.sum_by(CALLER_MODEL, f"rate({unseen.total}{promql.sel()}[{window}])"),
+        ),
+        _rule(names.model_unseen_share, _ratio(promql, names.model_unseen, names.model_turns)),
+    ]
+
+
 def _completion_rules(
     config: MonitoringConfig, promql: PromQL, names: Names
 ) -> list[dict[str, Any]]:
@@ -352,8 +383,10 @@ def _completion_rules(
     rules = [
         _rule(
             names.caller_completion_bucket,
-            f"sum {promql.by(*CALLER, 'le')} (rate("
-            f"{families.COMPLETION_USED_TOKENS.bucket}{promql.sel()}[{window}]))",
+            promql.sum_by(
+                (*CALLER, "le"),
+                f"rate({families.COMPLETION_USED_TOKENS.bucket}{promql.sel()}[{window}])",
+            ),
         )
     ]
     for name, quantile in COMPLETION_QUANTILES:
@@ -364,17 +397,14 @@ def _completion_rules(
                 f"{names.caller_completion_bucket}{promql.sel()}) >= 0",
             )
         )
-    declared = (
-        f"sum {promql.by(*CALLER)} (rate("
-        f"{families.COMPLETION_DECLARED_TOKENS.total}{promql.sel()}[{window}]))"
+    declared = promql.sum_by(
+        CALLER, f"rate({families.COMPLETION_DECLARED_TOKENS.total}{promql.sel()}[{window}])"
     )
-    requests = (
-        f"sum {promql.by(*CALLER)} (rate("
-        f"{families.COMPLETION_USED_TOKENS.count}{promql.sel()}[{window}]))"
+    requests = promql.sum_by(
+        CALLER, f"rate({families.COMPLETION_USED_TOKENS.count}{promql.sel()}[{window}])"
     )
-    used = (
-        f"sum {promql.by(*CALLER)} (rate("
-        f"{families.COMPLETION_USED_TOKENS.sum}{promql.sel()}[{window}]))"
+    used = promql.sum_by(
+        CALLER, f"rate({families.COMPLETION_USED_TOKENS.sum}{promql.sel()}[{window}])"
     )
     rules.append(_rule(names.caller_completion_declared, over(declared, requests)))
     # The means are exact (sums over counts), as the page and check say them: a median read
@@ -398,17 +428,19 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
         rules.append(
             _rule(
                 names.target_queries[suffix],
-                f"sum {promql.by(*TARGET)} (rate("
-                f"{families.ENGINE_PREFIX_CACHE_QUERIES_TOKENS.total}{promql.sel()}"
-                f"[{window}]))",
+                promql.sum_by(
+                    TARGET,
+                    f"rate({families.ENGINE_PREFIX_CACHE_QUERIES_TOKENS.total}{promql.sel()}[{window}])",
+                ),
             )
         )
         rules.append(
             _rule(
                 names.target_hits[suffix],
-                f"sum {promql.by(*TARGET)} (rate("
-                f"{families.ENGINE_PREFIX_CACHE_HITS_TOKENS.total}{promql.sel()}"
-                f"[{window}]))",
+                promql.sum_by(
+                    TARGET,
+                    f"rate({families.ENGINE_PREFIX_CACHE_HITS_TOKENS.total}{promql.sel()}[{window}])",
+                ),
             )
         )
         rules.append(
@@ -432,13 +464,13 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
     rules.append(
         _rule(
             names.target_kv_used_tokens,
-            f"sum {promql.by(*TARGET)} ({families.ENGINE_KV_USED_TOKENS.series}{promql.sel()})",
+            promql.sum_by(TARGET, f"{families.ENGINE_KV_USED_TOKENS.series}{promql.sel()}"),
         )
     )
     rules.append(
         _rule(
             names.target_kv_pool_tokens,
-            f"sum {promql.by(*TARGET)} ({families.ENGINE_KV_POOL_TOKENS.series}{promql.sel()})",
+            promql.sum_by(TARGET, f"{families.ENGINE_KV_POOL_TOKENS.series}{promql.sel()}"),
         )
     )
     rules.append(
@@ -462,8 +494,10 @@ def _engine_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
     rules.append(
         _rule(
             names.target_preemptions,
-            f"sum {promql.by(*TARGET)} (rate({families.ENGINE_PREEMPTIONS.total}"
-            f"{promql.sel()}[{config.short_window}]))",
+            promql.sum_by(
+                TARGET,
+                f"rate({families.ENGINE_PREEMPTIONS.total}{promql.sel()}[{config.short_window}])",
+            ),
         )
     )
     rules.append(
@@ -487,12 +521,13 @@ def _foresight_engine_rules(
     return [
         _rule(
             names.target_conversations,
-            f"sum {promql.by(*TARGET)} ({families.ENGINE_CONVERSATIONS_ACTIVE.series}{selector})",
+            promql.sum_by(TARGET, f"{families.ENGINE_CONVERSATIONS_ACTIVE.series}{selector}"),
         ),
         _rule(
             names.target_demand,
-            f"sum {promql.by(*TARGET)} "
-            f"({families.ENGINE_CONVERSATIONS_DEMAND_TOKENS.series}{selector})",
+            promql.sum_by(
+                TARGET, f"{families.ENGINE_CONVERSATIONS_DEMAND_TOKENS.series}{selector}"
+            ),
         ),
         _rule(
             names.target_fit_ratio,
@@ -500,14 +535,19 @@ def _foresight_engine_rules(
         ),
         _rule(
             names.target_pool_min,
-            f"sum {promql.by(*TARGET)} (min_over_time("
-            f"{families.ENGINE_KV_POOL_MIN_TOKENS.series}{selector}[{config.pool_min_window}]))",
+            promql.sum_by(
+                TARGET,
+                f"min_over_time({families.ENGINE_KV_POOL_MIN_TOKENS.series}{selector}"
+                f"[{config.pool_min_window}])",
+            ),
         ),
         _rule(
             names.target_budget,
-            f"sum {promql.by(*TARGET)} (min_over_time("
-            f"{families.ENGINE_ADMISSION_BUDGET_TOKENS.series}{selector}"
-            f"[{config.pool_min_window}]))",
+            promql.sum_by(
+                TARGET,
+                f"min_over_time({families.ENGINE_ADMISSION_BUDGET_TOKENS.series}{selector}"
+                f"[{config.pool_min_window}])",
+            ),
         ),
     ]
 
@@ -527,15 +567,19 @@ def _source_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
     return [
         _rule(
             names.target_source_prompt,
-            f"sum {promql.by(*TARGET_SOURCE)} (rate("
-            f"{families.ENGINE_PROMPT_TOKENS_BY_SOURCE.total}{promql.sel()}[{window}]))",
+            promql.sum_by(
+                TARGET_SOURCE,
+                f"rate({families.ENGINE_PROMPT_TOKENS_BY_SOURCE.total}{promql.sel()}[{window}])",
+            ),
         ),
         _rule(names.target_source_prompt_share, _share(promql, names.target_source_prompt)),
         _rule(
             names.target_source_cached,
-            f"sum {promql.by(*TARGET_SOURCE)} (rate("
-            f"{families.ENGINE_PROMPT_TOKENS_CACHED_BY_SOURCE.total}{promql.sel()}"
-            f"[{window}]))",
+            promql.sum_by(
+                TARGET_SOURCE,
+                f"rate({families.ENGINE_PROMPT_TOKENS_CACHED_BY_SOURCE.total}{promql.sel()}"
+                f"[{window}])",
+            ),
         ),
         _rule(names.target_source_cached_share, _share(promql, names.target_source_cached)),
     ]
@@ -556,18 +600,20 @@ def _residency_rules(
         rules.append(
             _rule(
                 names.target_kv_block_median[histogram],
-                f"histogram_quantile(0.5, sum {promql.by(*TARGET, 'le')} (rate("
-                f"{KV_BLOCK_HISTOGRAMS[histogram].bucket}{promql.sel()}"
-                f"[{window}]))) >= 0",
+                "histogram_quantile(0.5, "
+                + promql.sum_by(
+                    (*TARGET, "le"),
+                    f"rate({KV_BLOCK_HISTOGRAMS[histogram].bucket}{promql.sel()}[{window}])",
+                )
+                + ") >= 0",
             )
         )
-    idle = (
-        f"sum {promql.by(*TARGET)} (rate("
-        f"{families.ENGINE_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS.sum}{promql.sel()}[{window}]))"
+    idle = promql.sum_by(
+        TARGET,
+        f"rate({families.ENGINE_KV_BLOCK_IDLE_BEFORE_EVICT_SECONDS.sum}{promql.sel()}[{window}])",
     )
-    lifetime = (
-        f"sum {promql.by(*TARGET)} (rate("
-        f"{families.ENGINE_KV_BLOCK_LIFETIME_SECONDS.sum}{promql.sel()}[{window}]))"
+    lifetime = promql.sum_by(
+        TARGET, f"rate({families.ENGINE_KV_BLOCK_LIFETIME_SECONDS.sum}{promql.sel()}[{window}])"
     )
     rules.append(_rule(names.target_kv_block_idle_share, over(idle, lifetime)))
     return rules

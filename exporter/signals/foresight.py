@@ -143,6 +143,13 @@ class ConversationTracker:
         self.dropped_active = 0
         self.ended_by_restart = 0  # conversations ended by a restart of their vLLM
         self.models: dict[str, None] = {}  # model labels seen, for series kept at 0
+        # Turns held against the memory of their conversation, and those it cannot explain
+        # (``check_history``), per model label; the largest context of any conversation on
+        # each model label, what a conversation never seen may have cached from (a system
+        # prompt, a chat template, a document shared across conversations and callers).
+        self.turns: dict[str, int] = {}
+        self.unseen_history: dict[str, int] = {}
+        self.largest_context: dict[str, int] = {}
 
     def keep(
         self,
@@ -174,10 +181,33 @@ class ConversationTracker:
                 known.last_seen = when
         conversations = self.by_key
         conversations[key] = known
+        largest = self.largest_context
+        if largest.get(model, 0) < context_tokens:
+            largest[model] = context_tokens  # model labels are capped: bounded
         if model not in self.models:
             self.models[model] = None
         if len(conversations) > self.max_conversations:
             self.drop_oldest(now)
+
+    def check_history(
+        self, known: Conversation | None, model: str, cached: int, granule: int
+    ) -> None:
+        """Count a turn that reported ``cached`` tokens against what this exporter saw of its
+        conversation (``known``, taken out of ``by_key``; None: never seen): more than a
+        granule past the context it held after its last turn (for one never seen, past the
+        largest context of any conversation on the model, which a shared prefix may come
+        from) means turns this exporter did not see put it there. A context without its
+        completion (not reported) explains anything: the completion is unknown."""
+        turns = self.turns
+        turns[model] = turns.get(model, 0) + 1
+        if known is None:
+            explained = self.largest_context.get(model, 0)
+        elif known.context_tokens == known.prompt_tokens:
+            return
+        else:
+            explained = known.context_tokens
+        if cached > explained + granule:
+            self.unseen_history[model] = self.unseen_history.get(model, 0) + 1
 
     def drop_oldest(self, now: float) -> None:
         """Forget the least recently seen conversation (the bound is passed)."""

@@ -385,6 +385,7 @@ class UsageState:
         warm_tail = self.warm_tail_granules
         conversations_pop = self.conversations.by_key.pop
         keep = self.conversations.keep
+        check_history = self.conversations.check_history
         observe = self._observe
         seen = self.event_ids.seen
         duplicates = 0
@@ -417,13 +418,10 @@ class UsageState:
             conversation = conversations_pop(key, None)
             previous = conversation.prompt_tokens if conversation is not None else None
             prompt_tokens = event.prompt_tokens
-            state = classify(
-                prompt_tokens,
-                cached,
-                configured or learned_get(model) or self._classifying_granularity(model),
-                previous,
-                warm_tail,
-            )
+            granule = configured or learned_get(model) or self._classifying_granularity(model)
+            state = classify(prompt_tokens, cached, granule, previous, warm_tail)
+            if cached is not None:  # turns whose earlier ones another exporter saw
+                check_history(conversation, model, cached, granule)
             series.requests[state] += 1
             if previous is not None and previous < prompt_tokens:
                 series.followups += 1

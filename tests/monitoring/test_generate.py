@@ -88,6 +88,7 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
             "short_window": "10m",
             "long_window": "2h",
             "baseline_window": "7d",
+            "exporter_absent_window": "2h",
             "collapse_severity": "warning",
             "collapse_for": "15m",
             "collapse_keep_firing_for": "0s",
@@ -204,7 +205,8 @@ def test_config_block_defaults_validate_and_types_are_kept() -> None:
     config = config_from_mapping({"collapse_for": "90s", "preemptions_per_minute": 3})
     assert config.collapse_for == "90s"
     assert config.preemptions_per_minute == 3.0
-    assert config.group_labels == ("job",)
+    assert config.group_labels == ("job", "cluster", "namespace")
+    assert config_from_mapping({"topology_labels": []}).group_labels == ("job",)
     with pytest.raises(MonitoringConfigError):
         MonitoringConfig(long_window="0s")
 
@@ -251,3 +253,19 @@ def test_check_outside_the_repository_says_where_it_looked(tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(tmp_path) in err and "--output-dir" in err
     assert "missing" not in err
+
+
+def test_every_sum_of_the_exporter_s_series_folds_an_ha_pair_s_copies_first() -> None:
+    """An HA pair of Prometheus servers writing into one store gives each of the exporter's
+    series twice, told apart by ``prometheus_replica``: no rule or alert sums (or counts) one
+    of the exporter's own series without ``max without (prometheus_replica)`` around it, or
+    it reads double (alerts/tests/fleet.yaml has the figures)."""
+    files = prometheus_files(MonitoringConfig())
+    exprs = generated_exprs({k: v for k, v in files.items() if k.startswith("alerts/")})
+    unfolded = re.compile(
+        r"\b(?:sum|count) by \([^)]*\) \((?:rate|min_over_time)?\(?(?:vllm_cache_\w+|up)\{"
+    )
+    folded = re.compile(r"\b(?:sum|count) by \([^)]*\) \(max without \(prometheus_replica\)")
+    assert any(folded.search(expr) for expr in exprs)
+    for expr in exprs:
+        assert not unfolded.search(expr), expr

@@ -218,3 +218,40 @@ def test_the_demand_alert_fires_where_the_exporter_s_headroom_puts_the_budget(
     sample["value"] = 1 - sample["value"]
     test_file.write_text(yaml.safe_dump(data), "utf-8")
     assert run(promtool, "test", "rules", "tests/budget.yaml", cwd=alerts_dir).returncode != 0
+
+
+@pytest.mark.parametrize(
+    ("override", "wrong"),
+    [
+        # Without the replica fold, an HA pair's two copies double every absolute sum.
+        (
+            {"replica_labels": []},
+            'target_model:vllm_cache_admission_budget_tokens:min7d", cluster="a", '
+            'job="vllm-cache-exporter", model_name="m", target="http://vllm-0:8000/metrics"} '
+            "3.991808E+06",
+        ),
+        # Without the topology labels, cluster a's and b's agent-a are one caller: 50%.
+        (
+            {"topology_labels": []},
+            'caller_model:vllm_cache_hit_ratio:rate5m", caller="agent-a", '
+            'job="vllm-cache-exporter", model="m"} 5E-01',
+        ),
+    ],
+)
+def test_fleet_test_fails_without_the_replica_fold_or_the_topology_labels(
+    tmp_path: Path, override: dict[str, list[str]], wrong: str
+) -> None:
+    """alerts/tests/fleet.yaml holds the rules to a fleet's store: each setting is what keeps
+    its figures right (the HA pair's budget read twice, 3,991,808 instead of 1,995,904; two
+    clusters' callers merged into one of 50%)."""
+    promtool = require_tool("promtool")
+    alerts_dir = tmp_path / "alerts"
+    (alerts_dir / "tests").mkdir(parents=True)
+    for relative, content in prometheus_files(config_from_mapping(override)).items():
+        if relative in (RULES_PATH, ALERTS_PATH):
+            (tmp_path / relative).write_text(content, encoding="utf-8")
+    shutil.copy(ALERTS_DIR / "tests" / "fleet.yaml", alerts_dir / "tests")
+    result = run(promtool, "test", "rules", "tests/fleet.yaml", cwd=alerts_dir)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert wrong in output, output
