@@ -230,6 +230,16 @@ _ERROR = b'"error"'
 _RESPONSE_FAILED = b"response.failed"
 
 
+def _even_tail(chunk: bytes) -> bool:
+    """The run of line feeds that ends ``chunk`` is whole blank lines: an odd one left over
+    begins the next event (pairs are taken from the left), so such a chunk goes through the
+    buffer, which keeps that line feed with the event it begins."""
+    end = len(chunk)
+    while end > 0 and chunk[end - 1] == 10:  # b"\n", counted without copying the chunk
+        end -= 1
+    return (len(chunk) - end) % 2 == 0
+
+
 def _next_mention(chunk: bytes | bytearray, start: int) -> int:
     """Where, at or after ``start``, the first mention of usage or an error is (else -1):
     after the first content, the only events the stream reader reads."""
@@ -317,6 +327,7 @@ class StreamReader:
             and not self._oversized
             and chunk.endswith(b"\n\n")
             and b"\r" not in chunk
+            and _even_tail(chunk)
         ):
             return self._whole_events(chunk, now)
         if not self.strip:

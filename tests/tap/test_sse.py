@@ -3,6 +3,7 @@ injected usage chunk, and the usage is read from it."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -186,3 +187,25 @@ def test_event_data_joins_multi_line_data():
     assert event_data(b'event: x\ndata: {"a":\ndata:1}\n\n') == b'{"a":\n1}'
     assert event_data(b": comment only\n\n") is None
     assert event_data(b"data: [DONE]\n\n") == b"[DONE]"
+
+
+@pytest.mark.parametrize("run, cut_after", [(3, 3), (3, 2), (4, 3), (5, 3), (5, 4)])
+def test_a_run_of_line_feeds_split_between_chunks_before_the_usage_chunk(run, cut_after):
+    """The terminal chunk ends in a run of more than two line feeds, the chunk boundary falls
+    inside the run, and the injected usage chunk follows: the pairs are taken from the left
+    across the boundary as byte by byte, so exactly the bytes the byte-by-byte path sends go
+    out (an odd line feed at a chunk's end begins the usage chunk and goes with it)."""
+    events = [part for part in CHAT.split(b"\n\n") if part]
+    terminal = next(i for i, event in enumerate(events) if b'"finish_reason":"length"' in event)
+    stream = b""
+    for index, event in enumerate(events):
+        stream += event + b"\n" * (run if index == terminal else 2)
+    cut = stream.index(events[terminal]) + len(events[terminal]) + cut_after
+    whole = StreamReader(strip_usage_chunk=True, started=0.0)
+    out = whole.feed(stream[:cut], 1.0) + whole.feed(stream[cut:], 1.0) + whole.finish()
+    by_byte = StreamReader(strip_usage_chunk=True, started=0.0)
+    reference = b"".join(by_byte.feed(stream[i : i + 1], 1.0) for i in range(len(stream)))
+    reference += by_byte.finish()
+    assert out == reference
+    assert b'"usage"' not in out and out.endswith(b"data: [DONE]\n\n")
+    assert reading(whole) == reading(by_byte)
