@@ -415,4 +415,7 @@ def test_each_replicas_engine_keeps_its_own_identity_through_the_rules():
         for rule in group["rules"]
         if "vllm_cache_engine_" in rule["expr"] and "record" in rule
     ]
-    assert any("by (job, target, model_name)" in expr for expr in engine_rules)
+    # (after the selector's and the topology labels, cluster and namespace by default)
+    assert any(
+        re.search(r"by \(job(, [a-z_]+)*, target, model_name\)", expr) for expr in engine_rules
+    )
