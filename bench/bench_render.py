@@ -75,6 +75,7 @@ def exporter_state(callers: int, models: int = 1) -> SignalsState:
         Config(
             signals_granularity=2048,
             callers_max=callers,
+            callers_detailed=callers,
             callers_max_series=callers * models * SERIES_PER_PAIR,
         ),
         clock=lambda: 1_800_000_000.0,

@@ -105,6 +105,8 @@ def exporter_args(callers: int) -> list[str]:
     return [
         "--callers.max",
         str(callers),
+        "--callers.detailed",
+        str(callers),
         "--callers.max-series",
         str((callers + 1) * SERIES_PER_PAIR),
         "--signals.granularity",

@@ -33,7 +33,13 @@ from exporter import logs
 from exporter.monitoring.config import MonitoringConfigError
 from exporter.monitoring.config import load_config as load_monitoring_config
 from exporter.redaction import redact_text, redact_url
-from exporter.signals.callers import DEFAULT_MODEL_PATTERN, DEFAULT_NAME_PATTERN
+from exporter.signals.callers import (
+    DEFAULT_CALLERS,
+    DEFAULT_DETAILED,
+    DEFAULT_MAX_SERIES,
+    DEFAULT_MODEL_PATTERN,
+    DEFAULT_NAME_PATTERN,
+)
 from exporter.signals.foresight import (
     DEFAULT_HEADROOM_TOKENS,
     DEFAULT_IDLE_SECONDS,
@@ -575,20 +581,34 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "callers.max",
         "Callers",
-        "Most distinct caller label values; later callers are counted as __other__.",
+        "Most distinct caller label values, each with its own hit ratio and warm share (the "
+        "nine series of docs/metrics.md); past it, the callers of smallest hash are kept (the "
+        "same ones in every process, whatever the order they came in) and the rest counted as "
+        "__other__.",
         _to_int,
-        100,
+        DEFAULT_CALLERS,
         metavar="N",
         check=_positive,
     ),
     Flag(
+        "callers.detailed",
+        "Callers",
+        "Callers whose costly families (TTFT, queue and "
+        "completion histograms, prompt order) are their own, besides --callers.allow: those "
+        'of smallest hash; every other caller\'s go to caller="__other__" of its model.',
+        _to_int,
+        DEFAULT_DETAILED,
+        metavar="N",
+        check=_non_negative,
+    ),
+    Flag(
         "callers.max-series",
         "Callers",
-        "Most per-caller series exposed: each (caller, model) "
-        "pair is admitted only while its worst case (every state, every histogram) fits; "
-        "later pairs are counted under caller __other__ (see docs/metrics.md).",
+        "Most per-caller series exposed, each charged as it "
+        "appears; a (caller, model) pair that would go past it is counted under caller "
+        "__other__, a histogram that would under __other__'s (see docs/metrics.md).",
         _to_int,
-        40_000,
+        DEFAULT_MAX_SERIES,
         metavar="N",
         check=_positive,
     ),
@@ -1168,6 +1188,7 @@ class Config:
     usage_mapping_file: str = _default("usage.mapping.file")
     usage_litellm_caller_fields: tuple[str, ...] = _default("usage.litellm.caller-fields")
     callers_max: int = _default("callers.max")
+    callers_detailed: int = _default("callers.detailed")
     callers_max_series: int = _default("callers.max-series")
     callers_name_pattern: str = _default("callers.name-pattern")
     callers_model_pattern: str = _default("callers.model-pattern")

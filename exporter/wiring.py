@@ -40,6 +40,7 @@ def usage_settings(config: Config) -> UsageSettings:
         readers.append(TAP_READER)
     return UsageSettings(
         callers_max=config.callers_max,
+        callers_detailed=config.callers_detailed,
         callers_allow=config.callers_allow,
         callers_alias=dict(config.callers_alias),
         granularity=config.signals_granularity,

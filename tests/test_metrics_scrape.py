@@ -337,6 +337,7 @@ def worst_case_state(callers: int, models: int) -> tuple[Config, SignalsState]:
     config = Config(
         signals_granularity=2048,
         callers_max=callers,
+        callers_detailed=callers,  # every caller's histograms its own: the costliest render
         callers_max_series=callers * models * SERIES_PER_PAIR,
     )
     state = signals_state(config)

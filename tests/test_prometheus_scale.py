@@ -103,6 +103,8 @@ async def test_prometheus_keeps_every_sample_of_1000_callers(tmp_path, processes
             exporter,
             "--callers.max",
             str(CALLERS),
+            "--callers.detailed",  # every caller's histograms its own: the most samples
+            str(CALLERS),
             "--callers.max-series",
             str((CALLERS + 1) * SERIES_PER_PAIR),
             "--signals.granularity",

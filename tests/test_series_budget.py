@@ -11,8 +11,8 @@ from exporter.config import Config
 from exporter.metrics import build_registry
 from exporter.metrics.exposition import generate_openmetrics, generate_text
 from exporter.metrics.usage import UsageCollector
-from exporter.signals.callers import OTHER
-from exporter.signals.usage import SERIES_PER_PAIR
+from exporter.signals.callers import OTHER, rank
+from exporter.signals.usage import MAX_MODELS, SERIES_PER_CALLER, SERIES_PER_PAIR, TTFT_SERIES
 from exporter.values import PromptPrint, UsageEvent
 from exporter.wiring import signals_state
 from tests.helpers import value
@@ -102,7 +102,9 @@ def test_the_worst_case_stays_within_the_documented_bounds():
     registry = build_registry(state)
     max_series = documented("per-caller series")
     max_bytes = documented("bytes")
-    assert max_series == config.callers_max_series
+    # The budget, plus the __other__ pairs (a model label each, 32 and __other__), which
+    # always have room: the budget folds into them.
+    assert max_series == config.callers_max_series + (MAX_MODELS + 1) * SERIES_PER_PAIR
     for body in (generate_text(registry), generate_openmetrics(registry)):
         lines = [line for line in body.decode().splitlines() if line.startswith(PER_CALLER)]
         assert len(lines) <= max_series
@@ -122,8 +124,15 @@ def test_the_worst_case_stays_within_the_documented_bounds():
         for line in text.splitlines()
         if line.startswith("vllm_cache_prompt_order_variable_top_total{")
     ]
-    assert len(flagged) == len(state.usage.series)  # every pair has its prompt-order series
+    # Prompt order (like every costly family) is per caller for the detailed callers only,
+    # the others' counted under __other__ of their model.
+    ordered = [pair for pair, series in state.usage.series.items() if series.order is not None]
+    assert len(flagged) == len(ordered) > 0
+    assert {caller for caller, _model in ordered} <= set(state.usage.detailed.members) | {OTHER}
     assert all(not line.endswith(" 0.0") for line in flagged)
+    # The budget charged exactly what is exposed.
+    exposed = [line for line in text.splitlines() if line.startswith(PER_CALLER)]
+    assert len(exposed) == state.usage.exposed
     folded = value(text, "vllm_cache_callers_folded_total")
     assert folded and folded > 0
     # Nothing was lost: every event is counted, folded ones under __other__.
@@ -137,10 +146,43 @@ def test_the_worst_case_stays_within_the_documented_bounds():
 
 
 def test_pairs_within_the_budget_keep_their_own_series():
-    state = signals_state(Config(callers_max_series=3 * SERIES_PER_PAIR))
+    state = signals_state(Config(callers_max_series=2 * SERIES_PER_CALLER))
     for caller in ("a", "b", "c", "d"):
         state.usage.record(UsageEvent(caller, "m", 100, 0), "http")
-    assert set(state.usage.series) == {("a", "m"), ("b", "m"), (OTHER, OTHER)}
+    # __other__ of a model always has room: it is where the budget folds to.
+    assert set(state.usage.series) == {("a", "m"), ("b", "m"), (OTHER, "m")}
     assert state.usage.series_folded == 2
     state.usage.record(UsageEvent("a", "m", 100, 0), "http")  # admitted before: its own
     assert state.usage.series_folded == 2
+
+
+def per_caller_lines(state) -> list[str]:
+    text = generate_text(build_registry(state)).decode()
+    return [line for line in text.splitlines() if line.startswith(PER_CALLER)]
+
+
+def test_the_budget_charges_what_a_pair_exposes():
+    """A caller's hit ratio costs its nine series; a histogram is charged when it appears,
+    and the budget is what /metrics shows, not a worst case reserved per pair."""
+    state = signals_state(Config(callers_detailed=1, callers_max_series=1_000))
+    usage = state.usage
+    names = sorted((f"agent-{index}" for index in range(20)), key=rank)
+    for name in names:
+        usage.record(UsageEvent(name, "m", 4096, 2048), "http")
+    assert usage.exposed == len(per_caller_lines(state)) == 20 * SERIES_PER_CALLER
+    # The detailed caller's first timed turn adds its TTFT histogram, nothing more.
+    usage.record(UsageEvent(names[0], "m", 4096, 2048, ttft_seconds=0.3), "http")
+    assert usage.exposed == len(per_caller_lines(state)) == 20 * SERIES_PER_CALLER + TTFT_SERIES
+    # Another caller's timing goes to __other__'s histogram: nine series for __other__ and
+    # its histogram, still as exposed.
+    usage.record(UsageEvent(names[1], "m", 4096, 2048, ttft_seconds=0.3), "http")
+    assert usage.exposed == len(per_caller_lines(state))
+    assert usage.exposed == 21 * SERIES_PER_CALLER + 2 * TTFT_SERIES
+    assert not usage.series[(names[1], "m")].ttft
+    # Past the budget, a detailed pair's new histogram is __other__'s too.
+    tight = signals_state(Config(callers_max_series=SERIES_PER_CALLER))
+    tight.usage.record(UsageEvent("solo", "m", 4096, 2048, ttft_seconds=0.3), "http")
+    assert not tight.usage.series[("solo", "m")].ttft
+    assert tight.usage.series[(OTHER, "m")].ttft["warm"].total == 0.3
+    assert tight.usage.series_folded == 1
+    assert tight.usage.exposed == len(per_caller_lines(tight))

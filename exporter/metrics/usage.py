@@ -27,6 +27,7 @@ from exporter.metrics.exposition import (
     escape_label_value,
     format_value,
 )
+from exporter.signals.callers import OTHER
 from exporter.signals.classify import STATES
 from exporter.signals.usage import (
     ENGINE,
@@ -146,8 +147,9 @@ class _SeriesText:
 
     A series changes only when an event is counted into it, and every such event adds one to
     exactly one of its ``requests`` counts (``UsageState.record_events``): their sum is the
-    series' version. Lines are reused only once the series and every histogram in it are
-    shown (past the new-series hold), since a held one renders zeros whatever its version.
+    series' version (not __other__'s: see ``render_slices``). Lines are reused only once the
+    series and every histogram in it are shown (past the new-series hold), since a held one
+    renders zeros whatever its version.
     """
 
     __slots__ = (
@@ -323,6 +325,7 @@ class UsageCollector:
         self.usage = usage
         # Label text per (caller, model) series; bounded like the series (never removed).
         self._text: dict[tuple[str, str], _SeriesText] = {}
+        self._retired = usage.retired
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -411,8 +414,9 @@ class UsageCollector:
         """
         usage = self.usage
         cache = self._text
-        if len(cache) > len(usage.series):
-            cache.clear()
+        if len(cache) > len(usage.series) or self._retired != usage.retired:
+            cache.clear()  # series gone, or a series' histograms (signals/usage.py _retire)
+            self._retired = usage.retired
         # One string per series and family (a histogram's lines joined): few objects to hand
         # over and free at the end, where one per line would cost tens of milliseconds at
         # thousands of series; kept strings are shared, never copied, between renders.
@@ -438,7 +442,10 @@ class UsageCollector:
                 work += 1
             else:
                 lines = _series_lines(text, real, now)
-                if _fully_shown(real, now):
+                # __other__'s histograms also count the observations of callers outside the
+                # detailed set, which change none of its requests: never reused whole (each
+                # histogram's lines still are, while unchanged).
+                if _fully_shown(real, now) and key[0] != OTHER:
                     text.series, text.version, text.lines = real, version, lines
                 work += REUSED_PER_RENDERED
             series_requests, series_counters, series_ttft, series_queue = lines

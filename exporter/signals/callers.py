@@ -12,8 +12,12 @@ this order, and the same whichever reader saw the name:
    letters and digits that mixes both, as random keys do). E-mail addresses are hashed too,
    unless the operator keeps them (``--callers.keep-emails``). The operator can still tell
    hashed names apart, and alias a hash to a readable name.
-3. The first ``max_labels`` distinct labels are admitted; later ones share ``__other__``,
-   and every event counted there is counted as an overflow.
+3. At most ``max_labels`` distinct labels are admitted; the others share ``__other__``,
+   and every event counted there is counted as an overflow. Which ones is decided by rank,
+   not by arrival (``RankedSet``): the labels with the smallest BLAKE2b hashes among all
+   seen, so a restart, or a second exporter fed the same callers in another order, names
+   the same ones. A caller admitted early gives its place up when one of smaller rank
+   arrives while the cap is full (its series go; ``on_evict`` tells the owner).
 
 Nothing is ever hashed because of a prefix alone: ``pk-search`` and ``sess-caller`` are
 names, ``sk-proj-4f9...`` is a key.
@@ -35,6 +39,8 @@ characters, so without RE2 a pattern with a repeat inside a repeat is warned abo
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import logging
 import re
 import sys
@@ -59,6 +65,13 @@ log = logging.getLogger(__name__)
 OTHER = OVERFLOW_LABEL
 DEFAULT_NAME_PATTERN = r"[A-Za-z0-9._-]{1,64}"
 DEFAULT_MODEL_PATTERN = r"[A-Za-z0-9._:/+-]{1,128}"
+# The defaults (--callers.max, --callers.detailed, --callers.max-series): a platform's callers
+# each with its own hit ratio; the costly families per caller for a hundred of them; a budget
+# that holds both on three models (10,000 x 3 x 9 + 100 x 3 x 238 = 341,400 series: the
+# per-caller part of docs/metrics.md, exporter/signals/usage.py SERIES_PER_PAIR).
+DEFAULT_CALLERS = 10_000
+DEFAULT_DETAILED = 100
+DEFAULT_MAX_SERIES = 350_000
 
 # A well-known secret prefix followed by the token it introduces (never the prefix alone).
 _PREFIXED_SECRET = re.compile(
@@ -195,12 +208,73 @@ class NamePolicy:
         return name
 
 
+def rank(label: str) -> int:
+    """A label's place in the order callers are admitted by: its 128-bit BLAKE2b hash
+    (unsalted, so the same in every process; ``RankedSet``). Two labels of one rank are as
+    likely as a collision of the hash."""
+    digest = hashlib.blake2b(label.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return int.from_bytes(digest, "big")
+
+
+class RankedSet:
+    """At most ``size`` labels: of all labels ever offered, those of smallest ``rank``,
+    whatever order they came in (a bottom-k sample).
+
+    ``offer`` admits a label while there is room; when full, a label ranked before the
+    worst member takes its place (the worst is returned, evicted) and any other is refused.
+    The worst member only ever gets better, so a label refused once is refused for good,
+    and after n distinct labels about ``size * ln(n / size)`` evictions have happened in all
+    (460 for 100 of 10,000): the set settles on the same members in every process. Memory:
+    a dict entry and a heap entry per member, about 200 bytes with a 30-character label.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = max(0, size)
+        self.members: dict[str, int] = {}
+        self._heap: list[tuple[int, str]] = []  # (-rank, label): the worst member first
+        self.evictions = 0
+
+    def __contains__(self, label: object) -> bool:
+        return label in self.members
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def offer(self, label: str) -> tuple[bool, str | None]:
+        """(admitted, the member it evicted or None)."""
+        if label in self.members:
+            return True, None
+        if self.size <= 0:
+            return False, None
+        value = rank(label)
+        if len(self.members) < self.size:
+            self.members[label] = value
+            heapq.heappush(self._heap, (-value, label))
+            return True, None
+        worst_negated, worst = self._heap[0]
+        if value >= -worst_negated:
+            return False, None
+        heapq.heapreplace(self._heap, (-value, label))
+        del self.members[worst]
+        self.members[label] = value
+        self.evictions += 1
+        return True, worst
+
+    def discard(self, label: str) -> None:
+        """Take a member out (a caller gone from the caller cap): its place is free."""
+        if self.members.pop(label, None) is not None:
+            self._heap = [entry for entry in self._heap if entry[1] != label]
+            heapq.heapify(self._heap)
+
+
 class LabelCap:
     """Maps raw names to label values: alias, the name policy, then the cap (rules 1-3).
 
     ``label()`` is on the hot path: a dict hit for every name seen before. The memo is bounded
-    (cleared when full) because raw names are unbounded; the decision for a name never changes
-    once made, since admitted labels are kept separately and never expire.
+    (cleared when full) because raw names are unbounded. A name refused by the cap is refused
+    for good; an admitted one may later be evicted by a label of smaller rank (``ranked``):
+    the memo is cleared then and ``on_evict`` called with the label that went. Unranked (the
+    models, which the operator names), the first ``max_labels`` are admitted.
     """
 
     def __init__(
@@ -210,13 +284,19 @@ class LabelCap:
         alias: Mapping[str, str] | None = None,
         memo_size: int = 10_000,
         policy: NamePolicy | None = None,
+        ranked: bool = False,
+        on_evict: Callable[[str], None] | None = None,
     ) -> None:
         self.max_labels = max_labels
         self.policy = policy or NamePolicy()
         self.allow = frozenset(allow)
         self.alias = dict(alias or {})
         self.memo_size = memo_size
-        self.admitted: set[str] = set()
+        self.ranked = RankedSet(max_labels) if ranked else None
+        self.on_evict = on_evict
+        self.admitted: set[str] | dict[str, int] = (
+            self.ranked.members if self.ranked is not None else set()
+        )
         self.overflowed = 0  # events that went to OTHER because the cap was reached
         self._memo: dict[str, tuple[str, bool]] = {}
 
@@ -238,7 +318,16 @@ class LabelCap:
             label = self.alias.get(label, label)  # an alias may name a hashed name
         if label in self.allow or label in self.admitted or label == OTHER:
             return label, False
-        if len(self.admitted) < self.max_labels:
-            self.admitted.add(label)
+        if self.ranked is not None:
+            admitted, evicted = self.ranked.offer(label)
+            if evicted is not None:
+                self._memo.clear()
+                if self.on_evict is not None:
+                    self.on_evict(evicted)
+            return (label, False) if admitted else (OTHER, True)
+        admitted_set = self.admitted
+        assert isinstance(admitted_set, set)
+        if len(admitted_set) < self.max_labels:
+            admitted_set.add(label)
             return label, False
         return OTHER, True

@@ -31,7 +31,7 @@ import math
 import sys
 from array import array
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,6 +287,11 @@ class History:
                 ratios.add(
                     when, (end[cached] - start[cached]) / looked_up, when - windows.baseline_seconds
                 )
+
+    def forget(self, which: Callable[[Any], bool]) -> None:
+        """Drop the timelines of the (caller, model) keys ``which`` picks (a caller gone)."""
+        for key in [key for key in self.callers if which(key)]:
+            del self.callers[key]
 
     def caller(self, key: Hashable) -> Timeline | None:
         return self.callers.get(key)

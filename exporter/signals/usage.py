@@ -14,15 +14,19 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from exporter.signals.callers import (
+    DEFAULT_CALLERS,
+    DEFAULT_DETAILED,
+    DEFAULT_MAX_SERIES,
     DEFAULT_MODEL_PATTERN,
     DEFAULT_NAME_PATTERN,
     OTHER,
     LabelCap,
     NamePolicy,
+    RankedSet,
 )
 from exporter.signals.classify import COLD, ERROR, STATES, WARM, classify
 from exporter.signals.engine import EngineState
@@ -124,24 +128,33 @@ TIMING_SLACK_SECONDS = 0.01
 PAIR_MEMO_MAX = 10_000
 # Distinct (reader, reason) pairs counted; reasons come from code, this guards the tap's.
 MAX_REJECT_KEYS = 256
-# The most series one (caller, model) pair can ever have: the requests counter per state,
-# three token counters, and per timing source a TTFT histogram per state that is timed
-# (errors are not) and a queue-wait histogram; then (foresight) the completion-tokens-used
-# histogram and the declared-completion-tokens counter; then (prompt order, tap only) the
-# requests compared, those found sharing text but not its beginning, and the two byte sums
-# of those (shared text, first difference). A new pair is admitted only if its
-# worst case still fits the series budget, so the bound holds whatever states, sources and
-# histograms appear later.
+# What the series budget (--callers.max-series) charges, as each series appears. Every
+# (caller, model) pair has the requests counter per state and three token counters: what its
+# hit ratio and warm share are computed from (SERIES_PER_CALLER, 9). The costly families come
+# on top only for a detailed caller (--callers.allow, and the --callers.detailed of smallest
+# rank), each when its first observation arrives: per timing source a TTFT histogram per
+# timed state (errors are not timed) and a queue-wait histogram; the completion-tokens-used
+# histogram with the declared-completion-tokens counter; the four prompt-order counters (tap
+# only). The other callers' observations of those go to caller="__other__" of their model.
+# SERIES_PER_PAIR is a detailed pair's worst case.
 TIMED_STATES = tuple(state for state in STATES if state != ERROR)
+SERIES_PER_CALLER = len(STATES) + 3
+TTFT_SERIES = len(TTFT_BUCKETS) + 3
+QUEUE_SERIES = len(QUEUE_BUCKETS) + 3
 COMPLETION_SERIES = len(COMPLETION_BUCKETS) + 3 + 1
 ORDER_SERIES = 4
 SERIES_PER_PAIR = (
-    len(STATES)
-    + 3
-    + len(TIMING_SOURCES) * (len(TIMED_STATES) * (len(TTFT_BUCKETS) + 3) + len(QUEUE_BUCKETS) + 3)
+    SERIES_PER_CALLER
+    + len(TIMING_SOURCES) * (len(TIMED_STATES) * TTFT_SERIES + QUEUE_SERIES)
     + COMPLETION_SERIES
     + ORDER_SERIES
 )
+# An evicted caller's series are still shown this long (two scrapes at a one-minute
+# interval), with their last counts, before they go: nothing counted is lost to Prometheus.
+RETIRE_SECONDS = 120.0
+# The status page's history keeps the detailed callers' pairs (and __other__'s) on up to
+# this many models each (signals/history.py: about 38 KB a pair).
+HISTORY_MODELS = 3
 
 # Where each source's TTFT starts in a row of ``caller_totals`` (warm sum, count, cold sum,
 # count; a row has no time field).
@@ -192,9 +205,13 @@ class Series:
         "followups",
         "followups_cold",
         "order",
+        "charged",
+        "fallback",
     )
 
-    def __init__(self, shown_from: float = 0.0, first_seen: float = 0.0) -> None:
+    def __init__(
+        self, shown_from: float = 0.0, first_seen: float = 0.0, fallback: str | None = None
+    ) -> None:
         self.requests = dict.fromkeys(STATES, 0)
         self.prompt_tokens = 0  # only events that reported cached tokens
         self.cached_tokens = 0
@@ -224,6 +241,11 @@ class Series:
         self.followups_cold = 0
         # prompt order: created with the pair's first request compared with a recent one
         self.order: OrderCounts | None = None
+        # Series of the budget this pair holds (SERIES_PER_CALLER, then its histograms).
+        self.charged = 0
+        # Where the costly families' observations go when the budget has no room for its
+        # own: caller="__other__" of this model label (None for that pair itself).
+        self.fallback = fallback
 
 
 class OrderCounts:
@@ -251,7 +273,9 @@ class OrderCounts:
 class UsageSettings:
     """How per-caller usage is labelled and classified (the callers.* and signals.* flags)."""
 
-    callers_max: int = 100
+    callers_max: int = DEFAULT_CALLERS
+    # Callers (by rank, besides callers_allow) whose costly families are their own.
+    callers_detailed: int = DEFAULT_DETAILED
     callers_allow: Sequence[str] = ()
     callers_alias: Mapping[str, str] = field(default_factory=dict)
     granularity: int = 0  # 0: learn it, else vLLM's block size
@@ -260,9 +284,9 @@ class UsageSettings:
     # Readers whose event counter exists (at 0) before their first event, so an alert can
     # tell "never sent anything" from "not configured".
     readers: Sequence[str] = ("http",)
-    # Most per-caller series (a pair's worst case counted when it is admitted); events of
-    # pairs beyond it are counted under caller "__other__" (and model "__other__").
-    max_series: int = 40_000
+    # Most per-caller series (each charged as it appears); events of pairs beyond it are
+    # counted under caller "__other__" (and model "__other__").
+    max_series: int = DEFAULT_MAX_SERIES
     # Names that may be labels as they are; anything else becomes its hash (callers.py).
     name_pattern: str = DEFAULT_NAME_PATTERN
     model_pattern: str = DEFAULT_MODEL_PATTERN
@@ -297,7 +321,13 @@ class UsageState:
             settings.callers_allow,
             dict(settings.callers_alias),
             policy=NamePolicy(settings.name_pattern, settings.keep_emails),
+            ranked=True,
+            on_evict=self._forget_caller,
         )
+        # The callers whose costly families are their own: the allowed ones and, of the
+        # others, the callers_detailed of smallest rank (callers.RankedSet).
+        self.detailed = RankedSet(settings.callers_detailed)
+        self.detailed_allow = frozenset(self.callers.allow)
         self.models = LabelCap(
             MAX_MODELS,
             policy=NamePolicy(
@@ -315,16 +345,30 @@ class UsageState:
         # Whole requests refused, by reason: every reason exists at 0 from the start.
         self.ingest_requests_rejected: dict[str, int] = dict.fromkeys(INGEST_REFUSALS, 0)
         self._model_names: dict[str, str] = {}  # model label -> a raw name, for block size
-        self._pairs: dict[tuple[str, str], tuple[Series, str, bool, bool]] = {}
-        # Pairs the budget admits; one is always left for (__other__, __other__).
-        self.max_pairs = max(1, settings.max_series // SERIES_PER_PAIR)
+        # raw (caller, model) -> (its series, the series its costly families go to (None:
+        # __other__ of the model, created when first needed), model label, overflowed,
+        # folded)
+        self._pairs: dict[tuple[str, str], tuple[Series, Series | None, str, bool, bool]] = {}
+        # The series budget and what the pairs hold of it (Series.charged, summed); the
+        # __other__ pairs (one per model, one for the overflowing models) always have room.
+        self.max_series = settings.max_series
+        self.exposed = 0
         self.series_folded = 0  # events counted under __other__ because of the budget
+        # Evicted callers' series (whole: True) or costly families (False) still shown, until
+        # when (``_retire``); at most the evictions of RETIRE_SECONDS.
+        self._retiring: dict[tuple[str, str], tuple[float, bool]] = {}
+        self._next_retire = math.inf
+        self.retired = 0  # costly families let go so far (UsageCollector's kept lines)
         self.new_series_hold = settings.new_series_hold
         self.conversations = ConversationTracker(settings.foresight)
         self.order = OrderTracker(settings.prompt_order_window)
-        # The alerts' windows, for the status page (signals/history.py): one timeline per
-        # pair the budget admits, so bounded like them.
-        self.history = History(self.max_pairs, settings.windows)
+        # The alerts' windows, for the status page (signals/history.py): a timeline per pair
+        # of a detailed caller or __other__, on up to HISTORY_MODELS models each.
+        self.history = History(
+            (min(settings.callers_detailed, settings.callers_max) + len(self.detailed_allow) + 1)
+            * HISTORY_MODELS,
+            settings.windows,
+        )
         # (reader, reason) -> time from which its rejection counter shows (as for series).
         self.rejected_shown_from: dict[tuple[str, str], float] = {}
         # Retried copies: the (caller, id) of events counted lately, and the Idempotency-Keys
@@ -377,6 +421,8 @@ class UsageState:
         now = self._clock()
         if self.history.next_due <= now < math.inf:  # a slot boundary passed: keep the
             self.sample_history(now)  # totals at it (never for a clock gone wrong)
+        if self._next_retire <= now:
+            self._retire(now)
         pairs_get = self._pairs.get
         resolve_pair = self._pair
         reported = self._reported
@@ -399,7 +445,7 @@ class UsageState:
             pair = pairs_get((caller, model_name))
             if pair is None:
                 pair = resolve_pair(caller, model_name)
-            series, model, overflowed, folded = pair
+            series, detail, model, overflowed, folded = pair
             if overflowed:
                 self.callers.overflowed += 1
             if folded:
@@ -432,7 +478,7 @@ class UsageState:
             else:
                 series.prompt_tokens += prompt_tokens
                 series.cached_tokens += cached
-            observe(series, state, event, reader)
+            observe(detail, state, event, reader, model)
             keep(key, conversation, event, model, now)
         if duplicates:
             self.reject(reader, "duplicate", duplicates)
@@ -473,7 +519,9 @@ class UsageState:
             granularity = self.learner.provisional(model)
         return granularity
 
-    def _observe(self, series: Series, state: str, event: UsageEvent, reader: str) -> None:
+    def _observe(
+        self, series: Series | None, state: str, event: UsageEvent, reader: str, model: str
+    ) -> None:
         """The TTFT (vLLM's own where it sent one, else the proxy's less its admission
         wait) by state, each queue's wait, and what the turn used of the completion budget
         it declared. (``Histogram.observe``, inlined: this runs for every event.)
@@ -494,12 +542,20 @@ class UsageState:
             self.timings_dropped[key] = self.timings_dropped.get(key, 0) + 1
             queue = proxy_ttft = None
         ttft = event.engine_ttft_seconds
+        if series is None:  # not a detailed caller: its costly families are __other__'s
+            if (
+                ttft is None
+                and proxy_ttft is None
+                and queue is None
+                and event.engine_queue_seconds is None
+                and (event.max_tokens is None or event.completion_tokens is None)
+            ):
+                return
+            series = self._other(model)
         if ttft is not None:
             # vLLM's own: from scheduling to the first token, no wait in it. The proxy's
             # figure of the same request is not counted a second time.
-            hist = series.engine_ttft.get(state) or self._histogram(
-                series.engine_ttft, state, TTFT_BUCKETS
-            )
+            hist = series.engine_ttft.get(state) or self._new_ttft(series, ENGINE, state)
         else:
             ttft = proxy_ttft
             if ttft is None:
@@ -509,28 +565,27 @@ class UsageState:
                     # Within TIMING_SLACK_SECONDS a wait longer than the TTFT means the
                     # engine part was too short to measure, not negative.
                     ttft = ttft - queue if ttft > queue else 0.0
-                hist = series.ttft.get(state) or self._histogram(series.ttft, state, TTFT_BUCKETS)
+                hist = series.ttft.get(state) or self._new_ttft(series, PROXY, state)
         if hist is not None and ttft is not None:
             hist.counts[bisect_left(hist.bounds, ttft)] += 1
             hist.total += ttft
         if queue is not None:
-            hist = series.queue
-            if hist is None:
-                hist = series.queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+            hist = series.queue or self._new_queue(series, PROXY)
             hist.counts[bisect_left(hist.bounds, queue)] += 1
             hist.total += queue
         engine_queue = event.engine_queue_seconds
         if engine_queue is not None:
             # A second queue, after the proxy's: a request can wait in both.
-            hist = series.engine_queue
-            if hist is None:
-                hist = series.engine_queue = Histogram(QUEUE_BUCKETS, self._shown_from())
+            hist = series.engine_queue or self._new_queue(series, ENGINE)
             hist.counts[bisect_left(hist.bounds, engine_queue)] += 1
             hist.total += engine_queue
         completion = event.completion_tokens
         if event.max_tokens is not None and completion is not None:
             if series.completion is None:
-                series.completion = Histogram(COMPLETION_BUCKETS, self._shown_from())
+                series = self._room(series, COMPLETION_SERIES)
+                if series.completion is None:
+                    series.completion = Histogram(COMPLETION_BUCKETS, self._shown_from())
+                    self._charge(series, COMPLETION_SERIES)
             series.completion.observe(completion)
             series.declared_completion_tokens += event.max_tokens
             if completion > series.completion_largest:
@@ -538,10 +593,39 @@ class UsageState:
             if event.max_tokens > series.declared_largest:
                 series.declared_largest = event.max_tokens
 
-    def _histogram(
-        self, by_state: dict[str, Histogram], state: str, bounds: tuple[float, ...]
-    ) -> Histogram:
-        hist = by_state[state] = Histogram(bounds, self._shown_from())
+    def _room(self, series: Series, cost: int) -> Series:
+        """The series a new histogram (``cost`` series) of ``series`` is created in: itself
+        while the budget has room; else its fallback (__other__ of its model, which always
+        has room), whose histogram may already exist. Whoever creates it ``_charge``s."""
+        fallback = series.fallback
+        if fallback is not None and self.exposed + cost > self.max_series:
+            self.series_folded += 1
+            return self._other(fallback)
+        return series
+
+    def _charge(self, series: Series, cost: int) -> None:
+        series.charged += cost
+        self.exposed += cost
+
+    def _new_ttft(self, series: Series, source: str, state: str) -> Histogram:
+        owner = self._room(series, TTFT_SERIES)
+        by_state = owner.engine_ttft if source == ENGINE else owner.ttft
+        hist = by_state.get(state)
+        if hist is None:
+            hist = by_state[state] = Histogram(TTFT_BUCKETS, self._shown_from())
+            self._charge(owner, TTFT_SERIES)
+        return hist
+
+    def _new_queue(self, series: Series, source: str) -> Histogram:
+        owner = self._room(series, QUEUE_SERIES)
+        hist = owner.engine_queue if source == ENGINE else owner.queue
+        if hist is None:
+            hist = Histogram(QUEUE_BUCKETS, self._shown_from())
+            self._charge(owner, QUEUE_SERIES)
+            if source == ENGINE:
+                owner.engine_queue = hist
+            else:
+                owner.queue = hist
         return hist
 
     def record_prompt(self, event: UsageEvent, prompt: PromptPrint) -> None:
@@ -550,17 +634,32 @@ class UsageState:
         pair = self._pairs.get((event.caller, event.model))
         if pair is None:
             pair = self._pair(event.caller, event.model)
-        self._order(event, prompt, pair[0], self._clock())
+        self._order(event, prompt, pair[0], pair[1], pair[2], self._clock())
 
-    def _order(self, event: UsageEvent, prompt: PromptPrint, series: Series, now: float) -> None:
-        """Compare the request's prompt with the pair's recent ones (the tap's prints)."""
+    def _order(
+        self,
+        event: UsageEvent,
+        prompt: PromptPrint,
+        series: Series,
+        detail: Series | None,
+        model: str,
+        now: float,
+    ) -> None:
+        """Compare the request's prompt with the pair's recent ones (the tap's prints), and
+        count what was found in ``detail`` (the pair's own counters, or __other__'s)."""
         when = event.time if event.time is not None else now
         found = self.order.observe(series, prompt, when)  # one key per label pair
         if found is None:
             return
-        counts = series.order
+        if detail is None:
+            detail = self._other(model)
+        counts = detail.order
         if counts is None:
-            counts = series.order = OrderCounts(self._shown_from())
+            detail = self._room(detail, ORDER_SERIES)
+            counts = detail.order
+            if counts is None:
+                counts = detail.order = OrderCounts(self._shown_from())
+                self._charge(detail, ORDER_SERIES)
         counts.compared += 1
         if found.variable_top:
             counts.variable_top += 1
@@ -568,11 +667,13 @@ class UsageState:
             counts.first_difference_bytes += found.first_difference_bytes
             counts.last_variable_top = when
 
-    def _pair(self, caller: str, model_name: str) -> tuple[Series, str, bool, bool]:
-        """Resolve a raw (caller, model) to its series through the label caps, and memoize.
+    def _pair(self, caller: str, model_name: str) -> tuple[Series, Series | None, str, bool, bool]:
+        """Resolve a raw (caller, model) to its series and the series its costly families go
+        to, through the label caps and the budget, and memoize.
 
-        The memo is bounded like the caps' own; an overflowed caller is memoized as such so
-        that each of its events is still counted in ``callers_overflowed``.
+        The memo is bounded like the caps' own, and cleared when a caller is evicted from
+        either ranked set; an overflowed caller is memoized as such so that each of its
+        events is still counted in ``callers_overflowed``.
         """
         before = self.callers.overflowed
         caller_label = self.callers.label(caller)
@@ -580,29 +681,97 @@ class UsageState:
         self.callers.overflowed = before  # record() counts it, for memo hits and misses alike
         model = self.models.label(model_name)
         key, folded = self._within_budget((caller_label, model))
-        model = key[1]
+        caller_label, model = key
         series = self.series.get(key)
         if series is None:
-            series = self.series[key] = Series(self._shown_from(), self._clock())
+            series = self._new_series(key)
             self._model_names.setdefault(model, model_name)
+        detail = series if self._is_detailed(caller_label) else None
         if len(self._pairs) >= PAIR_MEMO_MAX:
             self._pairs.clear()
-        pair = self._pairs[(caller, model_name)] = (series, model, overflowed, folded)
+        pair = self._pairs[(caller, model_name)] = (series, detail, model, overflowed, folded)
         return pair
+
+    def _new_series(self, key: tuple[str, str]) -> Series:
+        fallback = None if key[0] == OTHER else key[1]
+        series = self.series[key] = Series(self._shown_from(), self._clock(), fallback)
+        series.charged = SERIES_PER_CALLER
+        self.exposed += SERIES_PER_CALLER
+        return series
+
+    def _other(self, model: str) -> Series:
+        """The (__other__, model) series, created on first use: it has room whatever the
+        budget (one per model label, MAX_MODELS + 1 in all)."""
+        series = self.series.get((OTHER, model))
+        return series if series is not None else self._new_series((OTHER, model))
+
+    def _is_detailed(self, caller: str) -> bool:
+        """Whether the caller's costly families are its own: allowed, __other__, or among
+        the detailed callers (offered here, which may evict one: ``_undetail``)."""
+        if caller == OTHER or caller in self.detailed_allow:
+            return True
+        admitted, evicted = self.detailed.offer(caller)
+        if evicted is not None:
+            self._undetail(evicted)
+        return admitted
 
     def _within_budget(self, key: tuple[str, str]) -> tuple[tuple[str, str], bool]:
         """The pair a new (caller, model) is counted under: itself while the series budget
-        has room, else (__other__, model), else (__other__, __other__), which always has."""
-        series = self.series
-        if key in series:
+        has room for its SERIES_PER_CALLER series, else (__other__, model)."""
+        if key in self.series or key[0] == OTHER:
             return key, False
-        room = self.max_pairs - 1 - len(series) + (OVERFLOW_PAIR in series)
-        if room > 0 or key == OVERFLOW_PAIR:
+        if self.exposed + SERIES_PER_CALLER <= self.max_series:
             return key, False
-        other_caller = (OTHER, key[1])
-        if other_caller in series:
-            return other_caller, True
-        return OVERFLOW_PAIR, True
+        return (OTHER, key[1]), True
+
+    def _undetail(self, caller: str) -> None:
+        """A caller left the detailed set: its later observations go to __other__, and its
+        own histograms stay as they are until RETIRE_SECONDS have passed (so Prometheus
+        scrapes what they counted last), then go (``_retire``)."""
+        self._pairs.clear()
+        deadline = self._clock() + RETIRE_SECONDS
+        for key in self.series:
+            if key[0] == caller:
+                self._retiring.setdefault(key, (deadline, False))
+        self._next_retire = min(self._next_retire, deadline)
+        self.history.forget(lambda key: key[0] == caller)
+
+    def _forget_caller(self, caller: str) -> None:
+        """The caller cap evicted a caller (a caller of smaller rank came): its later events
+        count under __other__, and its series stay as they are until RETIRE_SECONDS have
+        passed (so Prometheus scrapes what they counted last), then go (``_retire``)."""
+        self._pairs.clear()
+        self.detailed.discard(caller)
+        deadline = self._clock() + RETIRE_SECONDS
+        for key in self.series:
+            if key[0] == caller:
+                self._retiring[key] = (deadline, True)
+        self._next_retire = min(self._next_retire, deadline)
+        self.history.forget(lambda key: key[0] == caller)
+
+    def _retire(self, now: float) -> None:
+        """Let the series (or only the costly families) of evicted callers go once their
+        time has come; a caller let back in meanwhile keeps them."""
+        due = [key for key, (deadline, _whole) in self._retiring.items() if deadline <= now]
+        for key in due:
+            _deadline, whole = self._retiring.pop(key)
+            series = self.series.get(key)
+            if series is None:
+                continue
+            caller = key[0]
+            if whole and caller not in self.callers.admitted and caller not in self.callers.allow:
+                self.exposed -= self.series.pop(key).charged
+            elif not whole and caller not in self.detailed and caller not in self.detailed_allow:
+                self.exposed -= series.charged - SERIES_PER_CALLER
+                series.charged = SERIES_PER_CALLER
+                series.ttft, series.engine_ttft = {}, {}
+                series.queue = series.engine_queue = series.completion = None
+                series.declared_completion_tokens = 0
+                series.order = None
+                self.retired += 1  # the collector's kept lines of it are stale
+        self._next_retire = min(
+            (deadline for deadline, _whole in self._retiring.values()), default=math.inf
+        )
 
     def reject(self, reader: str, reason: str, count: int = 1) -> None:
         """Count events a reader could not use (one by default), by a short machine
@@ -622,7 +791,7 @@ class UsageState:
         ``history.CALLER_FIELDS`` order: what the status page shows and the history keeps."""
         totals: dict[tuple[str, str], list[float]] = {}
         width = len(CALLER_FIELDS) - 1
-        for pair, series in self.series.items():
+        for pair, series in self.tracked_series():
             row = totals[pair] = [0.0] * width
             requests = series.requests
             row[0] = series.prompt_tokens
@@ -653,8 +822,17 @@ class UsageState:
         return totals
 
     def first_seen(self) -> dict[tuple[str, str], float]:
-        """When each (caller, model) pair first sent anything."""
-        return {pair: series.first_seen for pair, series in self.series.items()}
+        """When each tracked (caller, model) pair first sent anything."""
+        return {pair: series.first_seen for pair, series in self.tracked_series()}
+
+    def tracked_series(self) -> Iterator[tuple[tuple[str, str], Series]]:
+        """The pairs the status page keeps a history of: those of the detailed callers
+        (allowed or ranked) and of __other__ (the page answers for them; Prometheus for all)."""
+        detailed, allow = self.detailed.members, self.detailed_allow
+        for pair, series in self.series.items():
+            caller = pair[0]
+            if caller in detailed or caller in allow or caller == OTHER:
+                yield pair, series
 
     def catch_up(self, now: float) -> None:
         """Sample the history if a slot boundary passed: call before anything changes the

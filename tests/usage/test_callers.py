@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from exporter.metrics import build_registry
 from exporter.redaction import key_label
-from exporter.signals.callers import OTHER, LabelCap, NamePolicy, looks_like_key
+from exporter.signals.callers import OTHER, LabelCap, NamePolicy, looks_like_key, rank
+from exporter.signals.usage import RETIRE_SECONDS
 from exporter.values import UsageEvent
-from tests.usage.conftest import make_state, value
+from tests.usage.conftest import FakeClock, make_state, value
 
 KEYS = [
     "sk-proj-" + "Ab3dEf6hIj9kLm2nOp5qRs8t",
@@ -68,19 +71,51 @@ def test_an_alias_can_name_a_hashed_key():
     assert list(state.usage.series) == [("ci-bot", "m")]
 
 
-def test_cap_sends_later_callers_to_other_and_counts_them():
+def test_the_cap_keeps_the_callers_of_smallest_rank_and_counts_the_rest():
     state = make_state(callers_max=3)
     usage = state.usage
-    for index in range(5):
-        usage.record(UsageEvent(f"c{index}", "m", 100, 0), "http")
-    usage.record(UsageEvent("c4", "m", 100, 0), "http")  # memoized: still counted
-    usage.record(UsageEvent("c0", "m", 100, 0), "http")  # admitted: not an overflow
+    names = [f"c{index}" for index in range(5)]
+    kept = sorted(names, key=rank)[:3]
+    for name in names:
+        usage.record(UsageEvent(name, "m", 100, 0), "http")
+    for name in names:  # memoized or decided again: the same answer
+        usage.record(UsageEvent(name, "m", 100, 0), "http")
     registry = build_registry(state)
-    callers = {caller for caller, _ in usage.series}
-    assert callers == {"c0", "c1", "c2", OTHER}
-    assert value(registry, "vllm_cache_callers_overflowed_total") == 3
-    assert value(registry, "vllm_cache_requests_total", caller=OTHER, model="m", state="cold") == 3
-    assert value(registry, "vllm_cache_requests_total", caller="c0", model="m", state="cold") == 2
+    assert {caller for caller, _ in usage.series} - {OTHER} <= set(names)
+    assert set(usage.callers.admitted) == set(kept)
+    for name in kept:
+        assert value(registry, "vllm_cache_requests_total", caller=name, model="m", state="cold")
+    # The second round of the two callers that lost is counted under __other__, and as an
+    # overflow (the first may have been their own, until a caller of smaller rank came).
+    assert value(registry, "vllm_cache_requests_total", caller=OTHER, model="m", state="cold") >= 2
+    assert value(registry, "vllm_cache_callers_overflowed_total") >= 2
+
+
+def test_two_exporters_fed_the_same_callers_in_other_orders_name_the_same_ones():
+    """Naming is decided by rank, not arrival: a restart, or a second exporter behind the
+    same gateway, names the same callers and details the same ones."""
+    names = [f"agent-{index}" for index in range(1_000)]
+    shuffled = list(names)
+    random.Random(7).shuffle(shuffled)
+    clock = FakeClock()
+    states = [make_state(clock, callers_max=300, callers_detailed=20) for _ in range(2)]
+    for state, order in zip(states, (names, shuffled), strict=True):
+        for name in order:
+            state.usage.record(UsageEvent(name, "m", 4096, 2048, ttft_seconds=0.2), "http")
+    # Evicted callers' series are shown a while longer with their last counts, then go.
+    clock.now += RETIRE_SECONDS
+    for state, order in zip(states, (names, shuffled), strict=True):
+        for name in reversed(order):  # the same traffic again, after every arrival
+            state.usage.record(UsageEvent(name, "m", 4096, 2048, ttft_seconds=0.2), "http")
+    first, second = (state.usage for state in states)
+    assert set(first.series) == set(second.series)
+    assert set(first.callers.admitted) == set(second.callers.admitted)
+    assert set(first.callers.admitted) == set(sorted(names, key=rank)[:300])
+    assert set(first.detailed.members) == set(second.detailed.members)
+    assert set(first.detailed.members) == set(sorted(names, key=rank)[:20])
+    # Only the detailed callers have TTFT histograms of their own; the rest are __other__'s.
+    timed = {caller for (caller, _model), series in first.series.items() if series.ttft}
+    assert timed == set(first.detailed.members) | {OTHER}
 
 
 def test_allowlist_gets_a_label_past_the_cap_and_alias_renames():
@@ -89,10 +124,15 @@ def test_allowlist_gets_a_label_past_the_cap_and_alias_renames():
     )
     usage = state.usage
     usage.record(UsageEvent("old-name", "m", 100, 0), "http")  # takes the one free label
-    usage.record(UsageEvent("someone", "m", 100, 0), "http")
     usage.record(UsageEvent("vip", "m", 100, 0), "http")
-    assert set(usage.series) == {("new-name", "m"), (OTHER, "m"), ("vip", "m")}
-    assert usage.callers_overflowed == 1
+    assert set(usage.series) == {("new-name", "m"), ("vip", "m")}
+    # Of two callers for one label, the one of smaller rank has it.
+    _loser, winner = sorted(("new-name", "someone"), key=rank, reverse=True)
+    for name in ("someone", "old-name", "someone", "old-name"):
+        usage.record(UsageEvent(name, "m", 100, 0), "http")
+    assert set(usage.callers.admitted) == {winner}
+    assert usage.callers_overflowed >= 2  # the loser's turns after it lost
+    assert ("vip", "m") in usage.series  # allowed: never counted against the cap
 
 
 def test_the_cap_survives_a_flood_of_distinct_names():

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from exporter.metrics import build_registry
-from exporter.signals.callers import OTHER
+from exporter.signals.callers import OTHER, rank
 from exporter.signals.classify import STATES
 from exporter.usage import ingest
 from exporter.usage.event import InvalidEvent, validate
@@ -73,7 +73,12 @@ def expected_sums(objs: list, callers_max: int, missing_as_zero: bool) -> dict:
             out["rejected"]["all"] += 1
             continue
         caller = event.caller
+        # Admitted by rank: the callers_max of smallest hash so far; a caller evicted by one
+        # of smaller rank keeps what it counted, and its later events go to __other__.
         if caller not in admitted and len(admitted) < callers_max:
+            admitted.append(caller)
+        elif caller not in admitted and rank(caller) < max(map(rank, admitted)):
+            admitted.remove(max(admitted, key=rank))
             admitted.append(caller)
         if caller not in admitted:
             caller = OTHER
