@@ -202,7 +202,7 @@ def test_the_cap_stays_below_the_descriptors_the_process_has():
 
 async def test_a_reader_that_never_reads_holds_a_bounded_buffer_and_is_cut(monkeypatch):
     monkeypatch.setattr(server, "SEND_TIMEOUT_SECONDS", 1.0)
-    config = Config(callers_max=2000, callers_max_series=10_000_000)
+    config = Config(callers_max=2000, callers_detailed=2000, callers_max_series=10_000_000)
     state = signals_state(config)
     for index in range(2000):  # a body of several MB
         state.usage.record(
