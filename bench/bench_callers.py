@@ -57,6 +57,7 @@ import asyncio
 import datetime
 import json
 import math
+import os
 import random
 import re
 import shlex
@@ -403,6 +404,7 @@ class Get:
     wire: int = 0
     plain: int = 0
     samples: int = 0
+    exporter_cpu: float | None = None  # the exporter's CPU seconds over the GET (with ingest)
 
 
 @dataclass
@@ -481,14 +483,20 @@ async def getter(run: Run, ends: float) -> None:
     """GET /metrics as Prometheus asks for it, every ``--get-interval`` s (time to last byte)."""
     url = run.exporter.base_url + "/metrics"
     loop = asyncio.get_running_loop()
+    if run.args.get_interval <= 0:
+        return
     async with aiohttp.ClientSession() as session:
         await asyncio.sleep(min(7.0, run.args.get_interval / 2))
         while loop.time() < ends:
             tick = loop.time()
             wall = time.time()
+            cpu_before = cpu_seconds(run.exporter.pid)
             try:
                 seconds, status, wire, headers = await fetch(session, url, PROMETHEUS_HEADERS, 60)
+                cpu_after = cpu_seconds(run.exporter.pid)
                 get = Get(wall, seconds, status, len(wire))
+                if cpu_before is not None and cpu_after is not None:
+                    get.exporter_cpu = cpu_after - cpu_before
                 get.plain, get.samples = await asyncio.to_thread(count_samples, wire, headers)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 get = Get(wall, loop.time() - tick, None)
@@ -553,7 +561,7 @@ async def drive(run: Run) -> dict[str, Any]:
     t0 = loop.time() + 0.5
     feed_ends = t0 + args.duration
     give_up = feed_ends + max(30.0, args.duration / 2)
-    run.marks.update(feed_start_wall=time.time() + 0.5)
+    run.marks.update(feed_start_wall=time.time() + 0.5, load_start=os.getloadavg()[0])
     pollers_end = feed_ends + args.tail
     pollers = [
         asyncio.ensure_future(getter(run, feed_ends)),
@@ -577,9 +585,28 @@ async def drive(run: Run) -> dict[str, Any]:
             prom[name] = await range_samples(
                 session, run.prometheus.url, f'{name}{{job="{JOB}"}}', window
             )
+        async with session.get(run.prometheus.url + "/metrics") as response:
+            own = await response.text()
+    iterations = {
+        name: {
+            dict(LABEL.findall(labels))["rule_group"].rsplit(";", 1)[-1]: float(value)
+            for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)", own, re.M)
+        }
+        for name in (
+            "prometheus_rule_group_iterations_total",
+            "prometheus_rule_group_iterations_missed_total",
+        )
+    }
+    run.marks["load_end"] = os.getloadavg()[0]
     accepted = sum(post.accepted for post in run.posts)
     text, waited = await final_counts(run, accepted)
-    return {"prometheus": prom, "text": text, "settle_seconds": waited, "accepted": accepted}
+    return {
+        "prometheus": prom,
+        "iterations": iterations,
+        "text": text,
+        "settle_seconds": waited,
+        "accepted": accepted,
+    }
 
 
 # ---- the confusion matrix ------------------------------------------------------------
@@ -695,7 +722,16 @@ def overlaps(post: Post, windows: Sequence[tuple[float, float]]) -> bool:
     return any(start < end and post.started < stop for start, stop in windows)
 
 
-def rule_groups(run: Run) -> list[dict[str, Any]]:
+def used_cpu(gets: Sequence[Get]) -> list[float]:
+    return [get.exporter_cpu for get in gets if get.exporter_cpu is not None]
+
+
+def rule_groups(run: Run, iterations: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """Each group's evaluation time (max and last seen) against its interval, and
+    Prometheus' own count of its iterations and of those it missed (an evaluation still
+    running when the next was due)."""
+    ran = iterations.get("prometheus_rule_group_iterations_total", {})
+    missed = iterations.get("prometheus_rule_group_iterations_missed_total", {})
     groups = []
     for key, seen in sorted(run.evaluations.items()):
         ordered = [seen[at] for at in sorted(seen)]
@@ -713,6 +749,8 @@ def rule_groups(run: Run) -> list[dict[str, Any]]:
                 "last_pct": round(100 * ordered[-1] / interval, 2),
                 "slowest_rule_last": slowest[0],
                 "slowest_rule_last_s": round(slowest[1], 4),
+                "iterations": ran.get(key[0]),
+                "iterations_missed": missed.get(key[0]),
             }
         )
     return groups
@@ -741,6 +779,7 @@ def report(
     good_gets = [get for get in run.gets if get.status == 200]
     last_get = good_gets[-1] if good_gets else None
     up = [value for _, value in prom["up"]]
+    up_at = dict(prom["up"])
     feed_start = run.marks["feed_start_wall"]
     rss = [s.rss for s in sampler.samples]
     callers = [f"caller-{index:05d}" for index in range(args.callers)]
@@ -797,8 +836,17 @@ def report(
                 statistics.median(g.seconds for g in good_gets) if good_gets else None
             ),
             "bench_get_max_ms": ms(max((g.seconds for g in good_gets), default=None)),
+            "bench_get_exporter_cpu_median_s": (
+                round(statistics.median(cpus), 3) if (cpus := used_cpu(good_gets)) else None
+            ),
             "bench_get_timeline": [
-                (round(g.started - feed_start, 1), ms(g.seconds), g.samples) for g in run.gets
+                (
+                    round(g.started - feed_start, 1),
+                    ms(g.seconds),
+                    g.samples,
+                    round(g.exporter_cpu or 0, 3),
+                )
+                for g in run.gets
             ],
             "exporter_render_metrics": render_names or "not exposed",
             "bytes_text_final": len(text.encode()),
@@ -812,16 +860,21 @@ def report(
             max((s.rss for s in prom_sampler.samples), default=0) / MiB, 1
         ),
         "prometheus": {
-            "scrapes": len(durations),
+            "scrape_count": len(durations),
             "scrape_duration_median_ms": ms(
                 statistics.median(v for _, v in durations) if durations else None
             ),
             "scrape_duration_max_ms": ms(max((v for _, v in durations), default=None)),
-            "scrape_durations_ms": [ms(v) for _, v in durations],
+            "scrapes_expected": int(
+                (run.marks["feed_end_wall"] + run.args.tail - feed_start) // 15
+            ),
+            "scrapes": [
+                (round(at - feed_start, 1), ms(seconds), up_at.get(at)) for at, seconds in durations
+            ],
             "up_samples": len(up),
             "up_zero": sum(1 for value in up if value == 0),
             "samples_scraped_max": max((v for _, v in prom["scrape_samples_scraped"]), default=0),
-            "rule_groups": rule_groups(run),
+            "rule_groups": rule_groups(run, found["iterations"]),
             "rule_errors": run.rule_errors,
         },
         "exporter_counters": {
@@ -840,6 +893,10 @@ def report(
             line for line in text.splitlines() if line.startswith("vllm_cache_granularity_tokens")
         ],
         "settle_s": round(found["settle_seconds"], 1),
+        "load_average_1m": {
+            "feed_start": round(run.marks["load_start"], 2),
+            "end": round(run.marks["load_end"], 2),
+        },
         "confusion": confusion(run, text, callers, models),
         "exporter_survived": run.exporter.alive() and sampler.killed_for is None,
         "killed_for": sampler.killed_for or prom_sampler.killed_for,
@@ -857,6 +914,8 @@ def print_report(result: dict[str, Any]) -> None:
         f"G = {result['granularity']}, seed {result['seed']}"
     )
     print(f"exporter: {result['exporter_command']}")
+    load = result["load_average_1m"]
+    print(f"load average (1 min): {load['feed_start']} at the start, {load['end']} at the end")
     traffic = result["traffic"]
     print(
         f"traffic: {traffic['events_built']:,} events in {traffic['bodies']:,} bodies, built "
@@ -879,13 +938,16 @@ def print_report(result: dict[str, Any]) -> None:
         ("bench GET /metrics (gzip): median / max / n",
          f"{metrics['bench_get_median_ms']} / {metrics['bench_get_max_ms']} ms / "
          f"{metrics['bench_gets']}"),
+        ("exporter CPU s during a bench GET, median",
+         str(metrics["bench_get_exporter_cpu_median_s"])),
         ("exporter's own render timing", str(metrics["exporter_render_metrics"])),
         ("exporter RSS MB: start / peak / end",
          " / ".join(str(v) for v in result["exporter_rss_mb"].values())),
         ("Prometheus RSS MB, peak", str(result["prometheus_rss_peak_mb"])),
-        ("scrape_duration_seconds: median / max / scrapes",
-         f"{prom['scrape_duration_median_ms']} / {prom['scrape_duration_max_ms']} ms / "
-         f"{prom['scrapes']}"),
+        ("scrape_duration_seconds: median / max",
+         f"{prom['scrape_duration_median_ms']} / {prom['scrape_duration_max_ms']} ms"),
+        ("scrapes stored / expected at 15 s",
+         f"{prom['scrape_count']} / {prom['scrapes_expected']}"),
         ("up: samples / up==0", f"{prom['up_samples']} / {prom['up_zero']}"),
         ("scrape_samples_scraped, max", f"{prom['samples_scraped_max']:,.0f}"),
     ]  # fmt: skip
@@ -910,7 +972,7 @@ def print_report(result: dict[str, Any]) -> None:
             f"{group['evaluations_seen']} seen: max {group['max_s'] * 1e3:.1f} ms "
             f"({group['max_pct']}%), last {group['last_s'] * 1e3:.1f} ms ({group['last_pct']}%);"
             f" slowest rule {group['slowest_rule_last']} {group['slowest_rule_last_s'] * 1e3:.1f}"
-            " ms"
+            f" ms; iterations {group['iterations']}, missed {group['iterations_missed']}"
         )
     if prom["rule_errors"]:
         print(f"  rules in error: {prom['rule_errors']}")
