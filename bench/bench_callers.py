@@ -634,8 +634,8 @@ def confusion(run: Run, text: str, callers: list[str], models: list[str]) -> dic
         for body in body_list:
             for index in body.truth:
                 truth_flat[index] += 1
-    for truth in run.failed_truth:
-        for index in truth:
+    for lost in run.failed_truth:
+        for index in lost:
             failed[index] += 1
     exported = exporter_requests(text)
     named = {caller for caller, _ in exported if caller != "__other__"}
@@ -1040,9 +1040,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help=f"smoke check: {QUICK}")
     parser.add_argument("--json", metavar="PATH", help="write every figure there")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.quick:  # its figures, except where the command line gives its own
         for name, value in QUICK.items():
-            if getattr(args, name) == parser.get_default(name):
+            option = "--" + name.replace("_", "-")
+            if not any(arg == option or arg.startswith(option + "=") for arg in argv):
                 setattr(args, name, value)
     args.exporter_flags = [*args.exporter_flag, *passthrough]
     return args
