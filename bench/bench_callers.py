@@ -1020,7 +1020,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=2.0,
         help="K of the true states (pass the exporter's own with --signals.warm-tail-granules)",
     )
-    parser.add_argument("--get-interval", type=float, default=20.0, help="bench GET /metrics")
+    parser.add_argument(
+        "--get-interval",
+        type=float,
+        default=20.0,
+        help="seconds between the bench's GETs (0: none)",
+    )
     parser.add_argument("--tail", type=float, default=20.0, help="seconds polled after feeding")
     parser.add_argument(
         "--settle",
