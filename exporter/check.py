@@ -392,6 +392,13 @@ def _describe_status(data: dict[str, Any], report: Report) -> None:
                 f"{baseline}), warm share {_percent(pair.get('warm_share_window'))} over the "
                 f"last {short}."
             )
+    hidden = data.get("callers_not_shown") or 0
+    if hidden:
+        report.lines.append(
+            f"{hidden} more callers are counted: their hit ratios are in Prometheus "
+            "(caller_model:vllm_cache_hit_ratio:*), this exporter's history keeps the "
+            "--callers.detailed and --callers.allow ones."
+        )
     for item in data.get("problems", []):
         if item.get("pages"):
             report.paging.append(f"{item.get('alert')}: {item.get('sentence')}")

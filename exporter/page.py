@@ -123,6 +123,13 @@ def render(
         parts.append('<div class="cards">')
         parts += [_caller(view, status) for view in status.callers]
         parts.append("</div>")
+        if status.callers_not_shown:
+            parts.append(
+                f'<p id="callers-not-shown">{status.callers_not_shown} more callers have their '
+                "hit ratio and warm share in Prometheus (caller_model:vllm_cache_hit_ratio:*); "
+                "this page keeps the history of the --callers.detailed ones and of "
+                "--callers.allow.</p>"
+            )
     else:
         parts.append(
             "<p>No usage received yet: send it to POST /v1/usage, follow a file "

@@ -423,3 +423,24 @@ def test_the_demo_page_says_scenario_time_and_a_real_one_utc():
     real = page.render(seen, "test")
     assert "Status at 22:25:50 UTC," in real  # BASE + 750 s
     assert "scenario time" not in real
+
+
+def test_past_the_detailed_callers_the_page_says_where_the_others_are():
+    """At a platform's size the page keeps the history of the detailed callers (and
+    __other__'s) only, and says how many more Prometheus has, as check does."""
+    from exporter.signals.callers import OTHER
+    from exporter.values import UsageEvent
+    from exporter.wiring import signals_state
+
+    now = 1_800_000_000.0
+    state = signals_state(Config(callers_detailed=5), clock=lambda: now)
+    for index in range(12):
+        state.usage.record(UsageEvent(f"agent-{index}", "m", 4096, 2048), "http")
+    found = status.build(state.engine, state.usage, now, collapse_rule())
+    shown = {view.caller for view in found.callers}
+    assert shown == set(state.usage.detailed.members)
+    assert found.callers_not_shown == 12 - 5
+    assert OTHER not in shown  # no __other__ traffic: every caller is named
+    html = page.render(found, "test")
+    assert 'id="callers-not-shown">7 more callers' in html
+    assert found.as_json()["callers_not_shown"] == 7

@@ -203,6 +203,9 @@ class Status:
     advice: list[Item] = field(default_factory=list)
     engines: list[EngineView] = field(default_factory=list)
     callers: list[CallerView] = field(default_factory=list)
+    # Named callers not shown (outside --callers.detailed and --callers.allow): Prometheus
+    # has every caller's ratio; the page keeps a history for the detailed ones.
+    callers_not_shown: int = 0
 
     def problem(self, kind: str) -> Item | None:
         return next((item for item in self.problems if item.kind == kind), None)
@@ -289,7 +292,15 @@ def build(engine: EngineState, usage: UsageState, now: float, rule: CollapseRule
     """Everything the page shows, as of ``now`` (call ``usage.catch_up(now)`` first, so that
     the history holds the last boundary)."""
     windows = usage.history.windows
-    status = Status(now, windows.short_seconds, windows.long_seconds, windows.baseline_seconds)
+    named = {caller for caller, _model in usage.series}
+    shown = {caller for (caller, _model), _series in usage.tracked_series()}
+    status = Status(
+        now,
+        windows.short_seconds,
+        windows.long_seconds,
+        windows.baseline_seconds,
+        callers_not_shown=len(named - shown),
+    )
     caching_off = _engines(status, engine, usage, now, rule)
     _callers(status, usage, now, rule, all_caching_off=caching_off)
     if status.problem("collapse") is not None:  # the callers' collapse says it, and who
