@@ -88,7 +88,7 @@ class ForesightCollector:
         now = usage.now()
         used = families.histogram(families.COMPLETION_USED_TOKENS)
         declared = families.counter(families.COMPLETION_DECLARED_TOKENS)
-        for (caller, model), series in sorted(usage.series.items()):
+        for (caller, model), series in sorted(usage.costly.items()):
             hist = series.completion
             if hist is None:
                 continue
@@ -111,7 +111,7 @@ class ForesightCollector:
         variable = families.counter(families.PROMPT_ORDER_VARIABLE_TOP)
         shared = families.counter(families.PROMPT_ORDER_SHARED_BYTES)
         first = families.counter(families.PROMPT_ORDER_FIRST_DIFFERENCE_BYTES)
-        for (caller, model), series in sorted(usage.series.items()):
+        for (caller, model), series in sorted(usage.costly.items()):
             counts = series.order
             if counts is None:
                 continue

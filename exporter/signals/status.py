@@ -694,7 +694,7 @@ def _unattributed(status: Status, engine: EngineState, usage: UsageState, now: f
 def _completions(status: Status, usage: UsageState) -> None:
     """Declared against used completion tokens per pair, from exact sums and counts; the
     charge bounded by the largest used and declared (``advice.completions``)."""
-    for (caller, model), series in sorted(usage.series.items()):
+    for (caller, model), series in sorted(usage.costly.items()):
         hist = series.completion
         if hist is None:
             continue
@@ -727,7 +727,7 @@ def _prompt_order(status: Status, usage: UsageState, now: float) -> None:
     """Callers whose recent requests share text but not its beginning (the tap's prints):
     said while the latest such request is within the prompt-order window."""
     recent = now - usage.order.window_seconds
-    for (caller, model), series in sorted(usage.series.items()):
+    for (caller, model), series in sorted(usage.costly.items()):
         counts = series.order
         if counts is None or counts.last_variable_top is None:
             continue

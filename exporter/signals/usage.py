@@ -207,6 +207,7 @@ class Series:
         "order",
         "charged",
         "fallback",
+        "key",
     )
 
     def __init__(
@@ -246,6 +247,7 @@ class Series:
         # Where the costly families' observations go when the budget has no room for its
         # own: caller="__other__" of this model label (None for that pair itself).
         self.fallback = fallback
+        self.key: tuple[str, str] | None = None  # its (caller, model) labels
 
 
 class OrderCounts:
@@ -353,6 +355,9 @@ class UsageState:
         # __other__ pairs (one per model, one for the overflowing models) always have room.
         self.max_series = settings.max_series
         self.exposed = 0
+        # The pairs with any costly family (a detailed caller's, __other__'s): what the
+        # completion and prompt-order collectors walk, a few hundred of the many thousand.
+        self.costly: dict[tuple[str, str], Series] = {}
         self.series_folded = 0  # events counted under __other__ because of the budget
         # Evicted callers' series (whole: True) or costly families (False) still shown, until
         # when (``_retire``); at most the evictions of RETIRE_SECONDS.
@@ -606,6 +611,8 @@ class UsageState:
     def _charge(self, series: Series, cost: int) -> None:
         series.charged += cost
         self.exposed += cost
+        if series.key is not None:
+            self.costly[series.key] = series
 
     def _new_ttft(self, series: Series, source: str, state: str) -> Histogram:
         owner = self._room(series, TTFT_SERIES)
@@ -695,6 +702,7 @@ class UsageState:
     def _new_series(self, key: tuple[str, str]) -> Series:
         fallback = None if key[0] == OTHER else key[1]
         series = self.series[key] = Series(self._shown_from(), self._clock(), fallback)
+        series.key = key
         series.charged = SERIES_PER_CALLER
         self.exposed += SERIES_PER_CALLER
         return series
@@ -761,6 +769,7 @@ class UsageState:
             caller = key[0]
             if whole and caller not in self.callers.admitted and caller not in self.callers.allow:
                 self.exposed -= self.series.pop(key).charged
+                self.costly.pop(key, None)
             elif not whole and caller not in self.detailed and caller not in self.detailed_allow:
                 self.exposed -= series.charged - SERIES_PER_CALLER
                 series.charged = SERIES_PER_CALLER
@@ -768,6 +777,7 @@ class UsageState:
                 series.queue = series.engine_queue = series.completion = None
                 series.declared_completion_tokens = 0
                 series.order = None
+                self.costly.pop(key, None)
                 self.retired += 1  # the collector's kept lines of it are stale
         self._next_retire = min(
             (deadline for deadline, _whole in self._retiring.values()), default=math.inf
