@@ -472,6 +472,14 @@ CONVERSATIONS_DROPPED = Family(
     "Conversations forgotten while still active because more than "
     "--signals.conversations-max were tracked: demand is then a lower bound.",
 )
+DROPPED_CONVERSATION_TURNS = Family(
+    "vllm_cache_dropped_conversation_turns",
+    COUNTER,
+    (),
+    "Turns of conversations that --signals.conversations-max had dropped while they were "
+    "recent: their previous turn is no longer known, so they are classified unknown (short "
+    "when their own prompt holds no granule); their tokens count as any turn's.",
+)
 CONVERSATION_TURNS = Family(
     "vllm_cache_conversation_turns",
     COUNTER,

@@ -408,7 +408,9 @@ class RecentKeys:
     which becomes the previous one when it is ``seconds`` old or full, and the previous one is
     dropped then. A generation ended by its count while the previous one was younger than
     ``seconds`` forgot that one's keys early: ``forgotten_early`` counts them (raise the cap).
-    The time is the caller's (``now``), so tests and the exporter's clock drive it.
+    The time is the caller's (``now``), so tests and the exporter's clock drive it. With
+    ``seconds`` infinite, a generation ends only when full (the keys of conversations dropped
+    while recent, ``ConversationTracker.forgotten``).
     """
 
     __slots__ = (

@@ -58,6 +58,8 @@ class ForesightCollector:
             engine_demand.add_metric([target, model_name], part.tokens)
         dropped = families.counter(families.CONVERSATIONS_DROPPED)
         dropped.add_metric([], tracker.dropped_active)
+        dropped_turns = families.counter(families.DROPPED_CONVERSATION_TURNS)
+        dropped_turns.add_metric([], tracker.dropped_turns)
         idle = families.gauge(families.CONVERSATION_IDLE_WINDOW_SECONDS)
         idle.add_metric([], tracker.idle_seconds)
         turns = families.counter(families.CONVERSATION_TURNS)
@@ -65,7 +67,17 @@ class ForesightCollector:
         for model in sorted(tracker.models):
             turns.add_metric([model], tracker.turns.get(model, 0))
             unseen.add_metric([model], tracker.unseen_history.get(model, 0))
-        yield from (active, demand, engine_active, engine_demand, dropped, idle, turns, unseen)
+        yield from (
+            active,
+            demand,
+            engine_active,
+            engine_demand,
+            dropped,
+            dropped_turns,
+            idle,
+            turns,
+            unseen,
+        )
 
     def _pools(self) -> Iterator[Metric]:
         headroom = self.usage.conversations.settings.admission_headroom_tokens

@@ -26,6 +26,7 @@ ALERT_NAMES = (
     "VllmCacheConversationsExceedKVPool",
     "VllmCachePromptVariableTop",
     "VllmCacheUnseenHistory",
+    "VllmCacheConversationsDropped",
     "VllmCacheEngineDown",
     "VllmCacheEngineMetricAbsent",
     "VllmCacheExporterDown",
@@ -366,6 +367,41 @@ and {names.model_unseen}{selector} * {number(config.long_seconds)}
             self.dashboard_link(config.overview_uid, ("model",)),
         )
 
+    def conversations_dropped(self) -> dict[str, Any]:
+        """More conversations are live than --signals.conversations-max holds: the exporter
+        drops ones still in use, and their next turns are classified unknown. Either counter
+        growing says so: drops of active ones, or turns of ones dropped before their second
+        turn (with many more live than the bound, most are)."""
+        config, promql = self.config, self.promql
+        window = config.short_window
+        selector = promql.sel()
+        dropped = promql.dedup(
+            f"increase({families.CONVERSATIONS_DROPPED.total}{selector}[{window}])"
+        )
+        turns = promql.dedup(
+            f"increase({families.DROPPED_CONVERSATION_TURNS.total}{selector}[{window}])"
+        )
+        expr = f"""
+{dropped} > 0
+or
+{turns} > 0"""
+        return self.alert(
+            "VllmCacheConversationsDropped",
+            expr,
+            config.conversations_dropped_for,
+            config.conversations_dropped_severity,
+            "The exporter forgets conversations still in use, so their next turns cannot be "
+            "classified.",
+            f"""Exporter {{{{ $labels.instance }}}} has been dropping conversations still in
+            use for {config.conversations_dropped_for}: more are live than
+            --signals.conversations-max holds. Their next turns are classified unknown, not
+            warm, partial or cold, so the warm share and the warm and cold TTFT leave them
+            out, and the conversations' demand on the KV pool is a lower bound (tokens and
+            hit ratios stay exact). Raise --signals.conversations-max above the live
+            conversations (about 270 bytes each).""",
+            self.dashboard_link(config.overview_uid, ()),
+        )
+
     def engine_down(self) -> dict[str, Any]:
         config, promql = self.config, self.promql
         return self.alert(
@@ -476,6 +512,7 @@ def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
         alerts.conversations_exceed_pool(),
         alerts.prompt_variable_top(),
         alerts.unseen_history(),
+        alerts.conversations_dropped(),
         alerts.engine_down(),
         alerts.engine_metric_absent(),
         alerts.exporter_down(),

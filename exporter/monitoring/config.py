@@ -139,6 +139,12 @@ class MonitoringConfig:
     unseen_history_min_requests: float = 10.0
     unseen_history_for: str = "15m"
     unseen_history_severity: str = "warning"
+    # --- VllmCacheConversationsDropped ------------------------------------------------------
+    # The exporter dropped conversations still in use (more are live than
+    # --signals.conversations-max holds), or their next turns came back unclassifiable, within
+    # the short window, for this long: a single burst of new sessions stays silent.
+    conversations_dropped_for: str = "10m"
+    conversations_dropped_severity: str = "warning"
     # --- VllmCacheEngineDown / VllmCacheExporterDown ----------------------------------------
     engine_down_for: str = "5m"
     engine_down_severity: str = "warning"

@@ -7,7 +7,9 @@ in the KV pool stays a few thousand tokens under it; past that, each arrival evi
 another's blocks. So this module keeps:
 
 - the live conversations: each one's latest context (prompt + completion of its last turn)
-  and when it was last seen, in an LRU of ``ForesightSettings.max_conversations``;
+  and when it was last seen, in an LRU of ``ForesightSettings.max_conversations``, and the
+  fingerprints of those it dropped while they were recent (``ConversationTracker.recall``:
+  their next turns are ``unknown``, never taken for first turns);
   "active" means a conversation (it has had a follow-up turn: one request alone, a test
   record posted by hand say, is no conversation yet) seen within
   ``conversation_idle_seconds`` and not ended by a restart of the vLLM it lives on
@@ -26,16 +28,27 @@ Pure: times are handed in, nothing is read from a clock or a socket.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 
 from exporter.signals.engine import EngineState
 from exporter.signals.kvpool import PoolLayout, layout
-from exporter.values import UsageEvent
+from exporter.values import RecentKeys, UsageEvent
 
-# Conversations remembered (least recently seen first out). An entry is a few hundred bytes
-# (three strings of at most 256 characters, validated upstream, and four numbers).
-DEFAULT_MAX_CONVERSATIONS = 10_000
+# Conversations remembered (least recently seen first out). Each is keyed by the 64-bit hash
+# of (caller, model name, session) and shares its model name with the others, so what one
+# costs does not depend on how long the names are: about 270 bytes (measured with tracemalloc,
+# tests/usage/test_dropped_conversations.py), 27 MB at 100,000, and 90 bytes for the key of
+# one dropped while recent (``ConversationTracker.forgotten``): 42 MB at worst. 100,000 is five
+# times the 20,000 live conversations 10,000 failed (issue 32); a scrape scans them in about
+# 50 ms (docs/limits.md).
+DEFAULT_MAX_CONVERSATIONS = 100_000
+# Raw model names kept once for every conversation that names them. Past this many, a
+# conversation of yet another name keeps its model label in its place (attribution then
+# matches on the label): a sender inventing names cannot make each conversation hold one.
+MAX_MODEL_NAMES = 256
 # A conversation counts as live this long after its last turn: an agent waiting on a long
 # tool call still wants its prefix back, and vLLM keeps it cached until something evicts it.
 DEFAULT_IDLE_SECONDS = 600.0
@@ -120,8 +133,16 @@ class Demand:
         self.turn_state_tokens = max(self.turn_state_tokens, other.turn_state_tokens)
 
 
+def conversation_key(caller: str, model_name: str, session: str | None) -> int:
+    """The key of a conversation in ``ConversationTracker.by_key``: the 64-bit hash of
+    (caller, model name, session), whatever their lengths (that two of 100,000 live
+    conversations share one has odds under 1 in 10^9: a turn of one would then be judged
+    against the other's). ``UsageState._record`` inlines it."""
+    return hash((caller, model_name, session))
+
+
 class ConversationTracker:
-    """The live conversations, keyed by (caller, model, session).
+    """The live conversations, keyed by ``conversation_key`` (caller, model, session).
 
     A conversation is the usage events of one ``session`` (else of one caller and model).
     Its context is the prompt plus the completion of its latest successful turn: what the
@@ -130,7 +151,18 @@ class ConversationTracker:
     follow-up turn (``Conversation.followed``), until it is idle or its vLLM restarts
     (``end_on_target``). Bounded by ``max_conversations``; a conversation dropped by the
     bound while still active is counted in ``dropped_active`` (the demand is then a lower
-    bound), and its next turn is classified as a first one.
+    bound).
+
+    A conversation dropped while seen within the idle window (active, or not followed
+    yet: with more live conversations than the bound, one is dropped before its second
+    turn) leaves its key in ``forgotten``, so that its next turn, whose previous one is
+    lost, is told from a first turn (``recall``): the classifier cannot judge it, and says
+    ``unknown`` instead of misreading a warm follow-up as partial. ``forgotten`` holds
+    ``max_conversations`` keys at most and the newest half of them at least (``RecentKeys``
+    without a time limit, about 90 bytes a key); past that, the oldest half goes, and
+    those conversations' next turns are judged as first turns again (``forgotten.
+    forgotten_early`` counts them). Keys of conversations that never come back (a session
+    id per request) fill it harmlessly.
     """
 
     def __init__(self, settings: ForesightSettings) -> None:
@@ -138,8 +170,16 @@ class ConversationTracker:
         self.idle_seconds = settings.conversation_idle_seconds
         self.max_conversations = max(1, settings.max_conversations)
         self._state_tokens = dict(settings.state_tokens)
-        # (caller, model name, session) -> its conversation, least recently seen first.
-        self.by_key: dict[tuple[str, str, str | None], Conversation] = {}
+        # conversation_key -> its conversation, least recently seen first.
+        self.by_key: dict[int, Conversation] = {}
+        # Past the bound, this many more are dropped at once (1/256 of it: none below 256):
+        # a dict finds its oldest entry only past every entry deleted before it (at 100,000
+        # full, one at a time took 70 us and more a turn; an OrderedDict would not, but the
+        # scans, one a scrape, took 2.5 to 8 times as long, its nodes scattered by the churn).
+        self.drop_batch = self.max_conversations // 256
+        self.forgotten = RecentKeys(self.max_conversations, math.inf)
+        self.dropped_turns = 0  # turns of forgotten conversations (classified unknown)
+        self._names: dict[str, str] = {}  # raw model name -> the one copy conversations hold
         self.dropped_active = 0
         self.ended_by_restart = 0  # conversations ended by a restart of their vLLM
         self.models: dict[str, None] = {}  # model labels seen, for series kept at 0
@@ -153,15 +193,18 @@ class ConversationTracker:
 
     def keep(
         self,
-        key: tuple[str, str, str | None],
+        key: int,
         known: Conversation | None,
         event: UsageEvent,
         model: str,
         now: float,
+        recalled: bool = False,
     ) -> None:
         """Put the conversation of ``key`` (taken out of ``by_key`` to read its previous
-        turn, None for a new one) back with ``event`` as its latest turn (``model``: its model
-        label), the oldest out past the bound (``now`` decides what was still live)."""
+        turn, None for one not there) back with ``event`` as its latest turn (``model``: its
+        model label), the oldest out past the bound (``now`` decides what was still live).
+        ``recalled``: it was dropped by the bound while recent (``recall``), so it is a
+        conversation already, and counts as one."""
         prompt_tokens = event.prompt_tokens
         completion = event.completion_tokens
         context_tokens = prompt_tokens + completion if completion else prompt_tokens
@@ -169,7 +212,16 @@ class ConversationTracker:
         if when is None:
             when = now
         if known is None:
-            known = Conversation(event.model, model, prompt_tokens, context_tokens, when)
+            names = self._names
+            name = names.get(event.model)
+            if name is None:
+                name = event.model
+                if len(names) < MAX_MODEL_NAMES:
+                    names[name] = name
+                else:
+                    name = model
+            known = Conversation(name, model, prompt_tokens, context_tokens, when)
+            known.followed = recalled
         else:
             previous = known.prompt_tokens
             if previous is not None and previous < prompt_tokens:
@@ -188,6 +240,17 @@ class ConversationTracker:
             self.models[model] = None
         if len(conversations) > self.max_conversations:
             self.drop_oldest(now)
+
+    def recall(self, key: int, now: float) -> bool:
+        """Is ``key`` (not in ``by_key``) that of a conversation the bound dropped while it
+        was recent? Its turn is then counted in ``dropped_turns``, and the key forgotten: the
+        turn starts the conversation again (``keep(..., recalled=True)``)."""
+        forgotten = self.forgotten
+        if not len(forgotten) or forgotten.get(key, now) is None:
+            return False
+        forgotten.pop(key)
+        self.dropped_turns += 1
+        return True
 
     def check_history(
         self, known: Conversation | None, model: str, cached: int, granule: int
@@ -210,10 +273,22 @@ class ConversationTracker:
             self.unseen_history[model] = self.unseen_history.get(model, 0) + 1
 
     def drop_oldest(self, now: float) -> None:
-        """Forget the least recently seen conversation (the bound is passed)."""
-        oldest = self.by_key.pop(next(iter(self.by_key)))
-        if oldest.counted and oldest.last_seen >= now - self.idle_seconds:
-            self.dropped_active += 1
+        """The bound is passed: forget the least recently seen conversation, and
+        ``drop_batch`` more. Of those seen within the idle window, keep the key in
+        ``forgotten`` (unless a vLLM restart ended it: its next turn is a first one anyway),
+        and count the active ones."""
+        conversations = self.by_key
+        pop = conversations.pop
+        cutoff = now - self.idle_seconds
+        forget = self.forgotten.put
+        for key in list(islice(conversations, 1 + self.drop_batch)):
+            oldest = pop(key)
+            if oldest.last_seen < cutoff:
+                continue  # idle: no longer live, its next turn judged as a first one
+            if oldest.prompt_tokens is not None:
+                forget(key, True, now)
+            if oldest.counted:
+                self.dropped_active += 1
 
     def state_tokens(self, model_name: str, pool: PoolLayout | None = None) -> int:
         """Pool tokens one copy of a conversation's recurrent state takes on this model:

@@ -435,6 +435,7 @@ class UsageState:
         configured = self.configured_granularity
         warm_tail = self.warm_tail_granules
         conversations_pop = self.conversations.by_key.pop
+        recall = self.conversations.recall
         keep = self.conversations.keep
         check_history = self.conversations.check_history
         observe = self._observe
@@ -465,14 +466,18 @@ class UsageState:
                 state = ERROR
                 continue
             cached = reported(event, series, model)
-            key = (caller, model_name, event.session)  # the conversation
+            key = hash((caller, model_name, event.session))  # the conversation's
             conversation = conversations_pop(key, None)
             previous = conversation.prompt_tokens if conversation is not None else None
             prompt_tokens = event.prompt_tokens
             granule = configured or learned_get(model) or self._classifying_granularity(model)
-            state = classify(prompt_tokens, cached, granule, previous, warm_tail)
-            if cached is not None:  # turns whose earlier ones another exporter saw
-                check_history(conversation, model, cached, granule)
+            recalled = conversation is None and recall(key, now)
+            if recalled:  # dropped by the bound while recent: its previous turn is lost, so
+                state = classify(prompt_tokens, None, granule)  # unknown (short: still short)
+            else:
+                state = classify(prompt_tokens, cached, granule, previous, warm_tail)
+                if cached is not None:  # turns whose earlier ones another exporter saw
+                    check_history(conversation, model, cached, granule)
             series.requests[state] += 1
             if previous is not None and previous < prompt_tokens:
                 series.followups += 1
@@ -484,7 +489,7 @@ class UsageState:
                 series.prompt_tokens += prompt_tokens
                 series.cached_tokens += cached
             observe(detail, state, event, reader, model)
-            keep(key, conversation, event, model, now)
+            keep(key, conversation, event, model, now, recalled)
         if duplicates:
             self.reject(reader, "duplicate", duplicates)
         return self._counted(reader, len(events) - duplicates, now, state), duplicates

@@ -59,6 +59,7 @@ def test_alert_names_are_the_issue_s_plus_the_exporter_s_own_health() -> None:
         "VllmCacheExporterAbsent",
         "VllmCacheDuplicateTarget",
         "VllmCacheUnseenHistory",
+        "VllmCacheConversationsDropped",
     }
     assert names == set(ALERT_NAMES) == ISSUE_ALERTS | own
     for name in names:

@@ -6,7 +6,7 @@ import pytest
 
 from exporter.signals.classify import COLD, PARTIAL, SHORT, UNKNOWN, WARM, classify
 from exporter.values import UsageEvent
-from tests.usage.conftest import make_state, requests
+from tests.usage.conftest import FakeClock, make_state, requests
 
 ISSUE_CASES = [
     # (granularity, previous turn, prompt, cached, expected, why)
@@ -102,12 +102,21 @@ def test_history_is_per_session_when_given_else_per_caller_and_model():
     assert usage.record(UsageEvent("solo2", "m", 60_000, 53_248), "http") == WARM
 
 
-def test_history_is_bounded_by_the_conversations_kept():
+@pytest.mark.parametrize(
+    "idle,expected",
+    [(0.0, UNKNOWN), (601.0, PARTIAL)],
+    ids=["dropped while recent: unknown", "dropped once idle: judged as a first turn"],
+)
+def test_history_is_bounded_by_the_conversations_kept(idle, expected):
     """The previous turns the classifier remembers are the conversations'
-    (--signals.conversations-max), least recently seen forgotten first."""
-    state = make_state(signals_granularity=2048, signals_conversations_max=100)
+    (--signals.conversations-max), least recently seen forgotten first. A conversation
+    dropped within the idle window is remembered as dropped: its next turn cannot be judged
+    (``unknown``), where judging it as a first turn would read this warm one as partial."""
+    clock = FakeClock()
+    state = make_state(clock, signals_granularity=2048, signals_conversations_max=100)
     usage = state.usage
     usage.record(UsageEvent("first", "m", 57_400, 0), "http")
+    clock.now += idle
     usage.record(UsageEvent("second", "m", 57_400, 0), "http")
     for index in range(98):
         usage.record(UsageEvent(f"c{index}", "m", 10_000, 0), "http")
@@ -116,8 +125,7 @@ def test_history_is_bounded_by_the_conversations_kept():
     assert usage.record(UsageEvent("second", "m", 57_400, 0), "http") == COLD
     usage.record(UsageEvent("one-more", "m", 10_000, 0), "http")
     assert len(usage.conversations.by_key) == 100
-    # "first" was forgotten: its next turn is judged without the previous-turn bound.
-    assert usage.record(UsageEvent("first", "m", 60_000, 53_248), "http") == PARTIAL
+    assert usage.record(UsageEvent("first", "m", 60_000, 53_248), "http") == expected
     # "second" is remembered: its previous turn (57,400) bounds what could be cached.
     assert usage.record(UsageEvent("second", "m", 60_000, 53_248), "http") == WARM
 
