@@ -33,10 +33,27 @@ from tests.helpers import value
 from tests.vllm.harness import WORDS, Exporter, start_exporter, vllm_counter
 
 # The granule each tiny hybrid gets on vLLM 0.32 (CPU), and the batching it must keep to:
-# the CPU Mamba2 kernel ends the engine when one prefill step spans more than one granule.
+# the CPU Mamba2 kernel ends the engine when one step prefills more than one granule of a
+# request (vLLM then exports a mid-chunk state checkpoint, which the CPU scan cannot:
+# IndexError in mamba_mixer2). --max-num-batched-tokens at the granule is enough, however
+# many requests share a step: the scheduler ends every chunk but a prompt's last on a
+# granule boundary and holds a request back rather than start it off one
+# (Scheduler._mamba_block_aligned_split).
 ARCHITECTURES = {"granite-2048": 2048, "nemotron-h-384": 384}
 MAX_MODEL_LEN = 32_768
-BASE_ARGS = ("--enforce-eager", "--enable-prefix-caching", "--seed", "0")
+# The granule is sized to hold one recurrent state page, so it follows the state's dtype,
+# and vLLM's CPU build picks that by host: float32 where the CPU has AVX-512 BF16
+# (platforms/cpu.py resets it for the Mamba2 kernel), else the model's bfloat16, which
+# halves Granite's granule to 1,024 (NemotronH defaults to float32 everywhere). Pinned to
+# float32, every host gets the granules above, and the batching that goes with them.
+BASE_ARGS = (
+    "--enforce-eager",
+    "--enable-prefix-caching",
+    "--seed",
+    "0",
+    "--mamba-ssm-cache-dtype",
+    "float32",
+)
 SYSTEM_GRANULES = 3.0
 TURN_GRANULES = 1.2
 TURNS = 6
@@ -211,6 +228,15 @@ async def play(played: Played, vllm_url: str) -> None:
     try:
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
             played.vllm_before = await _vllm_metrics(session, vllm_url)
+            granules = {
+                int(config.fields["block_size"])
+                for config in parse(played.vllm_before).cache_configs.values()
+            }
+            assert granules == {played.granule}, (
+                f"vLLM sized the granule to {granules} tokens, not the {played.granule:,} "
+                "the conversations are sized and the steps batched for (a step of more "
+                "than one granule ends the engine: the CPU Mamba2 kernel)"
+            )
             chats = [
                 Chat(session, tap.tap_url, played.model, caller, played.granule, seed)
                 for seed, caller in enumerate(CALLERS, start=11)

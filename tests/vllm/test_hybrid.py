@@ -5,7 +5,11 @@ Two architectures, one boot each, shared by every test of this module (``tests/v
 hybrid.py`` plays them): GraniteMoeHybrid, whose granule is 2,048 (the field reports'), and
 NemotronH, whose granule is 384 (no power of two). Each is started with
 ``--max-num-batched-tokens`` at its granule: vLLM 0.32's CPU Mamba2 kernel ends the engine
-when one prefill step spans more than one granule. Three conversations go through the tap:
+when one step prefills more than one granule of a request. Granite's granule follows its
+recurrent state's dtype, which vLLM's CPU build picks by host (float32 with AVX-512 BF16,
+else bfloat16: 1,024), so both start with ``--mamba-ssm-cache-dtype float32``; a granule
+other than the expected one fails before any conversation. Three conversations go through
+the tap:
 two of six turns, one of five whose last rewrites an early message. The same usage is then
 posted to a second exporter through ``POST /v1/usage``. What must hold, as users read it:
 
