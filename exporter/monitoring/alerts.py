@@ -465,8 +465,8 @@ absent(up{promql.sel()})"""
 
 
 # Per-caller alerts on series recorded every caller_detail_interval or caller_long_interval
-# (a minute): evaluated as often as those, in their own group, since each reads a series per
-# caller and a quarter-minute adds nothing to what a minute-old series says.
+# (two minutes): evaluated as often as those, in their own group, since each reads a series
+# per caller and evaluating them every 15 s adds nothing to what a series that old says.
 CALLER_MINUTE_ALERTS = (
     "VllmCacheWarmTTFTCollapse",
     "VllmCacheCachedTokensNotReported",

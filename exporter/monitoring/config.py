@@ -82,7 +82,7 @@ class MonitoringConfig:
     # interval of the rest of the short window per caller (unreported tokens, requests by
     # state, warm share, TTFT: dashboards and the TTFT alert, for: 5m); at most 5m
     # (Prometheus' lookback), as the next.
-    caller_detail_interval: str = "1m"
+    caller_detail_interval: str = "2m"
     # Evaluation interval of the per-caller long windows (rates, ratios, completion tokens,
     # prompt order) and the baselines: an hour's ratio moves little in a minute. Longer than
     # a baseline step (baseline_window / 288), two baseline instants would read one ratio.

@@ -84,20 +84,18 @@ VMALERT_HEADER = (
 
 
 def vmalert_step(config: MonitoringConfig) -> str:
-    """The subquery step that emulates keep_firing_for in a group without an interval of its
-    own: the groups' evaluation interval, or a minute where it is the server's own (vmalert's
-    default)."""
+    """The subquery step that emulates keep_firing_for: the groups' evaluation interval, or a
+    minute where it is the server's own (vmalert's default)."""
     return config.rule_interval or "1m"
 
 
 def vmalert_alert_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     """The alert groups with ``keep_firing_for`` emulated: ``last_over_time((expr)[K:step])``
-    is true while the condition held at any step of the last K (the step: the group's
-    interval), and has the value it had then (so the annotations still read the condition's
-    own value)."""
+    is true while the condition held at any step of the last K, and has the value it had
+    then (so the annotations still read the condition's own value)."""
+    step = vmalert_step(config)
     groups = []
     for group in alert_rule_groups(config):
-        step = group.get("interval") or vmalert_step(config)
         rules = []
         for rule in group["rules"]:
             keep = rule.get("keep_firing_for")

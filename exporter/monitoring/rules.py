@@ -231,8 +231,8 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
 def _caller_detail_rules(
     config: MonitoringConfig, promql: PromQL, names: Names
 ) -> list[dict[str, Any]]:
-    """The rest of the short window per caller, every ``caller_detail_interval`` (a
-    minute): unreported tokens, requests by state and the warm share, TTFT. Dashboards and
+    """The rest of the short window per caller, every ``caller_detail_interval`` (two
+    minutes): unreported tokens, requests by state and the warm share, TTFT. Dashboards and
     the TTFT alert (for: 5m) read them; the requests alone are six series per caller."""
     window = config.short_window
     rules = _caller_token_rules(promql, names.short, window, names)[3:]

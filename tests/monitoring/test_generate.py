@@ -311,7 +311,7 @@ def test_the_long_window_group_has_its_own_interval() -> None:
     short window every caller_detail_interval, the long windows and baselines every
     caller_long_interval."""
     for settings, intervals in (
-        ({}, {"vllm-cache-caller-detail.rules": "1m", "vllm-cache-caller-long.rules": "2m"}),
+        ({}, {"vllm-cache-caller-detail.rules": "2m", "vllm-cache-caller-long.rules": "2m"}),
         (
             {"rule_interval": "30s", "caller_detail_interval": "45s", "caller_long_interval": "2m"},
             {
