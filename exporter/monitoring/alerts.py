@@ -110,18 +110,18 @@ class _Alerts:
         selector = promql.sel()
         # The short-window ratio against the baseline the cache holds when it works (not
         # against the long-window ratio, which a collapse drags down with it within the
-        # hour). Traffic above the floor now AND one window earlier: a collapse happens while
-        # traffic continues, so one cold turn after a quiet spell can never page.
+        # hour), where that baseline is above the minimum (the filter drops the others; the
+        # baseline is read once: per caller, every series read costs). Traffic above the
+        # floor now AND one window earlier: a collapse happens while traffic continues, so
+        # one cold turn after a quiet spell can never page.
         engine_expr = f"""
 {names.target_hit_ratio[short]}{selector}
-  < {factor} * {names.target_hit_ratio[baseline]}{selector}
-and {names.target_hit_ratio[baseline]}{selector} > {min_baseline}
+  < {factor} * ({names.target_hit_ratio[baseline]}{selector} > {min_baseline})
 and {names.target_queries[short]}{selector} > {engine_floor}
 and {names.target_queries[short]}{selector} offset {config.short_window} > {engine_floor}"""
         caller_expr = f"""
 {names.caller_hit_ratio[short]}{selector}
-  < {factor} * {names.caller_hit_ratio[baseline]}{selector}
-and {names.caller_hit_ratio[baseline]}{selector} > {min_baseline}
+  < {factor} * ({names.caller_hit_ratio[baseline]}{selector} > {min_baseline})
 and {names.caller_prompt[short]}{selector} > {caller_floor}
 and {names.caller_prompt[short]}{selector} offset {config.short_window} > {caller_floor}"""
         engine_baseline = self.query_value(
@@ -189,7 +189,7 @@ and {names.caller_prompt[short]}{selector} offset {config.short_window} > {calle
 ) > {number(config.warm_ttft_seconds)}
 and {promql.on(*CALLER)} {warm_share}{promql.sel()} > {number(config.warm_ttft_min_warm_share)}
 and {promql.on(*CALLER)}
-sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(promql.states_matcher())})
+{names.caller_classified_requests[names.short]}{promql.sel()}
   > {number(config.warm_ttft_min_requests_per_second)}"""
         share = self.query_value(warm_share, CALLER, "humanizePercentage")
         return self.alert(
@@ -500,6 +500,16 @@ absent(up{promql.sel()})"""
         )
 
 
+# Per-caller alerts on series recorded every caller_detail_interval or caller_long_interval
+# (two minutes): evaluated as often as those, in their own group, since each reads a series
+# per caller and evaluating them every 15 s adds nothing to what a series that old says.
+CALLER_MINUTE_ALERTS = (
+    "VllmCacheWarmTTFTCollapse",
+    "VllmCacheCachedTokensNotReported",
+    "VllmCachePromptVariableTop",
+)
+
+
 def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     alerts = _Alerts(config)
     rules = [
@@ -522,5 +532,10 @@ def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     group: dict[str, Any] = {"name": "vllm-cache.alerts"}
     if config.rule_interval:
         group["interval"] = config.rule_interval
-    group["rules"] = rules
-    return [group]
+    group["rules"] = [rule for rule in rules if rule["alert"] not in CALLER_MINUTE_ALERTS]
+    callers = {
+        "name": "vllm-cache-caller.alerts",
+        "interval": config.caller_detail_interval,
+        "rules": [rule for rule in rules if rule["alert"] in CALLER_MINUTE_ALERTS],
+    }
+    return [group, callers]

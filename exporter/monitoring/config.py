@@ -38,6 +38,14 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 60480
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 _MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*')
 _UID = re.compile(r"^[a-zA-Z0-9_-]{1,40}$")
+# The baseline is the quantile of the long-window ratio at this many instants over the
+# baseline window, one every baseline_window / 288 (but never closer than a tenth of the
+# short window): exporter/signals/history.py's BASELINE_SAMPLES and SHORT_SLOTS, which the
+# status page reads the same instants by (tests/monitoring/test_generate.py holds them equal).
+BASELINE_SAMPLES = 288
+SHORT_SLOTS = 10
+# Prometheus' default lookback: a recorded series evaluated less often than this has gaps.
+LOOKBACK_SECONDS = 300.0
 
 
 class MonitoringConfigError(ValueError):
@@ -68,6 +76,17 @@ class MonitoringConfig:
     baseline_window: str = "1d"
     # Evaluation interval of the generated groups; empty: Prometheus' global one.
     rule_interval: str = ""
+    # The per-caller rules cost Prometheus in proportion to the series they read, ten
+    # thousand callers times every model: only what the collapse alert compares now (the
+    # short-window token rates and hit ratio) is evaluated every rule_interval. Evaluation
+    # interval of the rest of the short window per caller (unreported tokens, requests by
+    # state, warm share, TTFT: dashboards and the TTFT alert, for: 5m); at most 5m
+    # (Prometheus' lookback), as the next.
+    caller_detail_interval: str = "2m"
+    # Evaluation interval of the per-caller long windows (rates, ratios, completion tokens,
+    # prompt order) and the baselines: an hour's ratio moves little in a minute. Longer than
+    # a baseline step (baseline_window / 288), two baseline instants would read one ratio.
+    caller_long_interval: str = "2m"
     # --- links ------------------------------------------------------------------------------
     runbook_url: str = (
         "https://github.com/vllm-cache-exporter/vllm-cache-exporter/blob/main/docs/runbook.md"
@@ -201,6 +220,16 @@ class MonitoringConfig:
     def baseline_seconds(self) -> float:
         return duration_seconds(self.baseline_window)
 
+    @property
+    def baseline_step_seconds(self) -> float:
+        """Time between the baseline's instants, in whole milliseconds (a subquery's step)."""
+        step = max(self.short_seconds / SHORT_SLOTS, self.baseline_seconds / BASELINE_SAMPLES)
+        return round(step, 3)
+
+    @property
+    def baseline_step(self) -> str:
+        return duration_text(self.baseline_step_seconds)
+
 
 def parse_selector(selector: str) -> list[tuple[str, str, str]]:
     """``job="x", env=~"a|b"`` -> [(name, op, value)]; raises ValueError on anything else."""
@@ -226,6 +255,16 @@ def duration_seconds(text: str) -> float:
     if not _DURATION.match(text):
         raise ValueError(f"expected a Prometheus duration like 5m or 1h30m, got {text!r}")
     return sum(int(n) * _UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
+
+
+def duration_text(seconds: float) -> str:
+    """A Prometheus duration for a whole number of milliseconds, in the largest unit that
+    holds it exactly: 300 -> 5m, 2.083 -> 2083ms."""
+    millis = round(seconds * 1000)
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+        if millis % size == 0:
+            return f"{millis // size}{unit}"
+    return f"{millis}ms"
 
 
 def _fail(name: str, problem: str) -> None:
@@ -263,14 +302,14 @@ def _check_labels(config: MonitoringConfig) -> None:
 
 def _check_field(name: str, value: Any) -> None:
     """What a key's name says it holds: a duration, a severity, a non-negative number."""
-    if name.endswith(("_for", "_window")) or name == "rule_interval":
+    if name.endswith(("_for", "_window", "_interval")):
         if name == "rule_interval" and value == "":
             return
         try:
             seconds = duration_seconds(value)
         except ValueError as err:
             _fail(name, str(err))
-        if name.endswith("_window") and seconds <= 0:
+        if name.endswith(("_window", "_interval")) and seconds <= 0:
             _fail(name, "must be longer than 0")
     elif name.endswith("_severity"):
         if value not in SEVERITIES:
@@ -284,6 +323,9 @@ def _check_windows(config: MonitoringConfig) -> None:
         _fail("short_window", f"must be shorter than long_window ({config.long_window})")
     if config.long_seconds >= config.baseline_seconds:
         _fail("long_window", f"must be shorter than baseline_window ({config.baseline_window})")
+    for key in ("caller_detail_interval", "caller_long_interval"):
+        if duration_seconds(getattr(config, key)) > LOOKBACK_SECONDS:
+            _fail(key, "must be at most 5m (Prometheus' lookback)")
 
 
 def _check_fractions(config: MonitoringConfig) -> None:

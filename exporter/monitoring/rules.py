@@ -12,6 +12,12 @@ every label set the denominator has, so a ratio falls to 0 instead of vanishing.
 
 Rules inside one group are evaluated in order at the same timestamp, so later rules read the
 rates recorded just before them and a ratio is computed from exactly the rates it shows.
+
+At a platform's scale (ten thousand callers times every model) a rule costs Prometheus the
+series it reads at each evaluation, so the per-caller rules are grouped by how often they
+must run: the collapse alert's short-window ratio every evaluation, the rest of the short
+window every ``caller_detail_interval``, the long windows and baselines every
+``caller_long_interval`` (docs/monitoring.md, "What the rules cost"; bench/bench_rules.py).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ KV_BLOCK_HISTOGRAMS = {
     "reuse_gap": families.ENGINE_KV_BLOCK_REUSE_GAP_SECONDS,
 }
 
+WARM = 'state="warm"'
 QUANTILES = (("p50", 0.5), ("p95", 0.95))
 # What callers use of the completion budget they declare: the median, and the p99 an
 # admission gate should charge instead of the declared figure.
@@ -74,6 +81,13 @@ class Names:
             window: f"caller_model:vllm_cache_unreported_prompt_tokens:{window}" for window in both
         }
         self.caller_state_requests = f"caller_model_state:vllm_cache_requests:{short}"
+        # the warm share's two sides: warm turns, and classified ones (warm, partial, cold)
+        self.caller_warm_requests = {
+            window: f"caller_model:vllm_cache_warm_requests:{window}" for window in both
+        }
+        self.caller_classified_requests = {
+            window: f"caller_model:vllm_cache_classified_requests:{window}" for window in both
+        }
         self.caller_warm_share = {
             window: f"caller_model:vllm_cache_warm_request_share:{window}"
             for window in (*both, baseline)
@@ -189,86 +203,83 @@ def _ratio(promql: PromQL, numerator: str, denominator: str) -> str:
 
 def _baseline(config: MonitoringConfig, promql: PromQL, ratio: str) -> str:
     """The ratio the cache holds when it works: a high quantile of the long-window ratio over
-    ``baseline_window``.
+    ``baseline_window``, read at one instant every ``baseline_step`` (5 minutes of a day:
+    288 instants, aligned to multiples of the step as the status page's are,
+    exporter/signals/history.py), not at every evaluation: the same definition as the page
+    and ``check``, and 288 samples a series read instead of one per evaluation (5,760 at
+    15 s, which at ten thousand callers passes Prometheus' --query.max-samples).
 
     A collapse cannot become its own baseline until it has lasted most of that window (90%
-    of its samples), so a page lasts as long as the collapse does; the long-window ratio it
+    of its instants), so a page lasts as long as the collapse does; the long-window ratio it
     is taken from already smooths single cold turns, and hours without traffic have no ratio
     and no say. A plain long-window ratio as baseline absorbs a collapse within the hour.
     """
     return (
         f"quantile_over_time({BASELINE_QUANTILE[1]}, "
-        f"{ratio}{promql.sel()}[{config.baseline_window}])"
+        f"{ratio}{promql.sel()}[{config.baseline_window}:{config.baseline_step}])"
     )
 
 
 def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> list[dict[str, Any]]:
-    rules: list[dict[str, Any]] = []
-    windows = ((names.short, config.short_window), (names.long, config.long_window))
-    for suffix, window in windows:
-        rules.append(
-            _rule(
-                names.caller_prompt[suffix],
-                promql.sum_by(
-                    CALLER, f"rate({families.PROMPT_TOKENS.total}{promql.sel()}[{window}])"
-                ),
-            )
-        )
-        rules.append(
-            _rule(
-                names.caller_cached[suffix],
-                promql.sum_by(
-                    CALLER, f"rate({families.CACHED_TOKENS.total}{promql.sel()}[{window}])"
-                ),
-            )
-        )
-        rules.append(
-            _rule(
-                names.caller_hit_ratio[suffix],
-                hit_ratio(
-                    names.caller_cached[suffix] + promql.sel(),
-                    names.caller_prompt[suffix] + promql.sel(),
-                ),
-            )
-        )
-        rules.append(
-            _rule(
-                names.caller_unreported[suffix],
-                promql.sum_by(
-                    CALLER,
-                    f"rate({families.UNREPORTED_PROMPT_TOKENS.total}{promql.sel()}[{window}])",
-                ),
-            )
-        )
+    """What the collapse alert compares now, per caller, every evaluation: the short-window
+    prompt and cached tokens and their ratio (the ratio reads the rates just recorded, so
+    each rate is computed once). Nothing else per caller is evaluated this often: at ten
+    thousand callers the cost of a rule is the series it reads, and these read two."""
+    return _caller_token_rules(promql, names.short, config.short_window, names)[:3]
+
+
+def _caller_detail_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
+    """The rest of the short window per caller, every ``caller_detail_interval`` (two
+    minutes): unreported tokens, requests by state and the warm share, TTFT. Dashboards and
+    the TTFT alert (for: 5m) read them; the requests alone are six series per caller."""
+    window = config.short_window
+    rules = _caller_token_rules(promql, names.short, window, names)[3:]
     rules.append(
         _rule(
             names.caller_state_requests,
+            promql.sum_by(CALLER_STATE, f"rate({families.REQUESTS.total}{promql.sel()}[{window}])"),
+        )
+    )
+    by_state = names.caller_state_requests
+    rules.extend(
+        _warm_share_rules(
+            promql,
+            names,
+            names.short,
+            f"sum {promql.by(*CALLER)} ({by_state}{promql.sel(WARM)})",
+            f"sum {promql.by(*CALLER)} ({by_state}{promql.sel(promql.states_matcher())})",
+        )
+    )
+    rules.extend(_ttft_rules(config, promql, names))
+    return rules
+
+
+def _caller_long_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
+    """Per caller over the long window, and the baselines over the baseline window: its own
+    group, evaluated every ``caller_long_interval`` (two minutes), since an hour's rate moves
+    little in a minute and, per caller, these are most of what the rules cost. The baselines
+    come last, so they read the long-window ratios just recorded."""
+    window = config.long_window
+    rules = _caller_token_rules(promql, names.long, window, names)
+    requests = families.REQUESTS.total
+    rules.extend(
+        _warm_share_rules(
+            promql,
+            names,
+            names.long,
+            promql.sum_by(CALLER, f"rate({requests}{promql.sel(WARM)}[{window}])"),
             promql.sum_by(
-                CALLER_STATE,
-                f"rate({families.REQUESTS.total}{promql.sel()}[{config.short_window}])",
+                CALLER, f"rate({requests}{promql.sel(promql.states_matcher())}[{window}])"
             ),
         )
     )
-    classified = promql.states_matcher()
-    warm_only = 'state="warm"'
-    for suffix, window in windows:
-        if suffix == names.short:
-            warm = (
-                f"sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(warm_only)})"
-            )
-            total = (
-                f"sum {promql.by(*CALLER)} ({names.caller_state_requests}{promql.sel(classified)})"
-            )
-        else:
-            warm = promql.sum_by(
-                CALLER, f"rate({families.REQUESTS.total}{promql.sel(warm_only)}[{window}])"
-            )
-            total = promql.sum_by(
-                CALLER, f"rate({families.REQUESTS.total}{promql.sel(classified)}[{window}])"
-            )
-        # Short (too small for one granule), unknown (cached tokens not reported) and error
-        # turns say nothing about the cache, so they are out of the denominator.
-        rules.append(_rule(names.caller_warm_share[suffix], warm_share(warm, total)))
+    rules.extend(_unseen_history_rules(config, promql, names))
+    rules.extend(_completion_rules(config, promql, names))
+    rules.extend(_prompt_order_rules(config, promql, names))
     rules.append(
         _rule(
             names.caller_hit_ratio[names.baseline],
@@ -281,9 +292,69 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
             _baseline(config, promql, names.caller_warm_share[names.long]),
         )
     )
-    # TTFT keeps its source (vLLM's own, or the proxy's): two ways of measuring, never
-    # summed into one distribution.
-    rules.append(
+    return rules
+
+
+def _caller_token_rules(
+    promql: PromQL, suffix: str, window: str, names: Names
+) -> list[dict[str, Any]]:
+    """Prompt and cached tokens per caller over one window, the hit ratio of the two rates
+    just recorded, and the unreported tokens (last: the short window's are not in the
+    collapse alert's group)."""
+    return [
+        _rule(
+            names.caller_prompt[suffix],
+            promql.sum_by(CALLER, f"rate({families.PROMPT_TOKENS.total}{promql.sel()}[{window}])"),
+        ),
+        _rule(
+            names.caller_cached[suffix],
+            promql.sum_by(CALLER, f"rate({families.CACHED_TOKENS.total}{promql.sel()}[{window}])"),
+        ),
+        _rule(
+            names.caller_hit_ratio[suffix],
+            hit_ratio(
+                names.caller_cached[suffix] + promql.sel(),
+                names.caller_prompt[suffix] + promql.sel(),
+            ),
+        ),
+        _rule(
+            names.caller_unreported[suffix],
+            promql.sum_by(
+                CALLER,
+                f"rate({families.UNREPORTED_PROMPT_TOKENS.total}{promql.sel()}[{window}])",
+            ),
+        ),
+    ]
+
+
+def _warm_share_rules(
+    promql: PromQL, names: Names, suffix: str, warm: str, classified: str
+) -> list[dict[str, Any]]:
+    """The warm share of a window: warm turns and classified turns (warm, partial, cold) per
+    caller, each summed once, then their ratio. Short (too small for one granule), unknown
+    (cached tokens not reported) and error turns say nothing about the cache, so they are
+    out of the denominator."""
+    warm_name = names.caller_warm_requests[suffix]
+    classified_name = names.caller_classified_requests[suffix]
+    return [
+        _rule(warm_name, warm),
+        _rule(classified_name, classified),
+        _rule(
+            names.caller_warm_share[suffix],
+            warm_share(warm_name + promql.sel(), classified_name + promql.sel()),
+        ),
+    ]
+
+
+def _ttft_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> list[dict[str, Any]]:
+    """TTFT per caller, state and source, over the short window. The exporter keeps TTFT
+    per caller only for its detailed callers, and sums every other one under
+    ``caller="__other__"``, so the per-caller quantiles cover those; the per-model ones sum
+    the buckets of every caller (the histograms, never their quantiles) first. TTFT keeps
+    its source (vLLM's own, or the proxy's): two ways of measuring, never summed into one
+    distribution."""
+    classified = promql.states_matcher()
+    rules = [
         _rule(
             names.caller_state_ttft_bucket,
             promql.sum_by(
@@ -292,7 +363,7 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
                 f"{promql.sel(classified)}[{config.short_window}])",
             ),
         )
-    )
+    ]
     # ">= 0" drops the NaN histogram_quantile returns for a window without requests.
     for name, quantile in QUANTILES:
         rules.append(
@@ -320,9 +391,6 @@ def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> lis
                 f"({names.caller_state_ttft_bucket}{promql.sel()})) >= 0",
             )
         )
-    rules.extend(_unseen_history_rules(config, promql, names))
-    rules.extend(_completion_rules(config, promql, names))
-    rules.extend(_prompt_order_rules(config, promql, names))
     return rules
 
 
@@ -619,10 +687,12 @@ def _residency_rules(
     return rules
 
 
-def _group(config: MonitoringConfig, name: str, rules: list[dict[str, Any]]) -> dict[str, Any]:
+def _group(
+    config: MonitoringConfig, name: str, rules: list[dict[str, Any]], interval: str = ""
+) -> dict[str, Any]:
     group: dict[str, Any] = {"name": name}
-    if config.rule_interval:
-        group["interval"] = config.rule_interval
+    if interval or config.rule_interval:
+        group["interval"] = interval or config.rule_interval
     group["rules"] = rules
     return group
 
@@ -632,6 +702,18 @@ def recording_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     names = Names(config)
     return [
         _group(config, "vllm-cache-caller.rules", _caller_rules(config, promql, names)),
+        _group(
+            config,
+            "vllm-cache-caller-detail.rules",
+            _caller_detail_rules(config, promql, names),
+            config.caller_detail_interval,
+        ),
+        _group(
+            config,
+            "vllm-cache-caller-long.rules",
+            _caller_long_rules(config, promql, names),
+            config.caller_long_interval,
+        ),
         _group(
             config,
             "vllm-cache-engine.rules",

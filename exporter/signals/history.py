@@ -101,7 +101,9 @@ class Windows:
 
     @property
     def baseline_interval(self) -> float:
-        return max(self.slot_seconds, self.baseline_seconds / BASELINE_SAMPLES)
+        """Time between the baseline's instants, in whole milliseconds: the step of the
+        baseline rule's subquery (exporter/monitoring/config.py), whose instants are these."""
+        return round(max(self.slot_seconds, self.baseline_seconds / BASELINE_SAMPLES), 3)
 
 
 DEFAULT_WINDOWS = Windows()

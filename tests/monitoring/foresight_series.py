@@ -144,8 +144,11 @@ rule_files:
 evaluation_interval: {step}s
 group_eval_order:
   - vllm-cache-caller.rules
+  - vllm-cache-caller-detail.rules
+  - vllm-cache-caller-long.rules
   - vllm-cache-engine.rules
   - vllm-cache.alerts
+  - vllm-cache-caller.alerts
 
 tests:
   - name: {scenario} never overflows its pool

@@ -53,11 +53,13 @@ from tests.monitoring.common import DASHBOARD_DIR, ROOT, require_tool
 pytestmark = pytest.mark.e2e
 
 # Windows in real seconds for scenarios played 10-20x faster (the defaults are 5m / 1h / 1d,
-# keep_firing_for 10m).
+# keep_firing_for 10m, the slower per-caller groups every minute or two: every second here).
 E2E_RULES = {
     "short_window": "15s",
     "long_window": "2m",
     "baseline_window": "10m",
+    "caller_detail_interval": "1s",
+    "caller_long_interval": "1s",
     "collapse_for": "10s",
     "collapse_keep_firing_for": "30s",
     "warm_ttft_for": "10s",

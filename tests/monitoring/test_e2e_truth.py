@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 import yaml
 
+from exporter.monitoring.config import MonitoringConfig, duration_seconds
 from tests.monitoring.common import ALERTS_DIR, require_tool
 from tests.monitoring.test_e2e_alerts import (
     JOB,
@@ -159,15 +160,19 @@ async def test_both_replicas_count_every_turn_of_a_new_caller(
                     state_name,
                     result,
                 )
-            ratio = await poll_ratio(session, address, processes)
+            ratio = await poll_ratio(session, address, processes, last)
             assert ratio == pytest.approx(sent_ratio, rel=0.01), (replica, ratio, sent_ratio)
 
 
-async def poll_ratio(session: aiohttp.ClientSession, address: str, started: Processes) -> float:
-    """The recorded 1h hit ratio once a rule evaluation has seen every turn."""
-    expr = 'caller_model:vllm_cache_hit_ratio:rate1h{caller="fresh-agent"}'
+async def poll_ratio(
+    session: aiohttp.ClientSession, address: str, started: Processes, after: float
+) -> float:
+    """The recorded 1h hit ratio of the first rule evaluation after ``after`` (the last
+    scrape), which has seen every turn: its group runs every caller_long_interval."""
+    recorded = 'caller_model:vllm_cache_hit_ratio:rate1h{caller="fresh-agent"}'
+    expr = f"{recorded} and timestamp({recorded}) > {after!r}"
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 30
+    deadline = loop.time() + duration_seconds(MonitoringConfig().caller_long_interval) + 30
     while True:
         result = await instant_query(session, address, expr)
         if result:

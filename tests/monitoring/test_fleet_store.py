@@ -53,6 +53,8 @@ FLEET_RULES = {
     "long_window": "2m",
     "baseline_window": "10m",
     "rule_interval": "1s",
+    "caller_detail_interval": "1s",
+    "caller_long_interval": "1s",
     "engine_down_for": "2s",
 }
 PROMPT = 10_000  # agent-a's prompt tokens per request, one request a second per cluster

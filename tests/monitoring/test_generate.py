@@ -14,9 +14,11 @@ from exporter.monitoring.config import (
     MonitoringConfig,
     MonitoringConfigError,
     config_from_mapping,
+    duration_seconds,
     load_config,
 )
 from exporter.monitoring.render import ALERTS_PATH, RULES_PATH, prometheus_files
+from exporter.signals.history import Windows
 from tests.monitoring.common import ROOT
 from tests.monitoring.promql_scan import scan
 
@@ -108,7 +110,8 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
             assert 'job="llm-cache"' in selector.matchers, (expr, selector)
             assert 'cluster="eu-1"' in selector.matchers, (expr, selector)
         for window in windows:
-            assert window in ("10m", "2h", "7d", "$__rate_interval"), (expr, window)
+            # the baseline reads 288 instants of the week: one every 35 minutes
+            assert window in ("10m", "2h", "7d", "7d:35m", "$__rate_interval"), (expr, window)
     # Rules keep the selector's labels and the extra ones in every aggregation, so two
     # clusters are never summed into one ratio.
     rule_exprs = generated_exprs({k: v for k, v in files.items() if k.startswith("alerts/")})
@@ -155,6 +158,9 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
         ),
         ({"short_window": "2h"}, "short_window: must be shorter than long_window"),
         ({"baseline_window": "30m"}, "long_window: must be shorter than baseline_window"),
+        ({"caller_long_interval": "10m"}, "caller_long_interval: must be at most 5m"),
+        ({"caller_detail_interval": "6m"}, "caller_detail_interval: must be at most 5m"),
+        ({"caller_long_interval": "0s"}, "caller_long_interval: must be longer than 0"),
         (
             {"collapse_keep_firing_for": "soon"},
             "collapse_keep_firing_for: expected a Prometheus duration",
@@ -269,3 +275,55 @@ def test_every_sum_of_the_exporter_s_series_folds_an_ha_pair_s_copies_first() ->
     assert any(folded.search(expr) for expr in exprs)
     for expr in exprs:
         assert not unfolded.search(expr), expr
+
+
+@pytest.mark.parametrize(
+    "windows",
+    [
+        {},
+        {"short_window": "15s", "long_window": "2m", "baseline_window": "10m"},
+        {"baseline_window": "7d"},
+        {"short_window": "1h", "long_window": "2h", "baseline_window": "3h"},
+    ],
+)
+def test_the_baseline_reads_the_instants_the_status_page_reads(windows: dict[str, str]) -> None:
+    """One answer: every baseline rule is the quantile of the long-window ratio at the
+    instants the page keeps (exporter/signals/history.py), a subquery whose step is the page's
+    baseline interval (aligned to its multiples in both), not one sample per evaluation."""
+    config = config_from_mapping(windows)
+    page = Windows(config.short_seconds, config.long_seconds, config.baseline_seconds)
+    assert duration_seconds(config.baseline_step) == page.baseline_interval
+    groups = yaml.safe_load(prometheus_files(config)[RULES_PATH])["groups"]
+    baselines = [
+        rule["expr"]
+        for group in groups
+        for rule in group["rules"]
+        if "quantile_over_time" in rule["expr"]
+    ]
+    assert len(baselines) == 3  # the caller's hit ratio and warm share, the engine's ratio
+    for expr in baselines:
+        assert expr.endswith(f"[{config.baseline_window}:{config.baseline_step}])"), expr
+
+
+def test_the_long_window_group_has_its_own_interval() -> None:
+    """Per caller, only the collapse alert's short-window ratio is evaluated every
+    rule_interval (else Prometheus' global interval), with the engine rules; the rest of the
+    short window every caller_detail_interval, the long windows and baselines every
+    caller_long_interval."""
+    for settings, intervals in (
+        ({}, {"vllm-cache-caller-detail.rules": "2m", "vllm-cache-caller-long.rules": "2m"}),
+        (
+            {"rule_interval": "30s", "caller_detail_interval": "45s", "caller_long_interval": "2m"},
+            {
+                "vllm-cache-caller.rules": "30s",
+                "vllm-cache-caller-detail.rules": "45s",
+                "vllm-cache-caller-long.rules": "2m",
+                "vllm-cache-engine.rules": "30s",
+            },
+        ),
+    ):
+        files = prometheus_files(config_from_mapping(settings))
+        groups = yaml.safe_load(files[RULES_PATH])["groups"]
+        assert {
+            group["name"]: group.get("interval") for group in groups if "interval" in group
+        } == (intervals)

@@ -92,7 +92,7 @@ def test_promtool_tests_catch_a_broken_alert(tmp_path: Path) -> None:
     shutil.copytree(ALERTS_DIR, tmp_path / "alerts")
     alerts = tmp_path / "alerts" / ALERTS_FILE.name
     text = alerts.read_text(encoding="utf-8")
-    broken = text.replace("> 0.3\n", "> 1.5\n")  # no baseline is ever above 150%
+    broken = text.replace("> 0.3)\n", "> 1.5)\n")  # no baseline is ever above 150%
     assert broken != text
     alerts.write_text(broken, encoding="utf-8")
     result = run(promtool, "test", "rules", "tests/prefix_collapse.yaml", cwd=tmp_path / "alerts")

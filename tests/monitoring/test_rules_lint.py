@@ -117,7 +117,9 @@ def test_ratios_are_guarded_against_zero_denominators() -> None:
         if not re.search(r"(ratio|share)", name):
             continue
         if "/" not in expr:  # a baseline: a quantile over time of a ratio recorded before it
-            source = re.fullmatch(r"quantile_over_time\([0-9.]+, ([\w:]+)\{[^}]*\}\[\w+\]\)", expr)
+            source = re.fullmatch(
+                r"quantile_over_time\([0-9.]+, ([\w:]+)\{[^}]*\}\[\w+:\w+\]\)", expr
+            )
             assert source and source.group(1) in recorded, name
             assert list(recorded).index(source.group(1)) < list(recorded).index(name), name
             expr = recorded[source.group(1)]
