@@ -372,9 +372,41 @@ def test_the_collapse_pages_through_alertmanager(stack: Stack):
             lambda expected=expected: routed_to_page(expected),
             300,
             f"{expected['scope']} collapse in Alertmanager",
+            diagnose=lambda: collapse_history("agent-a", since=driver_started),
         ):
             assert [receiver["name"] for receiver in alert["receivers"]] == ["page"], alert
     stack.facts["exporter_rss_kib_after_page"] = exporter_rss_kib(stack)
+
+
+def collapse_history(caller: str, since: float) -> str:
+    """What the caller's collapse alert read since the driver started, a minute apart: the
+    failure's message says which of its conditions did not hold."""
+    now = time.time()
+    lines = []
+    for name, query in (
+        ("ratio5m", f'caller_model:vllm_cache_hit_ratio:rate5m{{caller="{caller}"}}'),
+        ("baseline", f'caller_model:vllm_cache_hit_ratio:p90_1d_rate1h{{caller="{caller}"}}'),
+        ("prompt5m", f'caller_model:vllm_cache_prompt_tokens:rate5m{{caller="{caller}"}}'),
+        ("engine5m", "target_model:vllm_cache_engine_hit_ratio:rate5m"),
+        ("alerts", f'ALERTS{{alertname="{COLLAPSE}"}}'),
+    ):
+        try:
+            result = api(
+                f"{PROMETHEUS}/api/v1/query_range?"
+                + urllib.parse.urlencode(
+                    {"query": query, "start": since, "end": now, "step": 60}
+                )
+            )
+        except (OSError, ValueError) as err:
+            lines.append(f"{name}: {err}")
+            continue
+        for series in result["result"]:
+            labels = {k: v for k, v in series["metric"].items() if k in ("scope", "alertstate")}
+            points = " ".join(
+                f"{(float(t) - since) / 60:.0f}m={float(v):.3g}" for t, v in series["values"]
+            )
+            lines.append(f"{name} {labels}: {points}")
+    return "\n".join(lines)
 
 
 # --- and stops at once --------------------------------------------------------------------------
