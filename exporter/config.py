@@ -606,8 +606,9 @@ FLAGS: tuple[Flag, ...] = (
         "callers.max-series",
         "Callers",
         "Most per-caller series exposed, each charged as it "
-        "appears; a (caller, model) pair that would go past it is counted under caller "
-        "__other__, a histogram that would under __other__'s (see docs/metrics.md).",
+        "appears (9 per (caller, model) pair, 2 per vLLM target a pair's events name); a pair "
+        "that would go past it is counted under caller __other__, a histogram or target entry "
+        "that would under __other__'s (see docs/metrics.md).",
         _to_int,
         DEFAULT_MAX_SERIES,
         metavar="N",

@@ -435,9 +435,9 @@ class UsageCollector:
                     _shown_histogram(hist, _ZERO_QUEUE, now),
                     _QUEUE_LE,
                 )
-            for target, counts in sorted(real.targets.items()):
+            for target, entry in sorted(real.targets.items()):
                 labels = {"caller": caller, "model": model, "target": target}
-                prompt_tokens, cached_tokens = _target_counts(counts, now)
+                prompt_tokens, cached_tokens = _target_counts(entry, now)
                 target_prompt.samples.append(Sample(TARGET_PROMPT.total, labels, prompt_tokens))
                 target_cached.samples.append(Sample(TARGET_CACHED.total, labels, cached_tokens))
         yield from metrics
