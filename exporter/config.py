@@ -39,6 +39,7 @@ from exporter.signals.callers import (
     DEFAULT_MAX_SERIES,
     DEFAULT_MODEL_PATTERN,
     DEFAULT_NAME_PATTERN,
+    DEFAULT_TARGETS,
 )
 from exporter.signals.foresight import (
     DEFAULT_HEADROOM_TOKENS,
@@ -605,10 +606,23 @@ FLAGS: tuple[Flag, ...] = (
         "callers.max-series",
         "Callers",
         "Most per-caller series exposed, each charged as it "
-        "appears; a (caller, model) pair that would go past it is counted under caller "
-        "__other__, a histogram that would under __other__'s (see docs/metrics.md).",
+        "appears (9 per (caller, model) pair, 2 per vLLM target a pair's events name); a pair "
+        "that would go past it is counted under caller __other__, a histogram or target entry "
+        "that would under __other__'s (see docs/metrics.md).",
         _to_int,
         DEFAULT_MAX_SERIES,
+        metavar="N",
+        check=_positive,
+    ),
+    Flag(
+        "callers.targets-max",
+        "Callers",
+        "Most distinct vLLM targets (replicas) the per-caller prompt and cached tokens are "
+        "also counted by (target label: the engine target read at the backend's origin, else "
+        "its origin and /metrics, else the backend's name); the targets read come first, "
+        'later ones and names over 128 characters are counted under target="__other__".',
+        _to_int,
+        DEFAULT_TARGETS,
         metavar="N",
         check=_positive,
     ),
@@ -1191,6 +1205,7 @@ class Config:
     callers_max: int = _default("callers.max")
     callers_detailed: int = _default("callers.detailed")
     callers_max_series: int = _default("callers.max-series")
+    callers_targets_max: int = _default("callers.targets-max")
     callers_name_pattern: str = _default("callers.name-pattern")
     callers_model_pattern: str = _default("callers.model-pattern")
     callers_keep_emails: bool = _default("callers.keep-emails")

@@ -323,6 +323,9 @@ MAX_STATUS_CHARS = 32
 MAX_EVENT_ID_CHARS = 128
 # No request asks for more sequences of one prompt than this (OpenAI caps n at 128).
 MAX_SEQUENCES = 128
+# The vLLM replica that served a request, as the reader names it: a base URL (the tap's
+# upstream, LiteLLM's api_base) or a name. Room for a URL with a path.
+MAX_BACKEND_CHARS = 256
 
 CallerName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CALLER_CHARS)]
 ModelName = Annotated[str, msgspec.Meta(max_length=MAX_MODEL_CHARS)]
@@ -334,6 +337,7 @@ Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TIMESTAMP)]
 Status = int | str
 Sequences = Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQUENCES)]
 EventId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_EVENT_ID_CHARS)]
+BackendName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_BACKEND_CHARS)]
 
 
 class UsageEvent(msgspec.Struct, frozen=True, gc=False):
@@ -359,6 +363,10 @@ class UsageEvent(msgspec.Struct, frozen=True, gc=False):
     ``id`` names the request (unique per caller): an event whose (caller, id) was counted
     within the last ``--usage.dedup.window`` is a retried copy, counted once
     (``UsageState.record_events``). None: no id, never taken for a copy.
+    ``backend`` is the vLLM replica that served the request, as the reader knows it (the
+    tap's upstream URL, LiteLLM's ``api_base``, a gateway's replica name): the per-caller
+    counters are also kept per ``target`` from it, labelled as the engine series of the same
+    vLLM where the exporter reads it (``UsageState.target_label``). None: not known.
 
     ``caller``, ``model`` and ``prompt_tokens`` have no default: a line decoded without one
     of them is not the common event, and goes to the validation that knows what it means
@@ -385,6 +393,8 @@ class UsageEvent(msgspec.Struct, frozen=True, gc=False):
     sequences: Sequences | None = None
     # ---- the request's id, for retried copies (optional) ----
     id: EventId | None = None
+    # ---- the vLLM replica that served it (optional) ----
+    backend: BackendName | None = None
 
 
 def status_is_error(status: int | str | None) -> bool:

@@ -48,6 +48,7 @@ def usage_settings(config: Config) -> UsageSettings:
         missing_cached_as_zero=config.signals_missing_cached_as_zero,
         readers=tuple(readers),
         max_series=config.callers_max_series,
+        targets_max=config.callers_targets_max,
         name_pattern=config.callers_name_pattern,
         model_pattern=config.callers_model_pattern,
         keep_emails=config.callers_keep_emails,

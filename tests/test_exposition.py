@@ -54,7 +54,7 @@ from exporter.server import REGISTRY_KEY
 from exporter.signals.callers import OTHER
 from exporter.signals.classify import STATES
 from exporter.signals.state import SignalsState
-from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, Series
+from exporter.signals.usage import QUEUE_BUCKETS, TTFT_BUCKETS, Histogram, Series, TargetCounts
 from exporter.values import UsageEvent
 from exporter.wiring import signals_state
 from tests.helpers import FIXTURES
@@ -269,6 +269,15 @@ def hostile_state(callers: int = 300) -> SignalsState:
         series.prompt_tokens = series.cached_tokens = number
         series.unreported_prompt_tokens = -number
         series.requests["warm"] = number
+        counts = series.targets[f"odd-target-{index:02d}"] = TargetCounts(0.0)
+        counts.prompt_tokens, counts.cached_tokens = number, -number
+    # Per-replica label values: hostile names and URLs (what the encoder must escape; a
+    # line break never passes validation, but the encoder must not rely on it), a URL's
+    # origin, past the target cap.
+    backends = [*HOSTILE[:-1], 'http://q"h:8000/v1', "http://BACK\\slash:1/", "x" * 200]
+    for index, backend in enumerate(backends):
+        for caller in (HOSTILE[index % len(HOSTILE)], "agent-backends"):
+            usage.record(UsageEvent(caller, "qwen3.8-27b", 4096, 2048, backend=backend), "http")
     for reason in HOSTILE:
         usage.reject("http", reason)
         usage.reject_request(reason)
@@ -356,6 +365,12 @@ def test_many_hostile_callers_render_identically():
         assert f'source="{source}"}} ' in text  # the queue waits
     assert "NaN\n" in text and "+Inf\n" in text and "-Inf\n" in text
     assert "e+06\n" in text and "e-300\n" in text
+    assert 'target="new\\nline"' in text and 'target="quote\\"inside"' in text
+    assert 'target="http://q\\"h:8000/metrics"' in text
+    assert (
+        'vllm_cache_target_cached_tokens_total{caller="agent-backends",model="qwen3.8-27b",target="__other__"}'
+        in text
+    )
 
 
 def test_cached_label_text_follows_new_series_and_values():

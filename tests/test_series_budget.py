@@ -12,7 +12,14 @@ from exporter.metrics import build_registry
 from exporter.metrics.exposition import generate_openmetrics, generate_text
 from exporter.metrics.usage import UsageCollector
 from exporter.signals.callers import OTHER, rank
-from exporter.signals.usage import MAX_MODELS, SERIES_PER_CALLER, SERIES_PER_PAIR, TTFT_SERIES
+from exporter.signals.usage import (
+    MAX_MODELS,
+    MAX_TARGET_CHARS,
+    SERIES_PER_CALLER,
+    SERIES_PER_PAIR,
+    TARGET_SERIES,
+    TTFT_SERIES,
+)
 from exporter.values import PromptPrint, UsageEvent
 from exporter.wiring import signals_state
 from tests.helpers import value
@@ -31,8 +38,10 @@ PER_CALLER = (
     "vllm_cache_prompt_order_variable_top_total",
     "vllm_cache_prompt_order_shared_bytes_total",
     "vllm_cache_prompt_order_first_difference_bytes_total",
+    "vllm_cache_target_prompt_tokens_total",
+    "vllm_cache_target_cached_tokens_total",
 )
-USAGE_FAMILIES = PER_CALLER[:6]  # what UsageCollector renders
+USAGE_FAMILIES = (*PER_CALLER[:6], *PER_CALLER[-2:])  # what UsageCollector renders
 # One turn per state, the unreported one first so that it stays unreported.
 TURNS = (
     (5000, None, None),
@@ -48,6 +57,12 @@ ENDS = array("I", range(999_999, 64 * 999_999, 999_999))
 PRINTS = (
     PromptPrint(array("Q", [1, *range(10, 72)]), ENDS, 64 * 999_999),
     PromptPrint(array("Q", [2, *range(10, 72)]), ENDS, 64 * 999_999),
+)
+
+
+# Backends past the target cap, each a label of the longest length (a name, not a URL).
+BACKENDS = tuple(
+    (f"r{index:03d}" + "-abcdefghijklmn" * 9)[:MAX_TARGET_CHARS] for index in range(300)
 )
 
 
@@ -68,6 +83,8 @@ def fill_adversarially() -> tuple[Config, object]:
         for model_index in range(40):  # past the model cap
             model = (f"m{model_index:02d}" + "/abcdefghijklmn" * 10)[:128]
             for turn, (prompt, cached, status) in enumerate(TURNS):
+                # Every event on another replica: past the target cap, each pair on many.
+                backend = BACKENDS[(caller_index * 41 + model_index * 7 + turn) % len(BACKENDS)]
                 # Timed by the proxy, then by vLLM: both sources' histograms for every state.
                 event = UsageEvent(
                     caller,
@@ -79,6 +96,7 @@ def fill_adversarially() -> tuple[Config, object]:
                     queue_seconds=86_398.987654321,
                     status=status,
                     max_tokens=9_999_999,
+                    backend=backend,
                 )
                 state.usage.record(event, "http")
                 state.usage.record_prompt(event, PRINTS[turn % 2])
@@ -91,6 +109,7 @@ def fill_adversarially() -> tuple[Config, object]:
                         status=status,
                         engine_ttft_seconds=86_399.876543219,
                         engine_queue_seconds=86_397.123456789,
+                        backend=backend,
                     ),
                     "http",
                 )
@@ -103,12 +122,14 @@ def test_the_worst_case_stays_within_the_documented_bounds():
     max_series = documented("per-caller series")
     max_bytes = documented("bytes")
     # The budget, plus the __other__ pairs (a model label each, 32 and __other__), which
-    # always have room: the budget folds into them.
-    assert max_series == config.callers_max_series + (MAX_MODELS + 1) * SERIES_PER_PAIR
+    # always have room: the budget folds into them, with an entry for every target label
+    # (--callers.targets-max and __other__).
+    other_pair = SERIES_PER_PAIR + (config.callers_targets_max + 1) * TARGET_SERIES
+    assert max_series == config.callers_max_series + (MAX_MODELS + 1) * other_pair
     for body in (generate_text(registry), generate_openmetrics(registry)):
         lines = [line for line in body.decode().splitlines() if line.startswith(PER_CALLER)]
         assert len(lines) <= max_series
-        assert len(lines) >= max_series - SERIES_PER_PAIR  # the fill did reach the bound
+        assert len(lines) >= max_series - other_pair  # the fill did reach the bound
         assert len(body) <= max_bytes
     # The lines kept for the next scrape's reuse are at most the per-caller part of a body.
     (usage,) = [

@@ -162,6 +162,7 @@ async def run_demo(
         seed=int(time.time()),
         wall_clock=exporter_clock,
         between=restart_vllm,
+        backend=None if scenario.demo_tap else sim_base,
     )
     drive = asyncio.ensure_future(driver.run())
     view = DemoView(

@@ -37,6 +37,7 @@ from exporter.signals.usage import (
     TTFT_BUCKETS,
     Histogram,
     Series,
+    TargetCounts,
     UsageState,
 )
 
@@ -59,6 +60,11 @@ _REQUESTS_TOTAL = REQUESTS.total
 _COUNTER_TOTALS = [family.total for family in families.PER_CALLER_COUNTERS]
 _TTFT_NAMES = (TTFT.bucket, TTFT.count, TTFT.sum)
 _QUEUE_NAMES = (QUEUE.bucket, QUEUE.count, QUEUE.sum)
+# The per-target counters of each pair (after the per-caller families): a pair's prompt and
+# cached tokens on each vLLM target that served it.
+TARGET_PROMPT = families.TARGET_PROMPT_TOKENS
+TARGET_CACHED = families.TARGET_CACHED_TOKENS
+PER_TARGET = (TARGET_PROMPT, TARGET_CACHED)
 _counter_values: Callable[[Series], tuple[int, ...]] = (
     operator.attrgetter(*_COUNTER_FIELDS)
     if len(_COUNTER_FIELDS) > 1
@@ -76,10 +82,13 @@ def _per_caller_families() -> list[Metric]:
     ]
 
 
-# HELP and TYPE lines of the per-caller families, in each format, built once.
-_TEXT_HEADERS = tuple(TEXT.header(family.name, family.help, family.type) for family in PER_CALLER)
+# HELP and TYPE lines of the per-caller and per-target families, in each format, built once.
+_TEXT_HEADERS = tuple(
+    TEXT.header(family.name, family.help, family.type) for family in (*PER_CALLER, *PER_TARGET)
+)
 _OPENMETRICS_HEADERS = tuple(
-    OPENMETRICS.header(family.name, family.help, family.type, family.unit) for family in PER_CALLER
+    OPENMETRICS.header(family.name, family.help, family.type, family.unit)
+    for family in (*PER_CALLER, *PER_TARGET)
 )
 
 # Series rendered between two turns of the event loop (a series is up to SERIES_PER_PAIR
@@ -91,6 +100,9 @@ REUSED_PER_RENDERED = 64
 # Series' (or histograms') lines of one family joined in one slice at the end (a few MB at
 # most).
 SERIES_PER_PIECE = 256
+# A (caller, model, target) row rendered anew costs this many of the units a slice counts
+# (REUSED_PER_RENDERED a series): about 1,024 of them make a slice.
+WORK_PER_TARGET_ROW = 2
 
 
 def _histogram(
@@ -131,14 +143,17 @@ class _HistogramText:
 
 class SeriesLines(NamedTuple):
     """One series' lines in each per-caller family: the requests' (one string), each
-    per-caller counter's (a string each, in families.PER_CALLER_COUNTERS' order), and the
+    per-caller counter's (a string each, in families.PER_CALLER_COUNTERS' order), the
     TTFT and queue-wait histograms' (a string per histogram, the one its _HistogramText
-    keeps)."""
+    keeps), and the per-target prompt and cached tokens' (one string each, every target of
+    the pair)."""
 
     requests: str
     counters: tuple[str, ...]
     ttft: list[str]
     queue: list[str]
+    target_prompt: str
+    target_cached: str
 
 
 class _SeriesText:
@@ -157,6 +172,7 @@ class _SeriesText:
         "counters",
         "ttft",
         "queue",
+        "targets",
         "_caller",
         "_model",
         "series",
@@ -172,18 +188,30 @@ class _SeriesText:
         self.counters = [f"{total}{{{pair}}} " for total in _COUNTER_TOTALS]
         self.ttft: dict[tuple[str, str], _HistogramText] = {}  # by (state, source)
         self.queue: dict[str, _HistogramText] = {}  # by source
+        # by target label: the prompt and cached counters' line prefixes
+        self.targets: dict[str, tuple[str, str]] = {}
         # The lines of each per-caller family (the histograms' empty when the series has
         # none), the series object and the version they were rendered from; None until
         # reusable.
         self.series: Series | None = None
         self.version = -1
-        self.lines = SeriesLines("", (), [], [])
+        self.lines = SeriesLines("", (), [], [], "", "")
 
     def ttft_text(self, state: str, source: str) -> _HistogramText:
         text = self.ttft.get((state, source))
         if text is None:
             text = self.ttft[(state, source)] = _HistogramText(
                 _TTFT_NAMES, self._caller, f'{self._model},source="{source}",state="{state}"'
+            )
+        return text
+
+    def target_text(self, target: str) -> tuple[str, str]:
+        text = self.targets.get(target)
+        if text is None:
+            labels = f'{self._caller},{self._model},target="{escape_label_value(target)}"'
+            text = self.targets[target] = (
+                f"{TARGET_PROMPT.total}{{{labels}}} ",
+                f"{TARGET_CACHED.total}{{{labels}}} ",
             )
         return text
 
@@ -253,10 +281,21 @@ def _queue_histograms(series: Series) -> Iterator[tuple[str, Histogram]]:
         yield PROXY, series.queue
 
 
+def _target_counts(counts: TargetCounts, now: float) -> tuple[int, int]:
+    """A target entry's (prompt, cached) tokens as shown: zeros while it is held."""
+    if counts.shown_from > now:
+        return 0, 0
+    return counts.prompt_tokens, counts.cached_tokens
+
+
 def _fully_shown(series: Series, now: float) -> bool:
-    """Whether the series and every histogram in it are past the new-series hold."""
+    """Whether the series and every histogram and target entry in it are past the
+    new-series hold."""
     if series.shown_from > now:
         return False
+    for counts in series.targets.values():
+        if counts.shown_from > now:
+            return False
     for hists in (
         series.ttft.values(),
         series.engine_ttft.values(),
@@ -317,7 +356,18 @@ def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
             for prefix, counted in zip(text.counters, _counter_values(series))  # noqa: B905
         ]
     )
-    return _lines(SeriesLines, (requests, counters, ttft, queue))
+    target_prompt = target_cached = ""
+    targets = real.targets
+    if targets:
+        prompt_lines: list[str] = []
+        cached_lines: list[str] = []
+        for target in sorted(targets):
+            prompt_prefix, cached_prefix = text.target_text(target)
+            prompt_tokens, cached_tokens = _target_counts(targets[target], now)
+            prompt_lines.append(f"{prompt_prefix}{fmt_value(prompt_tokens)}\n")
+            cached_lines.append(f"{cached_prefix}{fmt_value(cached_tokens)}\n")
+        target_prompt, target_cached = "".join(prompt_lines), "".join(cached_lines)
+    return _lines(SeriesLines, (requests, counters, ttft, queue, target_prompt, target_cached))
 
 
 class UsageCollector:
@@ -336,6 +386,7 @@ class UsageCollector:
         kept = 0
         for text in self._text.values():
             kept += len(text.lines.requests) + sum(len(line) for line in text.lines.counters)
+            kept += len(text.lines.target_prompt) + len(text.lines.target_cached)
             for hists in (text.ttft.values(), text.queue.values()):
                 kept += sum(len(hist.lines) for hist in hists)
         return kept
@@ -347,6 +398,7 @@ class UsageCollector:
         requests, counters = metrics[0], metrics[1:_COUNTER_BLOCKS]
         ttft, queue = metrics[_COUNTER_BLOCKS:]
         counted = list(zip(counters, families.PER_CALLER_COUNTERS, strict=True))
+        target_prompt, target_cached = (families.counter(family) for family in PER_TARGET)
 
         # Samples are appended directly rather than through add_metric(): at 1,000 callers
         # that is ~80,000 samples per scrape, and add_metric's per-call copies were a quarter
@@ -383,7 +435,14 @@ class UsageCollector:
                     _shown_histogram(hist, _ZERO_QUEUE, now),
                     _QUEUE_LE,
                 )
+            for target, entry in sorted(real.targets.items()):
+                labels = {"caller": caller, "model": model, "target": target}
+                prompt_tokens, cached_tokens = _target_counts(entry, now)
+                target_prompt.samples.append(Sample(TARGET_PROMPT.total, labels, prompt_tokens))
+                target_cached.samples.append(Sample(TARGET_CACHED.total, labels, cached_tokens))
         yield from metrics
+        yield target_prompt
+        yield target_cached
         yield from self._other_families()
 
     def render_text(self, out: list[str]) -> None:
@@ -424,6 +483,8 @@ class UsageCollector:
         counters: list[tuple[str, ...]] = []  # per series, transposed at the end
         ttft: list[str] = []
         queue: list[str] = []
+        target_prompt: list[str] = []
+        target_cached: list[str] = []
         per_slice = series_per_slice or SERIES_PER_SLICE
         keys = sorted(usage.series)
         now = usage.now()
@@ -447,12 +508,15 @@ class UsageCollector:
                 # histogram's lines still are, while unchanged).
                 if _fully_shown(real, now) and key[0] != OTHER:
                     text.series, text.version, text.lines = real, version, lines
-                work += REUSED_PER_RENDERED
-            series_requests, series_counters, series_ttft, series_queue = lines
+                work += REUSED_PER_RENDERED + WORK_PER_TARGET_ROW * len(real.targets)
+            series_requests, series_counters, series_ttft, series_queue, prompts, cached = lines
             requests.append(series_requests)
             counters.append(series_counters)
             ttft.extend(series_ttft)
             queue.extend(series_queue)
+            if prompts:
+                target_prompt.append(prompts)
+                target_cached.append(cached)
             if work >= per_slice * REUSED_PER_RENDERED:
                 work = 0
                 yield
@@ -461,7 +525,7 @@ class UsageCollector:
         piece = SERIES_PER_PIECE
         # Per family: a series' counter lines are read from the tuples by one C-level zip.
         by_family = list(zip(*counters, strict=True)) or [() for _ in families.PER_CALLER_COUNTERS]
-        blocks = (requests, *by_family, ttft, queue)
+        blocks = (requests, *by_family, ttft, queue, target_prompt, target_cached)
         for head, family_blocks in zip(headers, blocks, strict=True):
             out.append(head)
             for start in range(0, len(family_blocks), piece):
@@ -494,6 +558,8 @@ class UsageCollector:
         overflowed.add_metric([], usage.callers_overflowed)
         folded = families.counter(families.CALLERS_FOLDED)
         folded.add_metric([], usage.series_folded)
+        targets_overflowed = families.counter(families.TARGETS_OVERFLOWED)
+        targets_overflowed.add_metric([], usage.targets_overflowed)
 
         yield granularity
         yield events
@@ -502,6 +568,7 @@ class UsageCollector:
         yield refused
         yield overflowed
         yield folded
+        yield targets_overflowed
         yield from self._retry_families()
 
     def _retry_families(self) -> Iterator[Metric]:

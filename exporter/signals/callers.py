@@ -65,13 +65,17 @@ log = logging.getLogger(__name__)
 OTHER = OVERFLOW_LABEL
 DEFAULT_NAME_PATTERN = r"[A-Za-z0-9._-]{1,64}"
 DEFAULT_MODEL_PATTERN = r"[A-Za-z0-9._:/+-]{1,128}"
-# The defaults (--callers.max, --callers.detailed, --callers.max-series): a platform's callers
-# each with its own hit ratio; the costly families per caller for a hundred of them; a budget
-# that holds both on three models (10,000 x 3 x 9 + 100 x 3 x 238 = 341,400 series: the
-# per-caller part of docs/metrics.md, exporter/signals/usage.py SERIES_PER_PAIR).
+# The defaults (--callers.max, --callers.detailed, --callers.max-series,
+# --callers.targets-max): a platform's callers each with its own hit ratio, and that ratio
+# on the vLLM replica that served them; the costly families per caller for a hundred of
+# them; a budget that holds all of it on three models, each pair through one replica
+# (10,000 x 3 x (9 + 2) + 100 x 3 x 238 = 401,400 series: the per-caller part of
+# docs/metrics.md, exporter/signals/usage.py SERIES_PER_PAIR and TARGET_SERIES); the
+# distinct replicas a gateway spreads them over.
 DEFAULT_CALLERS = 10_000
 DEFAULT_DETAILED = 100
-DEFAULT_MAX_SERIES = 350_000
+DEFAULT_MAX_SERIES = 410_000
+DEFAULT_TARGETS = 256
 
 # A well-known secret prefix followed by the token it introduces (never the prefix alone).
 _PREFIXED_SECRET = re.compile(

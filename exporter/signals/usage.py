@@ -16,6 +16,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from exporter.signals.callers import (
     DEFAULT_CALLERS,
@@ -23,6 +24,7 @@ from exporter.signals.callers import (
     DEFAULT_MAX_SERIES,
     DEFAULT_MODEL_PATTERN,
     DEFAULT_NAME_PATTERN,
+    DEFAULT_TARGETS,
     OTHER,
     LabelCap,
     NamePolicy,
@@ -149,6 +151,16 @@ SERIES_PER_PAIR = (
     + COMPLETION_SERIES
     + ORDER_SERIES
 )
+# Per (caller, model) and vLLM target, the two counters of the hit ratio (prompt and cached
+# tokens): charged to the series budget as each target of a pair appears.
+TARGET_SERIES = 2
+# A target label made of a backend name: at most this long, else __other__ (a URL's label is
+# its origin and METRICS_PATH, or the engine target's own label).
+MAX_TARGET_CHARS = 128
+METRICS_PATH = "/metrics"
+# Backends memoized to their target label (cleared when full).
+BACKEND_MEMO_MAX = 4096
+DEFAULT_PORTS = {"http": 80, "https": 443}
 # An evicted caller's series are still shown this long (two scrapes at a one-minute
 # interval), with their last counts, before they go: nothing counted is lost to Prometheus.
 RETIRE_SECONDS = 120.0
@@ -208,6 +220,7 @@ class Series:
         "charged",
         "fallback",
         "key",
+        "targets",
     )
 
     def __init__(
@@ -248,6 +261,21 @@ class Series:
         # own: caller="__other__" of this model label (None for that pair itself).
         self.fallback = fallback
         self.key: tuple[str, str] | None = None  # its (caller, model) labels
+        # target label -> the pair's prompt and cached tokens served by that vLLM (events
+        # with a backend only), each entry charged TARGET_SERIES
+        self.targets: dict[str, TargetCounts] = {}
+
+
+class TargetCounts:
+    """One (caller, model) pair's hit-ratio counters on one vLLM target: the prompt tokens of
+    its events that reported cached tokens, and those cached tokens."""
+
+    __slots__ = ("prompt_tokens", "cached_tokens", "shown_from")
+
+    def __init__(self, shown_from: float) -> None:
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.shown_from = shown_from  # before this time it is exposed at zero
 
 
 class OrderCounts:
@@ -289,6 +317,9 @@ class UsageSettings:
     # Most per-caller series (each charged as it appears); events of pairs beyond it are
     # counted under caller "__other__" (and model "__other__").
     max_series: int = DEFAULT_MAX_SERIES
+    # Most distinct target labels of the per-target counters (the engine targets read
+    # included); later backends are counted under target "__other__".
+    targets_max: int = DEFAULT_TARGETS
     # Names that may be labels as they are; anything else becomes its hash (callers.py).
     name_pattern: str = DEFAULT_NAME_PATTERN
     model_pattern: str = DEFAULT_MODEL_PATTERN
@@ -384,6 +415,19 @@ class UsageState:
         )
         # (reader, reason) -> events whose timings were left out (TIMING_DROP_REASONS).
         self.timings_dropped: dict[tuple[str, str], int] = {}
+        # Per-target counters: the target labels admitted (the engine targets this exporter
+        # reads first, by origin, so that a caller's target joins the engine's series),
+        # each backend's label once resolved, and the events counted under target __other__.
+        self.targets_max = settings.targets_max
+        self._engine_labels: dict[str, str] = {}  # origin -> the engine target's label
+        if engine is not None:
+            for target in engine.targets.values():
+                origin = url_origin(target.target)
+                if origin is not None:
+                    self._engine_labels.setdefault(origin, target.shown)
+        self.target_labels: dict[str, None] = dict.fromkeys(self._engine_labels.values())
+        self._backends: dict[str, tuple[str, bool]] = {}  # backend -> (label, overflowed)
+        self.targets_overflowed = 0
         for reader in settings.readers:
             self.events[reader] = 0
 
@@ -488,11 +532,63 @@ class UsageState:
             else:
                 series.prompt_tokens += prompt_tokens
                 series.cached_tokens += cached
+                if event.backend is not None:
+                    self._count_target(series, event.backend, prompt_tokens, cached)
             observe(detail, state, event, reader, model)
             keep(key, conversation, event, model, now, recalled)
         if duplicates:
             self.reject(reader, "duplicate", duplicates)
         return self._counted(reader, len(events) - duplicates, now, state), duplicates
+
+    def _count_target(self, series: Series, backend: str, prompt_tokens: int, cached: int) -> None:
+        """Count a reported event's tokens on the vLLM target that served it, in the pair's
+        entry for that target; a new entry is charged TARGET_SERIES while the budget has
+        room, else the tokens go to __other__'s entry (of the pair's model) for the target."""
+        resolved = self._backends.get(backend)
+        if resolved is None:
+            resolved = self._resolve_backend(backend)
+        label, overflowed = resolved
+        if overflowed:
+            self.targets_overflowed += 1
+        counts = series.targets.get(label)
+        if counts is None:
+            owner = self._room(series, TARGET_SERIES)
+            counts = owner.targets.get(label)
+            if counts is None:
+                counts = owner.targets[label] = TargetCounts(self._shown_from())
+                owner.charged += TARGET_SERIES
+                self.exposed += TARGET_SERIES
+        counts.prompt_tokens += prompt_tokens
+        counts.cached_tokens += cached
+
+    def target_label(self, backend: str) -> str:
+        """The ``target`` label of a backend: the label of the engine target this exporter
+        reads at the same origin (so the per-caller and the engine series join on it), else
+        the URL's origin and ``/metrics`` (the label the exporter would give that vLLM), else
+        the name as given."""
+        origin = url_origin(backend)
+        if origin is None:
+            return backend
+        engine_label = self._engine_labels.get(origin)
+        return engine_label if engine_label is not None else origin + METRICS_PATH
+
+    def _resolve_backend(self, backend: str) -> tuple[str, bool]:
+        """(label, overflowed): ``target_label``, admitted while fewer than ``targets_max``
+        labels are and it is at most MAX_TARGET_CHARS long, else __other__; memoized."""
+        label = self.target_label(backend)
+        admitted = self.target_labels
+        overflowed = False
+        if label == OTHER:  # a backend naming itself so is counted as folded there
+            overflowed = True
+        elif label not in admitted:
+            if len(label) <= MAX_TARGET_CHARS and len(admitted) < self.targets_max:
+                admitted[label] = None
+            else:
+                label, overflowed = OTHER, True
+        if len(self._backends) >= BACKEND_MEMO_MAX:
+            self._backends.clear()
+        resolved = self._backends[backend] = (label, overflowed)
+        return resolved
 
     def _counted(self, reader: str, count: int, now: float, state: str) -> str | None:
         """The reader's counters after ``count`` events counted (the last one's ``state``;
@@ -776,8 +872,9 @@ class UsageState:
                 self.exposed -= self.series.pop(key).charged
                 self.costly.pop(key, None)
             elif not whole and caller not in self.detailed and caller not in self.detailed_allow:
-                self.exposed -= series.charged - SERIES_PER_CALLER
-                series.charged = SERIES_PER_CALLER
+                kept = SERIES_PER_CALLER + TARGET_SERIES * len(series.targets)
+                self.exposed -= series.charged - kept
+                series.charged = kept
                 series.ttft, series.engine_ttft = {}, {}
                 series.queue = series.engine_queue = series.completion = None
                 series.declared_completion_tokens = 0
@@ -940,3 +1037,24 @@ class UsageState:
     @property
     def callers_overflowed(self) -> int:
         return self.callers.overflowed
+
+
+def url_origin(url: str) -> str | None:
+    """``scheme://host[:port]`` of a URL, as the exporter labels a vLLM target
+    (``config.metrics_url``): scheme and host lower-cased, the scheme's default port dropped;
+    no credentials, path, query or fragment. None for a text that is no URL with a host."""
+    if "://" not in url:
+        return None
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:  # a port out of range, a bracket unclosed
+        return None
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    if not scheme or not host:
+        return None
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host if port is None or port == DEFAULT_PORTS.get(scheme) else f"{host}:{port}"
+    return f"{scheme}://{netloc}"

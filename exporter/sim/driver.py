@@ -64,6 +64,7 @@ class Driver:
         seed: int = 0,
         wall_clock: Callable[[], float] = time.time,
         between: Callable[[int], Awaitable[None]] | None = None,
+        backend: str | None = None,
     ) -> None:
         self.scenario = scenario
         self.client = client
@@ -75,6 +76,8 @@ class Driver:
         # Awaited after each iteration that another follows (with the number of the next):
         # the demo restarts its simulated vLLM there, so a loop is a restart as seen outside.
         self.between = between
+        # The vLLM the requests go to, as the usage events name it (their ``backend``).
+        self.backend = backend
         self.stats = DriverStats()
         self._tags = itertools.count(seed % _TAG_SPACE)
 
@@ -113,7 +116,9 @@ class Driver:
         if not completion.ok:
             stats.errors += 1
             log.warning("%s: %s %s", caller, completion.status, completion.error or "")
-        event = usage_event(caller, session, completion, self.wall_clock(), body.get("max_tokens"))
+        event = usage_event(
+            caller, session, completion, self.wall_clock(), body.get("max_tokens"), self.backend
+        )
         if event is None:
             stats.unreported += 1
         else:
@@ -260,6 +265,15 @@ def _without_credentials(url: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
+def without_userinfo(url: str) -> str:
+    """The URL as a usage event's backend: no user:password (the label the exporter makes of
+    it is the URL's origin; a credential has no place in an event either)."""
+    parts = urlsplit(url.strip())
+    if "@" not in parts.netloc:
+        return url.strip()
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
     client = HttpClient(args.drive_base_url)
     reporter: Reporter = (
@@ -278,7 +292,14 @@ async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
             model = listed[0] if listed else scenario.engine.get("served_model_name", "sim-llama")
         seed = args.seed if args.seed is not None else int(time.time())
         driver = Driver(
-            scenario, client, reporter, SimClock(args.speed), model, loop=args.loop, seed=seed
+            scenario,
+            client,
+            reporter,
+            SimClock(args.speed),
+            model,
+            loop=args.loop,
+            seed=seed,
+            backend=without_userinfo(args.drive_base_url),
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

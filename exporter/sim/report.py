@@ -36,10 +36,14 @@ def usage_event(
     completion: Completion,
     finished_at: float,
     max_tokens: int | None = None,
+    backend: str | None = None,
 ) -> dict[str, Any] | None:
     """The native usage event for one request; None when a success carried no usage.
-    ``max_tokens`` is what the request declared, as a proxy that sees the request knows."""
+    ``max_tokens`` is what the request declared, as a proxy that sees the request knows;
+    ``backend`` the vLLM it was sent to (its base URL, without credentials)."""
     event: dict[str, Any] = {"caller": caller, "time": round(finished_at, 3)}
+    if backend:
+        event["backend"] = backend
     if session:
         event["session"] = session
     if completion.model:

@@ -20,6 +20,7 @@ import msgspec
 
 from exporter.redaction import KEY_HASH_DIGITS, KEY_LABEL_PREFIX
 from exporter.values import (
+    MAX_BACKEND_CHARS,
     MAX_CALLER_CHARS,
     MAX_EVENT_ID_CHARS,
     MAX_MODEL_CHARS,
@@ -55,13 +56,16 @@ REASONS = (
     "bad_status",
     "reserved_caller",
     "bad_id",
+    "bad_backend",
 )
 
 # The reasons ``validate`` can give differently for a JSON integer beyond 64 bits read as
 # an integer (json) or as a float (orjson): its status is refused with another message, and
 # its model, session or id is a valid name as an integer's text. Every other reason is
 # reached alike (such a float is out of every number field's range, as the integer is).
-READING_DEPENDENT_REASONS = frozenset({"bad_status", "bad_model", "bad_session", "bad_id"})
+READING_DEPENDENT_REASONS = frozenset(
+    {"bad_status", "bad_model", "bad_session", "bad_id", "bad_backend"}
+)
 
 
 # A run of 19 digits or more: where orjson may read a number otherwise than json.
@@ -293,18 +297,23 @@ def _own_caller_name(value: Any, key: str) -> str:
     return _caller({key: value}, own=True)
 
 
-def _event_id(value: Any, key: str) -> str | None:
-    """An id: printable text of 1 to MAX_EVENT_ID_CHARS characters (a number as its text)."""
-    if (
-        value is None
-        or type(value) is str
-        and 0 < len(value) <= MAX_EVENT_ID_CHARS
-        and value.isprintable()
-    ):
-        return value  # type: ignore[no-any-return]
-    if type(value) is int:
-        return _event_id(str(value), key)
-    raise InvalidEvent("bad_id", f"{key} must be 1 to {MAX_EVENT_ID_CHARS} printable characters")
+def _printable_name(limit: int, reason: str) -> Callable[[Any, str], str | None]:
+    """The check of a name given as printable text of 1 to ``limit`` characters (a number
+    as its text), refused with ``reason``: an event id, a backend."""
+
+    def check(value: Any, key: str) -> str | None:
+        if value is None or type(value) is str and 0 < len(value) <= limit and value.isprintable():
+            return value  # type: ignore[no-any-return]
+        if type(value) is int:
+            return check(str(value), key)
+        raise InvalidEvent(reason, f"{key} must be 1 to {limit} printable characters")
+
+    return check
+
+
+# An id names the request per caller; a backend the vLLM replica that served it.
+_event_id = _printable_name(MAX_EVENT_ID_CHARS, "bad_id")
+_backend = _printable_name(MAX_BACKEND_CHARS, "bad_backend")
 
 
 def _tokens(value: Any, key: str) -> int | None:
@@ -353,6 +362,7 @@ _CHECK_BY_TYPE: dict[str, Callable[[Any, str], Any]] = {
     "Status": _status_of,
     "Sequences": _sequences,
     "EventId": _event_id,
+    "BackendName": _backend,
 }
 
 
@@ -437,7 +447,8 @@ def quick_event(line: bytes) -> UsageEvent | None:
     ``MSGSPEC_REFUSALS``) where that must decide: the line is not an ASCII JSON object
     whose fields are all of their declared type and in range, a name was not already
     accepted by ``validate`` (``_valid_callers``...), the status is not a success or
-    absent, ``cached_tokens`` exceeds ``prompt_tokens``, or the id is not printable.
+    absent, ``cached_tokens`` exceeds ``prompt_tokens``, or the id or the backend is not
+    printable.
 
     Only ASCII lines: msgspec does not check the UTF-8 of the values it skips (an unknown
     key's), which ``json`` refuses. Whatever it accepts, ``json`` reads the same way
@@ -450,6 +461,7 @@ def quick_event(line: bytes) -> UsageEvent | None:
     status = event.status
     session = event.session
     event_id = event.id
+    backend = event.backend
     if (
         event.caller in _valid_callers
         and event.model in _valid_models
@@ -457,6 +469,7 @@ def quick_event(line: bytes) -> UsageEvent | None:
         and (cached_tokens is None or cached_tokens <= event.prompt_tokens)
         and (status is None or type(status) is int and 200 <= status < 300)
         and (event_id is None or event_id.isprintable())
+        and (backend is None or backend.isprintable())
     ):
         return event
     return None

@@ -6,6 +6,9 @@
   usage chunk, or the SSE text) plus the caller and timings the proxy measured.
 - ``mapping``: any JSON, with a YAML file of dotted paths per UsageEvent field.
 
+The replica that served a request (``backend``) is the record's ``backend`` key in the
+native, ``openai`` and ``mapping`` formats, LiteLLM's ``api_base`` in its payload.
+
 Every converter builds the native form and hands it to ``validate``, so the same limits and
 rejection reasons apply whatever the format.
 """
@@ -20,7 +23,7 @@ import yaml
 
 from exporter.usage.event import FIELDS, InvalidEvent, validate
 from exporter.usage.openai import engine_timings_of, parse_usage, read_response
-from exporter.values import UsageEvent, status_is_error
+from exporter.values import MAX_BACKEND_CHARS, UsageEvent, status_is_error
 
 Converter = Callable[[Any], UsageEvent]
 
@@ -93,6 +96,9 @@ class LiteLLMFormat:
     - max_tokens: the request's ``model_parameters.max_tokens`` (else
       ``max_completion_tokens``): LiteLLM keeps the optional parameters it sent there.
     - sequences: ``model_parameters.n`` (an integer; anything else is left out).
+    - backend: ``api_base`` (the vLLM the call went to), else ``hidden_params.api_base``,
+      without credentials; a value that is no usable backend (not text, empty, too long,
+      unprintable) is left out and the event still counts, without a target.
     """
 
     SESSION_FIELDS = (("session_id",), ("metadata", "requester_metadata", "session_id"))
@@ -146,11 +152,35 @@ class LiteLLMFormat:
         n = get_path(payload, ("model_parameters", "n"))
         if type(n) is int and n >= 1:
             native_form["sequences"] = n
+        backend = _backend(payload.get("api_base")) or _backend(
+            get_path(payload, ("hidden_params", "api_base"))
+        )
+        if backend is not None:
+            native_form["backend"] = backend
         timings = engine_timings_of(payload.get("response"))
         if timings is not None:
             native_form["engine_ttft_seconds"] = timings.ttft_seconds
             native_form["engine_queue_seconds"] = timings.queue_seconds
         return validate(native_form)
+
+
+def _backend(value: Any) -> str | None:
+    """LiteLLM's ``api_base`` as a backend: its text without any user:password, or None
+    where it cannot be one (the call is still counted: the backend is only where it ran)."""
+    if type(value) is not str:
+        return None
+    value = value.strip()
+    scheme, separator, rest = value.partition("://")
+    if separator:
+        end = len(rest)
+        for mark in "/?#":  # the authority ends at the path, the query or the fragment
+            at = rest.find(mark)
+            if at >= 0:
+                end = min(end, at)
+        value = f"{scheme}://{rest[:end].rpartition('@')[2]}{rest[end:]}"
+    if 0 < len(value) <= MAX_BACKEND_CHARS and value.isprintable():
+        return value
+    return None
 
 
 def _litellm_ttft(payload: Mapping[str, Any]) -> float | None:

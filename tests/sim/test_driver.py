@@ -14,7 +14,7 @@ from aiohttp import web
 
 from exporter.sim.client import Completion, HttpClient, StreamReader
 from exporter.sim.clock import SimClock, run_virtual
-from exporter.sim.driver import Driver
+from exporter.sim.driver import Driver, without_userinfo
 from exporter.sim.report import HttpReporter, ListReporter, usage_event
 from exporter.sim.scenario import parse_scenario
 from exporter.sim.server import SPEED_HEADER
@@ -53,6 +53,17 @@ def test_cached_tokens_is_null_never_zero_when_vllm_did_not_report_it():
     assert "cached_tokens" in event and event["cached_tokens"] is None
     assert "ttft_seconds" not in event  # a non-streamed response has no measurable TTFT
     assert validate(event).cached_tokens is None
+
+
+def test_the_driver_names_the_vllm_it_sends_to():
+    """The event's backend is the driver's base URL without credentials, so the exporter
+    counts the caller under that vLLM's target."""
+    usage = {"prompt_tokens": 500, "prompt_tokens_details": {"cached_tokens": 480}}
+    backend = without_userinfo("http://user:pw@vllm-3:8000/v1")
+    assert backend == "http://vllm-3:8000/v1"
+    event = usage_event("a", None, Completion(200, "m", usage, None), 1.0, None, backend)
+    assert validate(event).backend == "http://vllm-3:8000/v1"
+    assert "backend" not in usage_event("a", None, Completion(200, "m", usage, None), 1.0)
 
 
 def test_errors_are_reported_with_their_status_and_a_missing_usage_is_not_invented():

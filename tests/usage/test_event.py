@@ -24,6 +24,7 @@ GOOD = {
     "max_tokens": 65_536,
     "sequences": 2,
     "id": "chatcmpl-7f3a",
+    "backend": "http://vllm-7:8000/v1",
 }
 
 
@@ -42,6 +43,7 @@ def test_only_caller_and_prompt_tokens_are_required():
     event = validate({"caller": "a", "prompt_tokens": 10})
     assert event == UsageEvent("a", "", 10, None, None, None, None, None, None, None, None)
     assert event.cached_tokens is None  # not reported is not zero
+    assert event.backend is None  # no replica known: no per-target counts
 
 
 def test_accepted_variants():
@@ -124,6 +126,13 @@ BAD = [
     ({"caller": "a", "prompt_tokens": 10, "max_tokens": -1}, "negative"),
     ({"caller": "a", "prompt_tokens": 10, "max_tokens": 10**400}, "too_large"),
     ({"caller": "a", "prompt_tokens": 10, "max_tokens": float("inf")}, "not_finite"),
+    # the replica that served it: a short printable name (a label may be made of it)
+    ({"caller": "a", "prompt_tokens": 10, "backend": ""}, "bad_backend"),
+    ({"caller": "a", "prompt_tokens": 10, "backend": "x" * 257}, "bad_backend"),
+    ({"caller": "a", "prompt_tokens": 10, "backend": "http://vllm\n:8000"}, "bad_backend"),
+    ({"caller": "a", "prompt_tokens": 10, "backend": "\u202ehttp://evil"}, "bad_backend"),
+    ({"caller": "a", "prompt_tokens": 10, "backend": {"url": "http://v"}}, "bad_backend"),
+    ({"caller": "a", "prompt_tokens": 10, "backend": 1.5}, "bad_backend"),
 ]
 
 
@@ -144,10 +153,22 @@ def test_rejection_messages_never_echo_the_value():
         {"caller": secret + "\n", "prompt_tokens": 1},
         {"caller": secret * 100, "prompt_tokens": 1},
         {"caller": "a", "prompt_tokens": secret},
+        {"caller": "a", "prompt_tokens": 1, "backend": f"https://u:{secret}@vllm/\n"},
     ):
         with pytest.raises(InvalidEvent) as caught:
             validate(obj)
         assert secret not in str(caught.value)
+
+
+def test_backend_is_the_replica_as_the_reader_names_it():
+    """A URL or a name, kept as given (the signals make its label); a number as its text,
+    as an id is."""
+    assert validate({"caller": "a", "prompt_tokens": 1, "backend": "replica-7"}).backend == (
+        "replica-7"
+    )
+    assert validate({"caller": "a", "prompt_tokens": 1, "backend": 7}).backend == "7"
+    url = "http://vllm-3.vllm.svc:8000/v1"
+    assert validate({"caller": "a", "prompt_tokens": 1, "backend": url}).backend == url
 
 
 def test_status_words():

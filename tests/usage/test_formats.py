@@ -59,6 +59,7 @@ def test_litellm_payloads_convert():
         1795992176.25,
         "success",
         max_tokens=8,
+        backend="http://vllm:8000/v1",  # api_base: the vLLM LiteLLM sent the call to
     )
     # completionStartTime == endTime when not streamed: that is not a TTFT.
     assert not_streamed.caller == "platform"
@@ -66,6 +67,41 @@ def test_litellm_payloads_convert():
     assert not_streamed.ttft_seconds is None
     assert unreported.caller == "customer-42" and unreported.cached_tokens is None
     assert status_is_error(failed.status)
+
+
+def test_litellm_backend_is_its_api_base():
+    """The replica the call went to: api_base, else hidden_params.api_base, without
+    credentials; an unusable one is left out and the call still counts (without a target)."""
+    convert = LiteLLMFormat(LITELLM_FIELDS)
+    payload = litellm_payloads()[0]
+    recorded = [convert(p) for p in recorded_litellm("readme-config") if p.get("api_base")]
+    assert recorded and {event.backend for event in recorded} <= {
+        "http://127.0.0.1:18100/v1",
+        "http://127.0.0.1:18100/v1/chat/completions",
+    }
+    hidden = {**payload, "api_base": None, "hidden_params": {"api_base": "http://vllm-7:8000/v1"}}
+    assert convert(hidden).backend == "http://vllm-7:8000/v1"
+    secret = "sk-" + "Z9y8X7w6" * 4
+    assert convert({**payload, "api_base": f"https://u:{secret}@vllm-3/v1"}).backend == (
+        "https://vllm-3/v1"
+    )
+    for unusable in ("", "x" * 300, "http://vl\nlm", 8000, {"url": "http://v"}, None):
+        event = convert({**payload, "api_base": unusable, "hidden_params": {}})
+        assert event.backend is None and event.prompt_tokens == 1396
+
+
+def test_backend_key_of_the_openai_and_mapping_formats():
+    response = {"model": "m", "usage": {"prompt_tokens": 100, "prompt_tokens_details": {}}}
+    event = OpenAIFormat()({"caller": "a", "response": response, "backend": "replica-7"})
+    assert event.backend == "replica-7"
+    mapping = MappingFormat(
+        {"caller": "who", "prompt_tokens": "usage.prompt", "backend": "upstream.addr"}
+    )
+    record = {"who": "a", "usage": {"prompt": 10}, "upstream": {"addr": "http://10.0.0.7:8000"}}
+    assert mapping(record).backend == "http://10.0.0.7:8000"
+    with pytest.raises(InvalidEvent) as caught:  # the record's own key is held to the rule
+        mapping({**record, "upstream": {"addr": "x" * 300}})
+    assert caught.value.reason == "bad_backend"
 
 
 def test_litellm_max_tokens_from_the_request_parameters():
@@ -194,6 +230,8 @@ def test_recorded_litellm_payloads_convert():
         1796039881.622595,
         "success",
         max_tokens=4,
+        # LiteLLM 1.108.7 logs the endpoint it called as api_base: its origin names the vLLM
+        backend="http://127.0.0.1:18100/v1/chat/completions",
     )
     assert (by_header.caller, by_header.session, by_header.cached_tokens) == (
         "ide-assistant",

@@ -30,7 +30,7 @@ from exporter.usage.event import (
     quick_event,
     validate,
 )
-from exporter.values import UsageEvent
+from exporter.values import MAX_BACKEND_CHARS, UsageEvent
 
 TOKEN_EDGES = [
     0,
@@ -113,6 +113,21 @@ ID_EDGES = [
     1.5,
     None,
 ]
+BACKEND_EDGES = [
+    "http://vllm-7:8000/v1",
+    "replica-7",
+    "",
+    " ",
+    "x" * MAX_BACKEND_CHARS,
+    "x" * (MAX_BACKEND_CHARS + 1),
+    "http://vllm\n:8000",
+    "caf\u00e9",
+    "\u202ehttp://evil",
+    7,
+    2**64,
+    1.5,
+    None,
+]
 SEQUENCE_EDGES = [1, 2, MAX_SEQUENCES, MAX_SEQUENCES + 1, 0, -1, 2.0, 1.5, 2**64, True]
 STATUS_EDGES = [
     200,
@@ -160,6 +175,8 @@ def field_value(key: str) -> st.SearchStrategy[Any]:
         edges = SEQUENCE_EDGES
     elif key == "id":
         edges = ID_EDGES
+    elif key == "backend":
+        edges = BACKEND_EDGES
     elif key.endswith("tokens"):
         edges = TOKEN_EDGES
     else:
@@ -183,6 +200,7 @@ VALID = {
     "max_tokens": st.integers(0, 8192),
     "sequences": st.integers(1, 4),
     "id": st.sampled_from(["req-1", "req-2"]),
+    "backend": st.sampled_from(["http://127.0.0.1:8000/v1", "replica-7"]),
 }
 
 
@@ -299,6 +317,7 @@ def test_the_usage_event_is_the_only_field_list() -> None:
             "max_tokens": 1,
             "sequences": 10,
             "id": "e1",
+            "backend": "http://vllm-0:8000",
         }
     )
     assert len(set(msgspec.structs.astuple(event))) == len(FIELDS), "every field told apart"

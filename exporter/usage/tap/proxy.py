@@ -70,7 +70,7 @@ from exporter.usage.tap.request import (
     scan,
     with_include_usage,
 )
-from exporter.values import PromptPrint, UsageEvent
+from exporter.values import MAX_BACKEND_CHARS, PromptPrint, UsageEvent
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +262,13 @@ class Tap:
             self.upstream_auth = "Basic " + base64.b64encode(pair).decode("ascii")
         self.upstream = upstream.with_user(None)
         self._upstream_text = str(self.upstream)  # each call's URL starts with it
+        # The replica every call is recorded as served by: the upstream without credentials
+        # (its origin alone if it is too long to be a backend).
+        self.backend = (
+            self._upstream_text
+            if len(self._upstream_text) <= MAX_BACKEND_CHARS and self._upstream_text.isprintable()
+            else str(self.upstream.origin())
+        )
         self.upstream_shown = redact_url(settings.upstream)
         self.aliases = KeyAliases(settings.key_alias)
         self.timeout = aiohttp.ClientTimeout(total=settings.timeout)
@@ -307,6 +314,7 @@ class Tap:
                     engine_queue_seconds=engine.queue_seconds if engine else None,
                     max_tokens=declared_budget(exchange.request.output_limit),
                     sequences=exchange.request.sequences,
+                    backend=self.backend,
                 ),
                 own_caller=exchange.own_caller,
             )
