@@ -432,6 +432,31 @@ CALLERS_FOLDED = Family(
     'Events counted under caller="__other__" because their (caller, model) pair would have '
     "gone over the series budget (--callers.max-series).",
 )
+# Per (caller, model) and vLLM target: the hit ratio on each replica. ``target`` is the
+# engine series' own label where the exporter reads that vLLM, so a rule can join them.
+TARGET_PROMPT_TOKENS = Family(
+    "vllm_cache_target_prompt_tokens",
+    COUNTER,
+    (*CALLER, "target"),
+    "Prompt tokens of successful requests that reported cached tokens, by the vLLM target "
+    "(replica) that served them, for events that name it (the tap's upstream, LiteLLM's "
+    "api_base, a backend field). Summed over target: the caller's share of "
+    "vllm_cache_prompt_tokens_total that named one.",
+)
+TARGET_CACHED_TOKENS = Family(
+    "vllm_cache_target_cached_tokens",
+    COUNTER,
+    (*CALLER, "target"),
+    "Prompt tokens served from vLLM's prefix cache, by the vLLM target (replica) that served "
+    "them: over vllm_cache_target_prompt_tokens_total, the caller's hit ratio on that replica.",
+)
+TARGETS_OVERFLOWED = Family(
+    "vllm_cache_targets_overflowed",
+    COUNTER,
+    (),
+    'Events counted under target="__other__": past --callers.targets-max distinct targets, '
+    "or a backend name over 128 characters.",
+)
 
 # --- foresight (exporter/metrics/foresight.py)
 CONVERSATIONS_ACTIVE = Family(
