@@ -25,7 +25,12 @@ from tests.monitoring.common import ALERTS_DIR, ALERTS_FILE, RULES_FILE, require
 
 # The promtool tests of the alerts with keep_firing_for (collapse and warm TTFT): a page held
 # through a gap, resolved after the recovery.
-KEPT = ("long_collapse.yaml", "prefix_collapse.yaml", "warm_ttft_collapse.yaml")
+KEPT = (
+    "caller_target_collapse.yaml",
+    "long_collapse.yaml",
+    "prefix_collapse.yaml",
+    "warm_ttft_collapse.yaml",
+)
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
