@@ -78,9 +78,11 @@ class _Alerts:
             if variable is not None and label not in self.config.topology_labels:
                 params.append(f'var-{variable}={{{{ or $labels.{label} "" | urlquery }}}}')
         # "?&var-cluster=..." when nothing precedes it: an empty pair, which URLs allow.
-        query = "?" + "&".join(params) if params or self.config.topology_labels else ""
-        for label in self.config.topology_labels:
-            query += f"{{{{ with $labels.{label} }}}}&var-{label}={{{{ . | urlquery }}}}{{{{ end }}}}"
+        topology = [label for label in self.config.topology_labels if label not in _DASHBOARD_VARS]
+        query = "?" + "&".join(params) if params or topology else ""
+        for label in topology:
+            value = "{{ . | urlquery }}"
+            query += f"{{{{ with $labels.{label} }}}}&var-{label}={value}{{{{ end }}}}"
         return f"{self.config.dashboard_url.rstrip('/')}/d/{uid}{query}"
 
     def alert(
@@ -164,9 +166,7 @@ unless {caller_on}
             names.caller_hit_ratio[long], CALLER, "humanizePercentage"
         )
         caller_traffic = self.query_value(names.caller_prompt[short], CALLER, "humanize")
-        caller_ratio = self.query_value(
-            names.caller_hit_ratio[short], CALLER, "humanizePercentage"
-        )
+        caller_ratio = self.query_value(names.caller_hit_ratio[short], CALLER, "humanizePercentage")
         replica_traffic = self.query_value(names.caller_target_prompt, CALLER_TARGET, "humanize")
         return [
             self.alert(
@@ -566,8 +566,7 @@ CALLER_MINUTE_SCOPES = ("caller_target",)
 
 def _reads_minute_series(rule: dict[str, Any]) -> bool:
     return (
-        rule["alert"] in CALLER_MINUTE_ALERTS
-        or rule["labels"].get("scope") in CALLER_MINUTE_SCOPES
+        rule["alert"] in CALLER_MINUTE_ALERTS or rule["labels"].get("scope") in CALLER_MINUTE_SCOPES
     )
 
 

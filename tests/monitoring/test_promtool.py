@@ -104,7 +104,7 @@ def test_promtool_tests_catch_a_broken_alert(tmp_path: Path) -> None:
 def _without_caller_unless(alerts: str) -> str:
     """The caller_target alert without its ``unless`` of the caller-wide collapse."""
     start = alerts.index("unless on", alerts.index("caller_model_target:vllm_cache_hit_ratio"))
-    return alerts[: start] + alerts[alerts.index("\n    for:", start) :]
+    return alerts[:start] + alerts[alerts.index("\n    for:", start) :]
 
 
 @pytest.mark.parametrize(
