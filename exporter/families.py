@@ -429,8 +429,9 @@ CALLERS_FOLDED = Family(
     "vllm_cache_callers_folded",
     COUNTER,
     (),
-    'Events counted under caller="__other__" because their (caller, model) pair would have '
-    "gone over the series budget (--callers.max-series).",
+    'Events counted under caller="__other__" because their (caller, model) pair, or a new '
+    "histogram or per-target entry of it, would have gone over the series budget "
+    "(--callers.max-series).",
 )
 # Per (caller, model) and vLLM target: the hit ratio on each replica. ``target`` is the
 # engine series' own label where the exporter reads that vLLM, so a rule can join them.
