@@ -14,7 +14,7 @@ from typing import Any
 from exporter import families
 from exporter.monitoring.config import MonitoringConfig, duration_seconds
 from exporter.monitoring.promql import PromQL, number
-from exporter.monitoring.rules import CALLER, TARGET, Names
+from exporter.monitoring.rules import CALLER, CALLER_TARGET, TARGET, Names
 
 ALERT_NAMES = (
     "VllmCachePrefixCollapse",
@@ -56,22 +56,33 @@ class _Alerts:
 
     # --- annotation helpers -------------------------------------------------------------------
     def query_value(self, metric: str, level: tuple[str, ...], fmt: str) -> str:
-        """Template text that looks up one recorded series with the alert's own labels."""
+        """Template text that looks up one recorded series with the alert's own labels. A
+        label the alert lacks (a topology label the series do not carry) is "": Prometheus
+        renders a missing label so, vmalert as no value, which printf turns into a query
+        that fails, and the alert is not sent."""
         labels = self.promql.labels(*level)
         matchers = ",".join(f"{label}=%q" for label in labels)
-        args = " ".join(f"$labels.{label}" for label in labels)
+        args = " ".join(f'(or $labels.{label} "")' for label in labels)
         return (
             f'{{{{ with printf "{metric}{{{matchers}}}" {args} | query }}}}'
             f"{{{{ . | first | value | {fmt} }}}}{{{{ end }}}}"
         )
 
     def dashboard_link(self, uid: str, labels: tuple[str, ...]) -> str:
+        """The dashboard with the alert's labels as its variables. A topology label (a
+        dashboard variable of the same name) only where the alert has it: absent, the
+        variable stays on All, which also matches series without the label."""
         params = []
         for label in dict.fromkeys((*self.config.group_labels, *labels)):
             variable = _DASHBOARD_VARS.get(label)
-            if variable is not None:
-                params.append(f"var-{variable}={{{{ $labels.{label} | urlquery }}}}")
-        query = "?" + "&".join(params) if params else ""
+            if variable is not None and label not in self.config.topology_labels:
+                params.append(f'var-{variable}={{{{ or $labels.{label} "" | urlquery }}}}')
+        # "?&var-cluster=..." when nothing precedes it: an empty pair, which URLs allow.
+        topology = [label for label in self.config.topology_labels if label not in _DASHBOARD_VARS]
+        query = "?" + "&".join(params) if params or topology else ""
+        for label in topology:
+            value = "{{ . | urlquery }}"
+            query += f"{{{{ with $labels.{label} }}}}&var-{label}={value}{{{{ end }}}}"
         return f"{self.config.dashboard_url.rstrip('/')}/d/{uid}{query}"
 
     def alert(
@@ -124,6 +135,23 @@ and {names.target_queries[short]}{selector} offset {config.short_window} > {engi
   < {factor} * ({names.caller_hit_ratio[baseline]}{selector} > {min_baseline})
 and {names.caller_prompt[short]}{selector} > {caller_floor}
 and {names.caller_prompt[short]}{selector} offset {config.short_window} > {caller_floor}"""
+        # One replica (target) of many that keeps evicting a caller: its ratio there against
+        # the caller's own baseline (over every replica: what its cache does when it works),
+        # with the traffic floor on that replica, unless the caller collapsed everywhere
+        # (the caller scope pages that once, not once per replica). __other__ is the
+        # exporter's overflow of targets, no replica.
+        caller_on = promql.on(*CALLER)
+        target_selector = promql.sel('target!="__other__"')
+        caller_target_expr = f"""
+{names.caller_target_hit_ratio}{target_selector}
+  < {caller_on} group_left ()
+    ({factor} * ({names.caller_hit_ratio[baseline]}{selector} > {min_baseline}))
+and {names.caller_target_prompt}{selector} > {caller_floor}
+and {names.caller_target_prompt}{selector} offset {config.short_window} > {caller_floor}
+unless {caller_on}
+(
+{caller_expr.strip()}
+)"""
         engine_baseline = self.query_value(
             names.target_hit_ratio[baseline], TARGET, "humanizePercentage"
         )
@@ -138,6 +166,8 @@ and {names.caller_prompt[short]}{selector} offset {config.short_window} > {calle
             names.caller_hit_ratio[long], CALLER, "humanizePercentage"
         )
         caller_traffic = self.query_value(names.caller_prompt[short], CALLER, "humanize")
+        caller_ratio = self.query_value(names.caller_hit_ratio[short], CALLER, "humanizePercentage")
+        replica_traffic = self.query_value(names.caller_target_prompt, CALLER_TARGET, "humanize")
         return [
             self.alert(
                 "VllmCachePrefixCollapse",
@@ -171,6 +201,25 @@ and {names.caller_prompt[short]}{selector} offset {config.short_window} > {calle
                 tokens/s.""",
                 self.dashboard_link(config.caller_uid, CALLER),
                 {"scope": "caller"},
+                keep_firing_for=config.collapse_keep_firing_for,
+            ),
+            self.alert(
+                "VllmCachePrefixCollapse",
+                caller_target_expr,
+                config.collapse_for,
+                config.collapse_severity,
+                "The prefix-cache hit ratio of a caller collapsed on one vLLM replica while its "
+                "prompt traffic there continues.",
+                f"""Caller {{{{ $labels.caller }}}} on {{{{ $labels.model }}}} got
+                {{{{ $value | humanizePercentage }}}} of its prompt tokens from the prefix cache
+                of replica {{{{ $labels.target }}}} over the last {config.short_window}, against
+                its baseline of {caller_baseline} (over every replica, the last
+                {config.baseline_window}), while still sending {replica_traffic} prompt
+                tokens/s there; over every replica it got {caller_ratio}. That replica evicts
+                this caller's prefixes: check how the gateway routes the caller, that
+                replica's KV pool and its preemptions.""",
+                self.dashboard_link(config.caller_uid, CALLER),
+                {"scope": "caller_target"},
                 keep_firing_for=config.collapse_keep_firing_for,
             ),
         ]
@@ -510,6 +559,17 @@ CALLER_MINUTE_ALERTS = (
 )
 
 
+# Scopes of an alert otherwise evaluated every interval that read such series: the collapse
+# per caller and replica reads caller_model_target:*, recorded with the caller detail.
+CALLER_MINUTE_SCOPES = ("caller_target",)
+
+
+def _reads_minute_series(rule: dict[str, Any]) -> bool:
+    return (
+        rule["alert"] in CALLER_MINUTE_ALERTS or rule["labels"].get("scope") in CALLER_MINUTE_SCOPES
+    )
+
+
 def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     alerts = _Alerts(config)
     rules = [
@@ -532,10 +592,10 @@ def alert_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     group: dict[str, Any] = {"name": "vllm-cache.alerts"}
     if config.rule_interval:
         group["interval"] = config.rule_interval
-    group["rules"] = [rule for rule in rules if rule["alert"] not in CALLER_MINUTE_ALERTS]
+    group["rules"] = [rule for rule in rules if not _reads_minute_series(rule)]
     callers = {
         "name": "vllm-cache-caller.alerts",
         "interval": config.caller_detail_interval,
-        "rules": [rule for rule in rules if rule["alert"] in CALLER_MINUTE_ALERTS],
+        "rules": [rule for rule in rules if _reads_minute_series(rule)],
     }
     return [group, callers]

@@ -30,6 +30,9 @@ from exporter.monitoring.config import MonitoringConfig
 from exporter.monitoring.promql import PromQL, guarded, hit_ratio, over, ratio, warm_share
 
 CALLER = ("caller", "model")
+# One caller on one vLLM replica: ``target`` is the engine series' own label, so these join
+# the ``target_model:*`` series.
+CALLER_TARGET = ("caller", "model", "target")
 CALLER_STATE = ("caller", "model", "state")
 TARGET = ("target", "model_name")
 MODEL = ("model_name",)
@@ -81,6 +84,10 @@ class Names:
             window: f"caller_model:vllm_cache_unreported_prompt_tokens:{window}" for window in both
         }
         self.caller_state_requests = f"caller_model_state:vllm_cache_requests:{short}"
+        # per caller and vLLM replica (target): a caller collapsed on one replica of many
+        self.caller_target_prompt = f"caller_model_target:vllm_cache_prompt_tokens:{short}"
+        self.caller_target_cached = f"caller_model_target:vllm_cache_cached_tokens:{short}"
+        self.caller_target_hit_ratio = f"caller_model_target:vllm_cache_hit_ratio:{short}"
         # the warm share's two sides: warm turns, and classified ones (warm, partial, cold)
         self.caller_warm_requests = {
             window: f"caller_model:vllm_cache_warm_requests:{window}" for window in both
@@ -253,7 +260,34 @@ def _caller_detail_rules(
         )
     )
     rules.extend(_ttft_rules(config, promql, names))
+    rules.extend(_caller_target_rules(config, promql, names))
     return rules
+
+
+def _caller_target_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
+    """Each caller's short-window tokens and hit ratio per vLLM replica (``target``). Behind a
+    gateway a caller's cache lives on the replica that served it: one replica that keeps
+    evicting it hides in the caller's ratio over all of them, which the healthy replicas keep
+    above half its baseline. Recorded every ``caller_detail_interval``, with the alert that
+    reads them: per caller they are a series per replica, the most the rules read."""
+    window = config.short_window
+
+    def rate(family: families.Family) -> str:
+        return promql.sum_by(CALLER_TARGET, f"rate({family.total}{promql.sel()}[{window}])")
+
+    return [
+        _rule(names.caller_target_prompt, rate(families.TARGET_PROMPT_TOKENS)),
+        _rule(names.caller_target_cached, rate(families.TARGET_CACHED_TOKENS)),
+        _rule(
+            names.caller_target_hit_ratio,
+            hit_ratio(
+                names.caller_target_cached + promql.sel(),
+                names.caller_target_prompt + promql.sel(),
+            ),
+        ),
+    ]
 
 
 def _caller_long_rules(

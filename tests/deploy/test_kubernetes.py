@@ -382,6 +382,34 @@ def relabel(rules: list[dict[str, Any]], labels: dict[str, str]) -> dict[str, st
     return out
 
 
+def test_a_callers_replica_series_get_the_pod_name_their_engine_gets():
+    """The tap's per-caller counters split by replica carry the engine series' `target` (the
+    tap's upstream is the vLLM the sidecar reads, both on 127.0.0.1): relabelled alike, a
+    caller on pod a joins pod a's engine, and the same caller on pod b stays apart, as the
+    caller_target rules need; their `__other__` overflow is no URL and stays as it is."""
+    rules = one("ServiceMonitor")["spec"]["endpoints"][0]["metricRelabelings"]
+    config = sidecar_config()
+    engine_target = config.engine_targets[0]
+    # The exporter labels a backend at the origin of a --vllm.url with that engine's target.
+    assert engine_target == config.tap_upstream + "/metrics"
+    caller = {"job": "vllm-cache-exporter", "caller": "agent-a", "model": "qwen3.8-27b"}
+    for pod in ("vllm-7c9d-a", "vllm-7c9d-b"):
+        engine = relabel(rules, {"pod": pod, "target": engine_target, "model_name": "m"})
+        replica = relabel(rules, {**caller, "pod": pod, "target": engine_target})
+        assert replica["target"] == engine["target"] == pod
+    other = {**caller, "pod": "vllm-7c9d-a", "target": "__other__"}
+    assert relabel(rules, other) == other
+    # And the rules keep the target of the series they sum, to join on it.
+    recorded = [
+        rule["expr"]
+        for group in rule_file_groups()
+        for rule in group["rules"]
+        if rule.get("record", "").startswith("caller_model_target:") and "rate(" in rule["expr"]
+    ]
+    assert len(recorded) == 2
+    assert all(re.search(r"by \(job(, [a-z_]+)*, caller, model, target\)", e) for e in recorded)
+
+
 def test_each_replicas_engine_keeps_its_own_identity_through_the_rules():
     """Every sidecar reads vLLM at the same localhost URL; the rules keep engines apart by
     `target`, so the ServiceMonitor must make it unique per pod, and leave callers alone."""

@@ -46,7 +46,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from exporter.monitoring.config import config_from_mapping
+from exporter.monitoring.config import MonitoringConfig, config_from_mapping
 from exporter.monitoring.render import prometheus_files
 from tests.monitoring.common import DASHBOARD_DIR, ROOT, require_tool
 
@@ -282,7 +282,8 @@ def substitute(expr: str) -> str:
     """What Grafana sends for the dashboards' variables with "All" selected."""
     expr = expr.replace("$__rate_interval", RATE_INTERVAL)
     assert "${datasource}" not in expr
-    expr = re.sub(r"\$\{?(job|target|model|caller)\}?", ".*", expr)
+    variables = "|".join(("job", "target", "model", "caller", *MonitoringConfig().topology_labels))
+    expr = re.sub(rf"\$\{{?({variables})\}}?", ".*", expr)
     assert "$" not in expr, expr
     return expr
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,46 @@ def test_promtool_tests_catch_a_broken_alert(tmp_path: Path) -> None:
     result = run(promtool, "test", "rules", "tests/prefix_collapse.yaml", cwd=tmp_path / "alerts")
     assert result.returncode != 0
     assert "VllmCachePrefixCollapse" in result.stdout + result.stderr
+
+
+def _without_caller_unless(alerts: str) -> str:
+    """The caller_target alert without its ``unless`` of the caller-wide collapse."""
+    start = alerts.index("unless on", alerts.index("caller_model_target:vllm_cache_hit_ratio"))
+    return alerts[:start] + alerts[alerts.index("\n    for:", start) :]
+
+
+@pytest.mark.parametrize(
+    ("file", "break_it", "fails_in"),
+    [
+        # Summed without target, the replica's ratio is the caller's blended 59%: no page.
+        (
+            RULES_FILE.name,
+            lambda rules: rules.replace("caller, model, target)", "caller, model)"),
+            "one replica of three evicts agent-a",
+        ),
+        # Without the unless, a caller collapsed everywhere pages once per replica too.
+        (ALERTS_FILE.name, _without_caller_unless, "agent-b collapses on every replica"),
+    ],
+    ids=["no-target", "no-unless"],
+)
+def test_caller_target_test_fails_when_the_rule_breaks(
+    tmp_path: Path, file: str, break_it: Callable[[str], str], fails_in: str
+) -> None:
+    """alerts/tests/caller_target_collapse.yaml is not vacuous: each half of the rule (the
+    per-replica ratio, the one page per caller) is needed for it to pass."""
+    promtool = require_tool("promtool")
+    shutil.copytree(ALERTS_DIR, tmp_path / "alerts")
+    path = tmp_path / "alerts" / file
+    text = path.read_text(encoding="utf-8")
+    broken = break_it(text)
+    assert broken != text
+    path.write_text(broken, encoding="utf-8")
+    result = run(
+        promtool, "test", "rules", "tests/caller_target_collapse.yaml", cwd=tmp_path / "alerts"
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert f"name: {fails_in}" in output, output
 
 
 @pytest.mark.parametrize(

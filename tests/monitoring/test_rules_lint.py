@@ -76,7 +76,7 @@ def test_collapse_is_the_page() -> None:
         for rule in alerts()
         if rule["alert"] == "VllmCachePrefixCollapse"
     }
-    assert scopes == {"engine", "caller"}
+    assert scopes == {"engine", "caller", "caller_target"}
 
 
 def test_annotations() -> None:

@@ -11,6 +11,7 @@ tests/monitoring/test_fleet_store.py runs the variant in a real vmalert on Victo
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,7 +26,12 @@ from tests.monitoring.common import ALERTS_DIR, ALERTS_FILE, RULES_FILE, require
 
 # The promtool tests of the alerts with keep_firing_for (collapse and warm TTFT): a page held
 # through a gap, resolved after the recovery.
-KEPT = ("long_collapse.yaml", "prefix_collapse.yaml", "warm_ttft_collapse.yaml")
+KEPT = (
+    "caller_target_collapse.yaml",
+    "long_collapse.yaml",
+    "prefix_collapse.yaml",
+    "warm_ttft_collapse.yaml",
+)
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -96,3 +102,24 @@ def test_the_variant_fires_and_resolves_when_the_prometheus_file_does(
     _without_annotations(alerts_dir / "tests" / test_file, "exp_annotations")
     result = run(promtool, "test", "rules", f"tests/{test_file}", cwd=alerts_dir)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_annotations_never_hand_vmalert_a_missing_label() -> None:
+    """vmalert (1.79) renders a label the alert lacks as no value, not "": a query built
+    with printf from it fails, and vmalert drops the alert ("failed to execute"), where
+    Prometheus renders "". Seen with a topology label the series do not carry. So every
+    label a template queries or links with is defaulted (``or $labels.x ""``) or tested
+    (``with $labels.x``)."""
+    alerts = yaml.safe_load(vmalert_files(MonitoringConfig())[ALERTS_PATH])
+    checked = 0
+    for group in alerts["groups"]:
+        for rule in group["rules"]:
+            for text in rule["annotations"].values():
+                for args in re.findall(r'printf "[^"]*"((?: \([^)]*\)| \$\S+)*) \| query', text):
+                    for arg in re.findall(r" (\([^)]*\)|\$\S+)", args):
+                        checked += 1
+                        assert re.fullmatch(r'\(or \$labels\.\w+ ""\)', arg), (rule["alert"], arg)
+                for piped in re.findall(r"\{\{ ([^}]*?) \| urlquery \}\}", text):
+                    checked += 1
+                    assert re.fullmatch(r'or \$labels\.\w+ ""|\.', piped), (rule["alert"], piped)
+    assert checked > 50

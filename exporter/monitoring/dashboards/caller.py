@@ -17,12 +17,15 @@ from exporter.monitoring.dashboards.panels import (
     TOKENS_PER_SECOND,
     Filters,
     Layout,
+    alert_below,
     caller_hit_ratio_stat,
     dashboard,
+    job_variable,
     query_variable,
     stat,
     target,
     timeseries,
+    topology_variables,
     warm_share_stat,
 )
 from exporter.monitoring.promql import PromQL, hit_ratio, number, over, share
@@ -44,11 +47,8 @@ SOURCES = (
 def variables(config: MonitoringConfig) -> list[g.Template]:
     filters = Filters(config)
     return [
-        query_variable(
-            "job",
-            "Job",
-            f"label_values({families.EXPORTER_BUILD_INFO.series}{filters.selector()}, job)",
-        ),
+        *topology_variables(config),
+        job_variable(config),
         query_variable(
             "model", "Model", f"label_values({families.REQUESTS.total}{filters.job()}, model)"
         ),
@@ -187,10 +187,31 @@ def _cache_row(layout: Layout, config: MonitoringConfig, filters: Filters, names
                     f"{{{{caller}}}} {{{{model}}}} {config.short_window}",
                 ),
                 target(f"{baseline}{callers}", "{{caller}} {{model}} baseline"),
+                alert_below(config, f"{baseline}{callers}", "{{caller}} {{model}}"),
+            ],
+            min_value=0,
+            max_value=1,
+        ),
+        24,
+        9,
+    )
+    layout.add(
+        timeseries(
+            "Hit ratio per replica",
+            f"The caller's recorded {config.short_window} hit ratio on each vLLM replica "
+            "(target) that served it, for the requests whose usage names one. Behind a gateway "
+            "a caller's cache lives on the replica that served it: one replica that keeps "
+            "evicting it barely moves the ratio above. VllmCachePrefixCollapse "
+            "(scope=\"caller_target\") fires when a replica's line stays under the caller's "
+            f"'alert below' line for {config.collapse_for}, with the caller still sending that "
+            "replica prompt tokens and not collapsed on every replica.",
+            "percentunit",
+            [
                 target(
-                    f"{number(config.collapse_drop_factor)} * {baseline}{callers}",
-                    "{{caller}} {{model}} alert below",
+                    f"{names.caller_target_hit_ratio}{callers}",
+                    "{{caller}} {{model}} {{target}}",
                 ),
+                alert_below(config, f"{baseline}{callers}", "{{caller}} {{model}}"),
             ],
             min_value=0,
             max_value=1,

@@ -19,7 +19,6 @@ from grafanalib import core as g
 from exporter import families
 from exporter.monitoring.config import MonitoringConfig
 from exporter.monitoring.dashboards.panels import (
-    JOB,
     RATE,
     TOKENS,
     TOKENS_PER_SECOND,
@@ -29,11 +28,13 @@ from exporter.monitoring.dashboards.panels import (
     caller_hit_ratio_stat,
     dashboard,
     hit_ratio_thresholds,
+    job_variable,
     query_variable,
     stat,
     table,
     target,
     timeseries,
+    topology_variables,
     value_mapping,
     warm_share_stat,
 )
@@ -62,13 +63,10 @@ def variables(config: MonitoringConfig) -> list[g.Template]:
     # One model dropdown for both label spellings: vLLM's model_name on engine series and the
     # requested model on per-caller series (the regex takes whichever the row has).
     series = f'__name__=~"{families.REQUESTS.total}|{families.ENGINE_KV_POOL_TOKENS.series}"'
-    models = f"query_result(count by (model, model_name) ({filters.selector(series, JOB)}))"
+    models = f"query_result(count by (model, model_name) ({filters.job(series)}))"
     return [
-        query_variable(
-            "job",
-            "Job",
-            f"label_values({families.EXPORTER_BUILD_INFO.series}{filters.selector()}, job)",
-        ),
+        *topology_variables(config),
+        job_variable(config),
         query_variable(
             "target", "vLLM", f"label_values({families.ENGINE_UP.series}{filters.job()}, target)"
         ),

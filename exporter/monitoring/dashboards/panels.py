@@ -15,9 +15,10 @@ from typing import Any
 
 from grafanalib import core as g
 
+from exporter import families
 from exporter.monitoring.config import MonitoringConfig
 from exporter.monitoring.dashboards.grafana import SCHEMA_VERSION
-from exporter.monitoring.promql import PromQL, hit_ratio, warm_share
+from exporter.monitoring.promql import PromQL, hit_ratio, number, warm_share
 from exporter.monitoring.rules import Names
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -37,30 +38,74 @@ CALLER = 'caller=~"$caller"'
 WARM = 'state="warm"'
 
 
+# The dashboards' own variables: a topology label of the same name gets no variable.
+VARIABLES = ("datasource", "job", "target", "model", "caller")
+
+
+def topology_labels(config: MonitoringConfig) -> tuple[str, ...]:
+    """The topology labels (cluster, namespace) that are dashboard variables, in order."""
+    return tuple(label for label in config.topology_labels if label not in VARIABLES)
+
+
 class Filters:
-    """Label matchers for dashboard queries: the configured selector plus the variables."""
+    """Label matchers for dashboard queries: the configured selector plus the variables,
+    the topology ones (cluster, namespace) first in every query, so one cluster's panels
+    never show another's series. "All" is ``.*``, which also matches a series without the
+    label: a Prometheus without topology labels loses nothing."""
 
     def __init__(self, config: MonitoringConfig) -> None:
         self.promql = PromQL(config)
+        self.topology = tuple(f'{label}=~"${label}"' for label in topology_labels(config))
 
     def selector(self, *extra: str) -> str:
         """The configured selector alone (plus ``extra``): for the variables' own queries."""
         return self.promql.sel(*extra)
 
     def engine(self, *extra: str) -> str:
-        return self.promql.sel(JOB, TARGET, MODEL_NAME, *extra)
+        return self.promql.sel(*self.topology, JOB, TARGET, MODEL_NAME, *extra)
 
     def target(self, *extra: str) -> str:
-        return self.promql.sel(JOB, TARGET, *extra)
+        return self.promql.sel(*self.topology, JOB, TARGET, *extra)
 
     def caller(self, *extra: str) -> str:
-        return self.promql.sel(JOB, MODEL, CALLER, *extra)
+        return self.promql.sel(*self.topology, JOB, MODEL, CALLER, *extra)
 
     def model(self, *extra: str) -> str:
-        return self.promql.sel(JOB, MODEL, *extra)
+        return self.promql.sel(*self.topology, JOB, MODEL, *extra)
 
     def job(self, *extra: str) -> str:
-        return self.promql.sel(JOB, *extra)
+        return self.promql.sel(*self.topology, JOB, *extra)
+
+    def topology_only(self, *extra: str) -> str:
+        """The selector and the topology variables: what the job variable is chosen from."""
+        return self.promql.sel(*self.topology, *extra)
+
+
+def topology_variables(config: MonitoringConfig) -> list[g.Template]:
+    """One variable per topology label, each chosen among the values the ones before it
+    leave (a namespace of the selected cluster), from the exporters' build info."""
+    filters = Filters(config)
+    variables = []
+    for index, label in enumerate(topology_labels(config)):
+        before = filters.topology[:index]
+        variables.append(
+            query_variable(
+                label,
+                label.replace("_", " ").capitalize(),
+                f"label_values({families.EXPORTER_BUILD_INFO.series}"
+                f"{filters.selector(*before)}, {label})",
+            )
+        )
+    return variables
+
+
+def job_variable(config: MonitoringConfig) -> g.Template:
+    return query_variable(
+        "job",
+        "Job",
+        f"label_values({families.EXPORTER_BUILD_INFO.series}"
+        f"{Filters(config).topology_only()}, job)",
+    )
 
 
 def target(expr: str, legend: str = "", instant: bool = False) -> g.Target:
@@ -218,6 +263,12 @@ def stat(
             "fieldConfig": {"defaults": {"thresholds": {"mode": "absolute", "steps": steps}}}
         },
     )
+
+
+def alert_below(config: MonitoringConfig, baseline: str, legend: str) -> g.Target:
+    """The line a collapse alert's ratio must stay under: ``collapse_drop_factor`` x the
+    recorded ``baseline`` selection, drawn beside the ratio it bounds."""
+    return target(f"{number(config.collapse_drop_factor)} * {baseline}", f"{legend} alert below")
 
 
 def bands(fair: float, good: float) -> list[tuple[str, float | None]]:
