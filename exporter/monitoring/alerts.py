@@ -56,10 +56,13 @@ class _Alerts:
 
     # --- annotation helpers -------------------------------------------------------------------
     def query_value(self, metric: str, level: tuple[str, ...], fmt: str) -> str:
-        """Template text that looks up one recorded series with the alert's own labels."""
+        """Template text that looks up one recorded series with the alert's own labels. A
+        label the alert lacks (``namespace`` outside Kubernetes) is "" in Prometheus' $labels
+        but nil in vmalert's, which printf writes as ``%!q(<nil>)``: the query is refused and
+        vmalert drops the whole alert, so each label goes through ``or ... ""`` first."""
         labels = self.promql.labels(*level)
         matchers = ",".join(f"{label}=%q" for label in labels)
-        args = " ".join(f"$labels.{label}" for label in labels)
+        args = " ".join(f'(or $labels.{label} "")' for label in labels)
         return (
             f'{{{{ with printf "{metric}{{{matchers}}}" {args} | query }}}}'
             f"{{{{ . | first | value | {fmt} }}}}{{{{ end }}}}"
