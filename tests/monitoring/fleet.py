@@ -6,6 +6,8 @@ test_fleet_replicas.py share it, so the two stores are started one way.
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,3 +140,21 @@ def start_agent(
         f"--web.listen-address={address}",
     )
     return address
+
+
+def stop_agents(processes: Processes) -> None:
+    """Stop the agents while the stores still take their writes: stopped together, an agent
+    retries its last batches against a store already gone until it is killed (15 s each)."""
+    agents = [
+        process
+        for name, process, _log in processes.started
+        if name.startswith("agent-") and process.poll() is None
+    ]
+    for process in agents:
+        process.send_signal(signal.SIGTERM)
+    for process in agents:
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)

@@ -34,7 +34,7 @@ import aiohttp
 import pytest
 
 from exporter.monitoring.config import config_from_mapping
-from tests.monitoring.fleet import JOB, start_agent, start_stores
+from tests.monitoring.fleet import JOB, start_agent, start_stores, stop_agents
 from tests.monitoring.test_e2e_alerts import (
     Processes,
     exporter_command,
@@ -65,6 +65,7 @@ def processes(tmp_path: Path):  # type: ignore[no-untyped-def]
     try:
         yield procs
     finally:
+        stop_agents(procs)
         procs.stop_all()
 
 
