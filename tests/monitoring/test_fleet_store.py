@@ -32,11 +32,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 
 from exporter.monitoring.config import config_from_mapping
-from exporter.monitoring.render import ALERTS_PATH, RULES_PATH, prometheus_files, vmalert_files
-from tests.monitoring.common import require_tool
+from tests.monitoring.fleet import JOB, start_agent, start_stores, stop_agents
 from tests.monitoring.test_e2e_alerts import (
     Processes,
     exporter_command,
@@ -47,7 +45,6 @@ from tests.monitoring.test_e2e_alerts import (
 
 pytestmark = pytest.mark.e2e
 
-JOB = "vllm-cache-exporter"
 FLEET_RULES = {
     "short_window": "15s",
     "long_window": "2m",
@@ -68,16 +65,8 @@ def processes(tmp_path: Path):  # type: ignore[no-untyped-def]
     try:
         yield procs
     finally:
+        stop_agents(procs)
         procs.stop_all()
-
-
-def agent_config(exporter: str, labels: dict[str, str], writes: list[str]) -> dict[str, Any]:
-    queue = {"batch_send_deadline": "1s", "min_backoff": "100ms", "max_backoff": "1s"}
-    return {
-        "global": {"scrape_interval": "1s", "external_labels": labels},
-        "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": [exporter]}]}],
-        "remote_write": [{"url": url, "queue_config": queue} for url in writes],
-    }
 
 
 async def post_turns(session: aiohttp.ClientSession, exporters: dict[str, str]) -> None:
@@ -181,64 +170,9 @@ async def firing_engine_down(
 async def test_an_ha_pair_and_two_clusters_in_prometheus_and_victoriametrics(
     tmp_path: Path, processes: Processes
 ) -> None:
-    prometheus = require_tool("prometheus")
-    victoria = require_tool("victoria-metrics")
-    vmalert = require_tool("vmalert")
-    names = ("central", "vm", "vmalert", "sim", "exp-a", "exp-b", "a-r1", "a-r2", "b", "dead")
-    addr = {name: f"127.0.0.1:{free_port()}" for name in names}
-
     config = config_from_mapping(FLEET_RULES, source="fleet")
-    for folder, files in (
-        ("prometheus", prometheus_files(config)),
-        ("vmalert", vmalert_files(config)),
-    ):
-        for relative in (RULES_PATH, ALERTS_PATH):
-            path = tmp_path / folder / relative
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(files[relative], "utf-8")
-    central_config = {
-        "global": {"evaluation_interval": "1s"},
-        "rule_files": [RULES_PATH, ALERTS_PATH],
-    }
-    (tmp_path / "prometheus" / "prometheus.yml").write_text(yaml.safe_dump(central_config))
-    writes = [f"http://{addr['central']}/api/v1/write", f"http://{addr['vm']}/api/v1/write"]
-    agents = {
-        "a-r1": ("exp-a", {"cluster": "a", "prometheus_replica": "r1"}),
-        "a-r2": ("exp-a", {"cluster": "a", "prometheus_replica": "r2"}),
-        "b": ("exp-b", {"cluster": "b"}),
-    }
-
-    processes.start(
-        "central",
-        prometheus,
-        f"--config.file={tmp_path / 'prometheus' / 'prometheus.yml'}",
-        f"--storage.tsdb.path={tmp_path / 'central-data'}",
-        f"--web.listen-address={addr['central']}",
-        "--web.enable-remote-write-receiver",
-    )
-    processes.start(
-        "victoria-metrics",
-        victoria,
-        f"-storageDataPath={tmp_path / 'vm-data'}",
-        f"-httpListenAddr={addr['vm']}",
-        "-search.latencyOffset=0s",
-        "-search.disableCache",
-        "-loggerLevel=ERROR",
-    )
-    processes.start(
-        "vmalert",
-        vmalert,
-        f"-rule={tmp_path / 'vmalert' / RULES_PATH}",
-        f"-rule={tmp_path / 'vmalert' / ALERTS_PATH}",
-        f"-datasource.url=http://{addr['vm']}",
-        f"-remoteWrite.url=http://{addr['vm']}",
-        "-remoteWrite.flushInterval=1s",
-        f"-notifier.url=http://{addr['dead']}",
-        "-evaluationInterval=1s",
-        "-datasource.queryStep=1s",
-        f"-httpListenAddr={addr['vmalert']}",
-        "-loggerLevel=ERROR",
-    )
+    stores = start_stores(processes, tmp_path, config)
+    addr = {name: f"127.0.0.1:{free_port()}" for name in ("sim", "exp-a", "exp-b", "dead")}
     processes.start(
         "simulator",
         *exporter_command(
@@ -266,23 +200,19 @@ async def test_an_ha_pair_and_two_clusters_in_prometheus_and_victoriametrics(
                 "warning",
             ),
         )
+    agents = {
+        "a-r1": ("exp-a", {"cluster": "a", "prometheus_replica": "r1"}),
+        "a-r2": ("exp-a", {"cluster": "a", "prometheus_replica": "r2"}),
+        "b": ("exp-b", {"cluster": "b"}),
+    }
     for name, (exporter, labels) in agents.items():
-        path = tmp_path / f"agent-{name}.yml"
-        path.write_text(yaml.safe_dump(agent_config(addr[exporter], labels, writes)))
-        processes.start(
-            f"agent-{name}",
-            prometheus,
-            "--enable-feature=agent",
-            f"--config.file={path}",
-            f"--storage.agent.path={tmp_path / f'agent-{name}-data'}",
-            f"--web.listen-address={addr[name]}",
-        )
+        addr[name] = start_agent(processes, tmp_path, stores, name, [addr[exporter]], labels)
+    addr["central"], addr["vm"], addr["vmalert"] = stores.central, stores.victoria, stores.vmalert
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        for name in ("central", "a-r1", "a-r2", "b"):
+        await stores.wait_ready(session, processes)
+        for name in ("a-r1", "a-r2", "b"):
             await wait_http_ok(session, f"http://{addr[name]}/-/ready", processes)
-        await wait_http_ok(session, f"http://{addr['vm']}/health", processes)
-        await wait_http_ok(session, f"http://{addr['vmalert']}/health", processes)
         for cluster in ("a", "b"):
             await wait_http_ok(session, f"http://{addr[f'exp-{cluster}']}/-/ready", processes)
         traffic = asyncio.create_task(
