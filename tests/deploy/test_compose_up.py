@@ -393,9 +393,7 @@ def collapse_history(caller: str, since: float) -> str:
         try:
             result = api(
                 f"{PROMETHEUS}/api/v1/query_range?"
-                + urllib.parse.urlencode(
-                    {"query": query, "start": since, "end": now, "step": 60}
-                )
+                + urllib.parse.urlencode({"query": query, "start": since, "end": now, "step": 60})
             )
         except (OSError, ValueError) as err:
             lines.append(f"{name}: {err}")
