@@ -449,8 +449,10 @@ async def caller_target_checked(
     session: aiohttp.ClientSession, config: MonitoringConfig, gateways: list[str]
 ) -> bool:
     """Whether per caller and replica is there to check: the gateways serve the counters (the
-    usage event's ``backend``) and the rules have the ``caller_target`` collapse alert."""
+    usage event's ``backend``) and the rules have the ``caller_target`` collapse alert. Both
+    are the product's now: their absence is a failure, not a check skipped."""
     texts = [await served(session, gateway) for gateway in gateways]
-    serves = any(TARGET_COUNTER in text for text in texts)
+    assert any(TARGET_COUNTER in text for text in texts), "no gateway serves " + TARGET_COUNTER
     alerts = prometheus_files(config)[ALERTS_PATH]
-    return serves and f"scope: {CALLER_TARGET_SCOPE}" in alerts
+    assert f"scope: {CALLER_TARGET_SCOPE}" in alerts, "no caller_target collapse alert"
+    return True
