@@ -257,21 +257,19 @@ def all_failed(stats: DriverStats, base_url: str) -> str:
 
 
 def _without_credentials(url: str) -> str:
-    """The URL without any user:password (the simulator imports nothing of the exporter,
-    so not its redaction module; this only needs to drop them)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
+    """The URL without any user:password, shown as ``***@`` (the simulator imports nothing of
+    the exporter, so not its redaction module; this only needs to drop them)."""
+    return without_userinfo(url, mask="***@")
 
 
-def without_userinfo(url: str) -> str:
+def without_userinfo(url: str, mask: str = "") -> str:
     """The URL as a usage event's backend: no user:password (the label the exporter makes of
-    it is the URL's origin; a credential has no place in an event either)."""
+    it is the URL's origin; a credential has no place in an event either). ``mask`` stands
+    where they were."""
     parts = urlsplit(url.strip())
     if "@" not in parts.netloc:
         return url.strip()
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return urlunsplit(parts._replace(netloc=mask + parts.netloc.rpartition("@")[2]))
 
 
 async def drive(args: argparse.Namespace, scenario: Scenario) -> int:
