@@ -52,7 +52,6 @@ from tests.deploy.helpers import (
 from tests.deploy.stack_checks import port_in_use
 
 OVERRIDE = ROOT / "tests" / "deploy" / "compose.images.yaml"
-SPEED = "2"
 LEFT_OUT = {"grafana"}  # no image for it here (test_compose_up.py's docstring)
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 KEY = pytest.StashKey["StackStart"]()
@@ -129,7 +128,7 @@ class Stack:
                 *args,
             ],
             cwd=ROOT,
-            env=compose_environment(SPEED=SPEED, **self.engine.env),
+            env=compose_environment(**self.engine.env),
             capture_output=True,
             text=True,
             timeout=timeout,
