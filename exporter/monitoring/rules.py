@@ -15,8 +15,8 @@ rates recorded just before them and a ratio is computed from exactly the rates i
 
 At a platform's scale (ten thousand callers times every model) a rule costs Prometheus the
 series it reads at each evaluation, so the per-caller rules are grouped by how often they
-must run: the collapse alert's short-window ratio every evaluation, the rest of the short
-window every ``caller_detail_interval``, the long windows and baselines every
+must run: the collapse alert's short-window ratio every ``caller_interval``, the rest of the
+short window every ``caller_detail_interval``, the long windows and baselines every
 ``caller_long_interval`` (docs/monitoring.md, "What the rules cost"; bench/bench_rules.py).
 """
 
@@ -228,10 +228,11 @@ def _baseline(config: MonitoringConfig, promql: PromQL, ratio: str) -> str:
 
 
 def _caller_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> list[dict[str, Any]]:
-    """What the collapse alert compares now, per caller, every evaluation: the short-window
-    prompt and cached tokens and their ratio (the ratio reads the rates just recorded, so
-    each rate is computed once). Nothing else per caller is evaluated this often: at ten
-    thousand callers the cost of a rule is the series it reads, and these read two."""
+    """What the collapse alert compares now, per caller, every ``caller_interval``: the
+    short-window prompt and cached tokens and their ratio (the ratio reads the rates just
+    recorded, so each rate is computed once). Nothing else per caller is evaluated this
+    often: at ten thousand callers the cost of a rule is the series it reads, and these
+    read two."""
     return _caller_token_rules(promql, names.short, config.short_window, names)[:3]
 
 
@@ -735,7 +736,12 @@ def recording_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
     promql = PromQL(config)
     names = Names(config)
     return [
-        _group(config, "vllm-cache-caller.rules", _caller_rules(config, promql, names)),
+        _group(
+            config,
+            "vllm-cache-caller.rules",
+            _caller_rules(config, promql, names),
+            config.caller_interval,
+        ),
         _group(
             config,
             "vllm-cache-caller-detail.rules",

@@ -84,6 +84,7 @@ FLEET_RULES = {
     "long_window": "1m",
     "baseline_window": "10m",
     "rule_interval": "1s",
+    "caller_interval": "1s",
     "caller_detail_interval": "1s",
     "caller_long_interval": "1s",
     "collapse_for": "5s",

@@ -50,6 +50,7 @@ FLEET_RULES = {
     "long_window": "2m",
     "baseline_window": "10m",
     "rule_interval": "1s",
+    "caller_interval": "1s",
     "caller_detail_interval": "1s",
     "caller_long_interval": "1s",
     "engine_down_for": "2s",

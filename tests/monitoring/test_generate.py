@@ -160,6 +160,7 @@ def test_config_overrides_reach_every_expression(tmp_path: Path) -> None:
         ({"baseline_window": "30m"}, "long_window: must be shorter than baseline_window"),
         ({"caller_long_interval": "10m"}, "caller_long_interval: must be at most 5m"),
         ({"caller_detail_interval": "6m"}, "caller_detail_interval: must be at most 5m"),
+        ({"caller_interval": "6m"}, "caller_interval: must be at most 5m"),
         ({"caller_long_interval": "0s"}, "caller_long_interval: must be longer than 0"),
         (
             {"collapse_keep_firing_for": "soon"},
@@ -307,15 +308,28 @@ def test_the_baseline_reads_the_instants_the_status_page_reads(windows: dict[str
 
 def test_the_long_window_group_has_its_own_interval() -> None:
     """Per caller, only the collapse alert's short-window ratio is evaluated every
-    rule_interval (else Prometheus' global interval), with the engine rules; the rest of the
-    short window every caller_detail_interval, the long windows and baselines every
-    caller_long_interval."""
+    caller_interval (30 s: every 15 s it is over 10% of the interval at 10,000 callers x 3
+    models); the rest of the short window every caller_detail_interval, the long windows and
+    baselines every caller_long_interval; the engine rules every rule_interval (else
+    Prometheus' global interval)."""
     for settings, intervals in (
-        ({}, {"vllm-cache-caller-detail.rules": "2m", "vllm-cache-caller-long.rules": "2m"}),
         (
-            {"rule_interval": "30s", "caller_detail_interval": "45s", "caller_long_interval": "2m"},
+            {},
             {
                 "vllm-cache-caller.rules": "30s",
+                "vllm-cache-caller-detail.rules": "2m",
+                "vllm-cache-caller-long.rules": "2m",
+            },
+        ),
+        (
+            {
+                "rule_interval": "30s",
+                "caller_interval": "1m",
+                "caller_detail_interval": "45s",
+                "caller_long_interval": "2m",
+            },
+            {
+                "vllm-cache-caller.rules": "1m",
                 "vllm-cache-caller-detail.rules": "45s",
                 "vllm-cache-caller-long.rules": "2m",
                 "vllm-cache-engine.rules": "30s",

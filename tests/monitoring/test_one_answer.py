@@ -56,6 +56,7 @@ WINDOWS = {
     "short_window": "15s",
     "long_window": "2m",
     "baseline_window": "10m",
+    "caller_interval": "1s",
     "caller_detail_interval": "1s",
     "caller_long_interval": "1s",
     "collapse_for": "10s",
