@@ -171,6 +171,7 @@ def measure(
         "series": len(lines),
         "per_caller": sum('caller="' in line for line in lines),
         "per_target": sum('target="' in line for line in lines),
+        "caller_targets": sum('caller="' in line and 'target="' in line for line in lines),
     }
 
 
@@ -181,12 +182,14 @@ class Row:
     series: int = 0
     per_caller: int = 0
     per_target: int = 0
+    caller_targets: int = 0  # per caller and vLLM target (in --json only)
     largest: int = 0  # the series of the largest exporter
 
     def add(self, counts: dict[str, int], times: int = 1) -> None:
         self.series += counts["series"] * times
         self.per_caller += counts["per_caller"] * times
         self.per_target += counts["per_target"] * times
+        self.caller_targets += counts["caller_targets"] * times
         self.largest = max(self.largest, counts["series"])
 
 

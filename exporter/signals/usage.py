@@ -419,12 +419,17 @@ class UsageState:
         # reads first, by origin, so that a caller's target joins the engine's series),
         # each backend's label once resolved, and the events counted under target __other__.
         self.targets_max = settings.targets_max
-        self._engine_labels: dict[str, str] = {}  # origin -> the engine target's label
+        # (origin, base path) -> the engine target's label, and origin -> it where only one
+        # engine target has that origin (``target_label``).
+        self._engine_labels: dict[tuple[str, str], str] = {}
+        by_origin: dict[str, list[str]] = {}
         if engine is not None:
             for target in engine.targets.values():
-                origin = url_origin(target.target)
-                if origin is not None:
-                    self._engine_labels.setdefault(origin, target.shown)
+                endpoint = url_endpoint(target.target)
+                if endpoint is not None:
+                    self._engine_labels.setdefault(endpoint, target.shown)
+                    by_origin.setdefault(endpoint[0], []).append(target.shown)
+        self._engine_origins = {o: shown[0] for o, shown in by_origin.items() if len(shown) == 1}
         self.target_labels: dict[str, None] = dict.fromkeys(self._engine_labels.values())
         self._backends: dict[str, tuple[str, bool]] = {}  # backend -> (label, overflowed)
         self.targets_overflowed = 0
@@ -563,14 +568,25 @@ class UsageState:
 
     def target_label(self, backend: str) -> str:
         """The ``target`` label of a backend: the label of the engine target this exporter
-        reads at the same origin (so the per-caller and the engine series join on it), else
-        the URL's origin and ``/metrics`` (the label the exporter would give that vLLM), else
-        the name as given."""
-        origin = url_origin(backend)
-        if origin is None:
+        reads at the same endpoint (so the per-caller and the engine series join on it),
+        else the URL's origin, base path and ``/metrics`` (the label the exporter would give
+        that vLLM), else the name as given.
+
+        The endpoint is the origin and the path before the OpenAI API's (``/v1...``) or
+        ``/metrics``: replicas behind one address told apart by path (``/replica-3/v1``)
+        stay apart. A backend whose origin only one engine target has takes that target's
+        label whatever its path; a label longer than MAX_TARGET_CHARS is the origin's."""
+        endpoint = url_endpoint(backend)
+        if endpoint is None:
             return backend
-        engine_label = self._engine_labels.get(origin)
-        return engine_label if engine_label is not None else origin + METRICS_PATH
+        engine_label = self._engine_labels.get(endpoint)
+        if engine_label is None:
+            engine_label = self._engine_origins.get(endpoint[0])
+        if engine_label is not None:
+            return engine_label
+        origin, base = endpoint
+        label = origin + base + METRICS_PATH
+        return label if len(label) <= MAX_TARGET_CHARS else origin + METRICS_PATH
 
     def _resolve_backend(self, backend: str) -> tuple[str, bool]:
         """(label, overflowed): ``target_label``, admitted while fewer than ``targets_max``
@@ -1037,6 +1053,26 @@ class UsageState:
     @property
     def callers_overflowed(self) -> int:
         return self.callers.overflowed
+
+
+def url_endpoint(url: str) -> tuple[str, str] | None:
+    """(``url_origin``, base path) of a vLLM URL: the path up to the OpenAI API's (``/v1``,
+    ``/v1/chat/completions``) or ``/metrics``, without a trailing slash; query and fragment
+    dropped. ``http://h:8000``, ``http://h:8000/v1`` and ``http://h:8000/metrics`` are one
+    endpoint, ``http://h/replica-3/v1`` another than ``http://h/replica-4``. None for a text
+    that is no URL with a host."""
+    origin = url_origin(url)
+    if origin is None:
+        return None
+    path = urlsplit(url.strip()).path.rstrip("/")
+    cut = path.find("/v1/")
+    if cut >= 0:
+        path = path[:cut]
+    elif path.endswith("/v1"):
+        path = path[:-3]
+    elif path.endswith(METRICS_PATH):
+        path = path[: -len(METRICS_PATH)]
+    return origin, path.rstrip("/")
 
 
 def url_origin(url: str) -> str | None:

@@ -91,6 +91,29 @@ def test_a_backend_read_by_the_exporter_takes_its_engine_label():
     assert registry.get_sample_value("vllm_cache_engine_up", {"target": engine_label}) == 0.0
 
 
+def test_replicas_behind_one_address_are_told_apart_by_path():
+    """Two vLLMs behind one address, told apart by path (a path-routing proxy): each
+    backend takes its own engine target's label, whatever OpenAI path it names; replicas
+    the exporter does not read get their own labels too, not one per address."""
+    state = make_state(
+        vllm_url=("http://proxy:8000/replica-0/metrics", "http://proxy:8000/replica-1/metrics")
+    )
+    shown = sorted(target.shown for target in state.engine.targets.values())
+    assert shown == ["http://proxy:8000/replica-0/metrics", "http://proxy:8000/replica-1/metrics"]
+    usage = state.usage
+    assert usage.target_label("http://proxy:8000/replica-0") == shown[0]
+    assert usage.target_label("http://proxy:8000/replica-1/v1") == shown[1]
+    assert usage.target_label("http://proxy:8000/replica-1/v1/chat/completions") == shown[1]
+    assert usage.target_label("http://PROXY:8000/replica-2/v1/") == (
+        "http://proxy:8000/replica-2/metrics"
+    )
+    # An address with two engine targets and a path matching neither: not either's.
+    assert usage.target_label("http://proxy:8000/v1") == "http://proxy:8000/metrics"
+    # One engine target at an address: its label whatever the backend's path.
+    single = make_state(vllm_url=("http://vllm-0:8000/custom/metrics",)).usage
+    assert single.target_label("http://vllm-0:8000/v1") == "http://vllm-0:8000/custom/metrics"
+
+
 def test_per_replica_ratios_that_the_blended_ratio_hides():
     """agent-a on three replicas: 0.88, 0.88 and 0.0017 per replica, 0.60 blended. The
     per-target counters sum to the caller's own."""
