@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from exporter.monitoring.config import duration_seconds
 from tests.deploy.helpers import ROOT
 
 T = TypeVar("T")
@@ -93,6 +94,19 @@ def shipped_rules() -> set[tuple[str, str, str]]:
             for rule in group["rules"]:
                 out.add((path.name, group["name"], rule.get("alert") or rule["record"]))
     return out
+
+
+def first_evaluations_within() -> float:
+    """Seconds within which Prometheus evaluates every shipped group once after loading it:
+    a group's first evaluation falls at an offset within its interval (Prometheus spreads
+    groups by a hash of their name), and the slowest groups run every two minutes
+    (``caller_detail_interval``), so the longest interval and a scrape's worth of margin."""
+    longest = 15.0  # deploy/prometheus.yml's evaluation_interval, for groups without one
+    for path in sorted((ROOT / "alerts").glob("*.yaml")):
+        for group in yaml.safe_load(path.read_text(encoding="utf-8"))["groups"]:
+            if "interval" in group:
+                longest = max(longest, duration_seconds(group["interval"]))
+    return longest + 45.0
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -62,6 +62,7 @@ from tests.deploy.stack_checks import (
     assert_every_shipped_rule_is_loaded_and_healthy,
     evaluated_rules,
     eventually,
+    first_evaluations_within,
     http_get,
     listening_addresses,
     parse_alert,
@@ -217,7 +218,9 @@ def test_prometheus_scrapes_every_target_and_loads_every_shipped_rule(stack: Sta
         return stack.tail("prometheus")
 
     eventually(scrape_targets_up(), 90, "every scrape target up", diagnose=logs)
-    rules = eventually(evaluated_rules, 90, "every rule evaluated once", diagnose=logs)
+    rules = eventually(
+        evaluated_rules, first_evaluations_within(), "every rule evaluated once", diagnose=logs
+    )
     assert_every_shipped_rule_is_loaded_and_healthy(rules, diagnose=logs)
     # ...and sends its alerts to the stack's Alertmanager.
     alertmanagers = eventually(

@@ -35,6 +35,7 @@ from tests.deploy.stack_checks import (
     assert_every_shipped_rule_is_loaded_and_healthy,
     evaluated_rules,
     eventually,
+    first_evaluations_within,
     http_get,
     listening_addresses,
     parse_alert,
@@ -138,7 +139,7 @@ def test_the_readme_stack_is_wired_and_pages(stack: tuple[subprocess.Popen[str],
     assert set(rewrite) >= {target for targets in prometheus_jobs().values() for target in targets}
     eventually(scrape_targets_up(rewrite), 90, "every scrape target up")
     assert_every_shipped_rule_is_loaded_and_healthy(
-        eventually(evaluated_rules, 90, "every rule evaluated once")
+        eventually(evaluated_rules, first_evaluations_within(), "every rule evaluated once")
     )
     eventually(
         lambda: api(f"{PROMETHEUS}/api/v1/alertmanagers")["activeAlertmanagers"] or None,
