@@ -28,10 +28,10 @@ of each phase, and it samples vLLM's queue to show requests held back for room),
 asserts from the exporter's /metrics, counter deltas over each phase with no tolerance
 (both sides are complete once every request finished):
 
-1. Only the tap: three callers, two concurrent conversations each. recounted = engine hits
+1. Only the tap: three callers, three concurrent conversations each. recounted = engine hits
    - engine prompt_tokens_cached = 0, bypassed = 0, and the engine's hit ratio *equals* the
    callers' (the issue expected it above them: that was vLLM before #25787 and #43736).
-2. Beside the tap: one conversation per caller through it and two sent straight to vLLM.
+2. Beside the tap: two conversations per caller through it and two straight to vLLM.
    bypassed = engine prompt tokens - the callers' per-target prompt tokens = the direct
    requests' prompt tokens; recounted = 0 still, engine hits = the callers' cached + the
    direct requests' cached, so the engine's ratio differs from the callers' by the bypassed
@@ -61,13 +61,14 @@ from tests.vllm.server import MODEL_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
-POOL_BLOCKS = 48  # of 32 tokens: 1,536; one request needs at most 18 (400 + 160 tokens)
+POOL_BLOCKS = 48  # of 32 tokens: 1,536; one request needs up to 22 (448 + 256 tokens)
 PREFIX_TOKENS = 256  # a caller's system prompt: 8 whole blocks its conversations share
 CHUNK_TOKENS = 48  # each turn adds a user message of this many tokens to the history
-TURNS = 3  # prompts of 304, 352 and 400 tokens
-DECODE_TOKENS = 160  # with ignore_eos: every request holds its blocks while it decodes
+TURNS = 4  # prompts of 304, 352, 400 and 448 tokens
+DECODE_TOKENS = 256  # with ignore_eos: every request holds its blocks while it decodes
 CALLERS = ("agent-a", "agent-b", "agent-c")
-CONVERSATIONS_PER_CALLER = 2
+CONVERSATIONS_PER_CALLER = 3
+CONVERSATIONS_BESIDE = 2  # per caller, beside two direct ones
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=240)
 
 
@@ -155,7 +156,7 @@ async def sample_queue(session: aiohttp.ClientSession, url: str, into: QueueSamp
         into.held_back += waiting > 0 and running > 0
         into.max_waiting = max(into.max_waiting, waiting)
         into.max_usage = max(into.max_usage, vllm_counter(text, "vllm:kv_cache_usage_perc"))
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.1)
 
 
 @dataclass
@@ -325,11 +326,10 @@ def check_phase(phase: Phase, callers: list[str]) -> None:
     """What holds in every phase: the precondition, the tap's own counts, recounted = 0."""
     answers = phase.tap_answers + phase.direct_answers
     assert all(a.completion_tokens == DECODE_TOKENS for a in answers)
-    # Precondition: the pool thrashed. Every preemption is a re-admission whose lookup vLLM
-    # files under preempted_hits and does not export; requests waiting while others run
-    # are admissions that found no room and are retried.
+    # Precondition: the pool thrashed. Every preemption is a failed allocation for a running
+    # request and then a re-admission whose lookup vLLM files under preempted_hits and does
+    # not export.
     assert phase.preemptions == phase.vllm_delta("vllm:num_preemptions_total") > 0
-    assert phase.queue.held_back > 0
 
     # What the tap saw is what the callers' clients got, for this target.
     assert sorted(e.caller for e in phase.events) == sorted(callers)
@@ -366,6 +366,13 @@ async def test_bypassed_and_recounted_tokens_with_a_thrashing_pool(start_vllm):
         "--num-gpu-blocks-override",
         str(POOL_BLOCKS),
         "--enable-prompt-tokens-details",
+        # Room for every request at once but for the KV pool (the CPU defaults are 2,048
+        # tokens and 128 sequences a step): a request left waiting while others run found
+        # no KV room, or a preemption that step sent it back.
+        "--max-num-batched-tokens",
+        "8192",
+        "--max-num-seqs",
+        "32",
     )
     exporter = await start_exporter(vllm.url)
     rng = random.Random(35)
@@ -392,19 +399,24 @@ async def test_bypassed_and_recounted_tokens_with_a_thrashing_pool(start_vllm):
                 session,
                 exporter,
                 vllm.url,
-                [(caller, prefixes[caller], f"{caller}-again") for caller in CALLERS],
+                [
+                    (caller, prefixes[caller], f"{caller}-again-{i}")
+                    for caller in CALLERS
+                    for i in range(CONVERSATIONS_BESIDE)
+                ],
                 [(prefixes[CALLERS[0]], "direct-0"), (own_prefix, "direct-1")],
             )
     finally:
         await exporter.close()
 
     check_phase(tap_only, [c for c in CALLERS for _ in range(CONVERSATIONS_PER_CALLER * TURNS)])
+    assert tap_only.queue.held_back > 0  # sampled: requests waited for room while others ran
     # 1. Under heavy preemption the engine's ratio is the callers', exactly: nothing is
     # bypassed and nothing recounted.
     assert tap_only.bypassed == 0
     assert tap_only.engine_ratio == tap_only.callers_ratio
 
-    check_phase(beside, [c for c in CALLERS for _ in range(TURNS)])
+    check_phase(beside, [c for c in CALLERS for _ in range(CONVERSATIONS_BESIDE * TURNS)])
     # 2. The direct requests are the bypassed tokens; the engine's ratio is the callers' and
     # theirs, mixed by prompt tokens, and without them (and the recounted part, 0) it is the
     # callers'.
