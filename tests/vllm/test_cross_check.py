@@ -41,10 +41,15 @@ asserts from the exporter's /metrics, counter deltas over each phase with no tol
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -60,6 +65,8 @@ from tests.vllm.harness import (
 from tests.vllm.server import MODEL_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+
+PROBE = Path(__file__).resolve().parent / "probe"  # its sitecustomize.py, for vLLM
 
 POOL_BLOCKS = 48  # of 32 tokens: 1,536; one request needs up to 22 (448 + 256 tokens)
 PREFIX_TOKENS = 256  # a caller's system prompt: 8 whole blocks its conversations share
@@ -160,6 +167,48 @@ async def sample_queue(session: aiohttp.ClientSession, url: str, into: QueueSamp
 
 
 @dataclass
+class Probe:
+    """What vLLM's scheduler did, from tests/vllm/probe (one JSON line per lookup and per
+    counter record, in the engine process): the counts behind the counters."""
+
+    lines: list[dict[str, Any]]
+
+    def fresh(self, kind: str) -> list[dict[str, Any]]:
+        return [line for line in self.lines if line["kind"] == kind and not line["preempted"]]
+
+    @property
+    def retried_requests(self) -> int:
+        """Requests looked up more than once before vLLM admitted them: the allocation
+        failed and the scheduler tried again on a later step."""
+        lookups = Counter(line["request"] for line in self.fresh("lookup"))
+        return sum(1 for count in lookups.values() if count > 1)
+
+    @property
+    def retry_lookups(self) -> int:
+        return len(self.fresh("lookup")) - len(self.fresh("record"))
+
+    @property
+    def retry_hits(self) -> int:
+        """The hits vLLM would have counted again had it recorded at lookup (vllm#43736)."""
+        return sum(line["hits"] for line in self.fresh("lookup")) - self.recorded_hits
+
+    @property
+    def retry_tokens(self) -> int:
+        return sum(line["tokens"] for line in self.fresh("lookup")) - sum(
+            line["tokens"] for line in self.fresh("record")
+        )
+
+    @property
+    def recorded_hits(self) -> int:
+        return sum(line["hits"] for line in self.fresh("record"))
+
+    @property
+    def readmissions(self) -> list[dict[str, Any]]:
+        """Preempted requests admitted again: vLLM records them apart (vllm#25780)."""
+        return [line for line in self.lines if line["kind"] == "record" and line["preempted"]]
+
+
+@dataclass
 class Phase:
     """One phase's counter deltas: the exporter's, vLLM's own, and what the clients got."""
 
@@ -174,6 +223,7 @@ class Phase:
     vllm_before: str
     vllm_after: str
     target: str
+    probe: Probe
 
     def delta(self, name: str, **labels: str) -> float:
         return total(self.after, name, **labels) - total(self.before, name, **labels)
@@ -249,6 +299,12 @@ class Phase:
             for le in ("1.0", "2.0", "5.0", "+Inf")
         }
         direct_ratio = self.direct_cached / self.direct_prompt if self.direct_prompt else 0.0
+        probe = self.probe
+        readmit_hits = sum(line["hits"] for line in probe.readmissions)
+        readmit_tokens = sum(line["tokens"] for line in probe.readmissions)
+        would_be = (self.engine_hits + probe.retry_hits + readmit_hits) / (
+            self.engine_queries + probe.retry_tokens + readmit_tokens
+        )
         return (
             f"\n[{self.name}] {self.requests} requests in {self.took:.1f}s; "
             f"preemptions {self.preemptions:.0f}, requests by preemptions (le) {per_request}; "
@@ -261,8 +317,20 @@ class Phase:
             f"direct: prompt {self.direct_prompt} cached {self.direct_cached}\n"
             f"  bypassed {self.bypassed:.0f} recounted {self.recounted:.0f}; hit ratios: "
             f"engine {self.engine_ratio:.4f} callers {self.callers_ratio:.4f} "
-            f"direct {direct_ratio:.4f}"
+            f"direct {direct_ratio:.4f}\n"
+            f"  probe: {len(probe.fresh('record'))} admissions after "
+            f"{len(probe.fresh('lookup'))} lookups ({probe.retried_requests} requests retried "
+            f"{probe.retry_lookups} times, {probe.retry_hits} hits / {probe.retry_tokens} "
+            f"tokens found on the failed attempts), {len(probe.readmissions)} re-admissions "
+            f"({readmit_hits} hits / {readmit_tokens} tokens); counted at every lookup the "
+            f"engine's ratio would read {would_be:.4f}"
         )
+
+
+def probe_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 async def run_phase(
@@ -270,6 +338,7 @@ async def run_phase(
     session: aiohttp.ClientSession,
     exporter: Exporter,
     vllm_url: str,
+    probe_path: Path,
     tapped: list[tuple[str, list[int], str]],
     direct: list[tuple[list[int], str]],
 ) -> Phase:
@@ -278,6 +347,7 @@ async def run_phase(
     vllm_before = await vllm_metrics(session, vllm_url)
     before = await exporter.scrape(session)
     first_event = len(exporter.recorded)
+    first_line = len(probe_lines(probe_path))
 
     def through_tap(caller: str) -> Callable[[list[int]], Awaitable[Answer]]:
         return lambda prompt: complete(session, exporter.tap_url, prompt, caller)
@@ -317,6 +387,7 @@ async def run_phase(
         vllm_before,
         vllm_after,
         vllm_url + "/metrics",
+        Probe(probe_lines(probe_path)[first_line:]),
     )
     print(phase.report())
     return phase
@@ -348,6 +419,15 @@ def check_phase(phase: Phase, callers: list[str]) -> None:
     # (a) Traffic beside the tap, and only it, shows up as bypassed, to the token.
     assert phase.engine_prompt - phase.callers_prompt == phase.bypassed == phase.direct_prompt
 
+    # The probe: every request admitted once as new (its one record), every preemption
+    # admitted again as a re-admission, and the exported hits are exactly the new
+    # admissions' ones, whatever the failed attempts and the re-admissions found.
+    probe = phase.probe
+    records = Counter(line["request"] for line in probe.fresh("record"))
+    assert len(records) == phase.requests and set(records.values()) == {1}
+    assert len(probe.readmissions) == phase.preemptions
+    assert probe.recorded_hits == phase.engine_hits
+
     # The exporter's engine counters are vLLM's own.
     for name, served in (
         ("vllm:prompt_tokens_total", phase.engine_prompt),
@@ -358,7 +438,14 @@ def check_phase(phase: Phase, callers: list[str]) -> None:
         assert phase.vllm_delta(name) == served, name
 
 
-async def test_bypassed_and_recounted_tokens_with_a_thrashing_pool(start_vllm):
+async def test_bypassed_and_recounted_tokens_with_a_thrashing_pool(
+    start_vllm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    probe_path = tmp_path / "probe.jsonl"
+    monkeypatch.setenv("VLLM_CACHE_EXPORTER_PROBE", str(probe_path))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(PROBE), os.environ.get("PYTHONPATH")]))
+    )
     vllm = start_vllm(
         "cross-check",
         "--max-model-len",
@@ -385,6 +472,7 @@ async def test_bypassed_and_recounted_tokens_with_a_thrashing_pool(start_vllm):
                 session,
                 exporter,
                 vllm.url,
+                probe_path,
                 [
                     (caller, prefixes[caller], f"{caller}-{i}")
                     for caller in CALLERS
@@ -399,6 +487,7 @@ async def test_bypassed_and_recounted_tokens_with_a_thrashing_pool(start_vllm):
                 session,
                 exporter,
                 vllm.url,
+                probe_path,
                 [
                     (caller, prefixes[caller], f"{caller}-again-{i}")
                     for caller in CALLERS
@@ -410,7 +499,10 @@ async def test_bypassed_and_recounted_tokens_with_a_thrashing_pool(start_vllm):
         await exporter.close()
 
     check_phase(tap_only, [c for c in CALLERS for _ in range(CONVERSATIONS_PER_CALLER * TURNS)])
-    assert tap_only.queue.held_back > 0  # sampled: requests waited for room while others ran
+    # Precondition: new requests found no room and were tried again (what vllm#43736
+    # recounted), and preempted ones came back with hits (what vllm#25780 counted).
+    assert tap_only.probe.retried_requests > 0 and tap_only.probe.retry_hits > 0
+    assert sum(line["hits"] for line in tap_only.probe.readmissions) > 0
     # 1. Under heavy preemption the engine's ratio is the callers', exactly: nothing is
     # bypassed and nothing recounted.
     assert tap_only.bypassed == 0
