@@ -43,10 +43,16 @@ and each ``record_prefix_cache_stats`` call in the engine process without changi
 Its precondition: new requests were looked up again after a failed allocation and found
 hits there, and preempted requests came back with hits; then every request is recorded
 once as new, every preemption once as a re-admission, and the exported hits are the new
-admissions' alone. A run on the 2-core CI machine class (about 75 s, 40 of them booting):
-551 lookups for 36 admissions in phase 1 (11 requests retried 515 times, 102,432 hits on
-the failed attempts), 31 preemptions whose re-admissions found 8,736 hits; exported hits
-6,144 = prompt_tokens_cached = the callers' cached, ratio 0.4539 for both.
+admissions' alone. Four runs on the 2-core CI machine class (about 75 s each, 40 of them
+booting), phase 1: 31-41 preemptions, 551-693 lookups for 36 admissions (11-19 requests
+retried 515-657 times, 84,224-102,432 hits found on the failed attempts), re-admissions
+finding 8,736-11,744 hits; counted at every lookup the engine's ratio would have read
+0.48-0.63. Exported: hits 6,144 = prompt_tokens_cached = the callers' cached every time,
+ratio 0.4539 for engine and callers alike.
+
+Sampled mid-run (reported, not asserted): engine prompt tokens - the callers' ran up to
+2,112 tokens ahead in phase 1, with nothing bypassing the tap: vLLM counts a prompt at its
+first output, the tap at the answer's end. Only finished traffic balances.
 """
 
 from __future__ import annotations
@@ -155,17 +161,40 @@ def total(text: str, name: str, **labels: str) -> float:
 
 @dataclass
 class QueueSamples:
-    """vLLM's scheduler gauges sampled while the traffic runs: requests waiting while others
-    run are requests the scheduler tried to admit and could not find KV room for (the
-    allocation retries), or preempted ones waiting to come back."""
+    """vLLM's /metrics sampled while the traffic runs (reported, not asserted: a sample
+    is a moment). Requests waiting while others run are requests the scheduler found no KV
+    room for, or preempted ones waiting to come back. ``max_in_flight_recount``: hits -
+    prompt_tokens_cached since the phase began, at its largest: hits are counted at
+    admission and cached tokens at first output, so mid-run the difference is the hits of
+    admitted requests still prefilling, which a short-window recounted series would show.
+    ``max_in_flight_bypassed``: the same for the exporter's engine prompt tokens - callers'
+    per-target prompt tokens: vLLM counts a prompt at first output, the tap at the answer's
+    end, so requests decoding through the tap read as bypassed until they finish."""
 
     samples: int = 0
     held_back: int = 0  # samples with requests waiting while others ran
     max_waiting: float = 0.0
     max_usage: float = 0.0
+    max_in_flight_recount: float = 0.0
+    max_in_flight_bypassed: float = 0.0
 
 
-async def sample_queue(session: aiohttp.ClientSession, url: str, into: QueueSamples) -> None:
+async def sample_queue(
+    session: aiohttp.ClientSession,
+    url: str,
+    before: str,
+    exporter: Exporter,
+    exporter_before: str,
+    into: QueueSamples,
+) -> None:
+    def since(text: str, name: str) -> float:
+        return vllm_counter(text, name) - vllm_counter(before, name)
+
+    def exported_since(text: str, name: str, **labels: str) -> float:
+        return total(text, name, **labels) - total(exporter_before, name, **labels)
+
+    target = url + "/metrics"
+
     while True:
         text = await vllm_metrics(session, url)
         waiting = vllm_counter(text, "vllm:num_requests_waiting")
@@ -174,6 +203,17 @@ async def sample_queue(session: aiohttp.ClientSession, url: str, into: QueueSamp
         into.held_back += waiting > 0 and running > 0
         into.max_waiting = max(into.max_waiting, waiting)
         into.max_usage = max(into.max_usage, vllm_counter(text, "vllm:kv_cache_usage_perc"))
+        into.max_in_flight_recount = max(
+            into.max_in_flight_recount,
+            since(text, "vllm:prefix_cache_hits_total")
+            - since(text, "vllm:prompt_tokens_cached_total"),
+        )
+        exported = await exporter.scrape(session)
+        into.max_in_flight_bypassed = max(
+            into.max_in_flight_bypassed,
+            exported_since(exported, "vllm_cache_engine_prompt_tokens_total", target=target)
+            - exported_since(exported, "vllm_cache_target_prompt_tokens_total", target=target),
+        )
         await asyncio.sleep(0.1)
 
 
@@ -321,7 +361,9 @@ class Phase:
             f"preemptions {self.preemptions:.0f}, requests by preemptions (le) {per_request}; "
             f"vLLM queue sampled {self.queue.samples}x, waiting while others ran in "
             f"{self.queue.held_back}, max waiting {self.queue.max_waiting:.0f}, max KV usage "
-            f"{self.queue.max_usage:.3f}\n"
+            f"{self.queue.max_usage:.3f}, hits - cached in flight at most "
+            f"{self.queue.max_in_flight_recount:.0f}, engine - callers' prompt in flight at most "
+            f"{self.queue.max_in_flight_bypassed:.0f}\n"
             f"  engine: prompt {self.engine_prompt:.0f} queries {self.engine_queries:.0f} "
             f"hits {self.engine_hits:.0f} prompt_tokens_cached {self.engine_cached:.0f}\n"
             f"  callers: prompt {self.callers_prompt:.0f} cached {self.callers_cached:.0f}; "
@@ -367,7 +409,9 @@ async def run_phase(
         return complete(session, vllm_url, prompt, None)
 
     queue = QueueSamples()
-    sampler = asyncio.ensure_future(sample_queue(session, vllm_url, queue))
+    sampler = asyncio.ensure_future(
+        sample_queue(session, vllm_url, vllm_before, exporter, before, queue)
+    )
     started = time.monotonic()
     try:
         results = await asyncio.gather(
