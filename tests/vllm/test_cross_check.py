@@ -43,16 +43,16 @@ and each ``record_prefix_cache_stats`` call in the engine process without changi
 Its precondition: new requests were looked up again after a failed allocation and found
 hits there, and preempted requests came back with hits; then every request is recorded
 once as new, every preemption once as a re-admission, and the exported hits are the new
-admissions' alone. Four runs on the 2-core CI machine class (about 75 s each, 40 of them
-booting), phase 1: 31-41 preemptions, 551-693 lookups for 36 admissions (11-19 requests
-retried 515-657 times, 84,224-102,432 hits found on the failed attempts), re-admissions
-finding 8,736-11,744 hits; counted at every lookup the engine's ratio would have read
-0.48-0.63. Exported: hits 6,144 = prompt_tokens_cached = the callers' cached every time,
-ratio 0.4539 for engine and callers alike.
+admissions' alone. Five runs on the 2-core CI machine class (55-75 s each, 30-40 of them
+booting), phase 1: 27-41 preemptions, 118-693 lookups for 36 admissions (4-19 requests
+retried 82-657 times, 20,992-102,432 hits found on the failed attempts), re-admissions
+finding 7,648-11,744 hits; counted at every lookup the engine's ratio would have read
+0.48-0.71. Exported: hits = prompt_tokens_cached = the callers' cached every time (6,144 in
+four runs, 6,176 in one), the engine's ratio and the callers' equal (0.4539, 0.4563).
 
 Sampled mid-run (reported, not asserted): engine prompt tokens - the callers' ran up to
-2,112 tokens ahead in phase 1, with nothing bypassing the tap: vLLM counts a prompt at its
-first output, the tap at the answer's end. Only finished traffic balances.
+2,112-2,736 tokens ahead in phase 1, with nothing bypassing the tap: vLLM counts a prompt
+at its first output, the tap at the answer's end. Only finished traffic balances.
 """
 
 from __future__ import annotations
