@@ -28,7 +28,7 @@ from exporter.metrics.exposition import (
     format_value,
 )
 from exporter.signals.callers import OTHER
-from exporter.signals.classify import STATES
+from exporter.signals.classify import CAUSES, STATES
 from exporter.signals.usage import (
     ENGINE,
     PROXY,
@@ -535,6 +535,7 @@ class UsageCollector:
 
     def _other_families(self) -> Iterator[Metric]:
         usage = self.usage
+        yield from self._miss_families()
         granularity = families.gauge(families.GRANULARITY_TOKENS)
         for model, value, source in usage.granularities():
             granularity.add_metric([model, source], float(value))
@@ -570,6 +571,26 @@ class UsageCollector:
         yield folded
         yield targets_overflowed
         yield from self._retry_families()
+
+    def _miss_families(self) -> Iterator[Metric]:
+        """Missed prompt tokens and requests by cause: a costly family, of the detailed pairs
+        and __other__'s (``UsageState.costly``), every cause from the pair's first successful
+        event on."""
+        usage = self.usage
+        now = usage.now()
+        tokens = families.counter(families.MISSED_PROMPT_TOKENS)
+        requests = families.counter(families.MISSED_REQUESTS)
+        for (caller, model), series in sorted(usage.costly.items()):
+            counts = series.miss
+            if counts is None:
+                continue
+            held = counts.shown_from > now or series.shown_from > now
+            for cause in CAUSES:
+                labels = [caller, model, cause]
+                tokens.add_metric(labels, 0 if held else counts.tokens[cause])
+                requests.add_metric(labels, 0 if held else counts.requests[cause])
+        yield tokens
+        yield requests
 
     def _retry_families(self) -> Iterator[Metric]:
         """Timings left out of counted events, and the memory of ids for retried copies."""
