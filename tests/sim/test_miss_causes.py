@@ -185,3 +185,17 @@ def test_fanout_order_through_the_tap_is_order(fanout_through_tap):
     assert sum(shared_first.values()) == uncached(text, "fanout-shared-first")
     # the tap sends no session: what is not order is the reader's unknown, never evicted
     assert {cause for cause, count in counts.items() if count} <= {ORDER, UNKNOWN, GRANULE}
+
+
+def test_two_agents_collapse_through_the_tap_without_sessions_is_unknown():
+    """The simulator's clients send no X-Session-Id: through the tap each agent's turns share
+    one key per caller, whose "previous turn" may not be theirs. The collapse is then the
+    reader's unknown (send a session id to name it), never new, and never taken for an
+    eviction it cannot prove."""
+    text = play_through_tap("two-agents-collapse")
+    for caller in ("agent-a", "agent-b"):
+        counts = missed(text, caller)
+        print(f"two-agents-collapse through the tap, {caller}: {counts}")
+        assert sum(counts.values()) == uncached(text, caller)
+        assert {cause for cause, count in counts.items() if count} == {UNKNOWN, GRANULE}
+        assert counts[UNKNOWN] > 0.9 * sum(counts.values())
