@@ -120,9 +120,7 @@ def miss(
         cause = CACHING_OFF
     elif variable_top:
         cause = ORDER
-    elif untold or (
-        previous_prompt_tokens is not None and previous_prompt_tokens >= prompt_tokens
-    ):
+    elif untold or (previous_prompt_tokens is not None and previous_prompt_tokens >= prompt_tokens):
         cause = UNKNOWN
     elif previous_prompt_tokens is not None:
         cause = EVICTED

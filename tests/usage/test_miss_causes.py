@@ -322,7 +322,7 @@ def test_the_causes_add_up_to_the_hit_ratio_counters(
     registry = build_registry(state)
     text = generate_text(registry).decode()
     missed: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for (caller, model), series in usage.series.items():
+    for caller, model in usage.series:
         labels = {"caller": caller, "model": model}
         for cause in CAUSES:
             missed[(caller, model)][0] += value(registry, TOKENS, cause=cause, **labels)
@@ -331,7 +331,7 @@ def test_the_causes_add_up_to_the_hit_ratio_counters(
     with_causes = sum(series.miss is not None for series in usage.series.values())
     assert text.count(f"\n{TOKENS}{{") == len(CAUSES) * with_causes
     expected: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for (caller, model), series in usage.series.items():
+    for caller, model in usage.series:
         labels = {"caller": caller, "model": model}
         tokens = (
             value(registry, "vllm_cache_prompt_tokens_total", **labels)

@@ -19,8 +19,8 @@ from exporter.metrics.exposition import generate_text
 from exporter.signals.callers import OTHER, rank
 from exporter.signals.usage import (
     MAX_TARGET_CHARS,
-    RETIRE_SECONDS,
     MISS_SERIES,
+    RETIRE_SECONDS,
     SERIES_PER_CALLER,
     TARGET_SERIES,
     url_origin,
