@@ -489,7 +489,9 @@ class UsageState:
 
         Each event in its steps: its series, whether it failed, what it reported cached (and
         what that teaches the granularity learner), its conversation's previous turn, its
-        state (``classify``), then the counts, the timings, the conversation kept with its
+        state (``classify``), why what it did not find cached missed (``miss``: counted in
+        the pair's own miss counters if detailed, else __other__'s), then the counts, the
+        timings, the conversation kept with its
         latest turn and the completion budget it declared. A body's events come here
         together, so what does not depend on the event is done once (the clock read, the
         history's slot check, the reader's counters, the lookups of the steps). The events of
