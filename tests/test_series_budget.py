@@ -39,12 +39,12 @@ PER_CALLER = (
     "vllm_cache_prompt_order_variable_top_total",
     "vllm_cache_prompt_order_shared_bytes_total",
     "vllm_cache_prompt_order_first_difference_bytes_total",
-    "vllm_cache_missed_prompt_tokens_total",
-    "vllm_cache_missed_requests_total",
     "vllm_cache_target_prompt_tokens_total",
     "vllm_cache_target_cached_tokens_total",
+    "vllm_cache_missed_prompt_tokens_total",
+    "vllm_cache_missed_requests_total",
 )
-USAGE_FAMILIES = (*PER_CALLER[:6], *PER_CALLER[-2:])  # what UsageCollector renders
+USAGE_FAMILIES = (*PER_CALLER[:6], *PER_CALLER[-4:])  # what UsageCollector renders
 # One turn per state, the unreported one first so that it stays unreported.
 TURNS = (
     (5000, None, None),

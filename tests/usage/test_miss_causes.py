@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from exporter.engine.parse import parse
 from exporter.metrics import build_registry
-from exporter.metrics.exposition import generate_text
+from exporter.metrics.exposition import OPENMETRICS, TEXT, encode_families, generate_text
+from exporter.metrics.usage import UsageCollector
 from exporter.signals.callers import OTHER
 from exporter.signals.classify import (
     CACHING_OFF,
@@ -241,7 +242,14 @@ def test_held_at_zero_then_shown():
     assert set(tokens.values()) == {0} and set(requests.values()) == {0}
     text = generate_text(build_registry(state)).decode()
     assert text.count(f'{REQUESTS}{{caller="a",') == len(CAUSES)
-    clock.now += 61
+    collector = UsageCollector(state.usage)
+    for moment in (0, 61):  # held, then shown: the fast render agrees with the reference
+        clock.now += moment
+        fast: list[str] = []
+        collector.render_text(fast)
+        reference: list[str] = []
+        encode_families(collector.collect(), reference, TEXT)
+        assert "".join(fast) == "".join(reference)
     assert nonzero(causes(state, "a")[1]) == {NEW: 1}
 
 
@@ -361,3 +369,12 @@ def test_the_causes_add_up_to_the_hit_ratio_counters(
         }
     # what the budget charged is what is exposed
     assert usage.exposed == sum(series.charged for series in usage.series.values())
+    # the fast render (reused lines, in slices) writes what client_python's encoder does
+    collector = UsageCollector(usage)
+    for fmt in (TEXT, OPENMETRICS, TEXT):  # the second text render reuses lines
+        fast: list[str] = []
+        for _ in collector.render_slices(fast, fmt, series_per_slice=1):
+            pass
+        reference: list[str] = []
+        encode_families(collector.collect(), reference, fmt)
+        assert "".join(fast) == "".join(reference)
