@@ -37,7 +37,6 @@ from exporter.signals.classify import (
     ERROR,
     GRANULE,
     STATES,
-    UNREPORTED,
     WARM,
     classify,
     miss,
@@ -520,6 +519,7 @@ class UsageState:
         seen = self.event_ids.seen
         other = self._other
         caching_off = self._caching_off
+        caching_off_by_model: dict[str, bool] = {}
         flagged = self._variable_top  # the tap's last request, if its prompt order was
         if flagged is not None:  # variable-top: consumed by this call (record_prompt)
             self._variable_top = None
@@ -570,8 +570,12 @@ class UsageState:
             granule_tokens, avoidable, cause = miss(
                 prompt_tokens, cached, granule, previous, False, event is flagged, untold
             )
-            if avoidable and cause != UNREPORTED and caching_off(model):
-                cause = CACHING_OFF
+            if avoidable and cached is not None:
+                off = caching_off_by_model.get(model)
+                if off is None:  # read once a call: the engine does not change during it
+                    off = caching_off_by_model[model] = caching_off(model)
+                if off:
+                    cause = CACHING_OFF
             owner = detail if detail is not None else other(model)
             counts = owner.miss
             if counts is None:
