@@ -386,6 +386,25 @@ QUEUE_WAIT_SECONDS = Family(
     "source=engine vLLM's own scheduler queue. Two queues one after the other, never to be "
     "summed.",
 )
+MISSED_PROMPT_TOKENS = Family(
+    "vllm_cache_missed_prompt_tokens",
+    COUNTER,
+    (*CALLER, "cause"),
+    "Prompt tokens of successful requests not served from the prefix cache, by why: new "
+    "(first turn), evicted (the previous turn left them reusable, the cache no longer had "
+    "them), order (shared text behind a varying top; tap only), granule (the new tokens and "
+    "the partial last granule: unavoidable), caching_off, unreported (cached tokens not "
+    "reported), unknown. Summed over causes: prompt_tokens - cached_tokens + "
+    "unreported_prompt_tokens.",
+)
+MISSED_REQUESTS = Family(
+    "vllm_cache_missed_requests",
+    COUNTER,
+    (*CALLER, "cause"),
+    "Successful requests by the cause of their avoidable miss (granule: only the "
+    "unavoidable tail missed). Summed over causes: vllm_cache_requests_total of every "
+    "state but error.",
+)
 GRANULARITY_TOKENS = Family(
     "vllm_cache_granularity_tokens",
     GAUGE,

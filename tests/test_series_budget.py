@@ -15,6 +15,7 @@ from exporter.signals.callers import OTHER, rank
 from exporter.signals.usage import (
     MAX_MODELS,
     MAX_TARGET_CHARS,
+    MISS_SERIES,
     SERIES_PER_CALLER,
     SERIES_PER_PAIR,
     TARGET_SERIES,
@@ -40,8 +41,10 @@ PER_CALLER = (
     "vllm_cache_prompt_order_first_difference_bytes_total",
     "vllm_cache_target_prompt_tokens_total",
     "vllm_cache_target_cached_tokens_total",
+    "vllm_cache_missed_prompt_tokens_total",
+    "vllm_cache_missed_requests_total",
 )
-USAGE_FAMILIES = (*PER_CALLER[:6], *PER_CALLER[-2:])  # what UsageCollector renders
+USAGE_FAMILIES = (*PER_CALLER[:6], *PER_CALLER[-4:])  # what UsageCollector renders
 # One turn per state, the unreported one first so that it stays unreported.
 TURNS = (
     (5000, None, None),
@@ -167,7 +170,9 @@ def test_the_worst_case_stays_within_the_documented_bounds():
 
 
 def test_pairs_within_the_budget_keep_their_own_series():
-    state = signals_state(Config(callers_max_series=2 * SERIES_PER_CALLER))
+    # A pair's nine series and, with its first successful event, its miss causes (a
+    # detailed caller's own).
+    state = signals_state(Config(callers_max_series=2 * (SERIES_PER_CALLER + MISS_SERIES)))
     for caller in ("a", "b", "c", "d"):
         state.usage.record(UsageEvent(caller, "m", 100, 0), "http")
     # __other__ of a model always has room: it is where the budget folds to.
@@ -190,20 +195,24 @@ def test_the_budget_charges_what_a_pair_exposes():
     names = sorted((f"agent-{index}" for index in range(20)), key=rank)
     for name in names:
         usage.record(UsageEvent(name, "m", 4096, 2048), "http")
-    assert usage.exposed == len(per_caller_lines(state)) == 20 * SERIES_PER_CALLER
+    # The miss causes are costly: the detailed caller's own, the 19 others' __other__'s
+    # (nine series for __other__ and its miss causes).
+    misses = SERIES_PER_CALLER + 2 * MISS_SERIES
+    assert usage.exposed == len(per_caller_lines(state)) == 20 * SERIES_PER_CALLER + misses
     # The detailed caller's first timed turn adds its TTFT histogram, nothing more.
     usage.record(UsageEvent(names[0], "m", 4096, 2048, ttft_seconds=0.3), "http")
-    assert usage.exposed == len(per_caller_lines(state)) == 20 * SERIES_PER_CALLER + TTFT_SERIES
-    # Another caller's timing goes to __other__'s histogram: nine series for __other__ and
-    # its histogram, still as exposed.
+    assert usage.exposed == len(per_caller_lines(state))
+    assert usage.exposed == 20 * SERIES_PER_CALLER + misses + TTFT_SERIES
+    # Another caller's timing goes to __other__'s histogram, still as exposed.
     usage.record(UsageEvent(names[1], "m", 4096, 2048, ttft_seconds=0.3), "http")
     assert usage.exposed == len(per_caller_lines(state))
-    assert usage.exposed == 21 * SERIES_PER_CALLER + 2 * TTFT_SERIES
+    assert usage.exposed == 20 * SERIES_PER_CALLER + misses + 2 * TTFT_SERIES
     assert not usage.series[(names[1], "m")].ttft
     # Past the budget, a detailed pair's new histogram is __other__'s too.
     tight = signals_state(Config(callers_max_series=SERIES_PER_CALLER))
     tight.usage.record(UsageEvent("solo", "m", 4096, 2048, ttft_seconds=0.3), "http")
     assert not tight.usage.series[("solo", "m")].ttft
     assert tight.usage.series[(OTHER, "m")].ttft["warm"].total == 0.3
-    assert tight.usage.series_folded == 1
+    assert tight.usage.series[(OTHER, "m")].miss is not None  # so are its miss causes
+    assert tight.usage.series_folded == 2
     assert tight.usage.exposed == len(per_caller_lines(tight))

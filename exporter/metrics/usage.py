@@ -28,7 +28,7 @@ from exporter.metrics.exposition import (
     format_value,
 )
 from exporter.signals.callers import OTHER
-from exporter.signals.classify import STATES
+from exporter.signals.classify import CAUSES, STATES
 from exporter.signals.usage import (
     ENGINE,
     PROXY,
@@ -65,6 +65,11 @@ _QUEUE_NAMES = (QUEUE.bucket, QUEUE.count, QUEUE.sum)
 TARGET_PROMPT = families.TARGET_PROMPT_TOKENS
 TARGET_CACHED = families.TARGET_CACHED_TOKENS
 PER_TARGET = (TARGET_PROMPT, TARGET_CACHED)
+# The miss causes of each pair that has them (a detailed pair's, __other__'s), last: every
+# cause a line, labels in name order (caller, cause, model).
+MISSED_TOKENS = families.MISSED_PROMPT_TOKENS
+MISSED_REQUESTS = families.MISSED_REQUESTS
+PER_CAUSE = (MISSED_TOKENS, MISSED_REQUESTS)
 _counter_values: Callable[[Series], tuple[int, ...]] = (
     operator.attrgetter(*_COUNTER_FIELDS)
     if len(_COUNTER_FIELDS) > 1
@@ -84,11 +89,12 @@ def _per_caller_families() -> list[Metric]:
 
 # HELP and TYPE lines of the per-caller and per-target families, in each format, built once.
 _TEXT_HEADERS = tuple(
-    TEXT.header(family.name, family.help, family.type) for family in (*PER_CALLER, *PER_TARGET)
+    TEXT.header(family.name, family.help, family.type)
+    for family in (*PER_CALLER, *PER_TARGET, *PER_CAUSE)
 )
 _OPENMETRICS_HEADERS = tuple(
     OPENMETRICS.header(family.name, family.help, family.type, family.unit)
-    for family in (*PER_CALLER, *PER_TARGET)
+    for family in (*PER_CALLER, *PER_TARGET, *PER_CAUSE)
 )
 
 # Series rendered between two turns of the event loop (a series is up to SERIES_PER_PAIR
@@ -103,6 +109,8 @@ SERIES_PER_PIECE = 256
 # A (caller, model, target) row rendered anew costs this many of the units a slice counts
 # (REUSED_PER_RENDERED a series): about 1,024 of them make a slice.
 WORK_PER_TARGET_ROW = 2
+# A pair's miss causes rendered anew cost as many of those units (14 lines, 7 target rows').
+WORK_PER_CAUSES = 14
 
 
 def _histogram(
@@ -145,8 +153,9 @@ class SeriesLines(NamedTuple):
     """One series' lines in each per-caller family: the requests' (one string), each
     per-caller counter's (a string each, in families.PER_CALLER_COUNTERS' order), the
     TTFT and queue-wait histograms' (a string per histogram, the one its _HistogramText
-    keeps), and the per-target prompt and cached tokens' (one string each, every target of
-    the pair)."""
+    keeps), the per-target prompt and cached tokens' (one string each, every target of
+    the pair), and the missed tokens' and requests' by cause (one string each, empty for a
+    pair without them)."""
 
     requests: str
     counters: tuple[str, ...]
@@ -154,6 +163,8 @@ class SeriesLines(NamedTuple):
     queue: list[str]
     target_prompt: str
     target_cached: str
+    missed_tokens: str
+    missed_requests: str
 
 
 class _SeriesText:
@@ -173,6 +184,7 @@ class _SeriesText:
         "ttft",
         "queue",
         "targets",
+        "causes",
         "_caller",
         "_model",
         "series",
@@ -190,12 +202,14 @@ class _SeriesText:
         self.queue: dict[str, _HistogramText] = {}  # by source
         # by target label: the prompt and cached counters' line prefixes
         self.targets: dict[str, tuple[str, str]] = {}
+        # the missed tokens' and requests' line prefixes, a cause each (built when needed)
+        self.causes: tuple[list[str], list[str]] | None = None
         # The lines of each per-caller family (the histograms' empty when the series has
         # none), the series object and the version they were rendered from; None until
         # reusable.
         self.series: Series | None = None
         self.version = -1
-        self.lines = SeriesLines("", (), [], [], "", "")
+        self.lines = SeriesLines("", (), [], [], "", "", "", "")
 
     def ttft_text(self, state: str, source: str) -> _HistogramText:
         text = self.ttft.get((state, source))
@@ -214,6 +228,18 @@ class _SeriesText:
                 f"{TARGET_CACHED.total}{{{labels}}} ",
             )
         return text
+
+    def cause_text(self) -> tuple[list[str], list[str]]:
+        if self.causes is None:
+            tokens, requests = (
+                [
+                    f'{family.total}{{{self._caller},cause="{cause}",{self._model}}} '
+                    for cause in CAUSES
+                ]
+                for family in PER_CAUSE
+            )
+            self.causes = (tokens, requests)
+        return self.causes
 
     def queue_text(self, source: str) -> _HistogramText:
         text = self.queue.get(source)
@@ -250,6 +276,7 @@ def _histogram_lines(out: list[str], text: _HistogramText, hist: Histogram, les:
 
 # What a series still held at zero shows (see UsageSettings.new_series_hold).
 _ZERO_COUNTS = dict.fromkeys(STATES, 0)
+_ZERO_CAUSES = dict.fromkeys(CAUSES, 0)
 _ZERO_TTFT = Histogram(TTFT_BUCKETS)
 _ZERO_QUEUE = Histogram(QUEUE_BUCKETS)
 _HELD = Series()
@@ -292,6 +319,8 @@ def _fully_shown(series: Series, now: float) -> bool:
     """Whether the series and every histogram and target entry in it are past the
     new-series hold."""
     if series.shown_from > now:
+        return False
+    if series.miss is not None and series.miss.shown_from > now:
         return False
     for counts in series.targets.values():
         if counts.shown_from > now:
@@ -367,7 +396,39 @@ def _series_lines(text: _SeriesText, real: Series, now: float) -> SeriesLines:
             prompt_lines.append(f"{prompt_prefix}{fmt_value(prompt_tokens)}\n")
             cached_lines.append(f"{cached_prefix}{fmt_value(cached_tokens)}\n")
         target_prompt, target_cached = "".join(prompt_lines), "".join(cached_lines)
-    return _lines(SeriesLines, (requests, counters, ttft, queue, target_prompt, target_cached))
+    missed_tokens = missed_requests = ""
+    miss = real.miss
+    if miss is not None:
+        tokens_text, requests_text = text.cause_text()
+        held = miss.shown_from > now or real.shown_from > now
+        tokens, requests_by_cause = (
+            (_ZERO_CAUSES, _ZERO_CAUSES) if held else (miss.tokens, miss.requests)
+        )
+        missed_tokens = "".join(
+            [
+                f"{prefix}{fmt_value(tokens[cause])}\n"
+                for prefix, cause in zip(tokens_text, CAUSES, strict=True)
+            ]
+        )
+        missed_requests = "".join(
+            [
+                f"{prefix}{fmt_value(requests_by_cause[cause])}\n"
+                for prefix, cause in zip(requests_text, CAUSES, strict=True)
+            ]
+        )
+    return _lines(
+        SeriesLines,
+        (
+            requests,
+            counters,
+            ttft,
+            queue,
+            target_prompt,
+            target_cached,
+            missed_tokens,
+            missed_requests,
+        ),
+    )
 
 
 class UsageCollector:
@@ -387,6 +448,7 @@ class UsageCollector:
         for text in self._text.values():
             kept += len(text.lines.requests) + sum(len(line) for line in text.lines.counters)
             kept += len(text.lines.target_prompt) + len(text.lines.target_cached)
+            kept += len(text.lines.missed_tokens) + len(text.lines.missed_requests)
             for hists in (text.ttft.values(), text.queue.values()):
                 kept += sum(len(hist.lines) for hist in hists)
         return kept
@@ -399,6 +461,7 @@ class UsageCollector:
         ttft, queue = metrics[_COUNTER_BLOCKS:]
         counted = list(zip(counters, families.PER_CALLER_COUNTERS, strict=True))
         target_prompt, target_cached = (families.counter(family) for family in PER_TARGET)
+        missed_tokens, missed_requests = (families.counter(family) for family in PER_CAUSE)
 
         # Samples are appended directly rather than through add_metric(): at 1,000 callers
         # that is ~80,000 samples per scrape, and add_metric's per-call copies were a quarter
@@ -440,9 +503,22 @@ class UsageCollector:
                 prompt_tokens, cached_tokens = _target_counts(entry, now)
                 target_prompt.samples.append(Sample(TARGET_PROMPT.total, labels, prompt_tokens))
                 target_cached.samples.append(Sample(TARGET_CACHED.total, labels, cached_tokens))
+            miss = real.miss
+            if miss is not None:
+                held = miss.shown_from > now or real.shown_from > now
+                for cause in CAUSES:
+                    labels = {"caller": caller, "model": model, "cause": cause}
+                    missed_tokens.samples.append(
+                        Sample(MISSED_TOKENS.total, labels, 0 if held else miss.tokens[cause])
+                    )
+                    missed_requests.samples.append(
+                        Sample(MISSED_REQUESTS.total, labels, 0 if held else miss.requests[cause])
+                    )
         yield from metrics
         yield target_prompt
         yield target_cached
+        yield missed_tokens
+        yield missed_requests
         yield from self._other_families()
 
     def render_text(self, out: list[str]) -> None:
@@ -485,6 +561,8 @@ class UsageCollector:
         queue: list[str] = []
         target_prompt: list[str] = []
         target_cached: list[str] = []
+        missed_tokens: list[str] = []
+        missed_requests: list[str] = []
         per_slice = series_per_slice or SERIES_PER_SLICE
         keys = sorted(usage.series)
         now = usage.now()
@@ -509,7 +587,18 @@ class UsageCollector:
                 if _fully_shown(real, now) and key[0] != OTHER:
                     text.series, text.version, text.lines = real, version, lines
                 work += REUSED_PER_RENDERED + WORK_PER_TARGET_ROW * len(real.targets)
-            series_requests, series_counters, series_ttft, series_queue, prompts, cached = lines
+                if real.miss is not None:
+                    work += WORK_PER_CAUSES
+            (
+                series_requests,
+                series_counters,
+                series_ttft,
+                series_queue,
+                prompts,
+                cached,
+                tokens_by_cause,
+                requests_by_cause,
+            ) = lines
             requests.append(series_requests)
             counters.append(series_counters)
             ttft.extend(series_ttft)
@@ -517,6 +606,9 @@ class UsageCollector:
             if prompts:
                 target_prompt.append(prompts)
                 target_cached.append(cached)
+            if tokens_by_cause:
+                missed_tokens.append(tokens_by_cause)
+                missed_requests.append(requests_by_cause)
             if work >= per_slice * REUSED_PER_RENDERED:
                 work = 0
                 yield
@@ -525,7 +617,16 @@ class UsageCollector:
         piece = SERIES_PER_PIECE
         # Per family: a series' counter lines are read from the tuples by one C-level zip.
         by_family = list(zip(*counters, strict=True)) or [() for _ in families.PER_CALLER_COUNTERS]
-        blocks = (requests, *by_family, ttft, queue, target_prompt, target_cached)
+        blocks = (
+            requests,
+            *by_family,
+            ttft,
+            queue,
+            target_prompt,
+            target_cached,
+            missed_tokens,
+            missed_requests,
+        )
         for head, family_blocks in zip(headers, blocks, strict=True):
             out.append(head)
             for start in range(0, len(family_blocks), piece):

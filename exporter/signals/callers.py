@@ -69,7 +69,7 @@ DEFAULT_MODEL_PATTERN = r"[A-Za-z0-9._:/+-]{1,128}"
 # --callers.targets-max): a platform's callers each with its own hit ratio, and that ratio
 # on the vLLM replica that served them; the costly families per caller for a hundred of
 # them; a budget that holds all of it on three models, each pair through one replica
-# (10,000 x 3 x (9 + 2) + 100 x 3 x 238 = 401,400 series: the per-caller part of
+# (10,000 x 3 x (9 + 2) + 100 x 3 x 252 = 405,600 series: the per-caller part of
 # docs/metrics.md, exporter/signals/usage.py SERIES_PER_PAIR and TARGET_SERIES); the
 # distinct replicas a gateway spreads them over.
 DEFAULT_CALLERS = 10_000

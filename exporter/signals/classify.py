@@ -60,3 +60,70 @@ def classify(
     if cached_tokens >= bound - warm_tail_granules * granularity:
         return WARM
     return PARTIAL
+
+
+# Why prompt tokens were not served from the prefix cache: every value of the ``cause``
+# label, in exposition order (``miss``).
+NEW = "new"
+EVICTED = "evicted"
+ORDER = "order"
+GRANULE = "granule"
+CACHING_OFF = "caching_off"
+UNREPORTED = "unreported"
+CAUSES = (NEW, EVICTED, ORDER, GRANULE, CACHING_OFF, UNREPORTED, UNKNOWN)
+
+
+def miss(
+    prompt_tokens: int,
+    cached_tokens: int | None,
+    granularity: int,
+    previous_prompt_tokens: int | None = None,
+    caching_off: bool = False,
+    variable_top: bool = False,
+    untold: bool = False,
+) -> tuple[int, int, str]:
+    """Why a successful request's uncached prompt tokens were not cached: (granule tokens,
+    avoidable tokens, the avoidable ones' cause). The two add up to n - c (n when c is not
+    reported), so the causes summed are the prompt tokens less the cached ones.
+
+    With R the reusable bound of the module docstring, capped at n:
+
+    - c unknown: all n tokens are ``unreported`` (returned as avoidable, cause unreported);
+    - n - R are ``granule``: the new tokens and the partial last granule, which no cache
+      could have served; R - c are avoidable, and have one cause, the first that holds of:
+      ``caching_off`` (the engine reports prefix caching disabled), ``order`` (the tap saw
+      the shared text behind a varying top), ``unknown`` (``untold``: no session, a
+      conversation the memory bound dropped, turns another exporter saw; or a previous
+      turn at least as long as this one: not a continuation), ``evicted`` (the previous
+      turn made those tokens reusable, and they were gone), ``new`` (a first turn).
+
+    The request counts under the avoidable cause when anything was avoidable, else under
+    ``granule``. Requires c <= n (validated events).
+    """
+    if cached_tokens is None:
+        return 0, prompt_tokens, UNREPORTED
+    if granularity < 1:
+        granularity = 1
+    bound = (prompt_tokens - 1) // granularity * granularity
+    if previous_prompt_tokens is not None and previous_prompt_tokens < prompt_tokens:
+        previous_bound = (previous_prompt_tokens - 1) // granularity * granularity
+        if previous_bound < bound:
+            bound = previous_bound
+    if cached_tokens > bound:
+        bound = cached_tokens
+    if bound > prompt_tokens:
+        bound = prompt_tokens
+    avoidable = bound - cached_tokens
+    if avoidable <= 0:
+        return prompt_tokens - bound, 0, GRANULE
+    if caching_off:
+        cause = CACHING_OFF
+    elif variable_top:
+        cause = ORDER
+    elif untold or (previous_prompt_tokens is not None and previous_prompt_tokens >= prompt_tokens):
+        cause = UNKNOWN
+    elif previous_prompt_tokens is not None:
+        cause = EVICTED
+    else:
+        cause = NEW
+    return prompt_tokens - bound, avoidable, cause

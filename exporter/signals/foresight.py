@@ -254,23 +254,26 @@ class ConversationTracker:
 
     def check_history(
         self, known: Conversation | None, model: str, cached: int, granule: int
-    ) -> None:
+    ) -> bool:
         """Count a turn that reported ``cached`` tokens against what this exporter saw of its
         conversation (``known``, taken out of ``by_key``; None: never seen): more than a
         granule past the context it held after its last turn (for one never seen, past the
         largest context of any conversation on the model, which a shared prefix may come
         from) means turns this exporter did not see put it there. A context without its
-        completion (not reported) explains anything: the completion is unknown."""
+        completion (not reported) explains anything: the completion is unknown. True when
+        the turn is one of those (its previous turn here is not all of its history)."""
         turns = self.turns
         turns[model] = turns.get(model, 0) + 1
         if known is None:
             explained = self.largest_context.get(model, 0)
         elif known.context_tokens == known.prompt_tokens:
-            return
+            return False
         else:
             explained = known.context_tokens
         if cached > explained + granule:
             self.unseen_history[model] = self.unseen_history.get(model, 0) + 1
+            return True
+        return False
 
     def drop_oldest(self, now: float) -> None:
         """The bound is passed: forget the least recently seen conversation, and

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from exporter.signals import advice, foresight, timing
+from exporter.signals.callers import OTHER
 from exporter.signals.classify import STATES
 from exporter.signals.engine import EngineState, TargetState
 from exporter.signals.history import (
@@ -485,6 +486,8 @@ def _callers(
     first_seen = usage.first_seen()
     pairs: dict[str, list[tuple[str, str]]] = {}
     for pair in sorted(totals):
+        if pair[0] == OTHER and not any(totals[pair][FIELD[state] - 1] for state in STATES):
+            continue  # only the costly families of callers outside the detailed set
         pairs.setdefault(pair[0], []).append(pair)
     medians = _ttft_medians(usage)
     prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]

@@ -30,7 +30,17 @@ from exporter.signals.callers import (
     NamePolicy,
     RankedSet,
 )
-from exporter.signals.classify import COLD, ERROR, STATES, WARM, classify
+from exporter.signals.classify import (
+    CACHING_OFF,
+    CAUSES,
+    COLD,
+    ERROR,
+    GRANULE,
+    STATES,
+    WARM,
+    classify,
+    miss,
+)
 from exporter.signals.engine import EngineState
 from exporter.signals.foresight import ConversationTracker, ForesightSettings
 from exporter.signals.granularity import GranularityLearner
@@ -137,19 +147,22 @@ MAX_REJECT_KEYS = 256
 # rank), each when its first observation arrives: per timing source a TTFT histogram per
 # timed state (errors are not timed) and a queue-wait histogram; the completion-tokens-used
 # histogram with the declared-completion-tokens counter; the four prompt-order counters (tap
-# only). The other callers' observations of those go to caller="__other__" of their model.
-# SERIES_PER_PAIR is a detailed pair's worst case.
+# only); the missed prompt tokens and requests by cause (MISS_SERIES, with the pair's first
+# successful event). The other callers' observations of those go to caller="__other__" of
+# their model. SERIES_PER_PAIR is a detailed pair's worst case.
 TIMED_STATES = tuple(state for state in STATES if state != ERROR)
 SERIES_PER_CALLER = len(STATES) + 3
 TTFT_SERIES = len(TTFT_BUCKETS) + 3
 QUEUE_SERIES = len(QUEUE_BUCKETS) + 3
 COMPLETION_SERIES = len(COMPLETION_BUCKETS) + 3 + 1
 ORDER_SERIES = 4
+MISS_SERIES = 2 * len(CAUSES)
 SERIES_PER_PAIR = (
     SERIES_PER_CALLER
     + len(TIMING_SOURCES) * (len(TIMED_STATES) * TTFT_SERIES + QUEUE_SERIES)
     + COMPLETION_SERIES
     + ORDER_SERIES
+    + MISS_SERIES
 )
 # Per (caller, model) and vLLM target, the two counters of the hit ratio (prompt and cached
 # tokens): charged to the series budget as each target of a pair appears.
@@ -217,6 +230,7 @@ class Series:
         "followups",
         "followups_cold",
         "order",
+        "miss",
         "charged",
         "fallback",
         "key",
@@ -255,6 +269,8 @@ class Series:
         self.followups_cold = 0
         # prompt order: created with the pair's first request compared with a recent one
         self.order: OrderCounts | None = None
+        # why its prompt tokens missed the cache: created with its first successful event
+        self.miss: MissCounts | None = None
         # Series of the budget this pair holds (SERIES_PER_CALLER, then its histograms).
         self.charged = 0
         # Where the costly families' observations go when the budget has no room for its
@@ -297,6 +313,18 @@ class OrderCounts:
         self.first_difference_bytes = 0  # idem
         self.last_variable_top: float | None = None  # when the latest one was seen
         self.shown_from = shown_from
+
+
+class MissCounts:
+    """One pair's prompt tokens not served from the cache, and its successful requests, by
+    cause (``classify.miss``): every cause exposed from the pair's first successful event."""
+
+    __slots__ = ("tokens", "requests", "shown_from")
+
+    def __init__(self, shown_from: float) -> None:
+        self.tokens = dict.fromkeys(CAUSES, 0)
+        self.requests = dict.fromkeys(CAUSES, 0)
+        self.shown_from = shown_from  # before this time it is exposed at zero
 
 
 @dataclass(frozen=True)
@@ -398,6 +426,9 @@ class UsageState:
         self.new_series_hold = settings.new_series_hold
         self.conversations = ConversationTracker(settings.foresight)
         self.order = OrderTracker(settings.prompt_order_window)
+        # The event the tap's prompt-order step last found variable-top (``record_prompt``,
+        # which runs just before the event is recorded): its miss cause is ``order``.
+        self._variable_top: UsageEvent | None = None
         # The alerts' windows, for the status page (signals/history.py): a timeline per pair
         # of a detailed caller or __other__, on up to HISTORY_MODELS models each.
         self.history = History(
@@ -462,7 +493,9 @@ class UsageState:
 
         Each event in its steps: its series, whether it failed, what it reported cached (and
         what that teaches the granularity learner), its conversation's previous turn, its
-        state (``classify``), then the counts, the timings, the conversation kept with its
+        state (``classify``), why what it did not find cached missed (``miss``: counted in
+        the pair's own miss counters if detailed, else __other__'s), then the counts, the
+        timings, the conversation kept with its
         latest turn and the completion budget it declared. A body's events come here
         together, so what does not depend on the event is done once (the clock read, the
         history's slot check, the reader's counters, the lookups of the steps). The events of
@@ -489,6 +522,12 @@ class UsageState:
         check_history = self.conversations.check_history
         observe = self._observe
         seen = self.event_ids.seen
+        other = self._other
+        caching_off = self._caching_off
+        caching_off_by_model: dict[str, bool] = {}
+        flagged = self._variable_top  # the tap's last request, if its prompt order was
+        if flagged is not None:  # variable-top: consumed by this call (record_prompt)
+            self._variable_top = None
         duplicates = 0
         state = ERROR
         for event in events:
@@ -521,13 +560,38 @@ class UsageState:
             prompt_tokens = event.prompt_tokens
             granule = configured or learned_get(model) or self._classifying_granularity(model)
             recalled = conversation is None and recall(key, now)
+            # Whether its previous turn here is its own: not without a session (one key per
+            # caller), nor once the bound dropped it, nor with turns another exporter saw.
+            untold = recalled or event.session is None
             if recalled:  # dropped by the bound while recent: its previous turn is lost, so
                 state = classify(prompt_tokens, None, granule)  # unknown (short: still short)
             else:
                 state = classify(prompt_tokens, cached, granule, previous, warm_tail)
-                if cached is not None:  # turns whose earlier ones another exporter saw
-                    check_history(conversation, model, cached, granule)
+                # turns whose earlier ones another exporter saw
+                if cached is not None and check_history(conversation, model, cached, granule):
+                    untold = True
             series.requests[state] += 1
+            # Why what was not cached missed (classify.miss); caching off outranks the rest.
+            granule_tokens, avoidable, cause = miss(
+                prompt_tokens, cached, granule, previous, False, event is flagged, untold
+            )
+            if avoidable and cached is not None:
+                off = caching_off_by_model.get(model)
+                if off is None:  # read once a call: the engine does not change during it
+                    off = caching_off_by_model[model] = caching_off(model)
+                if off:
+                    cause = CACHING_OFF
+            owner = detail if detail is not None else other(model)
+            counts = owner.miss
+            if counts is None:
+                counts = self._new_miss(owner)
+            if granule_tokens:
+                counts.tokens[GRANULE] += granule_tokens
+            if avoidable:
+                counts.tokens[cause] += avoidable
+                counts.requests[cause] += 1
+            else:
+                counts.requests[GRANULE] += 1
             if previous is not None and previous < prompt_tokens:
                 series.followups += 1
                 if state == COLD:
@@ -752,13 +816,52 @@ class UsageState:
                 owner.queue = hist
         return hist
 
+    def _new_miss(self, series: Series) -> MissCounts:
+        """The pair's miss counters, created with its first successful event (every cause
+        at 0 from then on, so that rate() reads 0, not "no data"): its own while the budget
+        has room, else __other__'s of its model."""
+        owner = self._room(series, MISS_SERIES)
+        counts = owner.miss
+        if counts is None:
+            counts = owner.miss = MissCounts(self._shown_from())
+            self._charge(owner, MISS_SERIES)
+        return counts
+
+    def _caching_off(self, model_label: str) -> bool:
+        """Whether the engine serving this model reports prefix caching disabled
+        (vllm:cache_config_info enable_prefix_caching), matched as ``_engine_block_size``
+        matches: on vLLM's model_name, else the one model the engines serve. Read only for a
+        request that missed something avoidable."""
+        if self.engine is None:
+            return False
+        model = self._model_names.get(model_label, model_label)
+        fallback: bool | None = None
+        served: set[str] = set()
+        for target in self.engine.targets.values():
+            for row in target.rows:
+                config = row.cache_config
+                if config is None:
+                    continue
+                enabled = config.enable_prefix_caching
+                if enabled is None:
+                    continue
+                if row.model_name == model:
+                    return not enabled
+                if row.model_name:
+                    served.add(row.model_name)
+                fallback = not enabled
+        return bool(fallback) and len(served) <= 1
+
     def record_prompt(self, event: UsageEvent, prompt: PromptPrint) -> None:
-        """A successful call's prompt order, once ``record`` has counted the call itself:
-        its prompt's fingerprint (the tap's), compared with the pair's recent ones."""
+        """A successful call's prompt order: its prompt's fingerprint (the tap's), compared
+        with the pair's recent ones. The tap hands it just before ``record``ing the call, so
+        that a variable-top request's avoidable miss is counted as ``order`` (the counters of
+        prompt order are the same either way)."""
         pair = self._pairs.get((event.caller, event.model))
         if pair is None:
             pair = self._pair(event.caller, event.model)
-        self._order(event, prompt, pair[0], pair[1], pair[2], self._clock())
+        variable_top = self._order(event, prompt, pair[0], pair[1], pair[2], self._clock())
+        self._variable_top = event if variable_top else None
 
     def _order(
         self,
@@ -768,13 +871,14 @@ class UsageState:
         detail: Series | None,
         model: str,
         now: float,
-    ) -> None:
+    ) -> bool:
         """Compare the request's prompt with the pair's recent ones (the tap's prints), and
-        count what was found in ``detail`` (the pair's own counters, or __other__'s)."""
+        count what was found in ``detail`` (the pair's own counters, or __other__'s): whether
+        it shares most of its text with a recent one but not its beginning."""
         when = event.time if event.time is not None else now
         found = self.order.observe(series, prompt, when)  # one key per label pair
         if found is None:
-            return
+            return False
         if detail is None:
             detail = self._other(model)
         counts = detail.order
@@ -790,6 +894,8 @@ class UsageState:
             counts.shared_bytes += found.shared_bytes
             counts.first_difference_bytes += found.first_difference_bytes
             counts.last_variable_top = when
+            return True
+        return False
 
     def _pair(self, caller: str, model_name: str) -> tuple[Series, Series | None, str, bool, bool]:
         """Resolve a raw (caller, model) to its series and the series its costly families go
@@ -895,6 +1001,7 @@ class UsageState:
                 series.queue = series.engine_queue = series.completion = None
                 series.declared_completion_tokens = 0
                 series.order = None
+                series.miss = None
                 self.costly.pop(key, None)
                 self.retired += 1  # the collector's kept lines of it are stale
         self._next_retire = min(

@@ -19,6 +19,7 @@ from exporter.metrics.exposition import generate_text
 from exporter.signals.callers import OTHER, rank
 from exporter.signals.usage import (
     MAX_TARGET_CHARS,
+    MISS_SERIES,
     RETIRE_SECONDS,
     SERIES_PER_CALLER,
     TARGET_SERIES,
@@ -151,7 +152,8 @@ def test_events_without_a_backend_or_unreported_add_nothing():
     usage.record(UsageEvent("b", "m", 1000, None, backend="replica-1"), "http")  # unreported
     usage.record(UsageEvent("a", "m", 0, None, status=503, backend="replica-1"), "http")
     assert targets_of(state) == set()
-    assert usage.exposed == 2 * SERIES_PER_CALLER  # no entry charged, no empty label
+    # no entry charged, no empty label (each pair's miss causes, its first success on)
+    assert usage.exposed == 2 * (SERIES_PER_CALLER + MISS_SERIES)
     assert (
         "target="
         not in generate_text(build_registry(state))
@@ -248,7 +250,7 @@ def test_past_targets_max_later_backends_are_other():
     }
     assert target_values(state, "a", "m", OTHER) == (400, 40)  # replica-3, 4, 5 and 5 again
     assert value(build_registry(state), OVERFLOWED) == 4
-    assert usage.exposed == SERIES_PER_CALLER + 4 * TARGET_SERIES
+    assert usage.exposed == SERIES_PER_CALLER + MISS_SERIES + 4 * TARGET_SERIES
 
 
 def test_target_entries_are_charged_and_refunded_on_retire():
@@ -256,11 +258,12 @@ def test_target_entries_are_charged_and_refunded_on_retire():
     entry for the target takes the tokens. An evicted caller's entries go with its series
     after the hold, and the budget has them back."""
     clock = FakeClock()
-    state = make_state(clock, callers_max_series=SERIES_PER_CALLER + TARGET_SERIES, callers_max=1)
+    pair = SERIES_PER_CALLER + MISS_SERIES  # with its first success, its miss causes
+    state = make_state(clock, callers_max_series=pair + TARGET_SERIES, callers_max=1)
     usage = state.usage
     second, first = sorted(["agent-x", "agent-y"], key=rank)  # the second ranks first
     usage.record(UsageEvent(first, "m", 100, 50, backend="replica-1"), "http")
-    assert usage.exposed == SERIES_PER_CALLER + TARGET_SERIES
+    assert usage.exposed == pair + TARGET_SERIES
     usage.record(UsageEvent(first, "m", 100, 50, backend="replica-2"), "http")  # no room
     assert usage.series_folded == 1
     assert targets_of(state) == {(first, "m", "replica-1"), (OTHER, "m", "replica-2")}
@@ -273,7 +276,7 @@ def test_target_entries_are_charged_and_refunded_on_retire():
     clock.now += RETIRE_SECONDS + 1
     usage.record(UsageEvent(second, "m", 1, 0), "http")  # the next event retires them
     assert {row for row in targets_of(state) if row[0] == first} == set()
-    assert usage.exposed == held - SERIES_PER_CALLER - TARGET_SERIES
+    assert usage.exposed == held - pair - TARGET_SERIES
     assert usage.exposed == sum(series.charged for series in usage.series.values())
     text = generate_text(build_registry(state)).decode()
     per_caller = [
@@ -285,6 +288,8 @@ def test_target_entries_are_charged_and_refunded_on_retire():
                 "vllm_cache_prompt_tokens_total",
                 "vllm_cache_cached_tokens_total",
                 "vllm_cache_unreported_prompt_tokens_total",
+                "vllm_cache_missed_prompt_tokens_total",
+                "vllm_cache_missed_requests_total",
                 PROMPT,
                 CACHED,
             )

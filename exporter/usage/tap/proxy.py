@@ -331,17 +331,17 @@ class Tap:
         ):
             # (vLLM's Messages API never sends them, nor any answer for n > 1)
             self.say_no_engine_timings()
-        self._record(event)
         if not failed and self._record_prompt is not None and self.settings.prompt_order_bytes > 0:
-            # Once the answer is on its way: the next turn of the loop, after this handler
-            # has handed the client its last bytes.
-            # (a closure: a callback's arguments are in its repr, which asyncio may log)
-            asyncio.get_running_loop().call_soon(lambda: self.record_prompt(exchange, event))
+            # The answer is out (its last bytes handed over in this turn of the loop): its
+            # prompt order first, so that the event's miss is counted knowing it (a
+            # variable-top request's avoidable miss is ``order``).
+            self.record_prompt(exchange, event)
+        self._record(event)
 
     def record_prompt(self, exchange: Exchange, event: UsageEvent) -> None:
         """The call's prompt order: its fingerprint (at most ``prompt_order_bytes`` of the
-        prompt), handed to the signals with the call's event. Never on the request's way to
-        vLLM nor before its answer."""
+        prompt), handed to the signals with the call's event, just before the event itself.
+        Never on the request's way to vLLM nor before its answer."""
         try:
             prompt = self.prompt_print(exchange)
             if prompt is not None and self._record_prompt is not None:
@@ -822,8 +822,9 @@ def create_tap_app(
     """The tap as an aiohttp app (tests and benchmarks mount it themselves).
 
     ``record`` takes each call's UsageEvent, ``reject`` the reason of each call whose usage
-    could not be read, ``record_prompt`` (when given) each successful call's event again,
-    with its prompt's fingerprint, once the answer is out. Without a session the app opens
+    could not be read, ``record_prompt`` (when given) each successful call's event with its
+    prompt's fingerprint, once the answer is out and just before ``record`` takes the event.
+    Without a session the app opens
     its own on startup (at most ``upstream_connections`` sockets to vLLM, 0: no cap) and
     closes it on cleanup. Request bodies reach the handler as sent (``HANDLER_ARGS``): the
     tap decodes them itself, bounded (``exporter.usage.body``).
