@@ -369,6 +369,14 @@ UNREPORTED_PROMPT_TOKENS = Family(
     "without --enable-prompt-tokens-details); not in the hit ratio.",
     field="unreported_prompt_tokens",
 )
+MISSED_PROMPT_TOKENS = Family(
+    "vllm_cache_missed_prompt_tokens",
+    COUNTER,
+    (*CALLER, "cause"),
+    "Prompt tokens not served from the prefix cache, by why (cause: new, evicted, order, "
+    "granule, caching_off, unreported, unknown). Summed over causes: prompt tokens - cached "
+    "tokens + unreported prompt tokens.",
+)
 TTFT_SECONDS = Family(
     "vllm_cache_ttft_seconds",
     HISTOGRAM,
