@@ -173,20 +173,21 @@ unless {caller_on}
             names.caller_hit_ratio[long], CALLER, "humanizePercentage"
         )
         caller_traffic = self.query_value(names.caller_prompt[short], CALLER, "humanize")
-        # Seconds of prefill over the long window: the recorded seconds per second times its
-        # length. Each sentence only where its series exists (docs/runbook.md says how they
+        # Minutes of prefill over the long window: the recorded seconds per second times
+        # its length, rounded (printf, not humanizeDuration, which truncates 479.99 s to
+        # 7m 59s). Each sentence only where its series exists (docs/runbook.md says how they
         # are estimated).
-        long_seconds = number(config.long_seconds)
+        minutes = number(config.long_seconds / 60)
         prefill_saved = self.query_text(
-            f"{long_seconds} * {names.caller_prefill_saved}",
+            f"{minutes} * {names.caller_prefill_saved}",
             CALLER,
-            "humanizeDuration",
+            'printf "%.0fm"',
             f" Over the last {config.long_window} the cache saved it about {{value}} of prefill.",
         )
         prefill_lost = self.query_text(
-            f"{long_seconds} * {names.caller_prefill_lost}",
+            f"{minutes} * {names.caller_prefill_lost}",
             CALLER,
-            "humanizeDuration",
+            'printf "%.0fm"',
             " Evictions cost it about {value}.",
         )
         caller_ratio = self.query_value(names.caller_hit_ratio[short], CALLER, "humanizePercentage")
