@@ -60,12 +60,19 @@ class _Alerts:
         label the alert lacks (a topology label the series do not carry) is "": Prometheus
         renders a missing label so, vmalert as no value, which printf turns into a query
         that fails, and the alert is not sent."""
+        return self.query_text(metric, level, fmt, "{value}")
+
+    def query_text(self, metric: str, level: tuple[str, ...], fmt: str, text: str) -> str:
+        """``text`` with ``{value}`` the looked-up value (``metric`` may be an expression of
+        one recorded series), all of it left out where the series is absent."""
         labels = self.promql.labels(*level)
         matchers = ",".join(f"{label}=%q" for label in labels)
         args = " ".join(f'(or $labels.{label} "")' for label in labels)
+        value = f"{{{{ . | first | value | {fmt} }}}}"
         return (
             f'{{{{ with printf "{metric}{{{matchers}}}" {args} | query }}}}'
-            f"{{{{ . | first | value | {fmt} }}}}{{{{ end }}}}"
+            + text.replace("{value}", value)
+            + "{{ end }}"
         )
 
     def dashboard_link(self, uid: str, labels: tuple[str, ...]) -> str:
@@ -166,6 +173,23 @@ unless {caller_on}
             names.caller_hit_ratio[long], CALLER, "humanizePercentage"
         )
         caller_traffic = self.query_value(names.caller_prompt[short], CALLER, "humanize")
+        # Minutes of prefill over the long window: the recorded seconds per second times
+        # its length, rounded (printf, not humanizeDuration, which truncates 479.99 s to
+        # 7m 59s). Each sentence only where its series exists (docs/runbook.md says how they
+        # are estimated).
+        minutes = number(config.long_seconds / 60)
+        prefill_saved = self.query_text(
+            f"{minutes} * {names.caller_prefill_saved}",
+            CALLER,
+            'printf "%.0fm"',
+            f" Over the last {config.long_window} the cache saved it about {{value}} of prefill.",
+        )
+        prefill_lost = self.query_text(
+            f"{minutes} * {names.caller_prefill_lost}",
+            CALLER,
+            'printf "%.0fm"',
+            " Evictions cost it about {value}.",
+        )
         caller_ratio = self.query_value(names.caller_hit_ratio[short], CALLER, "humanizePercentage")
         replica_traffic = self.query_value(names.caller_target_prompt, CALLER_TARGET, "humanize")
         return [
@@ -198,7 +222,7 @@ unless {caller_on}
                 over the last {config.short_window} ({caller_long_ratio} over the last
                 {config.long_window}), against its baseline of {caller_baseline} (over the last
                 {config.baseline_window}), while still sending {caller_traffic} prompt
-                tokens/s.""",
+                tokens/s.{prefill_saved}{prefill_lost}""",
                 self.dashboard_link(config.caller_uid, CALLER),
                 {"scope": "caller"},
                 keep_firing_for=config.collapse_keep_firing_for,

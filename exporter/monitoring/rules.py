@@ -46,6 +46,9 @@ KV_BLOCK_HISTOGRAMS = {
 }
 
 WARM = 'state="warm"'
+EVICTED = 'cause="evicted"'
+LOCAL_CACHE_HIT = 'source="local_cache_hit"'
+NAMED_TARGET = 'target!="__other__"'  # __other__ is the exporter's overflow of targets
 QUANTILES = (("p50", 0.5), ("p95", 0.95))
 # What callers use of the completion budget they declare: the median, and the p99 an
 # admission gate should charge instead of the declared figure.
@@ -140,6 +143,10 @@ class Names:
         self.caller_order_first_difference = (
             f"caller_model:vllm_cache_prompt_order_first_difference_bytes:mean_{long}"
         )
+        # prefill time: what the cache saved each caller, and what evictions cost it, in
+        # seconds of the model's prefill per second
+        self.caller_prefill_saved = f"caller_model:vllm_cache_prefill_seconds_saved:{long}"
+        self.caller_prefill_lost = f"caller_model:vllm_cache_prefill_seconds_lost:{long}"
 
     def _engine_names(self, config: MonitoringConfig, short: str, long: str, baseline: str) -> None:
         both = (short, long)
@@ -197,6 +204,22 @@ class Names:
         self.target_kv_block_idle_share = (
             f"target_model:vllm_cache_engine_kv_block_idle_lifetime_share:{short}"
         )
+        # the engine's measured prefill rate: the prompt tokens it computed over its prefill time
+        self.target_prompt = f"target_model:vllm_cache_engine_prompt_tokens:{long}"
+        self.target_computed = f"target_model:vllm_cache_engine_computed_prompt_tokens:{long}"
+        self.target_prefill_seconds = f"target_model:vllm_cache_engine_prefill_seconds:{long}"
+        self.target_prefill_rate = (
+            f"target_model:vllm_cache_engine_prefill_tokens_per_second:{long}"
+        )
+        self.model_prefill_rate = f"model:vllm_cache_engine_prefill_tokens_per_second:{long}"
+        # cross-checks: prompt tokens no caller sent through the exporters, and hits vLLM
+        # counted more than once per request
+        self.target_callers_prompt = f"target:vllm_cache_target_prompt_tokens:{long}"
+        self.target_bypassed = f"target_model:vllm_cache_engine_bypassed_prompt_tokens:{long}"
+        self.target_bypassed_share = (
+            f"target_model:vllm_cache_engine_bypassed_prompt_tokens_share:{long}"
+        )
+        self.target_hits_recounted = f"target_model:vllm_cache_engine_hits_recounted_tokens:{short}"
 
 
 def _rule(record: str, expr: str) -> dict[str, Any]:
@@ -300,6 +323,8 @@ def _caller_long_rules(
     come last, so they read the long-window ratios just recorded."""
     window = config.long_window
     rules = _caller_token_rules(promql, names.long, window, names)
+    rules.extend(_prefill_caller_rules(config, promql, names))
+    rules.extend(_bypass_rules(config, promql, names))
     requests = families.REQUESTS.total
     rules.extend(
         _warm_share_rules(
@@ -722,6 +747,142 @@ def _residency_rules(
     return rules
 
 
+def _prefill_engine_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
+    """Each engine's measured prefill rate over the long window: the prompt tokens it
+    computed (its prompt tokens less those served from a cache, both counted once per request
+    when its first token comes out) over the seconds its requests spent in prefill (the
+    prefill-time histogram's sum: first scheduled to first token, observed when the request
+    finishes). Per model, the sums over every vLLM serving it before dividing. vLLM without
+    prompt_tokens_cached (before 0.16) has no computed tokens and so no rate: nothing is
+    made up. docs/monitoring.md says what the figure includes."""
+    window = config.long_window
+    selector = promql.sel()
+
+    def rate(sample: str) -> str:
+        return promql.sum_by(TARGET, f"rate({sample}{selector}[{window}])")
+
+    return [
+        _rule(names.target_prompt, rate(families.ENGINE_PROMPT_TOKENS.total)),
+        _rule(
+            names.target_computed,
+            f"{names.target_prompt}{selector}\n-\n"
+            + rate(families.ENGINE_PROMPT_TOKENS_CACHED.total),
+        ),
+        _rule(
+            names.target_prefill_seconds,
+            rate(families.ENGINE_REQUEST_PREFILL_TIME_SECONDS.sum),
+        ),
+        _rule(
+            names.target_prefill_rate,
+            over(names.target_computed + selector, names.target_prefill_seconds + selector),
+        ),
+        _rule(
+            names.model_prefill_rate,
+            over(
+                f"sum {promql.by(*MODEL)} ({names.target_computed}{selector})",
+                f"sum {promql.by(*MODEL)} ({names.target_prefill_seconds}{selector})",
+            ),
+        ),
+    ]
+
+
+def _per_model_prefill_rate(promql: PromQL, names: Names) -> str:
+    """The model's prefill rate under the callers' label for it (``model``, the model the
+    request named, joins vLLM's ``model_name``), with zero rates dropped."""
+    return guarded(
+        f'label_replace({names.model_prefill_rate}{promql.sel()}, "model", "$1", '
+        '"model_name", "(.*)")'
+    )
+
+
+def _prefill_caller_rules(
+    config: MonitoringConfig, promql: PromQL, names: Names
+) -> list[dict[str, Any]]:
+    """Seconds of prefill per second the cache saved each caller (its cached tokens at the
+    model's measured prefill rate) and the seconds evictions cost it (its prompt tokens
+    missed because their prefix had been evicted, at the same rate), over the long window.
+    Every ``caller_long_interval``: they read the long-window cached tokens recorded just
+    before them, and the per-model rate the engine group records. A caller whose model no
+    vLLM serves under that name has neither; one without the missed-tokens family (a
+    caller folded into __other__, an exporter that does not serve it) has no lost figure,
+    and one with it but no eviction reads 0."""
+    window = config.long_window
+    selector = promql.sel()
+    join = f"/ {promql.on('model')} group_left ()\n"
+    missed = families.MISSED_PROMPT_TOKENS.total
+    evicted = promql.sum_by(CALLER, f"rate({missed}{promql.sel(EVICTED)}[{window}])")
+    any_cause = promql.sum_by(CALLER, f"rate({missed}{selector}[{window}])")
+    prefill_rate = _per_model_prefill_rate(promql, names)
+    return [
+        _rule(
+            names.caller_prefill_saved,
+            f"{names.caller_cached[names.long]}{selector}\n{join}{prefill_rate}",
+        ),
+        _rule(
+            names.caller_prefill_lost,
+            f"(\n  {evicted}\n  or\n  {any_cause} * 0\n)\n{join}{prefill_rate}",
+        ),
+    ]
+
+
+def _bypass_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> list[dict[str, Any]]:
+    """Prompt tokens an engine prefilled that no caller sent through the exporters: its
+    prompt tokens less the callers' per-target prompt tokens on it, over the long window,
+    never below 0. Only where the target has per-caller series (the subtraction drops the
+    others): an engine no usage names has no figure, never a made-up 100%. The callers'
+    sum is per target only (their ``model`` and vLLM's ``model_name`` need not be spelled
+    alike). In the long caller group: it reads a series per caller, model and replica."""
+    window = config.long_window
+    selector = promql.sel()
+    return [
+        _rule(
+            names.target_callers_prompt,
+            promql.sum_by(
+                ("target",),
+                f"rate({families.TARGET_PROMPT_TOKENS.total}{promql.sel(NAMED_TARGET)}[{window}])",
+            ),
+        ),
+        _rule(
+            names.target_bypassed,
+            f"clamp_min(\n  {names.target_prompt}{selector}\n"
+            f"  - {promql.on('target')} group_left ()\n"
+            f"  {names.target_callers_prompt}{selector},\n  0\n)",
+        ),
+        _rule(
+            names.target_bypassed_share,
+            over(names.target_bypassed + selector, names.target_prompt + selector),
+        ),
+    ]
+
+
+def _recount_rules(config: MonitoringConfig, promql: PromQL, names: Names) -> list[dict[str, Any]]:
+    """Prefix-cache hits vLLM counted more than once per request: its admission-time hits
+    (prefix_cache_hits, counted at every admission that looks the cache up) less the local
+    cache hits it counts once per request at the first token (prompt_tokens_by_source
+    local_cache_hit, else prompt_tokens_cached, which also holds a KV connector's tokens),
+    never below 0. Whatever recounts (a retried allocation, a re-admitted request), the
+    difference is what makes the engine's hit ratio read better than its callers'."""
+    window = config.short_window
+    selector = promql.sel()
+    local = promql.sum_by(
+        TARGET,
+        f"rate({families.ENGINE_PROMPT_TOKENS_BY_SOURCE.total}"
+        f"{promql.sel(LOCAL_CACHE_HIT)}[{window}])",
+    )
+    cached = promql.sum_by(
+        TARGET, f"rate({families.ENGINE_PROMPT_TOKENS_CACHED.total}{selector}[{window}])"
+    )
+    return [
+        _rule(
+            names.target_hits_recounted,
+            f"clamp_min(\n  {names.target_hits[names.short]}{selector}\n"
+            f"  - (\n    {local}\n    or\n    {cached}\n  ),\n  0\n)",
+        )
+    ]
+
+
 def _group(
     config: MonitoringConfig, name: str, rules: list[dict[str, Any]], interval: str = ""
 ) -> dict[str, Any]:
@@ -759,7 +920,9 @@ def recording_rule_groups(config: MonitoringConfig) -> list[dict[str, Any]]:
             "vllm-cache-engine.rules",
             _engine_rules(config, promql, names)
             + _source_rules(config, promql, names)
-            + _residency_rules(config, promql, names),
+            + _residency_rules(config, promql, names)
+            + _prefill_engine_rules(config, promql, names)
+            + _recount_rules(config, promql, names),
         ),
     ]
 

@@ -296,3 +296,55 @@ def test_fleet_test_fails_without_the_replica_fold_or_the_topology_labels(
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert wrong in output, output
+
+
+@pytest.mark.parametrize(
+    ("override", "break_rules", "wrong"),
+    [
+        # Without the replica fold, the HA pair's copies double the caller's cached tokens
+        # (the prefill rate, a ratio of two doubled sums, does not move): 2 s saved, not 1.
+        (
+            {"replica_labels": []},
+            None,
+            '{caller="agent-a", cluster="a", job="vllm-cache-exporter", model="m"} 2E+00',
+        ),
+        # The same doubles the callers' tokens on vllm-0: 800 tokens/s bypassed, not 400.
+        (
+            {"replica_labels": []},
+            None,
+            'model_name="m", target="http://vllm-0:8000/metrics"} 8E+02',
+        ),
+        # Joined on model_name as the callers spell it (no label_replace): no caller has one,
+        # so no figure at all.
+        (
+            {},
+            lambda rules: rules.replace('"model", "$1", "model_name", "(.*)"', '"x", "", "", ""'),
+            "got: nil",
+        ),
+    ],
+    ids=["no-replica-fold", "no-replica-fold-bypassed", "no-model-join"],
+)
+def test_prefill_test_fails_without_the_replica_fold_or_the_model_join(
+    tmp_path: Path,
+    override: dict[str, list[str]],
+    break_rules: Callable[[str], str] | None,
+    wrong: str,
+) -> None:
+    """alerts/tests/prefill_and_cross_check.yaml holds the prefill and bypass rules to the
+    HA fold, and the saved and lost seconds to the join of the callers' model with vLLM's
+    model_name (without it they vanish: promtool's "got: nil")."""
+    promtool = require_tool("promtool")
+    alerts_dir = tmp_path / "alerts"
+    (alerts_dir / "tests").mkdir(parents=True)
+    for relative, content in prometheus_files(config_from_mapping(override)).items():
+        if relative in (RULES_PATH, ALERTS_PATH):
+            if break_rules is not None and relative == RULES_PATH:
+                broken = break_rules(content)
+                assert broken != content
+                content = broken
+            (tmp_path / relative).write_text(content, encoding="utf-8")
+    shutil.copy(ALERTS_DIR / "tests" / "prefill_and_cross_check.yaml", alerts_dir / "tests")
+    result = run(promtool, "test", "rules", "tests/prefill_and_cross_check.yaml", cwd=alerts_dir)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert wrong in output, output

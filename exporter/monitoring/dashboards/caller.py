@@ -64,6 +64,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
     layout = Layout()
     _now_row(layout, config, filters, names)
     _cache_row(layout, config, filters, names)
+    _prefill_row(layout, config, filters, names)
     _waiting_row(layout, filters)
     _prompt_order_row(layout, config, filters, names)
     return dashboard(
@@ -259,6 +260,61 @@ def _cache_row(layout: Layout, config: MonitoringConfig, filters: Filters, names
             ],
             stacked=True,
             bars=True,
+        ),
+        12,
+        8,
+    )
+
+
+def _prefill_row(layout: Layout, config: MonitoringConfig, filters: Filters, names: Names) -> None:
+    """What the cache is worth to the caller in prefill time, and why its misses missed."""
+    callers = filters.caller()
+    minutes_per_hour = "60 * sum by (caller, model) "
+    layout.row("Prefill time and misses")
+    layout.add(
+        timeseries(
+            "Prefill time saved and lost",
+            f"Minutes of prefill per hour, over the last {config.long_window}: saved is the "
+            "caller's cached tokens at the prefill rate its model's vLLMs measured (prompt "
+            "tokens they computed over the seconds their requests spent in prefill), lost its "
+            "tokens missed because their prefix had been evicted, at the same rate. An "
+            "estimate: prefill time includes other requests batched alongside, and attention "
+            "costs more per token the longer the context, so a long conversation's saved "
+            "minutes are a floor. No line where no vLLM serves the caller's model under that "
+            "name; no lost line without the missed-tokens series (a caller under __other__).",
+            "suffix: min/h",
+            [
+                target(
+                    f"{minutes_per_hour}({names.caller_prefill_saved}{callers})",
+                    "{{caller}} {{model}} saved",
+                ),
+                target(
+                    f"{minutes_per_hour}({names.caller_prefill_lost}{callers})",
+                    "{{caller}} {{model}} lost to evictions",
+                ),
+            ],
+            min_value=0,
+        ),
+        12,
+        8,
+    )
+    layout.add(
+        timeseries(
+            "Why it missed",
+            "Prompt tokens per second not served from the prefix cache, by cause (new, "
+            "evicted, order, granule, caching_off, unreported, unknown; docs/metrics.md says "
+            "what each means). Summed: prompt less cached tokens plus the unreported ones. "
+            "Per caller for the exporter's detailed callers only; the others are summed under "
+            'caller="__other__". The evicted tokens are what the lost minutes beside it price.',
+            TOKENS_PER_SECOND,
+            [
+                target(
+                    f"sum by (caller, cause) (rate({families.MISSED_PROMPT_TOKENS.total}"
+                    f"{callers}[{RATE}]))",
+                    "{{caller}} {{cause}}",
+                )
+            ],
+            stacked=True,
         ),
         12,
         8,

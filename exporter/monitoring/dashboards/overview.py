@@ -19,6 +19,7 @@ from grafanalib import core as g
 from exporter import families
 from exporter.monitoring.config import MonitoringConfig
 from exporter.monitoring.dashboards.panels import (
+    MODEL_NAME,
     RATE,
     TOKENS,
     TOKENS_PER_SECOND,
@@ -111,6 +112,7 @@ def build(config: MonitoringConfig) -> g.Dashboard:
     _kv_row(layout, queries)
     _residency_row(layout, queries)
     _sources_row(layout, queries)
+    _cross_check_row(layout, queries)
     _phases_row(layout, queries.engines)
     _trust_row(layout, queries.filters)
     return dashboard(
@@ -667,6 +669,84 @@ def _sources_row(layout: Layout, queries: _Queries) -> None:
             ],
         ),
         8,
+        8,
+    )
+
+
+def _cross_check_row(layout: Layout, queries: _Queries) -> None:
+    """The engine against the callers: its prefill rate (what the callers' saved and lost
+    minutes are priced at), the prompt tokens no caller sent through the exporters, and the
+    hits vLLM counted more than once."""
+    config, names, engines = queries.config, queries.names, queries.engines
+    long = config.long_window
+    layout.row("Engine against callers")
+    layout.add(
+        timeseries(
+            "Prefill rate",
+            f"Prompt tokens each vLLM computed per second of prefill, over the last {long} "
+            "(its prompt tokens less the cached ones, over its requests' prefill seconds), and "
+            "per model over every vLLM serving it: the rate the caller dashboard prices saved "
+            "and lost prefill at. Prefill time includes other requests batched alongside; "
+            "longer contexts prefill more slowly per token. Empty before vLLM 0.16.",
+            TOKENS_PER_SECOND,
+            [
+                target(f"{names.target_prefill_rate}{engines}", "{{target}} {{model_name}}"),
+                target(
+                    f"{names.model_prefill_rate}{queries.filters.job(MODEL_NAME)}",
+                    "{{model_name}} (every vLLM)",
+                ),
+            ],
+            min_value=0,
+        ),
+        6,
+        8,
+    )
+    layout.add(
+        timeseries(
+            "Prompt tokens that bypassed the exporter",
+            f"Share of each vLLM's prompt tokens, over the last {long}, that no caller sent "
+            "through the exporters: its prompt tokens less those the callers' usage attributes "
+            "to it (by target), never below 0. Only for vLLMs some usage names; none means no "
+            "line, not 100%. A high share: clients that call vLLM directly, or a proxy whose "
+            "usage does not name the replica; usage without a cached count counts as bypassed.",
+            "percentunit",
+            [target(f"{names.target_bypassed_share}{engines}", "{{target}} {{model_name}}")],
+            min_value=0,
+            max_value=1,
+        ),
+        6,
+        8,
+    )
+    layout.add(
+        timeseries(
+            "Bypassed prompt tokens",
+            f"The same in tokens per second, over the last {long}, beside each vLLM's prompt "
+            "tokens.",
+            TOKENS_PER_SECOND,
+            [
+                target(f"{names.target_bypassed}{engines}", "{{target}} {{model_name}} bypassed"),
+                target(f"{names.target_prompt}{engines}", "{{target}} {{model_name}} all"),
+            ],
+            min_value=0,
+        ),
+        6,
+        8,
+    )
+    layout.add(
+        timeseries(
+            "Hits counted more than once",
+            f"Prefix-cache hits per second, over the last {config.short_window}, that vLLM "
+            "counted at admission beyond the local cache hits it counts once per request at "
+            "the first token (by source where vLLM splits them, else all cached tokens), never "
+            "below 0. Above 0 the engine's hit ratio reads better than its callers': a request "
+            "admitted again after a failed KV allocation, or a vLLM before the fix for "
+            "re-admitted preempted requests. Near 0 on current vLLM; small wobbles are the two "
+            "counters' different moments.",
+            TOKENS_PER_SECOND,
+            [target(f"{names.target_hits_recounted}{engines}", "{{target}} {{model_name}}")],
+            min_value=0,
+        ),
+        6,
         8,
     )
 
