@@ -45,7 +45,9 @@ class Completion:
 
 
 class Client(Protocol):
-    async def send(self, kind: str, body: dict[str, Any], caller: str) -> Completion: ...
+    async def send(
+        self, kind: str, body: dict[str, Any], caller: str, session: str | None = None
+    ) -> Completion: ...
 
     async def close(self) -> None: ...
 
@@ -110,7 +112,9 @@ def _error_message(body: Any, fallback: str) -> str:
 
 
 class HttpClient:
-    """POSTs to an OpenAI-compatible server; the caller goes in ``user`` and ``X-Caller``."""
+    """POSTs to an OpenAI-compatible server; the caller goes in ``user`` and ``X-Caller``,
+    the conversation in ``X-Session-Id`` (the tap's headers: through it, a turn is judged
+    against its own conversation's previous one, and a miss can be told evicted)."""
 
     def __init__(
         self,
@@ -118,12 +122,14 @@ class HttpClient:
         timeout: float = 3600.0,
         caller_header: str = "X-Caller",
         api_key: str = "",
+        session_header: str = "X-Session-Id",
     ) -> None:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
         self.timeout = timeout
         self.caller_header = caller_header
+        self.session_header = session_header
         self.api_key = api_key
         self._session: aiohttp.ClientSession | None = None
 
@@ -149,9 +155,13 @@ class HttpClient:
             if isinstance(item, Mapping) and isinstance(item.get("id"), str)
         ]
 
-    async def send(self, kind: str, body: dict[str, Any], caller: str) -> Completion:
+    async def send(
+        self, kind: str, body: dict[str, Any], caller: str, session: str | None = None
+    ) -> Completion:
         body = dict(body, user=caller)
         headers = {self.caller_header: caller}
+        if session is not None:
+            headers[self.session_header] = session
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         loop = asyncio.get_running_loop()
@@ -251,7 +261,9 @@ class InProcessClient:
     async def close(self) -> None:
         return None
 
-    async def send(self, kind: str, body: dict[str, Any], caller: str) -> Completion:
+    async def send(
+        self, kind: str, body: dict[str, Any], caller: str, session: str | None = None
+    ) -> Completion:
         service = self.service
         started = self.clock.now()
         try:

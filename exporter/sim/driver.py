@@ -108,7 +108,7 @@ class Driver:
             )
 
     async def _send(self, kind: str, body: dict[str, Any], caller: str, session: str) -> Completion:
-        completion = await self.client.send(kind, body, caller)
+        completion = await self.client.send(kind, body, caller, session)
         stats = self.stats
         stats.requests += 1
         key = str(completion.status)

@@ -219,7 +219,9 @@ class EchoClient:
     def __init__(self) -> None:
         self.sent: list[tuple[str, dict[str, Any], str]] = []
 
-    async def send(self, kind: str, body: dict[str, Any], caller: str) -> Completion:
+    async def send(
+        self, kind: str, body: dict[str, Any], caller: str, session: str | None = None
+    ) -> Completion:
         self.sent.append((kind, json.loads(json.dumps(body)), caller))
         usage = {
             "prompt_tokens": 10,
@@ -337,7 +339,9 @@ class FailingEvery:
         self.echo = EchoClient()
         self.nth = nth
 
-    async def send(self, kind: str, body: dict[str, Any], caller: str) -> Completion:
+    async def send(
+        self, kind: str, body: dict[str, Any], caller: str, session: str | None = None
+    ) -> Completion:
         completion = await self.echo.send(kind, body, caller)
         if len(self.echo.sent) % self.nth == 0:
             return Completion(503, None, None, None, error="busy")

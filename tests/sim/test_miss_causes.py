@@ -100,11 +100,13 @@ async def test_fanout_order_over_usage_posts_is_not_read_as_evicted(through_expo
     assert sum(counts.values()) == uncached(text, "fanout-task-first")
 
 
-def play_through_tap(name: str) -> str:
+def play_through_tap(name: str, session_header: str = "X-Session-Id") -> str:
     """The scenario's clients sent through the exporter's tap in front of the simulator, as
     the demo does (docs: fanout-order's demo), on a virtual-time loop: the sockets are real
-    (loopback), the waits are jumps. The exporter's engine side reads the simulator once
-    first (its block size, whether caching is on); returns the exporter's /metrics."""
+    (loopback), the waits are jumps. Each request names its conversation in
+    ``session_header`` (the tap's is X-Session-Id; another name: the tap sees none). The
+    exporter's engine side reads the simulator once first (its block size, whether caching
+    is on); returns the exporter's /metrics."""
     scenario = scenarios.load(name)
 
     async def main() -> str:
@@ -131,7 +133,7 @@ def play_through_tap(name: str) -> str:
         tap_runner, tap_port = await start_site(
             tap_app(config, state.usage, clock=exporter_clock), HOST, 0
         )
-        client = HttpClient(f"http://{HOST}:{tap_port}")
+        client = HttpClient(f"http://{HOST}:{tap_port}", session_header=session_header)
         try:
             driver = Driver(
                 scenario,
@@ -183,19 +185,31 @@ def test_fanout_order_through_the_tap_is_order(fanout_through_tap):
     print(f"fanout-order through the tap, fanout-shared-first: {shared_first}")
     assert shared_first[ORDER] == shared_first[EVICTED] == 0
     assert sum(shared_first.values()) == uncached(text, "fanout-shared-first")
-    # the tap sends no session: what is not order is the reader's unknown, never evicted
-    assert {cause for cause, count in counts.items() if count} <= {ORDER, UNKNOWN, GRANULE}
+    # each member its own session: what is not order is its first read, never evicted
+    assert {cause for cause, count in counts.items() if count} <= {ORDER, NEW, GRANULE}
+
+
+def test_two_agents_collapse_through_the_tap_is_evicted():
+    """Through the tap, with each conversation named in X-Session-Id as the simulator's
+    clients do: agent-a's turns are judged against its own previous one, and most of what it
+    missed over the run (its first read and the time alone included) is evicted."""
+    text = play_through_tap("two-agents-collapse")
+    counts = missed(text, "agent-a")
+    print(f"two-agents-collapse through the tap, agent-a: {counts}")
+    assert sum(counts.values()) == uncached(text, "agent-a")
+    assert counts[EVICTED] > 0.5 * sum(counts.values()), counts
+    assert counts[UNKNOWN] == 0
 
 
 def test_two_agents_collapse_through_the_tap_without_sessions_is_unknown():
-    """The simulator's clients send no X-Session-Id: through the tap each agent's turns share
-    one key per caller, whose "previous turn" may not be theirs. The collapse is then the
-    reader's unknown (send a session id to name it), never new, and never taken for an
-    eviction it cannot prove."""
-    text = play_through_tap("two-agents-collapse")
+    """Clients that name no conversation: through the tap each agent's turns share one key
+    per caller, whose "previous turn" may not be theirs. The collapse is then the reader's
+    unknown (send a session id to name it), never new, and never taken for an eviction it
+    cannot prove."""
+    text = play_through_tap("two-agents-collapse", session_header="X-Not-The-Taps")
     for caller in ("agent-a", "agent-b"):
         counts = missed(text, caller)
-        print(f"two-agents-collapse through the tap, {caller}: {counts}")
+        print(f"two-agents-collapse through the tap, no sessions, {caller}: {counts}")
         assert sum(counts.values()) == uncached(text, caller)
         assert {cause for cause, count in counts.items() if count} == {UNKNOWN, GRANULE}
         assert counts[UNKNOWN] > 0.9 * sum(counts.values())
