@@ -33,6 +33,25 @@ ERROR = "error"
 STATES = (WARM, PARTIAL, COLD, SHORT, UNKNOWN, ERROR)
 
 
+def reusable_bound(
+    prompt_tokens: int,
+    cached_tokens: int | None,
+    granularity: int,
+    previous_prompt_tokens: int | None = None,
+) -> int:
+    """The reusable bound R of the module docstring (granularity at least 1): whole granules
+    before the last token, no more than the previous turn's when it is known and shorter,
+    never below what was cached. The state and the miss causes both judge by it."""
+    bound = (prompt_tokens - 1) // granularity * granularity
+    if previous_prompt_tokens is not None and previous_prompt_tokens < prompt_tokens:
+        previous_bound = (previous_prompt_tokens - 1) // granularity * granularity
+        if previous_bound < bound:
+            bound = previous_bound
+    if cached_tokens is not None and cached_tokens > bound:
+        bound = cached_tokens
+    return bound
+
+
 def classify(
     prompt_tokens: int,
     cached_tokens: int | None,
@@ -43,14 +62,7 @@ def classify(
     """The state of one successful request (see the module docstring for the rule)."""
     if granularity < 1:
         granularity = 1
-    # The reusable bound R of the module docstring.
-    bound = (prompt_tokens - 1) // granularity * granularity
-    if previous_prompt_tokens is not None and previous_prompt_tokens < prompt_tokens:
-        previous_bound = (previous_prompt_tokens - 1) // granularity * granularity
-        if previous_bound < bound:
-            bound = previous_bound
-    if cached_tokens is not None and cached_tokens > bound:
-        bound = cached_tokens
+    bound = reusable_bound(prompt_tokens, cached_tokens, granularity, previous_prompt_tokens)
     if bound < granularity:
         return SHORT
     if cached_tokens is None:
@@ -104,13 +116,7 @@ def miss(
         return 0, prompt_tokens, UNREPORTED
     if granularity < 1:
         granularity = 1
-    bound = (prompt_tokens - 1) // granularity * granularity
-    if previous_prompt_tokens is not None and previous_prompt_tokens < prompt_tokens:
-        previous_bound = (previous_prompt_tokens - 1) // granularity * granularity
-        if previous_bound < bound:
-            bound = previous_bound
-    if cached_tokens > bound:
-        bound = cached_tokens
+    bound = reusable_bound(prompt_tokens, cached_tokens, granularity, previous_prompt_tokens)
     if bound > prompt_tokens:
         bound = prompt_tokens
     avoidable = bound - cached_tokens

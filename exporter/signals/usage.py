@@ -16,6 +16,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from exporter.signals.callers import (
@@ -52,12 +53,14 @@ from exporter.values import (
     PREEMPTIONS,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
+    CacheConfig,
     PromptPrint,
     RecentKeys,
     UsageEvent,
     status_is_error,
 )
 
+_T = TypeVar("_T")
 # Who measured a TTFT or a queue wait: vLLM itself (its per-request metrics) or the proxy in
 # front of it. The ``source`` label of both histograms: the two never share a series.
 ENGINE, PROXY = "engine", "proxy"
@@ -829,28 +832,13 @@ class UsageState:
 
     def _caching_off(self, model_label: str) -> bool:
         """Whether the engine serving this model reports prefix caching disabled
-        (vllm:cache_config_info enable_prefix_caching), matched as ``_engine_block_size``
-        matches: on vLLM's model_name, else the one model the engines serve. Read only for a
-        request that missed something avoidable."""
-        if self.engine is None:
-            return False
-        model = self._model_names.get(model_label, model_label)
-        fallback: bool | None = None
-        served: set[str] = set()
-        for target in self.engine.targets.values():
-            for row in target.rows:
-                config = row.cache_config
-                if config is None:
-                    continue
-                enabled = config.enable_prefix_caching
-                if enabled is None:
-                    continue
-                if row.model_name == model:
-                    return not enabled
-                if row.model_name:
-                    served.add(row.model_name)
-                fallback = not enabled
-        return bool(fallback) and len(served) <= 1
+        (vllm:cache_config_info enable_prefix_caching), matched as ``_engine_config``
+        matches. Read only for a request that missed something avoidable."""
+        enabled = self._engine_config(
+            self._model_names.get(model_label, model_label),
+            lambda config: config.enable_prefix_caching,
+        )
+        return enabled is False
 
     def record_prompt(self, event: UsageEvent, prompt: PromptPrint) -> None:
         """A successful call's prompt order: its prompt's fingerprint (the tap's), compared
@@ -1124,28 +1112,31 @@ class UsageState:
 
     def _engine_block_size(self, model: str) -> int | None:
         """The granule of the engine serving ``model`` (``kvpool.granule``: the hit alignment
-        vLLM reports, else its block size; on a hybrid model the block size).
+        vLLM reports, else its block size; on a hybrid model the block size), matched as
+        ``_engine_config`` matches."""
+        return self._engine_config(model, _positive_granule)
 
-        Matched on vLLM's model_name; when the engines serve a single model, it is used
-        whatever the proxy calls it (a LiteLLM alias, say).
-        """
+    def _engine_config(self, model: str, read: Callable[[CacheConfig], _T | None]) -> _T | None:
+        """What ``read`` finds in the cache config of the engine serving ``model`` (None:
+        nothing there). Matched on vLLM's model_name; when the engines serve a single
+        model, it is used whatever the proxy calls it (a LiteLLM alias, say)."""
         if self.engine is None:
             return None
-        fallback: int | None = None
+        fallback: _T | None = None
         served: set[str] = set()
         for target in self.engine.targets.values():
             for row in target.rows:
                 config = row.cache_config
                 if config is None:
                     continue
-                unit = granule(config)
-                if not unit or unit <= 0:
+                found = read(config)
+                if found is None:
                     continue
                 if row.model_name == model:
-                    return unit
+                    return found
                 if row.model_name:
                     served.add(row.model_name)
-                fallback = unit
+                fallback = found
         return fallback if len(served) <= 1 else None
 
     def granularities(self) -> list[tuple[str, int, str]]:
@@ -1160,6 +1151,11 @@ class UsageState:
     @property
     def callers_overflowed(self) -> int:
         return self.callers.overflowed
+
+
+def _positive_granule(config: CacheConfig) -> int | None:
+    unit = granule(config)
+    return unit if unit and unit > 0 else None
 
 
 def url_endpoint(url: str) -> tuple[str, str] | None:
