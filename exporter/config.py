@@ -719,8 +719,8 @@ FLAGS: tuple[Flag, ...] = (
         "signals.conversations-max",
         "Foresight",
         "Most conversations tracked: each one's "
-        "latest context (foresight) and previous turn (classification), about 270 bytes "
-        "each (27 MB at 100,000; docs/limits.md). The least recently seen is forgotten "
+        "latest context (foresight) and previous turn (classification), about 280 bytes "
+        "each (28 MB at 100,000; docs/limits.md). The least recently seen is forgotten "
         "first; vllm_cache_conversations_dropped_total counts active ones forgotten, whose "
         "next turns are classified unknown (VllmCacheConversationsDropped: raise this).",
         _to_int,

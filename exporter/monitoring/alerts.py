@@ -471,7 +471,7 @@ or
             warm, partial or cold, so the warm share and the warm and cold TTFT leave them
             out, and the conversations' demand on the KV pool is a lower bound (tokens and
             hit ratios stay exact). Raise --signals.conversations-max above the live
-            conversations (about 270 bytes each).""",
+            conversations (about 280 bytes each).""",
             self.dashboard_link(config.overview_uid, ()),
         )
 

@@ -39,8 +39,8 @@ from exporter.values import RecentKeys, UsageEvent
 
 # Conversations remembered (least recently seen first out). Each is keyed by the 64-bit hash
 # of (caller, model name, session) and shares its model name with the others, so what one
-# costs does not depend on how long the names are: about 270 bytes (measured with tracemalloc,
-# tests/usage/test_dropped_conversations.py), 27 MB at 100,000, and 90 bytes for the key of
+# costs does not depend on how long the names are: about 280 bytes (measured with tracemalloc,
+# tests/usage/test_dropped_conversations.py), 28 MB at 100,000, and 90 bytes for the key of
 # one dropped while recent (``ConversationTracker.forgotten``): 42 MB at worst. 100,000 is five
 # times the 20,000 live conversations 10,000 failed (issue 32); a scrape scans them in about
 # 50 ms (docs/limits.md).
@@ -49,6 +49,9 @@ DEFAULT_MAX_CONVERSATIONS = 100_000
 # conversation of yet another name keeps its model label in its place (attribution then
 # matches on the label): a sender inventing names cannot make each conversation hold one.
 MAX_MODEL_NAMES = 256
+# (engine target, model name) pairs whose series are kept at 0 when nothing is live there:
+# targets are capped by --callers.targets-max (256), model names as above; a guard.
+MAX_POOLS = 4096
 # A conversation counts as live this long after its last turn: an agent waiting on a long
 # tool call still wants its prefix back, and vLLM keeps it cached until something evicts it.
 DEFAULT_IDLE_SECONDS = 600.0
@@ -81,6 +84,7 @@ class Conversation:
         "last_seen",
         "followed",
         "ended",
+        "target",
     )
 
     def __init__(
@@ -99,6 +103,10 @@ class Conversation:
         # Its vLLM restarted after its last turn: what it had cached is gone, so it holds
         # nothing in the pool until it comes back (its next turn counts it again).
         self.ended = False
+        # The engine target (as shown) that served its latest turn, where the usage named
+        # it and this exporter reads that vLLM: its context is in that pool, whichever
+        # replicas serve its model (``by_target``). None: attributed by model (``attribute``).
+        self.target: str | None = None
 
     @property
     def counted(self) -> bool:
@@ -183,6 +191,9 @@ class ConversationTracker:
         self.dropped_active = 0
         self.ended_by_restart = 0  # conversations ended by a restart of their vLLM
         self.models: dict[str, None] = {}  # model labels seen, for series kept at 0
+        # (engine target, model name) that served a conversation's turn, for series kept at
+        # 0 (``by_target``); at most MAX_POOLS.
+        self.pools: dict[tuple[str, str], None] = {}
         # Turns held against the memory of their conversation, and those it cannot explain
         # (``check_history``), per model label; the largest context of any conversation on
         # each model label, what a conversation never seen may have cached from (a system
@@ -199,12 +210,14 @@ class ConversationTracker:
         model: str,
         now: float,
         recalled: bool = False,
+        target: str | None = None,
     ) -> None:
         """Put the conversation of ``key`` (taken out of ``by_key`` to read its previous
         turn, None for one not there) back with ``event`` as its latest turn (``model``: its
         model label), the oldest out past the bound (``now`` decides what was still live).
         ``recalled``: it was dropped by the bound while recent (``recall``), so it is a
-        conversation already, and counts as one."""
+        conversation already, and counts as one. ``target``: the engine target that served
+        the turn (``UsageState.engine_target``), None when not known."""
         prompt_tokens = event.prompt_tokens
         completion = event.completion_tokens
         context_tokens = prompt_tokens + completion if completion else prompt_tokens
@@ -231,6 +244,11 @@ class ConversationTracker:
             known.context_tokens = context_tokens
             if when > known.last_seen:
                 known.last_seen = when
+        if target is not None and known.target is not target:
+            known.target = target
+            pools = self.pools
+            if len(pools) < MAX_POOLS:
+                pools[(target, known.model_name)] = None
         conversations = self.by_key
         conversations[key] = known
         largest = self.largest_context
@@ -312,18 +330,19 @@ class ConversationTracker:
 
     def live(
         self, now: float, layouts: Mapping[str, PoolLayout] | None = None
-    ) -> dict[tuple[str, str], Demand]:
-        """Demand per (model label, model name) of the active conversations, in one pass
+    ) -> dict[tuple[str, str, str | None], Demand]:
+        """Demand per (model label, model name, engine target or None: ``Conversation.
+        target``) of the active conversations, in one pass
         (a scrape reads it once for every family that sums it differently). ``layouts``:
         model name -> the layout of the pool its conversations live in (``pool_layouts``);
         a context on a model without one counts its tokens as they are."""
         layouts = layouts or {}
         cutoff = now - self.idle_seconds
         # [conversations, context tokens, context blocks]
-        sums: dict[tuple[str, str], list[int]] = {}
+        sums: dict[tuple[str, str, str | None], list[int]] = {}
         for conversation in self.by_key.values():
             if conversation.last_seen >= cutoff and conversation.counted:
-                key = (conversation.model, conversation.model_name)
+                key = (conversation.model, conversation.model_name, conversation.target)
                 pool = layouts.get(conversation.model_name)
                 context = conversation.context_tokens
                 blocks = -(-context // pool.block_tokens) if pool is not None else 0
@@ -343,23 +362,24 @@ class ConversationTracker:
         return demand
 
     def by_model(
-        self, now: float, live: dict[tuple[str, str], Demand] | None = None
+        self, now: float, live: dict[tuple[str, str, str | None], Demand] | None = None
     ) -> dict[str, Demand]:
         """Demand per model label; every model seen has an entry (0 when none is live).
         ``live``: this tracker's ``live(now, layouts)``, when the caller has it (without it,
         contexts count as they are, with no state but what is configured)."""
         demand = {model: Demand() for model in self.models}
-        for (model, _name), part in (self.live(now) if live is None else live).items():
+        for (model, _name, _target), part in (self.live(now) if live is None else live).items():
             demand[model].merge(part)
         return demand
 
     def by_model_name(
-        self, now: float, live: dict[tuple[str, str], Demand] | None = None
-    ) -> dict[str, Demand]:
-        """Demand per model name as the events carry it (what attribution matches on)."""
-        demand: dict[str, Demand] = {}
-        for (_model, name), part in (self.live(now) if live is None else live).items():
-            demand.setdefault(name, Demand()).merge(part)
+        self, now: float, live: dict[tuple[str, str, str | None], Demand] | None = None
+    ) -> dict[tuple[str, str | None], Demand]:
+        """Demand per (model name as the events carry it, engine target or None): what
+        attribution matches on."""
+        demand: dict[tuple[str, str | None], Demand] = {}
+        for (_model, name, target), part in (self.live(now) if live is None else live).items():
+            demand.setdefault((name, target), Demand()).merge(part)
         return demand
 
     def model_names(self) -> set[str]:
@@ -435,32 +455,54 @@ def _target_layout(engine: EngineState, shown: str, model_name: str) -> PoolLayo
 
 def live_demand(
     tracker: ConversationTracker, engine: EngineState, now: float
-) -> dict[tuple[str, str], Demand]:
+) -> dict[tuple[str, str, str | None], Demand]:
     """The tracker's ``live(now)``, each model in the terms of the pool it lives in."""
     return tracker.live(now, pool_layouts(engine, tracker.model_names()))
+
+
+def on_target(
+    shown: str | None, model_name: str, served: Mapping[str, set[str]]
+) -> tuple[str, str] | None:
+    """The (target, vLLM model_name) whose pool a conversation occupies: the engine target
+    that served its latest turn (``Conversation.target``) with the model of that name it
+    serves, or the one model it serves whatever the proxy calls it; else, or with no
+    target known, ``attribute``'s answer for its model."""
+    if shown is not None:
+        names = [name for name, targets in served.items() if shown in targets]
+        if model_name in names:
+            return shown, model_name
+        if len(names) == 1:
+            return shown, names[0]
+    return attribute(model_name, served)
 
 
 def by_target(
     tracker: ConversationTracker,
     engine: EngineState,
     now: float,
-    live: dict[tuple[str, str], Demand] | None = None,
+    live: dict[tuple[str, str, str | None], Demand] | None = None,
 ) -> dict[tuple[str, str], Demand]:
-    """Demand per (target, vLLM model_name), for the conversations that can be attributed;
-    a target that any tracked model maps to has an entry even when nothing is live on it.
-    ``live``: ``live_demand(tracker, engine, now)``, when the caller has it already."""
+    """Demand per (target, vLLM model_name), for the conversations that can be attributed
+    (``on_target``: by the replica that served them, else by model); a target that any
+    tracked model maps to, or that served a tracked conversation, has an entry even when
+    nothing is live on it. ``live``: ``live_demand(tracker, engine, now)``, when the caller
+    has it already."""
     served = served_models(engine)
     demand: dict[tuple[str, str], Demand] = {}
     for model_name in sorted(tracker.model_names()):
         where = attribute(model_name, served)
         if where is not None:
             demand.setdefault(where, Demand())
+    for pool_target, model_name in tracker.pools:
+        where = on_target(pool_target, model_name, served)
+        if where is not None:
+            demand.setdefault(where, Demand())
     if live is None:
         live = live_demand(tracker, engine, now)
-    for model_name, part in tracker.by_model_name(now, live).items():
-        where = attribute(model_name, served)
+    for (model_name, served_by), part in tracker.by_model_name(now, live).items():
+        where = on_target(served_by, model_name, served)
         if where is not None:
-            demand[where].merge(part)
+            demand.setdefault(where, Demand()).merge(part)
     return demand
 
 
@@ -473,20 +515,21 @@ def end_on_target(
     What they had cached went with the process, so they hold nothing in its pool: their
     demand leaves the fit at once, and each one's next turn, which finds nothing cached, is
     judged as a first turn (cold, never a follow-up that came back cold, which the status
-    page would take for a collapse). It counts again from that turn. Conversations of a
-    model several targets serve are not attributed to any, so a restart of one of them ends
-    none (which pool they were in cannot be told).
+    page would take for a collapse). It counts again from that turn. A conversation is in
+    the pool of the replica that served its latest turn where the usage named it
+    (``on_target``); else, of a model several targets serve, it is attributed to none, and
+    a restart of one of them ends none (which pool it was in cannot be told).
     """
     served = served_models(engine)
     ended = 0
-    where: dict[str, tuple[str, str] | None] = {}
+    where: dict[tuple[str, str | None], tuple[str, str] | None] = {}
     for conversation in tracker.by_key.values():
         if conversation.ended or conversation.last_seen > before:
             continue
-        name = conversation.model_name
-        if name not in where:
-            where[name] = attribute(name, served)
-        attributed = where[name]
+        key = (conversation.model_name, conversation.target)
+        if key not in where:
+            where[key] = on_target(conversation.target, conversation.model_name, served)
+        attributed = where[key]
         if attributed is not None and attributed[0] == shown:
             conversation.ended = True
             conversation.prompt_tokens = None

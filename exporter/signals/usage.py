@@ -465,6 +465,7 @@ class UsageState:
                     by_origin.setdefault(endpoint[0], []).append(target.shown)
         self._engine_origins = {o: shown[0] for o, shown in by_origin.items() if len(shown) == 1}
         self.target_labels: dict[str, None] = dict.fromkeys(self._engine_labels.values())
+        self._engine_label_set = frozenset(self.target_labels)
         self._backends: dict[str, tuple[str, bool]] = {}  # backend -> (label, overflowed)
         self.targets_overflowed = 0
         for reader in settings.readers:
@@ -607,7 +608,16 @@ class UsageState:
                 if event.backend is not None:
                     self._count_target(series, event.backend, prompt_tokens, cached)
             observe(detail, state, event, reader, model)
-            keep(key, conversation, event, model, now, recalled)
+            backend = event.backend
+            keep(
+                key,
+                conversation,
+                event,
+                model,
+                now,
+                recalled,
+                None if backend is None else self.engine_target(backend),
+            )
         if duplicates:
             self.reject(reader, "duplicate", duplicates)
         return self._counted(reader, len(events) - duplicates, now, state), duplicates
@@ -632,6 +642,16 @@ class UsageState:
                 self.exposed += TARGET_SERIES
         counts.prompt_tokens += prompt_tokens
         counts.cached_tokens += cached
+
+    def engine_target(self, backend: str) -> str | None:
+        """The label of the engine target this exporter reads that served ``backend``'s
+        request (``target_label``), None for a vLLM it does not read: where the
+        conversation's context lives, whichever replicas serve its model."""
+        resolved = self._backends.get(backend)
+        if resolved is None:
+            resolved = self._resolve_backend(backend)
+        label = resolved[0]
+        return label if label in self._engine_label_set else None
 
     def target_label(self, backend: str) -> str:
         """The ``target`` label of a backend: the label of the engine target this exporter

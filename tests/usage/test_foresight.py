@@ -426,3 +426,43 @@ def test_a_glitch_or_another_vllm_restarting_ends_nothing():
     assert engine_demand(state) == (1, 72 * 32), "tiny-llama's vLLM did not restart"
     registry = build_registry(state)
     assert value(registry, "vllm_cache_conversations_active", model=granite) == 0
+
+
+def test_behind_a_gateway_each_replica_holds_the_conversations_it_served():
+    """One exporter reading two replicas of one model, the usage naming the replica that
+    served each turn (``backend``: the tap's upstream, LiteLLM's api_base): each replica's
+    demand is the conversations it served, and a restart of one ends only those. Without a
+    backend the model's conversations cannot be placed (the pools cannot be told apart)."""
+    other = "http://vllm-2:8000/metrics"
+    clock = FakeClock()
+    state = make_state(clock, vllm_url=(TARGET, other))
+    for target in (TARGET, other):
+        state.engine.record_success(target, parse(REAL), 0.01, CREATED + 100)
+    on = {TARGET: "http://vllm:8000/v1", other: "http://vllm-2:8000/v1"}
+    follow(state, turn("a", 2_000, model="tiny-llama", backend=on[TARGET]))
+    follow(state, turn("b", 3_000, model="tiny-llama", backend=on[other]))
+    follow(state, turn("c", 1_000, model="tiny-llama"))  # no backend: on neither
+
+    def replica(target: str) -> tuple[float, float]:
+        registry = build_registry(state)
+        labels = {"target": target, "model_name": "tiny-llama"}
+        return (
+            value(registry, "vllm_cache_engine_conversations_active", **labels),
+            value(registry, "vllm_cache_engine_conversations_demand_tokens", **labels),
+        )
+
+    assert replica(TARGET) == (1, 72 * 32)
+    assert replica(other) == (1, 104 * 32)
+    assert value(build_registry(state), "vllm_cache_conversations_active", model="tiny-llama") == 3
+    # b moves to the first replica: its context is there now
+    clock.now += 10
+    state.usage.record(turn("b", 3_500, model="tiny-llama", backend=on[TARGET]), "http")
+    assert replica(TARGET) == (2, (72 + 119) * 32)
+    assert replica(other) == (0, 0), "a replica that served a conversation keeps its series"
+    # the first replica restarts 30 s before it is read, after a's and b's last turns: they
+    # hold nothing there any more; c is on neither
+    clock.now += 60
+    state.engine.record_success(TARGET, parse(restarted(REAL, 1_970)), 0.01, CREATED + 2_000)
+    assert replica(TARGET) == (0, 0)
+    assert state.usage.conversations.ended_by_restart == 2
+    assert value(build_registry(state), "vllm_cache_conversations_active", model="tiny-llama") == 1
