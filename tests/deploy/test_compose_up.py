@@ -202,7 +202,9 @@ def exporter_rss_kib(stack: Stack) -> int:
     found = [
         int(proc["rss"])
         for proc in stack.processes("exporter")
+        # not tini, nor the image's HEALTHCHECK (`python -c ...`) if Docker runs it just now
         if not proc["args"].startswith("/sbin/docker-init")
+        and "vllm-cache-exporter run" in proc["args"]
     ]
     assert len(found) == 1, stack.processes("exporter")
     request = pod_sidecar()["resources"]["requests"]["memory"]

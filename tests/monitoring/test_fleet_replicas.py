@@ -379,9 +379,17 @@ async def play(
     for where, evaluator in evaluators.items():
 
         async def collapse(evaluator: str = evaluator) -> tuple[bool, Any]:
+            """The engine's collapse and agent-a's on the collapsed replica, both firing:
+            the latter reads rules recorded every caller_detail_interval from usage
+            reported at each turn's end, so it may fire a few evaluations later."""
             labels = await firing(session, evaluator, "VllmCachePrefixCollapse")
             engine = [alert for alert in labels if alert.get("scope") == "engine"]
-            return bool(engine), labels
+            mine = [
+                alert
+                for alert in labels
+                if alert.get("scope") == CALLER_TARGET_SCOPE and alert.get("caller") == "agent-a"
+            ]
+            return bool(engine) and bool(mine), labels
 
         async def unseen(evaluator: str = evaluator) -> tuple[bool, Any]:
             labels = await firing(session, evaluator, "VllmCacheUnseenHistory")

@@ -181,10 +181,10 @@ def test_the_demand_of_running_conversations_is_vllms_used_kv(played: hybrid.Pla
     While the three conversations decode a turn together, the demand the exporter computes
     from their last turns (each context in whole blocks, a state copy each, one more for a
     turn in flight) is within 10% of vLLM's own used KV tokens at the same scrapes (their
-    median); no single scrape is further off than that plus the one in-flight state copy,
-    which vLLM holds only while a step runs (on two loaded cores a scrape can fall between
-    steps). Once they finish, vLLM holds nothing in use (their blocks stay cached,
-    evictable)."""
+    median, each with or without the one in-flight state copy, which vLLM holds only while a
+    step runs: on two loaded cores a scrape can fall between steps); no single scrape is
+    further off than 10% plus that copy. Once they finish, vLLM holds nothing in use (their
+    blocks stay cached, evictable)."""
     assert played.moments, "no scrape caught the three conversations decoding together"
     config = next(iter(parse(played.vllm_after).cache_configs.values()))
     pool = layout(config)
@@ -196,8 +196,15 @@ def test_the_demand_of_running_conversations_is_vllms_used_kv(played: hybrid.Pla
             abs(moment.demand_tokens - moment.used_tokens)
             <= DEMAND_TOLERANCE * moment.used_tokens + pool.state_tokens
         ), moment
+    # Each scrape against what vLLM held at it: within a step (the in-flight copy held) or
+    # between two (not held); the median of those within 10%. (On a loaded CI machine only
+    # one scrape may catch the three decoding together, between steps: 15,314 vs 13,893.)
     errors = sorted(
-        abs(moment.demand_tokens - moment.used_tokens) / moment.used_tokens
+        min(
+            abs(moment.demand_tokens - moment.used_tokens),
+            abs(moment.demand_tokens - pool.state_tokens - moment.used_tokens),
+        )
+        / moment.used_tokens
         for moment in played.moments
     )
     assert errors[len(errors) // 2] <= DEMAND_TOLERANCE, played.moments
