@@ -128,6 +128,7 @@ def test_memory_at_the_worst_case_is_what_the_docs_say():
     )
     assert len(history.callers) == pairs
     per_pair = used / pairs
+    print(f"{per_pair:.0f} bytes per pair")
     assert 30_000 < per_pair < 42_000, per_pair  # "about 38 KB per pair"
     assert used < 7 * 1024 * 1024, used
 
