@@ -55,15 +55,11 @@ def _lost(replay_: Replay, start: float, end: float) -> dict[str, float]:
 
 
 def test_time_lost_to_evictions_is_the_ttft_excess_on_two_agents_collapse():
-    run = replay(
-        "two-agents-collapse", TARGET, Config(vllm_url=(TARGET,), usage_new_series_hold=0)
-    )
+    run = replay("two-agents-collapse", TARGET, Config(vllm_url=(TARGET,), usage_new_series_hold=0))
     events = run.events()
     arrival = min(when for when, event in events if event["caller"] == "agent-b")
     turns = [(when, event) for when, event in events if event["caller"] == "agent-a"]
-    warm_before = [
-        event for when, event in turns if when < arrival and event["cached_tokens"] > 0
-    ]
+    warm_before = [event for when, event in turns if when < arrival and event["cached_tokens"] > 0]
     after = [event for when, event in turns if when > arrival]
     assert len(warm_before) >= 5 and len(after) >= 5
     expected = {
@@ -71,8 +67,7 @@ def test_time_lost_to_evictions_is_the_ttft_excess_on_two_agents_collapse():
         for source in ("engine_ttft_seconds", "ttft_seconds")
     }
     excess = {
-        source: sum(event[source] - warm for event in after)
-        for source, warm in expected.items()
+        source: sum(event[source] - warm for event in after) for source, warm in expected.items()
     }
 
     # the period: from the engine read at or before agent-b's arrival to the end
@@ -105,9 +100,7 @@ def test_time_lost_to_evictions_is_the_ttft_excess_on_two_agents_collapse():
 
 
 def test_nothing_is_lost_while_agent_a_runs_alone():
-    run = replay(
-        "two-agents-collapse", TARGET, Config(vllm_url=(TARGET,), usage_new_series_hold=0)
-    )
+    run = replay("two-agents-collapse", TARGET, Config(vllm_url=(TARGET,), usage_new_series_hold=0))
     arrival = min(when for when, event in run.events() if event["caller"] == "agent-b")
     page = run.status(arrival - 1)
     (view,) = page.callers
