@@ -39,7 +39,7 @@ from exporter.engine.fetch import FetchError, decode_and_parse, fetch_body
 from exporter.engine.parse import Samples
 from exporter.redaction import redact_text, redact_url
 from exporter.server import STATUS_ROUTE
-from exporter.signals import advice, kvpool, timing
+from exporter.signals import advice, kvpool, prefill, timing
 from exporter.signals.foresight import admission_budget
 from exporter.values import EngineSnapshot, EngineValues, HistogramValue
 
@@ -392,6 +392,12 @@ def _describe_status(data: dict[str, Any], report: Report) -> None:
                 f"{baseline}), warm share {_percent(pair.get('warm_share_window'))} over the "
                 f"last {short}."
             )
+    for caller in data.get("callers", []):
+        pairs = caller.get("pairs", [])
+        for pair in pairs:
+            line = prefill_sentence(caller.get("caller"), pair, long, len(pairs) > 1)
+            if line:
+                report.lines.append(line)
     hidden = data.get("callers_not_shown") or 0
     if hidden:
         report.lines.append(
@@ -402,6 +408,19 @@ def _describe_status(data: dict[str, Any], report: Report) -> None:
     for item in data.get("problems", []):
         if item.get("pages"):
             report.paging.append(f"{item.get('alert')}: {item.get('sentence')}")
+
+
+def prefill_sentence(caller: object, pair: dict[str, Any], long: str, name_model: bool) -> str:
+    """What the cache saved a pair and evictions cost it over the long window, in its model's
+    prefill time (signals/prefill.py; the page's figures); "" without a measured rate."""
+    saved, lost = pair.get("prefill_seconds_saved"), pair.get("prefill_seconds_lost")
+    if not isinstance(saved, int | float):
+        return ""
+    who = f"{caller} on {pair.get('model')}" if name_model else f"{caller}"
+    line = f"{who}: over the last {long} the cache saved it {prefill.minutes(saved)} of prefill"
+    if isinstance(lost, int | float):
+        return f"{line}; evictions cost it {prefill.minutes(lost)}."
+    return f"{line} (what evictions cost it is counted under __other__, not per caller)."
 
 
 def _percent(value: object) -> str:

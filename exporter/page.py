@@ -15,7 +15,7 @@ import html
 import time
 from collections.abc import Iterable, Sequence
 
-from exporter.signals import advice
+from exporter.signals import advice, prefill
 from exporter.signals.status import CallerView, EngineView, Item, RowView, Status
 
 REFRESH_SECONDS = 10
@@ -301,6 +301,16 @@ def _caller(view: CallerView, status: Status) -> str:
             for pair in view.pairs
         ),
         _pair(f"warm share, last {short}", _pct(view.warm_share_window), "warm-share-window"),
+        *(
+            _pair(
+                f"prefill saved / lost to evictions, last {long}"
+                + (f" ({pair.model})" if len(view.pairs) > 1 else ""),
+                f"{_prefill(pair.prefill_seconds_saved)} / {_prefill(pair.prefill_seconds_lost)}"
+                " (at the model's measured prefill rate)",
+                f"prefill-{pair.model}" if len(view.pairs) > 1 else "prefill",
+            )
+            for pair in view.pairs
+        ),
         _pair(
             "warm / partial / cold",
             f'<span class="warm" data-field="warm">'
@@ -386,6 +396,10 @@ def _sparkline(points: Sequence[float | None], label: str, long: str) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else advice.percent(value)
+
+
+def _prefill(value: float | None) -> str:
+    return prefill.minutes(value)
 
 
 def _secs(value: float | None) -> str:

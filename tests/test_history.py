@@ -128,6 +128,7 @@ def test_memory_at_the_worst_case_is_what_the_docs_say():
     )
     assert len(history.callers) == pairs
     per_pair = used / pairs
+    print(f"{per_pair:.0f} bytes per pair")
     assert 30_000 < per_pair < 42_000, per_pair  # "about 38 KB per pair"
     assert used < 7 * 1024 * 1024, used
 
@@ -194,3 +195,28 @@ def test_a_clock_far_out_ends_every_loop():
         assert timeline is not None
         assert len(timeline.baseline.times) <= BASELINE_SAMPLES + 1
         assert state.caller_totals()["a"][FIELD["prompt_tokens"] - 1] == 5000
+
+
+def test_a_model_s_timeline_is_bounded_and_keeps_no_ratios():
+    """The models' timelines (computed prompt tokens and prefill seconds per model_name, for
+    the prefill time saved and lost) keep the long window's samples and no baseline: about
+    15 KB each (docs/limits.md)."""
+    models = 10
+    tracemalloc.start()
+    try:
+        history = History(max_callers=1)
+        for step in range(SAMPLES + 40):
+            history.record(
+                T0 + step * SLOT_SECONDS,
+                {},
+                {},
+                {},
+                {f"model-{index}": [float(step), float(step)] for index in range(models)},
+            )
+        used, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(history.models) == models
+    assert all(len(timeline.samples) == SAMPLES for timeline in history.models.values())
+    assert all(not timeline.baseline.times for timeline in history.models.values())
+    assert used / models < 18_000, used / models

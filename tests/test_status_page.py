@@ -444,3 +444,53 @@ def test_past_the_detailed_callers_the_page_says_where_the_others_are():
     html = page.render(found, "test")
     assert 'id="callers-not-shown">7 more callers' in html
     assert found.as_json()["callers_not_shown"] == 7
+
+
+def test_prefill_time_saved_and_lost_on_the_page_in_check_and_in_json():
+    """Issue 35: each pair's prefill seconds saved and lost to evictions over the long window,
+    at its model's measured prefill rate (signals/prefill.py), in the page's model and JSON,
+    its card, and check --exporter.url's sentence, which reads that JSON."""
+    from exporter.check import Report, _describe_status
+    from exporter.signals import prefill
+
+    replay = replay_scenario(
+        "two-agents-collapse", TARGET, Config(vllm_url=(TARGET,), usage_new_series_hold=0)
+    )
+    found = replay.status(900)
+    views = {view.caller: view for view in found.callers}
+    a = views["agent-a"].pairs[0]
+    assert a.prefill_seconds_saved is not None and a.prefill_seconds_saved > 0
+    assert a.prefill_seconds_lost is not None and a.prefill_seconds_lost > 60
+    data = found.as_json()
+    pair = data["callers"][0]["pairs"][0]
+    assert pair["prefill_seconds_saved"] == a.prefill_seconds_saved
+    assert pair["prefill_seconds_lost"] == a.prefill_seconds_lost
+    report = Report("exporter")
+    _describe_status(data, report)
+    assert (
+        f"agent-a: over the last 1 h the cache saved it {prefill.minutes(a.prefill_seconds_saved)}"
+        f" of prefill; evictions cost it {prefill.minutes(a.prefill_seconds_lost)}."
+    ) in report.lines, report.lines
+    html = page.render(found, "test")
+    assert (
+        f'data-field="prefill">{prefill.minutes(a.prefill_seconds_saved)} / '
+        f"{prefill.minutes(a.prefill_seconds_lost)}"
+    ) in html
+
+
+def test_prefill_time_is_none_without_a_measured_prefill_rate():
+    """No vLLM read (or none timing its prefill): no rate, so neither figure, never a 0; and
+    check says nothing of them."""
+    from exporter.check import Report, _describe_status
+    from exporter.values import UsageEvent
+    from exporter.wiring import signals_state
+
+    now = 1_800_000_000.0
+    state = signals_state(Config(), clock=lambda: now)
+    state.usage.record(UsageEvent("agent-a", "m", 4096, 2048), "http")
+    found = status.build(state.engine, state.usage, now, collapse_rule())
+    (pair,) = found.callers[0].pairs
+    assert pair.prefill_seconds_saved is None and pair.prefill_seconds_lost is None
+    report = Report("exporter")
+    _describe_status(found.as_json(), report)
+    assert not any("of prefill" in line for line in report.lines)

@@ -25,8 +25,8 @@ from rich.text import Text
 
 from exporter.engine.parse import Samples
 from exporter.monitoring.config import MonitoringConfig
-from exporter.signals import advice
-from exporter.signals.status import Status
+from exporter.signals import advice, prefill
+from exporter.signals.status import CallerView, Status
 
 STATES = ("warm", "partial", "cold", "short", "unknown", "error")
 
@@ -165,6 +165,10 @@ class CallerRow:
     ttft_warm_p50: float | None
     ttft_cold_p50: float | None
     ttft_window_p50: float | None  # every timed turn over the window
+    # the status page's prefill seconds saved and lost to evictions over the long window
+    # (one model: the pair's; signals/prefill.py)
+    prefill_saved: float | None = None
+    prefill_lost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,7 @@ class DemoView:
                     stats.ttft_p50("warm"),
                     stats.ttft_p50("cold"),
                     _window_ttft_p50(stats, before),
+                    *_prefill(page),
                 )
             )
         evicted = None if now.evicted is None else int(now.evicted - (first.evicted or 0.0))
@@ -306,6 +311,7 @@ class DemoView:
         summary = summary or self.summary()
         lines = [f"[{_clock(self.scenario_seconds)} scenario time] {self.title}"]
         window = _window(self.window_seconds)
+        long = advice.duration(self.status.long_seconds) if self.status else "-"
         for row in summary.rows:
             lines.append(
                 f"  {row.caller}: {row.requests} req, hit ratio {_pct(row.ratio_window)} over "
@@ -314,6 +320,12 @@ class DemoView:
                 f"{row.warm}/{row.partial}/{row.cold}, TTFT p50 {_secs(row.ttft_window_p50)} "
                 f"over the last {window} (since start: warm {_secs(row.ttft_warm_p50)}, cold "
                 f"{_secs(row.ttft_cold_p50)})"
+                + (
+                    f", prefill saved {prefill.minutes(row.prefill_saved)} / lost to "
+                    f"evictions {prefill.minutes(row.prefill_lost)} over the last {long}"
+                    if row.prefill_saved is not None
+                    else ""
+                )
             )
         lines.append(
             f"  engine: KV {_tokens(summary.kv_used_tokens)}/{_tokens(summary.kv_pool_tokens)}"
@@ -336,7 +348,8 @@ class DemoView:
             box=box.SIMPLE_HEAD,
             padding=(0, 1),
             title=f"Per caller, from /metrics (now: the last {window}; TTFT p50, "
-            "warm and cold since start; scenario time)",
+            "warm and cold since start; prefill saved/lost to evictions over the long "
+            "window, the status page's; scenario time)",
             title_justify="left",
         )
         table.add_column("caller", no_wrap=True, overflow="ellipsis", min_width=8)
@@ -349,6 +362,7 @@ class DemoView:
             ("TTFT now", 8),
             ("warm", 5),
             ("cold", 5),
+            ("saved/lost", 10),
         ):
             table.add_column(column, justify="right", no_wrap=True, min_width=width)
         for row in summary.rows:
@@ -369,9 +383,10 @@ class DemoView:
                 _secs(row.ttft_window_p50),
                 _secs(row.ttft_warm_p50),
                 _secs(row.ttft_cold_p50),
+                f"{prefill.minutes(row.prefill_saved)}/{prefill.minutes(row.prefill_lost)}",
             )
         if not summary.rows:
-            table.add_row("(no requests yet)", "", "", "", "", "", "", "", "")
+            table.add_row("(no requests yet)", "", "", "", "", "", "", "", "", "")
         engine = Text()
         engine.append("KV used/pool ")
         engine.append(
@@ -404,6 +419,14 @@ class DemoView:
             parts.append(Text(f"! {warning}", style="bold yellow"))
         parts.append(Text("Ctrl-C to stop", style="dim"))
         return Group(*parts)
+
+
+def _prefill(page: CallerView | None) -> tuple[float | None, float | None]:
+    """The page's prefill seconds saved and lost of a caller on one model (a figure is per
+    pair), else none."""
+    if page is None or len(page.pairs) != 1:
+        return None, None
+    return page.pairs[0].prefill_seconds_saved, page.pairs[0].prefill_seconds_lost
 
 
 def _evictions(summary: Summary) -> str:

@@ -16,11 +16,11 @@ first sample at or after it (``Timeline.at``); the long-window ratios of the ins
 are known as well and filled in with the next sample.
 
 Bounded whatever the traffic: at most ``Windows.samples`` samples per key (121 by default),
-one key per (caller, model) pair the series budget admits (``max_callers``) and per vLLM
-target, and at most ``BASELINE_SAMPLES`` long-window ratios per key. A sample is an
-``array("d")`` of ``CALLER_FIELDS`` doubles: about 290 bytes with its share of the deque, and a
-ratio 12 bytes, so about 38 KB per pair (docs/limits.md; tests/test_history.py fills it and
-measures).
+one key per (caller, model) pair the series budget admits (``max_callers``), per vLLM
+target and per model_name the targets serve, and at most ``BASELINE_SAMPLES`` long-window
+ratios per caller or target key. A sample is an ``array("d")`` of ``CALLER_FIELDS`` doubles:
+about 300 bytes with its share of the deque, and a ratio 12 bytes, so about 38 KB per pair
+(docs/limits.md; tests/test_history.py fills it and measures).
 
 Pure: times are handed in; nothing here reads a clock.
 """
@@ -69,11 +69,19 @@ CALLER_FIELDS = (
     "ttft_proxy_warm_count",
     "ttft_proxy_cold_sum",
     "ttft_proxy_cold_count",
+    # prompt tokens missed because their prefix had been evicted (the pair's own miss
+    # counters; 0 where it has none): the prefill time evictions cost it (signals/prefill.py)
+    "evicted_tokens",
 )
 FIELD = {name: index for index, name in enumerate(CALLER_FIELDS)}
 # The fields of a vLLM target sample.
 TARGET_FIELDS = ("time", "preemptions", "queries", "hits")
 TARGET_FIELD = {name: index for index, name in enumerate(TARGET_FIELDS)}
+# The fields of a model's sample (per vLLM ``model_name``, summed over the targets serving
+# it): the prompt tokens its engines computed (prompt less prompt_tokens_cached, of the rows
+# that have both) and the seconds their requests spent in prefill (signals/prefill.py).
+MODEL_FIELDS = ("time", "computed_prompt_tokens", "prefill_seconds")
+MODEL_FIELD = {name: index for index, name in enumerate(MODEL_FIELDS)}
 
 
 @dataclass(frozen=True)
@@ -201,14 +209,16 @@ TARGET_RATIO = (TARGET_FIELD["hits"], TARGET_FIELD["queries"])
 
 
 class History:
-    """Timelines of every (caller, model) pair and every vLLM target, sampled at slot
-    boundaries, each with its long-window ratios over the baseline window."""
+    """Timelines of every (caller, model) pair, every vLLM target and every model_name the
+    targets serve, sampled at slot boundaries; the pairs' and targets' with their long-window
+    ratios over the baseline window."""
 
     def __init__(self, max_callers: int, windows: Windows = DEFAULT_WINDOWS) -> None:
         self.max_callers = max(1, max_callers)
         self.windows = windows
         self.callers: dict[Any, Timeline] = {}
         self.targets: dict[Any, Timeline] = {}
+        self.models: dict[Any, Timeline] = {}
         self.next_due = -sys.float_info.max  # the first sample is due at once
 
     def due(self, now: float) -> bool:
@@ -221,9 +231,11 @@ class History:
         callers: Mapping[Any, Sequence[float]],
         targets: Mapping[Any, Sequence[float]],
         first_seen: Mapping[Any, float],
+        models: Mapping[Any, Sequence[float]] | None = None,
     ) -> None:
         """Store the totals as they stood at the last boundary before ``now`` (each sequence
-        without its time field, in ``CALLER_FIELDS`` / ``TARGET_FIELDS`` order)."""
+        without its time field, in ``CALLER_FIELDS`` / ``TARGET_FIELDS`` / ``MODEL_FIELDS``
+        order)."""
         windows = self.windows
         boundary = slot_start(now, windows.slot_seconds)
         if not math.isfinite(boundary):  # a clock at the float's edge rounds past it
@@ -234,6 +246,8 @@ class History:
             self.callers, callers, boundary, cutoff, first_seen, self.max_callers, CALLER_RATIO
         )
         self._store(self.targets, targets, boundary, cutoff, {}, len(targets), TARGET_RATIO)
+        models = models or {}
+        self._store(self.models, models, boundary, cutoff, {}, len(models), None)
 
     def _store(
         self,
@@ -243,7 +257,7 @@ class History:
         cutoff: float,
         first_seen: Mapping[Any, float],
         limit: int,
-        fields: tuple[int, int],
+        fields: tuple[int, int] | None,
     ) -> None:
         samples = self.windows.samples
         for key, values in totals.items():
@@ -253,7 +267,8 @@ class History:
             else:  # most recently sampled last, so the bound lets go of the stalest
                 timelines[key] = timelines.pop(key)
             sample = array("d", (boundary, *values))
-            self._ratios(timeline, sample, fields)
+            if fields is not None:
+                self._ratios(timeline, sample, fields)
             timeline.append(sample)
             timeline.forget_before(cutoff)
         while len(timelines) > limit:
@@ -300,6 +315,9 @@ class History:
 
     def target(self, name: Hashable) -> Timeline | None:
         return self.targets.get(name)
+
+    def model(self, name: Hashable) -> Timeline | None:
+        return self.models.get(name)
 
     def baseline(self, timeline: Timeline | None, now: float, q: float) -> float | None:
         """The q-quantile of the key's long-window ratios over the baseline window."""

@@ -32,12 +32,13 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from exporter.signals import advice, foresight, timing
+from exporter.signals import advice, foresight, prefill, timing
 from exporter.signals.callers import OTHER
 from exporter.signals.classify import STATES
 from exporter.signals.engine import EngineState, TargetState
 from exporter.signals.history import (
     FIELD,
+    MODEL_FIELD,
     SHORT_SLOTS,
     TARGET_FIELD,
     Timeline,
@@ -116,6 +117,12 @@ class PairView:
     warm_share_window: float | None  # caller_model:vllm_cache_warm_request_share:rate5m
     prompt_tokens_per_second: float | None  # caller_model:vllm_cache_prompt_tokens:rate5m
     collapse: advice.Collapse | None
+    # seconds of its model's prefill the cache saved it, and evictions cost it, over the long
+    # window (signals/prefill.py): caller_model:vllm_cache_prefill_seconds_saved:rate1h and
+    # ..._lost:rate1h times the window. None without a measured prefill rate; lost None too
+    # for a caller without its own miss counters (its misses are __other__'s).
+    prefill_seconds_saved: float | None = None
+    prefill_seconds_lost: float | None = None
 
 
 @dataclass(frozen=True)
@@ -490,6 +497,7 @@ def _callers(
             continue  # only the costly families of callers outside the detailed set
         pairs.setdefault(pair[0], []).append(pair)
     medians = _ttft_medians(usage)
+    rates = _prefill_rates(usage, now)
     prompt, cached = FIELD["prompt_tokens"], FIELD["cached_tokens"]
     unreported: list[str] = []
     collapses: list[advice.Collapse] = []
@@ -499,7 +507,7 @@ def _callers(
             timeline = usage.history.caller(key)
             slots = Slots(timeline, [now, *totals[key]], now, usage.history.windows)
             parts.append(slots)
-            view = _pair(key, slots, usage, status, rule, all_caching_off)
+            view = _pair(key, slots, usage, status, rule, all_caching_off, rates.get(key[1]))
             views.append(view)
             if view.collapse is not None:
                 collapses.append(view.collapse)
@@ -563,6 +571,7 @@ def _pair(
     status: Status,
     rule: CollapseRule,
     all_caching_off: bool,
+    prefill_rate: float | None = None,
 ) -> PairView:
     """One pair's figures over the alerts' windows, and its collapse when the alert's
     condition holds (never where every engine has prefix caching off: there was no cache)."""
@@ -585,6 +594,8 @@ def _pair(
             status.baseline_seconds,
         )
     seconds = slots.window_seconds()
+    series = usage.series.get(key)
+    has_misses = series is not None and series.miss is not None
     return PairView(
         key[1],
         ratio_now,
@@ -593,7 +604,23 @@ def _pair(
         _warm_share(slots),
         slots.window(prompt) / seconds if seconds > 0 else None,
         collapse,
+        prefill.seconds(slots.long(cached), prefill_rate),
+        prefill.seconds(slots.long(FIELD["evicted_tokens"]), prefill_rate) if has_misses else None,
     )
+
+
+def _prefill_rates(usage: UsageState, now: float) -> dict[str, float | None]:
+    """Each model_name's measured prefill rate over the long window (``prefill.rate``), read
+    from the history at the same slot boundaries as the pairs' long-window figures. A pair's
+    model label matches the model_name as the rules join them: the same string."""
+    rates: dict[str, float | None] = {}
+    for model_name, totals in usage.model_totals().items():
+        slots = Slots(usage.history.model(model_name), [now, *totals], now, usage.history.windows)
+        rates[model_name] = prefill.rate(
+            slots.long(MODEL_FIELD["computed_prompt_tokens"]),
+            slots.long(MODEL_FIELD["prefill_seconds"]),
+        )
+    return rates
 
 
 def _warm_share(slots: Slots) -> float | None:

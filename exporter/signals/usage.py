@@ -36,6 +36,7 @@ from exporter.signals.classify import (
     CAUSES,
     COLD,
     ERROR,
+    EVICTED,
     GRANULE,
     STATES,
     WARM,
@@ -53,6 +54,9 @@ from exporter.values import (
     PREEMPTIONS,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
+    PROMPT_TOKENS,
+    PROMPT_TOKENS_CACHED,
+    REQUEST_PREFILL_TIME,
     CacheConfig,
     PromptPrint,
     RecentKeys,
@@ -188,6 +192,7 @@ HISTORY_MODELS = 3
 # count; a row has no time field).
 _ENGINE_TTFT = FIELD["ttft_engine_warm_sum"] - 1
 _PROXY_TTFT = FIELD["ttft_proxy_warm_sum"] - 1
+_EVICTED = FIELD["evicted_tokens"] - 1
 
 SOURCE_CONFIGURED = "configured"
 SOURCE_LEARNED = "learned"
@@ -1050,6 +1055,8 @@ class UsageState:
                     if hist is not None:
                         row[at] += hist.total
                         row[at + 1] += sum(hist.counts)
+            if series.miss is not None:
+                row[_EVICTED] = series.miss.tokens[EVICTED]
         return totals
 
     def caller_totals(self) -> dict[str, list[float]]:
@@ -1086,7 +1093,9 @@ class UsageState:
     def sample_history(self, now: float) -> None:
         """Keep the totals as they stand, as those at the last slot boundary (the caller
         makes sure nothing changed since it: see signals/history.py)."""
-        self.history.record(now, self.pair_totals(), self.target_totals(), self.first_seen())
+        self.history.record(
+            now, self.pair_totals(), self.target_totals(), self.first_seen(), self.model_totals()
+        )
 
     def target_totals(self) -> dict[str, list[float]]:
         """Per vLLM target (as shown): preemptions, prefix-cache queries and hits, summed
@@ -1101,6 +1110,30 @@ class UsageState:
                 row[0] += counters.get(PREEMPTIONS, 0.0)
                 row[1] += counters.get(PREFIX_CACHE_QUERIES, 0.0)
                 row[2] += counters.get(PREFIX_CACHE_HITS, 0.0)
+        return totals
+
+    def model_totals(self) -> dict[str, list[float]]:
+        """Per vLLM model_name, summed over the targets' engines serving it: the prompt
+        tokens they computed (prompt tokens less prompt_tokens_cached, of the engines that
+        report both) and the seconds their requests spent in prefill (the prefill-time
+        histogram's sum), in ``history.MODEL_FIELDS`` order without the time: the model's
+        measured prefill rate (signals/prefill.py), as the rules sum it."""
+        totals: dict[str, list[float]] = {}
+        if self.engine is None:
+            return totals
+        for target in self.engine.targets.values():
+            for engine_row in target.rows:
+                counters = engine_row.counters
+                prompt = counters.get(PROMPT_TOKENS)
+                cached = counters.get(PROMPT_TOKENS_CACHED)
+                prefill = engine_row.histograms.get(REQUEST_PREFILL_TIME)
+                if prefill is None and (prompt is None or cached is None):
+                    continue
+                row = totals.setdefault(engine_row.model_name, [0.0, 0.0])
+                if prompt is not None and cached is not None:
+                    row[0] += prompt - cached
+                if prefill is not None:
+                    row[1] += prefill.sum
         return totals
 
     # ---- what Prometheus may see ----------------------------------------------------------

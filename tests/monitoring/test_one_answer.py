@@ -1,7 +1,8 @@
 """One question, one answer (issue 30): the status page's model, ``check --exporter.url`` and
-a real Prometheus evaluating the shipped rules say the same hit ratio, baseline, warm share
-and TTFT of a caller at the same moment, through report 000's collapse; and ``check`` exits
-3 exactly while the VllmCachePrefixCollapse alert's expression is true.
+a real Prometheus evaluating the shipped rules say the same hit ratio, baseline, warm share,
+TTFT and prefill time saved and lost to evictions (issue 35) of a caller at the same moment,
+through report 000's collapse; and ``check`` exits 3 exactly while the
+VllmCachePrefixCollapse alert's expression is true.
 
 The processes are a user's: ``simulate`` (the collapse scenario at 20x), ``run`` given the
 monitoring config the rules were generated from (``--monitoring.config-file``), ``drive``,
@@ -74,6 +75,11 @@ POINT = 0.01
 # earlier here, two minutes by default), the page the ratio ending at the instant: on a ratio
 # that climbs within seconds of a new caller's start, a difference of window.
 BASELINE_POINTS = 0.02
+# The prefill seconds saved and lost agree to this share of the figure: the ratios' point.
+PREFILL_SHARE = POINT
+LONG_SECONDS = 120.0  # WINDOWS' long_window
+SCRAPE_SECONDS = 1.0  # the scrape interval (prometheus_config)
+EXTRAPOLATION = 1.1  # rate() extrapolates by up to 1.1 average scrape intervals
 COLLAPSE_HELD = 25.0  # seconds of collapse sampled after the alert's expression first holds
 DEADLINE = 150.0  # from the driver's start
 
@@ -281,6 +287,20 @@ async def test_the_page_check_and_prometheus_say_the_same_through_a_collapse(
                 ("warm_share_window", names.caller_warm_share[names.short]),
             )
         }
+        # prefill seconds saved and lost: recorded per second over the long window, the
+        # page's over the window (signals/prefill.py), so the recorded ones times the window
+        prefill = {
+            key: [
+                (t, v * LONG_SECONDS)
+                for t, v in await query_range(
+                    session, addr["prometheus"], f'{expr}{{caller="{CALLER}"}}', start, end
+                )
+            ]
+            for key, expr in (
+                ("prefill_seconds_saved", names.caller_prefill_saved),
+                ("prefill_seconds_lost", names.caller_prefill_lost),
+            )
+        }
         # Prometheus records no mean TTFT; the page's (it says so) is this, over the window
         ttft = await query_range(
             session,
@@ -328,6 +348,49 @@ async def test_the_page_check_and_prometheus_say_the_same_through_a_collapse(
             and sample.caller.get("ttft_window_source") == "engine"
         ):
             assert within(ttft, sample.at, mean, 0.05 * mean) is not False, (sample.at, mean)
+    # Prefill seconds saved and lost (signals/prefill.py against the recorded series times
+    # the window), as the ratios are compared: the page's value within the range the recorded
+    # one took around the same moment, with the ratios' point as a share of the figure
+    # (seconds are not bounded by 1). Two differences are the figure's, not the definition's,
+    # and are allowed for: (1) vLLM counts a turn's prompt tokens at its first token and its
+    # prefill time when it finishes, so for the length of a decode the model's rate reads high
+    # and the figures dip; the page and Prometheus catch those dips at different instants, so
+    # the page's value is compared where it is steady (its neighbours' within PREFILL_SHARE);
+    # (2) rate() extrapolates the caller's counters, younger than the window here, by up to
+    # 1.1 scrape intervals over their age, and the engine's (older) differently: the recorded
+    # figure reads up to that share high until the caller is older than the window. Compared
+    # often enough that it cannot pass vacuously, and lost positive during the collapse.
+    prefill_compared = dict.fromkeys(prefill, 0)
+    lost_during_collapse = 0
+    for index in range(1, len(samples) - 1):
+        sample = samples[index]
+        if sample.at < settled:
+            continue
+        age = min(LONG_SECONDS, sample.at - samples[0].at)
+        share = PREFILL_SHARE + EXTRAPOLATION * SCRAPE_SECONDS / age
+        for key, points in prefill.items():
+            value = sample.pair.get(key)
+            neighbours = [samples[index + step].pair.get(key) for step in (-1, 1)]
+            if value is None or any(
+                other is None or abs(other - value) > PREFILL_SHARE * value + 0.01
+                for other in neighbours
+            ):
+                continue
+            near = [v for t, v in points if abs(t - sample.at) <= SLACK and math.isfinite(v)]
+            if len(near) < 2 * SLACK:
+                continue
+            prefill_compared[key] += 1
+            low, high = min(near) * (1 - share) - 0.01, max(near) * (1 + share) + 0.01
+            assert low <= value <= high, (key, sample.at - samples[0].at, value, near)
+            if key == "prefill_seconds_lost" and sample.pair["collapse"] and value > 0:
+                lost_during_collapse += 1
+    print(
+        f"prefill seconds compared: {prefill_compared}, lost during the collapse: "
+        f"{lost_during_collapse}"
+    )
+    assert all(count >= 10 for count in prefill_compared.values()), prefill_compared
+    assert lost_during_collapse >= 3, lost_during_collapse
+
     # Steady stretches, where the two must agree to the point: the baseline before and during
     # the collapse; the ratio and warm share during it (before it, agent-a's 4 scenario
     # minutes alone are 12 s here, and its window is still filling: climbing, never steady).
@@ -339,6 +402,10 @@ async def test_the_page_check_and_prometheus_say_the_same_through_a_collapse(
     # --- expression is true -----------------------------------------------------------------
     true_at = {round(t) for t, _value in alert_true}
     decided = {"paging": 0, "quiet": 0}
+    said_prefill = sum(
+        f"{CALLER}: over the last 2 min the cache saved it " in run.text for run in checks
+    )
+    assert said_prefill >= 2, [run.text for run in checks[-2:]]
     for run in checks:
         found = CHECK_LINE.search(run.text)
         if found is None:
