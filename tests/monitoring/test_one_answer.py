@@ -75,6 +75,10 @@ POINT = 0.01
 # earlier here, two minutes by default), the page the ratio ending at the instant: on a ratio
 # that climbs within seconds of a new caller's start, a difference of window.
 BASELINE_POINTS = 0.02
+# Within the caller's first long window the quantile is of a few instants of a ratio still
+# climbing (20 at 43 s), so that one-evaluation offset moves it more: 0.022 in one of two
+# runs on the 2-core machine (0.8129 on the page, 0.8353 recorded, 43 s in).
+BASELINE_POINTS_YOUNG = 0.04
 # The prefill seconds saved and lost agree to this share of the figure: the ratios' point.
 PREFILL_SHARE = POINT
 LONG_SECONDS = 120.0  # WINDOWS' long_window
@@ -327,7 +331,10 @@ async def test_the_page_check_and_prometheus_say_the_same_through_a_collapse(
             if sample.at < settled and key != "baseline":
                 continue
             value = sample.pair.get(key)
-            slack = BASELINE_POINTS if key == "baseline" else POINT
+            slack = POINT
+            if key == "baseline":
+                young = sample.at - samples[0].at < LONG_SECONDS
+                slack = BASELINE_POINTS_YOUNG if young else BASELINE_POINTS
             agrees = None if value is None else within(points, sample.at, value, slack)
             if agrees is None:
                 continue
@@ -412,9 +419,10 @@ async def test_the_page_check_and_prometheus_say_the_same_through_a_collapse(
             assert "agent-a" not in run.text or " on " not in run.text, run.text
             continue
         middle = (run.start + run.end) / 2
+        young = middle - samples[0].at < LONG_SECONDS
         for key, group, slack in (
             ("ratio_window", "ratio", POINT),
-            ("baseline", "baseline", BASELINE_POINTS),
+            ("baseline", "baseline", BASELINE_POINTS_YOUNG if young else BASELINE_POINTS),
         ):
             if found[group] != "-" and (middle >= settled or key == "baseline"):
                 shown = float(found[group]) / 100
