@@ -217,7 +217,7 @@ class ConversationTracker:
         model label), the oldest out past the bound (``now`` decides what was still live).
         ``recalled``: it was dropped by the bound while recent (``recall``), so it is a
         conversation already, and counts as one. ``target``: the engine target that served
-        the turn (``UsageState.engine_target``), None when not known."""
+        the turn (a backend this exporter reads, ``UsageState._record``), None when not known."""
         prompt_tokens = event.prompt_tokens
         completion = event.completion_tokens
         context_tokens = prompt_tokens + completion if completion else prompt_tokens

@@ -531,6 +531,8 @@ class UsageState:
         check_history = self.conversations.check_history
         observe = self._observe
         seen = self.event_ids.seen
+        backends_get = self._backends.get
+        engine_labels = self._engine_label_set
         other = self._other
         caching_off = self._caching_off
         caching_off_by_model: dict[str, bool] = {}
@@ -605,35 +607,34 @@ class UsageState:
                 series.followups += 1
                 if state == COLD:
                     series.followups_cold += 1
+            backend = event.backend
+            resolved = None
+            if backend is not None:
+                resolved = backends_get(backend) or self._resolve_backend(backend)
             if cached is None:
                 series.unreported_prompt_tokens += prompt_tokens
             else:
                 series.prompt_tokens += prompt_tokens
                 series.cached_tokens += cached
-                if event.backend is not None:
-                    self._count_target(series, event.backend, prompt_tokens, cached)
+                if resolved is not None:
+                    self._count_target(series, resolved, prompt_tokens, cached)
             observe(detail, state, event, reader, model)
-            backend = event.backend
-            keep(
-                key,
-                conversation,
-                event,
-                model,
-                now,
-                recalled,
-                None if backend is None else self.engine_target(backend),
-            )
+            # the engine target read here that served the turn: where its context now lives
+            served_by = None
+            if resolved is not None and resolved[0] in engine_labels:
+                served_by = resolved[0]
+            keep(key, conversation, event, model, now, recalled, served_by)
         if duplicates:
             self.reject(reader, "duplicate", duplicates)
         return self._counted(reader, len(events) - duplicates, now, state), duplicates
 
-    def _count_target(self, series: Series, backend: str, prompt_tokens: int, cached: int) -> None:
-        """Count a reported event's tokens on the vLLM target that served it, in the pair's
-        entry for that target; a new entry is charged TARGET_SERIES while the budget has
-        room, else the tokens go to __other__'s entry (of the pair's model) for the target."""
-        resolved = self._backends.get(backend)
-        if resolved is None:
-            resolved = self._resolve_backend(backend)
+    def _count_target(
+        self, series: Series, resolved: tuple[str, bool], prompt_tokens: int, cached: int
+    ) -> None:
+        """Count a reported event's tokens on the vLLM target that served it (its backend
+        ``_resolve_backend``d: label, overflowed), in the pair's entry for that target; a new
+        entry is charged TARGET_SERIES while the budget has room, else the tokens go to
+        __other__'s entry (of the pair's model) for the target."""
         label, overflowed = resolved
         if overflowed:
             self.targets_overflowed += 1
@@ -647,16 +648,6 @@ class UsageState:
                 self.exposed += TARGET_SERIES
         counts.prompt_tokens += prompt_tokens
         counts.cached_tokens += cached
-
-    def engine_target(self, backend: str) -> str | None:
-        """The label of the engine target this exporter reads that served ``backend``'s
-        request (``target_label``), None for a vLLM it does not read: where the
-        conversation's context lives, whichever replicas serve its model."""
-        resolved = self._backends.get(backend)
-        if resolved is None:
-            resolved = self._resolve_backend(backend)
-        label = resolved[0]
-        return label if label in self._engine_label_set else None
 
     def target_label(self, backend: str) -> str:
         """The ``target`` label of a backend: the label of the engine target this exporter
