@@ -17,11 +17,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.transient import attempted
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 class BootstrapError(RuntimeError):
     pass
+
+
+class StepFailed(BootstrapError):
+    """A step exited non-zero (a registry's dropped connection among the causes: retried);
+    one that ran out of time is a plain BootstrapError (not retried: the budget is spent)."""
 
 
 def _run(command: list[str], log: Path, what: str, timeout: float) -> None:
@@ -34,9 +41,7 @@ def _run(command: list[str], log: Path, what: str, timeout: float) -> None:
             raise BootstrapError(f"{what} did not finish in {timeout:.0f} s; see {log}") from None
     if result.returncode != 0:
         tail = "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-40:])
-        raise BootstrapError(
-            f"{what} failed (exit {result.returncode}); last lines of {log}:\n{tail}"
-        )
+        raise StepFailed(f"{what} failed (exit {result.returncode}); last lines of {log}:\n{tail}")
 
 
 @dataclass(frozen=True)
@@ -102,18 +107,25 @@ class PinnedVenv:
         python = self.python(venv)
         if not python.exists():
             _run([sys.executable, "-m", "venv", str(venv)], log, "creating the venv", self.timeout)
-        _run(
-            [
-                str(python),
-                "-m",
-                "pip",
-                "install",
-                "--disable-pip-version-check",
-                *self.requirements,
-            ],
+        install = [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            # pip's own retries are per connection (5, 15 s); a registry slow for a minute in
+            # a download of gigabytes is waited for, and a whole install that still fails is
+            # run again (tests/transient.py): pip's cache keeps what had arrived.
+            "--retries=10",
+            "--timeout=60",
+            *self.requirements,
+        ]
+        what = f"pip install {self.requirement}"
+        attempted(
+            what,
+            lambda: _run(install, log, what, self.timeout),
             log,
-            f"pip install {self.requirement}",
-            self.timeout,
+            transient=(StepFailed,),
         )
         for arguments, what in self.then:
             _run([str(python), "-m", "pip", *arguments], log, what, self.timeout)

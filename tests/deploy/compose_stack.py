@@ -50,6 +50,7 @@ from tests.deploy.helpers import (
     resolved_compose,
 )
 from tests.deploy.stack_checks import port_in_use
+from tests.transient import attempted
 
 OVERRIDE = ROOT / "tests" / "deploy" / "compose.images.yaml"
 LEFT_OUT = {"grafana"}  # no image for it here (test_compose_up.py's docstring)
@@ -258,25 +259,39 @@ def build_images(
 ) -> None:
     """The base image, ours and the override's; ``between`` runs before each build."""
     build_log = logs / "build.log"
-    facts["base_image_seconds"] = engines.import_debian_base(engine, build_log)
+    # Both fetch from registries (Debian's mirror; PyPI in the exporter's build): a step that
+    # fails is tried again (tests/transient.py), its failures in build.log.
+    facts["base_image_seconds"] = attempted(
+        "mmdebstrap | docker import",
+        lambda: engines.import_debian_base(engine, build_log),
+        build_log,
+    )
     base = {"BASE_IMAGE": engines.BASE_IMAGE}
     ours = model()["services"]["exporter"]
     context = Path(ours["build"]["context"])
     between()
-    facts["exporter_build_seconds"] = engines.build_image(
-        engine,
-        ours["image"],
-        context / ours["build"].get("dockerfile", "Dockerfile"),
-        context,
-        base,
+    facts["exporter_build_seconds"] = attempted(
+        f"docker build -t {ours['image']}",
+        lambda: engines.build_image(
+            engine,
+            ours["image"],
+            context / ours["build"].get("dockerfile", "Dockerfile"),
+            context,
+            base,
+            build_log,
+        ),
         build_log,
     )
     empty = logs / "empty-context"
     empty.mkdir()
     for name, image in override_images().items():
         between()
-        facts[f"{name}_build_seconds"] = engines.build_image(
-            engine, image, engines.IMAGES_DIR / f"{name}.Dockerfile", empty, base, build_log
+        facts[f"{name}_build_seconds"] = attempted(
+            f"docker build -t {image}",
+            lambda name=name, image=image: engines.build_image(
+                engine, image, engines.IMAGES_DIR / f"{name}.Dockerfile", empty, base, build_log
+            ),
+            build_log,
         )
     for name, image in {
         "base": engines.BASE_IMAGE,

@@ -51,12 +51,15 @@ BASE_IMAGE = f"vllm-cache-exporter-test/debian-python3:{SUITE}"
 # are left out, as in the slim python images.
 MMDEBSTRAP_OPTIONS = (
     "--variant=minbase",
+    '--aptopt=Acquire::Retries "5"',
     "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr",
     "--dpkgopt=path-exclude=/usr/share/doc/*",
     "--dpkgopt=path-include=/usr/share/doc/*/copyright",
     "--dpkgopt=path-exclude=/usr/share/man/*",
     "--dpkgopt=path-exclude=/usr/share/locale/*",
 )
+# A Debian mirror that drops a connection is asked again (apt's default is not to).
+APT_RETRIES = ("-o", "Acquire::Retries=5")
 # Where dockerd and its containerd write outside the roots they are given: removed after the
 # run when they were not there before.
 OUTSIDE_ROOTS = (
@@ -87,8 +90,8 @@ def ensure_installed(log: Path) -> float:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     with open(log, "ab") as out:
         for command in (
-            ["apt-get", "update", "-qq"],
-            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+            ["apt-get", "update", "-qq", *APT_RETRIES],
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *APT_RETRIES, *missing],
         ):
             result = subprocess.run(
                 command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900
