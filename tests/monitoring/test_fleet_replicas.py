@@ -411,7 +411,21 @@ async def play(
     history = 'max_over_time(ALERTS{alertname="VllmCachePrefixCollapse"}[10m])'
     per_replica = await caller_target_checked(session, config, gateways)
     for store in both:
-        ever = [item["metric"] for item in await query(session, store, history)]
+
+        async def stored(store: str = store) -> tuple[bool, Any]:
+            """The firing alerts in the store's ALERTS series: vmalert's reach VictoriaMetrics
+            by remote write (flushed each second, then searchable), after its API says firing."""
+            ever = [item["metric"] for item in await query(session, store, history)]
+            states = {
+                (alert.get("caller", ""), alert["scope"], alert.get("target"), alert["alertstate"])
+                for alert in ever
+            }
+            wanted = {("", "engine", collapsed, "firing")}
+            if per_replica:
+                wanted.add(("agent-a", CALLER_TARGET_SCOPE, collapsed, "firing"))
+            return wanted <= states, ever
+
+        ever = await until(f"{store}: the firing alerts stored", stored, processes, traffic)
         seen = {(alert["scope"], alert.get("target"), alert["alertstate"]) for alert in ever}
         assert ("engine", collapsed, "firing") in seen, (store, ever)
         assert {(scope, target) for scope, target, _ in seen} <= {
